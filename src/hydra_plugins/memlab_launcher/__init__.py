@@ -1,0 +1,1 @@
+"""memlab's isolating Hydra launcher (``hydra/launcher=memlab``)."""

@@ -1,0 +1,42 @@
+"""One sweep job in its own process: ``python -m hydra_plugins.memlab_launcher.worker JOB.pkl``.
+
+Rebuilds the job's config, imports the task function by name and runs it through Hydra's
+``run_job`` (output dir, .hydra/ files, logging, callbacks), then pickles the JobReturn."""
+
+from __future__ import annotations
+
+import importlib
+import pickle
+import sys
+
+
+def main(payload_path: str) -> int:
+    from hydra.core.callbacks import Callbacks
+    from hydra.core.utils import run_job, setup_globals
+    from hydra.types import HydraContext
+    from omegaconf import OmegaConf
+
+    setup_globals()
+    with open(payload_path, "rb") as f:
+        payload = pickle.load(f)
+    config = OmegaConf.create(payload["config"])
+    module = importlib.import_module(payload["module"])
+    fn = module
+    for part in payload["qualname"].split("."):
+        fn = getattr(fn, part)
+    fn = getattr(fn, "__wrapped__", fn)
+    ctx = HydraContext(config_loader=None, callbacks=Callbacks(config))  # type: ignore[arg-type]
+    ret = run_job(hydra_context=ctx, task_function=fn, config=config,
+                  job_dir_key="hydra.sweep.dir", job_subdir_key="hydra.sweep.subdir")
+    try:
+        blob = pickle.dumps(ret)
+    except Exception as e:  # noqa: BLE001 - an unpicklable return value must not lose the job
+        ret._return_value = RuntimeError(f"unpicklable job result: {e}")  # type: ignore[attr-defined]
+        blob = pickle.dumps(ret)
+    with open(payload["result"], "wb") as f:
+        f.write(blob)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

@@ -1,0 +1,1 @@
+"""Attention backends (``attention=``): Hugging Face ``attn_implementation`` values."""

@@ -1,0 +1,50 @@
+"""What an attention backend declares, and the checks every backend shares."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+
+@dataclass(kw_only=True)
+class Attention:
+    """Shape of an attention option. Subclasses set the class-level capability flags."""
+
+    isolates_packed: ClassVar[bool] = True
+    """Keeps documents apart in a packed / padding-free row (restarting position_ids)."""
+    devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
+    dtypes: ClassVar[tuple[str, ...]] = ("float32", "bfloat16", "float16")
+    trains_on_cpu: ClassVar[bool] = True
+    package: ClassVar[str | None] = None
+
+    def implementation(self) -> str:
+        """The string passed to transformers as ``attn_implementation``."""
+        return self.name  # type: ignore[attr-defined]
+
+    def validate(self, ctx) -> list[str]:
+        from memlab._guards import missing
+
+        errors = []
+        name = self.name  # type: ignore[attr-defined]
+        dev = "cuda" if ctx.is_cuda else "cpu"
+        if dev not in self.devices:
+            errors.append(
+                f"attention={name} runs only on {'/'.join(self.devices)}, and this run is on "
+                f"{dev}; use attention=sdpa or attention=eager here"
+            )
+        elif dev == "cpu" and not self.trains_on_cpu:
+            errors.append(
+                f"attention={name} has no backward pass on CPU in this torch build; "
+                "use attention=sdpa or attention=eager for CPU training"
+            )
+        dtype = ctx.precision.compute_dtype_name()
+        if dtype not in self.dtypes:
+            errors.append(
+                f"attention={name} supports {'/'.join(self.dtypes)} but precision="
+                f"{ctx.precision.name} computes in {dtype}; use precision=bf16 or bf16_mixed"
+            )
+        if self.package and dev in self.devices:
+            err = missing(self.package, f"attention={name}")
+            if err:
+                errors.append(err)
+        return errors

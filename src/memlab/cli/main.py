@@ -1,0 +1,38 @@
+"""The ``memlab`` console script.
+
+memlab [overrides]              same as ``python -m memlab`` (train; -m to sweep)
+memlab report DIR [DIR ...]     table + plots from summaries
+memlab lengths [overrides]      token-length profile of a data config
+memlab estimate [overrides]     predicted peak memory, no GPU needed
+"""
+
+from __future__ import annotations
+
+import sys
+
+SUBCOMMANDS = {
+    "report": "memlab.cli.report",
+    "lengths": "memlab.cli.lengths",
+    "estimate": "memlab.cli.estimate",
+}
+
+
+def main(argv: list[str] | None = None) -> int | None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in SUBCOMMANDS:
+        import importlib
+
+        mod = importlib.import_module(SUBCOMMANDS[argv[0]])
+        code = mod.main(argv[1:])
+        if argv is not None and code:
+            raise SystemExit(code)
+        return code
+    from memlab.__main__ import main as hydra_main
+
+    sys.argv = [sys.argv[0], *argv]
+    hydra_main()
+    return 0
+
+
+if __name__ == "__main__":
+    main()

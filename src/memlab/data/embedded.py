@@ -1,0 +1,52 @@
+"""`data=embedded`: conversations or preference pairs generated deterministically by memlab
+(seeded; heavy-tailed lengths like real chat data: median a few hundred tokens, tail to
+several thousand). Needs no network."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from memlab.registry import register
+
+
+@register("data", "embedded")
+@dataclass(kw_only=True)
+class Embedded:
+    """Size and shape of the generated set."""
+
+    kind: Literal["auto", "chat", "text", "preference"] = "auto"
+    """auto = what the method trains on (chat for SFT, preference pairs for DPO/Reward/KTO)."""
+    n_examples: int = 2000
+    seed: int = 0
+    median_tokens: int = 300
+    max_tokens: int = 6000
+
+    def validate(self, ctx) -> list[str]:
+        errors = []
+        if self.n_examples <= 0:
+            errors.append(f"data.n_examples must be positive (got {self.n_examples})")
+        want = ctx.method.data_kinds
+        if self.kind != "auto" and self.kind not in want:
+            errors.append(
+                f"data.kind={self.kind} does not fit method={ctx.method.name}, which trains on "
+                f"{'/'.join(want)}; set data.kind=auto"
+            )
+        return errors
+
+    def load(self, ctx):
+        import datasets
+
+        from memlab.data import synthetic
+
+        kind = ctx.method.data_kinds[0] if self.kind == "auto" else self.kind
+        gen = {
+            "chat": synthetic.generate_chat,
+            "text": synthetic.generate_text,
+            "preference": synthetic.generate_preference,
+        }[kind]
+        rows = gen(
+            self.n_examples, seed=self.seed, median_tokens=self.median_tokens,
+            max_tokens=self.max_tokens,
+        )
+        return datasets.Dataset.from_list(rows)

@@ -1,0 +1,36 @@
+"""`data=hub`: any Hugging Face hub dataset (``datasets.load_dataset(path, name, split)``).
+Works offline from a warm HF cache (HF_DATASETS_OFFLINE=1) or with a local dataset script/dir."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memlab.data.base import limit
+from memlab.registry import register
+
+
+@register("data", "hub")
+@dataclass(kw_only=True)
+class Hub:
+    """Arguments of ``datasets.load_dataset``."""
+
+    path: str = "trl-lib/Capybara"
+    name: str | None = None
+    split: str = "train"
+    revision: str | None = None
+    data_dir: str | None = None
+    max_examples: int | None = None
+    """Keep only this many rows (a seeded sample when shuffle_seed is set)."""
+    shuffle_seed: int | None = None
+
+    def validate(self, ctx) -> list[str]:
+        return [] if self.path else ["data.path must name a hub dataset, e.g. trl-lib/Capybara"]
+
+    def load(self, ctx):
+        import datasets
+
+        ds = datasets.load_dataset(
+            self.path, self.name, split=self.split, revision=self.revision,
+            data_dir=self.data_dir,
+        )
+        return limit(ds, self.max_examples, self.shuffle_seed)

@@ -1,0 +1,1 @@
+"""Measurement: categorised memory peaks, throughput, the summary file."""

@@ -1,0 +1,198 @@
+"""Peak memory by category and by phase.
+
+On every device a categorised live-tensor tracker (torch's MemTracker) records, byte-exact and
+repeatably on CPU, which tensors are alive at the peak: parameters, gradients, optimizer state,
+activations (saved activations plus backward temporaries, i.e. activation gradients), other
+(buffers, inputs). On CUDA the allocator's own peaks (allocated, reserved) are recorded as well
+and are the headline number; the tracker's categories then add up to the allocator peak with
+the remainder (workspaces, rounding the tracker cannot see) counted as "other".
+
+The tracker slows each step ~3x, so only some steps run under it (``measure.memory_steps``);
+the rest are timed for throughput. Because the peak of a step grows with its batch shape,
+'auto' tracks the first two steps (optimizer state exists from step 1) and every later step
+whose batch shape is the largest so far - enough to catch the peak of the whole run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch import nn
+
+CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "other")
+
+
+def _tracker_class():
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+    class Tracker(MemTracker):
+        """MemTracker that survives PEFT models: it installs gradient hooks only on parameters
+        that require grad (the base class tries every parameter and fails on frozen ones)."""
+
+        def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+            param_memory = 0
+            for param in module.parameters():
+                winfos = self._update_and_maybe_create_winfos(param, _MemRefType.PARAM)
+                param_memory += sum(w.mem_consumed for w in winfos)
+                if param.grad is not None:
+                    self._update_and_maybe_create_winfos(param.grad, _MemRefType.GRAD)
+                if (
+                    install_grad_hooks
+                    and param.requires_grad
+                    and self._param_to_grad_hook_handles.get(param, None) is None
+                ):
+                    def hook(grad, self=self):
+                        self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
+
+                    self._param_to_grad_hook_handles[param] = (
+                        param.register_hook(hook),
+                        param.register_post_accumulate_grad_hook(lambda p: hook(p.grad)),
+                    )
+            buffer_memory = 0
+            for buf in module.buffers():
+                winfos = self._update_and_maybe_create_winfos(buf, _MemRefType.BUFFER)
+                buffer_memory += sum(w.mem_consumed for w in winfos)
+            return param_memory, buffer_memory
+
+    return Tracker
+
+
+def categorize(raw: dict[Any, int]) -> dict[str, int]:
+    """Map MemTracker's reference types onto memlab's five categories."""
+    get = {str(getattr(k, "value", k)): int(v) for k, v in raw.items()}
+    return {
+        "parameters": get.get("Parameter", 0),
+        "gradients": get.get("Gradient", 0),
+        "optimizer": get.get("Optstate", 0),
+        "activations": get.get("Activation", 0) + get.get("Temp", 0),
+        "other": get.get("Buffer", 0) + get.get("Other", 0),
+    }
+
+
+class MemoryProbe:
+    """Wraps training steps; ``phase()`` wraps forward / backward / optimizer inside a step."""
+
+    def __init__(self, device: str, enabled: bool = True):
+        self.device = torch.device(device)
+        self.enabled = enabled
+        self.is_cuda = self.device.type == "cuda"
+        self.tracker = _tracker_class()() if enabled else None
+        self._active = False
+        self._external: list[Any] = []
+        self.peak = 0
+        self.peak_snap: dict[str, int] = {}
+        self.peak_where: tuple[int, str] | None = None
+        self.phase_peak: dict[str, int] = {}
+        self.phase_snap: dict[str, dict[str, int]] = {}
+        self.cuda_peak_alloc = 0
+        self.cuda_peak_reserved = 0
+        self.cuda_phase_peak: dict[str, int] = {}
+        self.tracked_steps: list[int] = []
+        self._step = -1
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def watch(self, *objs: nn.Module | torch.optim.Optimizer | torch.Tensor | None) -> None:
+        """Modules / optimizers / tensors created outside the probe that it must count."""
+        self._external.extend(o for o in objs if o is not None)
+
+    # -------------------------------------------------------------- steps
+    @contextlib.contextmanager
+    def step(self, index: int, tracked: bool, inputs: list[torch.Tensor] = ()):
+        """One optimizer step; ``tracked`` runs it under the categorised tracker."""
+        self._step = index
+        use = tracked and self.tracker is not None
+        if use:
+            self.tracked_steps.append(index)
+            self.tracker.track_external(*self._external, *inputs)
+            self.tracker.__enter__()
+            self._active = True
+        try:
+            yield
+        finally:
+            if use:
+                self._active = False
+                self.tracker.reset_mod_stats()
+                self.tracker.__exit__(None, None, None)
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        """forward / backward / optimizer: records the peak reached inside this phase."""
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)
+            base_alloc = torch.cuda.max_memory_allocated(self.device)
+            base_res = torch.cuda.max_memory_reserved(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        t = self.tracker if self._active else None
+        dev = self.device
+        if t is not None:
+            cur = t.get_tracker_snapshot("current").get(dev, {})
+            t._peak_mem[dev] = int(cur.get("Total", 0))
+            t._peak_mem_snap[dev] = dict(cur)
+        try:
+            yield
+        finally:
+            if t is not None:
+                p = int(t._peak_mem.get(dev, 0))
+                snap = categorize(
+                    {k: v for k, v in t._peak_mem_snap.get(dev, {}).items() if k != "Total"}
+                )
+                if p > self.phase_peak.get(name, -1):
+                    self.phase_peak[name] = p
+                    self.phase_snap[name] = snap
+                if p > self.peak:
+                    self.peak, self.peak_snap = p, snap
+                    self.peak_where = (self._step, name)
+            if self.is_cuda:
+                torch.cuda.synchronize(self.device)
+                a = torch.cuda.max_memory_allocated(self.device)
+                r = torch.cuda.max_memory_reserved(self.device)
+                self.cuda_phase_peak[name] = max(self.cuda_phase_peak.get(name, 0), a)
+                self.cuda_peak_alloc = max(self.cuda_peak_alloc, a, base_alloc)
+                self.cuda_peak_reserved = max(self.cuda_peak_reserved, r, base_res)
+
+    # -------------------------------------------------------------- result
+    def result(self) -> dict[str, Any]:
+        """The ``memory`` section of summary.json."""
+        by_cat = dict(self.peak_snap) if self.peak_snap else dict.fromkeys(CATEGORIES, 0)
+        if self.is_cuda:
+            peak = self.cuda_peak_alloc
+            by_cat["other"] += max(0, peak - sum(by_cat.values()))
+            by_phase = dict(self.cuda_phase_peak)
+            source = "cuda_allocator"
+            cuda = {
+                "peak_allocated_bytes": self.cuda_peak_alloc,
+                "peak_reserved_bytes": self.cuda_peak_reserved,
+                "tracker_peak_bytes": self.peak,
+            }
+        else:
+            peak = self.peak
+            by_phase = dict(self.phase_peak)
+            source = "tracker"
+            cuda = None
+        return {
+            "device": str(self.device),
+            "source": source,
+            "peak_bytes": int(peak),
+            "by_category": {k: int(by_cat.get(k, 0)) for k in CATEGORIES},
+            "by_phase": {k: int(by_phase.get(k, 0)) for k in ("forward", "backward", "optimizer")},
+            "by_phase_category": self.phase_snap,
+            "peak_at": {"step": self.peak_where[0], "phase": self.peak_where[1]}
+            if self.peak_where
+            else None,
+            "tracked_steps": self.tracked_steps,
+            "cuda": cuda,
+        }
+
+
+def is_oom(exc: BaseException) -> bool:
+    """CUDA / CPU out-of-memory errors, whatever their class."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    msg = str(exc).lower()
+    return isinstance(exc, (RuntimeError, MemoryError)) and (
+        "out of memory" in msg or isinstance(exc, MemoryError) or "can't allocate memory" in msg
+    )

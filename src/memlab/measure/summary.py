@@ -1,0 +1,121 @@
+"""summary.json: atomic writes, flattening for loggers, the end-of-run table, environment."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import tempfile
+from pathlib import Path
+from typing import Any
+
+MiB = 1024**2
+
+
+def write_atomic(path: Path | str, obj: Any) -> None:
+    """Write JSON to a temp file in the same dir, fsync, then rename over ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=2, sort_keys=False, default=str)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with _suppress():
+            os.unlink(tmp)
+        raise
+
+
+class _suppress:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return True
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{'memory': {'peak_bytes': 1}} -> {'memory/peak_bytes': 1} (lists are left out)."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, key + "/"))
+        elif not isinstance(v, list):
+            out[key] = v
+    return out
+
+
+def versions() -> dict[str, str]:
+    import torch
+    import transformers
+
+    import memlab
+
+    out = {
+        "memlab": memlab.__version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+    }
+    for mod in ("peft", "datasets", "accelerate"):
+        try:
+            out[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001 - optional
+            pass
+    return out
+
+
+def device_info(device: str) -> dict[str, Any]:
+    import torch
+
+    if device.startswith("cuda") and torch.cuda.is_available():
+        idx = torch.device(device).index or 0
+        p = torch.cuda.get_device_properties(idx)
+        return {"type": "cuda", "name": p.name, "count": torch.cuda.device_count(),
+                "total_memory_bytes": int(p.total_memory),
+                "capability": f"{p.major}.{p.minor}"}
+    return {"type": "cpu", "name": platform.processor() or platform.machine(),
+            "count": 1, "threads": torch.get_num_threads()}
+
+
+def format_table(s: dict[str, Any]) -> str:
+    """Human-readable end-of-run table."""
+    lines = []
+    ch = s.get("choices") or {}
+    lines.append("memlab run: " + " ".join(f"{k}={v}" for k, v in ch.items()))
+    lines.append(f"status: {s.get('status')}" + (f"  ({s['error']})" if s.get("error") else ""))
+    m = s.get("memory") or {}
+    if m.get("peak_bytes") is not None:
+        lines.append(f"peak memory ({m.get('source')}, {m.get('device')}): "
+                     f"{m['peak_bytes'] / MiB:10.2f} MiB")
+        for k, v in (m.get("by_category") or {}).items():
+            share = v / m["peak_bytes"] if m["peak_bytes"] else 0.0
+            lines.append(f"  {k:<12}{v / MiB:12.2f} MiB  {share:6.1%}")
+        ph = m.get("by_phase") or {}
+        if ph:
+            lines.append("  by phase:   " + "  ".join(f"{k} {v / MiB:.2f}" for k, v in ph.items())
+                         + " MiB")
+        if m.get("cuda"):
+            lines.append(f"  cuda reserved peak: {m['cuda']['peak_reserved_bytes'] / MiB:.2f} MiB")
+    t = s.get("throughput") or {}
+    if t.get("tokens_per_s") is not None:
+        lines.append(f"throughput: {t['tokens_per_s']:.1f} tokens/s (non-padding), "
+                     f"{t.get('step_time_s', 0):.3f} s/step")
+    d = s.get("data") or {}
+    if d:
+        fill = d.get("fill_ratio")
+        lines.append(
+            f"data: {d.get('examples')} examples -> {d.get('rows')} rows, padding "
+            f"{(d.get('padding_fraction') or 0):.1%}, tokens dropped {d.get('tokens_dropped')}"
+            + (f", fill {fill:.3f}" if fill is not None else "")
+        )
+    tr = s.get("train") or {}
+    if tr.get("final_loss") is not None:
+        lines.append(f"train: {tr.get('steps')} steps, final loss {tr['final_loss']:.4f}")
+    width = max(len(x) for x in lines)
+    bar = "=" * min(width, 100)
+    return "\n".join([bar, *lines, bar])

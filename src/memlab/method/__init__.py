@@ -1,0 +1,1 @@
+"""Training methods (``method=``): what data they read, how batches look, what loss they take."""

@@ -1,0 +1,218 @@
+"""`method=sft`: supervised fine-tuning with next-token cross-entropy.
+
+Rows: conversations (``messages``) through the tokenizer's chat template, plain ``text``, or
+``prompt`` + ``completion`` (strings or messages). Loss on completion / assistant tokens only
+by default (``loss_on=all`` for every token). Order: format -> tokenize -> truncate
+(``max_length``, keep_start | keep_end; skipped when the packing strategy keeps overflow
+tokens itself) -> shifted labels per document -> (packing, by the pipeline) -> collate
+(padded, or padding-free: one flat row with restarting position_ids).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+import torch
+import torch.nn.functional as F
+
+from memlab.data.base import DataError, check_messages, check_text
+from memlab.method.base import IGNORE, Batch, DataStats, flatten_batch, pad_batch, shifted_labels
+from memlab.registry import register
+
+
+@register("method", "sft")
+@dataclass(kw_only=True)
+class SFT:
+    """SFT knobs, named as in TRL's SFTConfig where one exists."""
+
+    max_length: int | None = 1024
+    """Longest sequence (padded runs) or row capacity (packed runs). None = no limit."""
+    truncation_mode: Literal["keep_start", "keep_end"] = "keep_start"
+    loss_on: Literal["completion", "all"] = "completion"
+    """completion: assistant tokens of conversations / the completion of prompt-completion rows;
+    all: every token. Plain text always trains on all tokens."""
+    padding_free: bool | None = None
+    """Flatten each batch into one row with restarting position_ids (no padding at all).
+    None = on when packing is on, off otherwise."""
+    pad_to_multiple_of: int | None = None
+    """Round padded lengths up (tensor-core friendly shapes)."""
+    loss_impl: Literal["standard", "chunked"] = "standard"
+    """chunked: fused linear + cross-entropy over token chunks; the full [tokens, vocab] logits
+    never exist (pure PyTorch, any device)."""
+    chunk_size: int = 1024
+    """Tokens per chunk for loss_impl=chunked."""
+
+    data_kinds: ClassVar[tuple[str, ...]] = ("chat", "text")
+    head: ClassVar[str] = "causal_lm"
+    supports_packing: ClassVar[bool] = True
+    items_name: ClassVar[str] = "loss tokens"
+
+    # ------------------------------------------------------------------ validation
+    def flat(self, ctx) -> bool:
+        """Whether batches are collated padding-free."""
+        if self.padding_free is None:
+            return ctx.packing.name != "none"
+        return self.padding_free
+
+    def validate(self, ctx) -> list[str]:
+        errors = []
+        if self.max_length is not None and self.max_length < 2:
+            errors.append(f"method.max_length must be >= 2 or null (got {self.max_length})")
+        if ctx.packing.name != "none" and self.max_length is None:
+            errors.append(
+                f"packing={ctx.packing.name} needs a row capacity: set method.max_length "
+                "(e.g. method.max_length=2048)"
+            )
+        if self.flat(ctx) and not ctx.attention.isolates_packed:
+            errors.append(
+                f"method.padding_free=true puts several sequences in one row, which "
+                f"attention={ctx.attention.name} cannot keep apart; use attention=sdpa, eager "
+                "or flash_attention_2, or set method.padding_free=false"
+            )
+        if self.pad_to_multiple_of is not None and self.pad_to_multiple_of <= 0:
+            errors.append("method.pad_to_multiple_of must be a positive integer or null")
+        if self.loss_impl == "chunked":
+            if self.chunk_size <= 0:
+                errors.append("method.chunk_size must be positive")
+            targets = getattr(ctx.peft, "target_modules", None)
+            if isinstance(targets, list) and "lm_head" in targets:
+                errors.append(
+                    "method.loss_impl=chunked reads the output head's weight directly; it cannot "
+                    "train a LoRA adapter on lm_head: drop lm_head from peft.target_modules or "
+                    "use method.loss_impl=standard"
+                )
+        return errors
+
+    # ------------------------------------------------------------------ data
+    def prepare(self, ds, tokenizer, ctx) -> tuple[Any, DataStats]:
+        """format + tokenize + truncate + shifted labels, as one batched ``datasets.map``."""
+        cols = set(ds.column_names)
+        if "messages" in cols:
+            fmt = "messages"
+        elif "prompt" in cols and "completion" in cols:
+            fmt = "prompt_completion"
+        elif "text" in cols:
+            fmt = "text"
+        else:
+            raise DataError(
+                f"method=sft needs rows with 'messages', 'text', or 'prompt'+'completion'; "
+                f"this dataset has columns {sorted(cols)}"
+            )
+        truncate = self.max_length is not None and not ctx.packing.keeps_overflow
+        limit = self.max_length if truncate else None
+
+        def fn(batch: dict[str, list], idx: list[int]) -> dict[str, list]:
+            out: dict[str, list] = {"input_ids": [], "labels": [], "n_in": []}
+            for j, row in enumerate(idx):
+                ids, mask = self._encode(fmt, {k: v[j] for k, v in batch.items()}, row, tokenizer)
+                out["n_in"].append(len(ids))
+                if limit is not None and len(ids) > limit:
+                    if self.truncation_mode == "keep_start":
+                        ids, mask = ids[:limit], mask[:limit]
+                    else:
+                        ids, mask = ids[-limit:], mask[-limit:]
+                out["input_ids"].append(ids)
+                out["labels"].append(shifted_labels(ids, mask))
+            return out
+
+        key = hashlib.sha1(repr((ds._fingerprint, fmt, limit, self.truncation_mode,
+                                  self.loss_on, tokenizer.name_or_path, len(tokenizer))).encode())
+        out = ds.map(
+            fn, batched=True, batch_size=256, with_indices=True, remove_columns=ds.column_names,
+            keep_in_memory=True, new_fingerprint=key.hexdigest(), desc="tokenize",
+        )
+        n_in = out["n_in"]
+        lens = [len(x) for x in out["input_ids"]]
+        out = out.remove_columns("n_in")
+        stats = DataStats(
+            examples=len(out), rows=len(out), tokens_in=int(sum(n_in)),
+            tokens_dropped=int(sum(n_in) - sum(lens)),
+        )
+        return out, stats
+
+    def _encode(self, fmt: str, row: dict, idx: int, tok) -> tuple[list[int], list[int]]:
+        eos = tok.eos_token_id
+        train_completion = self.loss_on == "completion"
+        if fmt == "messages":
+            check_messages(row["messages"], idx, "messages")
+            enc = tok.apply_chat_template(
+                row["messages"], tokenize=True, return_dict=True,
+                return_assistant_tokens_mask=train_completion,
+            )
+            ids = list(enc["input_ids"])
+            mask = list(enc["assistant_masks"]) if train_completion else [1] * len(ids)
+            if train_completion and not any(mask):
+                raise DataError(f"row {idx}: field 'messages' has no assistant turn to train on "
+                                "(or the chat template lacks {% generation %} markers); "
+                                "set method.loss_on=all to train on every token")
+            return ids, mask
+        if fmt == "text":
+            check_text(row["text"], idx, "text")
+            ids = tok(row["text"], add_special_tokens=False)["input_ids"] + [eos]
+            return ids, [1] * len(ids)
+        prompt, completion = row["prompt"], row["completion"]
+        if isinstance(prompt, list):
+            check_messages(prompt, idx, "prompt")
+            check_messages(completion, idx, "completion")
+            p = tok.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True,
+                                        return_dict=True)["input_ids"]
+            full = tok.apply_chat_template(prompt + completion, tokenize=True,
+                                           return_dict=True)["input_ids"]
+            p, full = list(p), list(full)
+            if full[: len(p)] != p:
+                raise DataError(f"row {idx}: the chat template renders 'prompt' differently "
+                                "alone and with the completion; cannot find the completion")
+        else:
+            check_text(prompt, idx, "prompt")
+            check_text(completion, idx, "completion")
+            p = tok(prompt, add_special_tokens=False)["input_ids"]
+            full = p + tok(completion, add_special_tokens=False)["input_ids"] + [eos]
+        mask = [0] * len(p) + [1] * (len(full) - len(p)) if train_completion else [1] * len(full)
+        return full, mask
+
+    # ------------------------------------------------------------------ batches
+    def collate(self, rows: list[dict], tokenizer, ctx) -> Batch:
+        columns = {"input_ids": tokenizer.pad_token_id, "labels": IGNORE}
+        if self.flat(ctx):
+            t, real, total = flatten_batch(rows, tokenizer.pad_token_id, self.pad_to_multiple_of,
+                                           columns)
+            key = (total,)
+        else:
+            packed = "position_ids" in rows[0]
+            t, real, total = pad_batch(rows, tokenizer.pad_token_id, self.pad_to_multiple_of,
+                                       columns, with_positions=packed)
+            key = (total, t["input_ids"].shape[1])
+        n_items = int((t["labels"] != IGNORE).sum())
+        return Batch(t, num_items=n_items, real_tokens=real, total_tokens=total, size_key=key,
+                     meta={"samples": len(rows)})
+
+    # ------------------------------------------------------------------ model
+    def extra_models(self, policy, ctx, build) -> dict[str, Any]:
+        return {}
+
+    def before_training(self, models, ds, ctx) -> None:
+        return None
+
+    def loss(self, models: dict, batch: Batch, ctx) -> tuple[torch.Tensor, dict[str, float]]:
+        model = models["policy"]
+        t = batch.tensors
+        inputs = {k: t[k] for k in ("input_ids", "attention_mask", "position_ids") if k in t}
+        labels = t["labels"]
+        if self.loss_impl == "chunked":
+            from memlab.losses import chunked_linear_cross_entropy
+
+            hidden = model.get_decoder()(**inputs, use_cache=False).last_hidden_state
+            head = model.get_output_embeddings()
+            loss_sum = chunked_linear_cross_entropy(
+                hidden.reshape(-1, hidden.shape[-1]), head.weight, labels.reshape(-1),
+                bias=getattr(head, "bias", None), chunk_size=self.chunk_size, reduction="sum",
+            )
+        else:
+            logits = model(**inputs, use_cache=False).logits
+            loss_sum = F.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
+                ignore_index=IGNORE, reduction="sum",
+            )
+        return loss_sum, {}

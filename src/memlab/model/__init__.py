@@ -1,0 +1,1 @@
+"""Models (``model=``): a tiny seeded model built from a config, or any Hugging Face model."""

@@ -1,0 +1,54 @@
+"""Shared loading steps: attention + dtype at load time, the right head, use_cache off."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+Head = Literal["causal_lm", "seq_cls"]
+
+
+def auto_class(head: Head):
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    return AutoModelForCausalLM if head == "causal_lm" else AutoModelForSequenceClassification
+
+
+def finish_load(model: nn.Module, tokenizer, head: Head) -> nn.Module:
+    """Settings every loaded model gets: no KV cache in training, pad id for classification."""
+    model.config.use_cache = False
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.use_cache = False
+    if tokenizer is not None and tokenizer.pad_token_id is not None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def load_kwargs(ctx, extra: dict[str, Any]) -> dict[str, Any]:
+    """Keyword arguments for from_pretrained / from_config: attention backend and dtype."""
+    kw: dict[str, Any] = {
+        "attn_implementation": ctx.attention.implementation(),
+        "dtype": ctx.precision.torch_param_dtype(),
+    }
+    kw.update(extra)
+    return kw
+
+
+def seeded(seed: int):
+    """Context for a reproducible random init."""
+    return torch.random.fork_rng(devices=[]) if seed is None else _Seeded(seed)
+
+
+class _Seeded:
+    def __init__(self, seed: int):
+        self.seed = seed
+
+    def __enter__(self):
+        self._fork = torch.random.fork_rng(devices=[])
+        self._fork.__enter__()
+        torch.manual_seed(self.seed)
+
+    def __exit__(self, *exc):
+        return self._fork.__exit__(*exc)

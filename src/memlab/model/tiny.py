@@ -1,0 +1,87 @@
+"""`model=tiny`: a small Llama- or Qwen2-style causal LM built from a config with a seeded random
+init and the tokenizer memlab ships. Needs no network; the default for tests and smoke runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from torch import nn
+
+from memlab.model.base import Head, auto_class, finish_load, load_kwargs, seeded
+from memlab.registry import register
+
+
+@register("model", "tiny")
+@dataclass(kw_only=True)
+class Tiny:
+    """Architecture sizes of the randomly initialised model."""
+
+    arch: Literal["llama", "qwen2"] = "llama"
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    vocab_size: int | None = None
+    """None = the tokenizer's size; larger values add unused rows (to study large vocabularies)."""
+    max_position_embeddings: int = 16384
+    tie_word_embeddings: bool = False
+    tokenizer: str | None = None
+    """Tokenizer dir; None = the BPE tokenizer shipped in memlab/assets/tokenizer."""
+    seed: int | None = None
+    """Init seed; None = train.seed."""
+
+    def validate(self, ctx) -> list[str]:
+        errors = []
+        if self.hidden_size % self.num_heads:
+            errors.append(
+                f"model.hidden_size={self.hidden_size} must be divisible by "
+                f"model.num_heads={self.num_heads}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            errors.append(
+                f"model.num_heads={self.num_heads} must be a multiple of "
+                f"model.num_kv_heads={self.num_kv_heads}"
+            )
+        return errors
+
+    def load_tokenizer(self, ctx):
+        from memlab.data.assets import load_tokenizer
+
+        return load_tokenizer(self.tokenizer)
+
+    def hf_config(self, tokenizer):
+        from transformers import LlamaConfig, Qwen2Config
+
+        vocab = self.vocab_size or len(tokenizer)
+        common: dict[str, Any] = dict(
+            vocab_size=vocab,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+            max_position_embeddings=self.max_position_embeddings,
+            tie_word_embeddings=self.tie_word_embeddings,
+            pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            use_cache=False,
+            num_labels=1,
+        )
+        if self.arch == "llama":
+            return LlamaConfig(**common)
+        return Qwen2Config(**common)
+
+    def load(self, ctx, tokenizer, head: Head, extra: dict[str, Any]) -> nn.Module:
+        """Build the model with the run's attention backend and parameter dtype."""
+        if extra.get("quantization_config") is not None:
+            raise ValueError(
+                "model=tiny is built from a config and cannot be quantized at load; "
+                "use model=hf with a saved checkpoint for peft=qlora"
+            )
+        kw = load_kwargs(ctx, extra)
+        with seeded(self.seed if self.seed is not None else ctx.train.seed):
+            model = auto_class(head).from_config(self.hf_config(tokenizer), **kw)
+        return finish_load(model.to(ctx.device), tokenizer, head)

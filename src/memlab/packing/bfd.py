@@ -1,0 +1,20 @@
+"""`packing=bfd`: Best-Fit Decreasing over the whole dataset: each row filled up to max_length; a
+sequence longer than max_length is truncated first (method.truncation_mode) and loses its
+overflow tokens (counted in data.tokens_dropped)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from memlab.packing.base import Packing
+from memlab.registry import register
+
+
+@register("packing", "bfd")
+@dataclass(kw_only=True)
+class Bfd(Packing):
+    """No knobs; the row capacity is method.max_length."""
+
+    keeps_overflow: ClassVar[bool] = False
+    strategy: ClassVar[str] = "bfd"

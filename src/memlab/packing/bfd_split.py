@@ -1,0 +1,19 @@
+"""`packing=bfd_split`: long sequences are first split into chunks of at most max_length (positions
+restart in each chunk), then Best-Fit Decreasing; no token is lost."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from memlab.packing.base import Packing
+from memlab.registry import register
+
+
+@register("packing", "bfd_split")
+@dataclass(kw_only=True)
+class BfdSplit(Packing):
+    """No knobs; the row capacity is method.max_length."""
+
+    keeps_overflow: ClassVar[bool] = True
+    strategy: ClassVar[str] = "bfd_split"

@@ -1,0 +1,23 @@
+"""`packing=none`: one sequence per row; the collator pads (or, with padding_free, flattens)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from memlab.method.base import DataStats
+from memlab.registry import register
+
+
+@register("packing", "none")
+@dataclass(kw_only=True)
+class NoPacking:
+    """No knobs."""
+
+    keeps_overflow: ClassVar[bool] = False
+
+    def validate(self, ctx) -> list[str]:
+        return []
+
+    def apply(self, ds, stats: DataStats, ctx) -> tuple[Any, DataStats]:
+        return ds, stats

@@ -1,0 +1,68 @@
+"""`peft=lora`: low-rank adapters on a frozen base (Hugging Face PEFT)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from memlab.registry import register
+
+
+@register("peft", "lora")
+@dataclass(kw_only=True)
+class Lora:
+    """LoRA knobs, named as in ``peft.LoraConfig``."""
+
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.0
+    target_modules: str | list[str] = "all-linear"
+    """'all-linear' (every linear layer but the output head) or a list of module names."""
+    modules_to_save: list[str] | None = None
+    """Modules trained in full and saved with the adapter (e.g. ['score'] for a reward head)."""
+    autocast_adapter_dtype: bool = True
+    """PEFT's default keeps adapter weights in fp32 even on a bf16 base; that makes activations
+    larger than full fine-tuning. false keeps adapters in the base dtype."""
+    use_rslora: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Any other LoraConfig keyword (e.g. use_dora: true)."""
+
+    def validate(self, ctx) -> list[str]:
+        errors = []
+        if self.r <= 0:
+            errors.append(f"peft.r must be positive (got {self.r})")
+        if not 0.0 <= self.dropout < 1.0:
+            errors.append(f"peft.dropout must be in [0, 1) (got {self.dropout})")
+        return errors
+
+    def load_kwargs(self, ctx) -> dict[str, Any]:
+        return {}
+
+    def has_adapter(self) -> bool:
+        return True
+
+    def lora_config(self, task: str):
+        from peft import LoraConfig, TaskType
+
+        modules_to_save = self.modules_to_save
+        if task == "seq_cls" and modules_to_save is None:
+            modules_to_save = ["score"]
+        return LoraConfig(
+            r=self.r,
+            lora_alpha=self.alpha,
+            lora_dropout=self.dropout,
+            target_modules=self.target_modules,
+            modules_to_save=modules_to_save,
+            use_rslora=self.use_rslora,
+            task_type=TaskType.SEQ_CLS if task == "seq_cls" else TaskType.CAUSAL_LM,
+            **self.extra,
+        )
+
+    def apply(self, model: nn.Module, ctx, task: str) -> nn.Module:
+        from peft import get_peft_model
+
+        return get_peft_model(
+            model, self.lora_config(task), autocast_adapter_dtype=self.autocast_adapter_dtype
+        )

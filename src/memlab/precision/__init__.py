@@ -1,0 +1,1 @@
+"""Numeric precision (``precision=``): how weights are stored and how compute is cast."""

@@ -1,0 +1,52 @@
+"""What a precision option provides to the model loader and the trainer."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(kw_only=True)
+class Precision:
+    """``param_dtype``: dtype weights are loaded in; ``autocast_dtype``: compute dtype under
+    torch.autocast (None = no autocast); ``needs_scaler``: fp16 loss scaling."""
+
+    param_dtype: ClassVar[str] = "float32"
+    autocast_dtype: ClassVar[str | None] = None
+    needs_scaler: ClassVar[bool] = False
+    cuda_only: ClassVar[bool] = False
+
+    def torch_param_dtype(self) -> torch.dtype:
+        return _DTYPES[self.param_dtype]
+
+    def compute_dtype_name(self) -> str:
+        return self.autocast_dtype or self.param_dtype
+
+    def autocast(self, device: str):
+        """Context manager for the forward pass and loss."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=device.split(":")[0], dtype=_DTYPES[self.autocast_dtype])
+
+    def grad_scaler(self, device: str):
+        """A GradScaler for fp16 mixed precision, else None."""
+        if not self.needs_scaler:
+            return None
+        return torch.amp.GradScaler(device.split(":")[0])
+
+    def validate(self, ctx) -> list[str]:
+        name = self.name  # type: ignore[attr-defined]
+        if self.cuda_only and not ctx.is_cuda:
+            return [
+                f"precision={name} needs a CUDA device (fp16 matmuls and loss scaling are not "
+                "supported for CPU training); on CPU use precision=fp32, bf16 or bf16_mixed"
+            ]
+        if ctx.is_cuda and "bfloat16" in (self.param_dtype, self.autocast_dtype):
+            if not torch.cuda.is_bf16_supported():
+                return [f"precision={name}: this GPU has no bf16 support; use fp16_mixed"]
+        return []

@@ -1,0 +1,205 @@
+"""The typed registry: one dict per config group, one decorator, one typed constructor.
+
+Every option of every group is a ``@dataclass(kw_only=True)`` registered under the same name as
+its yaml file (``conf/<group>/<name>.yaml``) and its module (``memlab/<group>/<name>.py``).
+``build(group, node)`` turns a plain mapping from Hydra into that dataclass, reporting *every*
+problem (unknown option, unknown key, wrong type) instead of stopping at the first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from collections.abc import Callable, Mapping
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin
+
+GROUPS = (
+    "method",
+    "packing",
+    "attention",
+    "precision",
+    "offload",
+    "peft",
+    "distributed",
+    "model",
+    "data",
+    "logger",
+)
+"""Config groups whose options are registered here (each has ``conf/<group>/``)."""
+
+_REGISTRY: dict[str, dict[str, type]] = {g: {} for g in GROUPS}
+T = TypeVar("T")
+
+
+def register(group: str, name: str) -> Callable[[type[T]], type[T]]:
+    """Register a config dataclass as option ``name`` of ``group``."""
+    if group not in _REGISTRY:
+        raise KeyError(f"unknown config group {group!r}; groups: {', '.join(GROUPS)}")
+
+    def deco(cls: type[T]) -> type[T]:
+        if not dataclasses.is_dataclass(cls):
+            raise TypeError(f"{cls.__name__} must be a dataclass to be registered")
+        if name in _REGISTRY[group] and _REGISTRY[group][name] is not cls:
+            raise KeyError(f"{group}={name} registered twice")
+        cls.group = group  # type: ignore[attr-defined]
+        cls.name = name  # type: ignore[attr-defined]
+        _REGISTRY[group][name] = cls
+        return cls
+
+    return deco
+
+
+def options(group: str) -> list[str]:
+    """Registered option names of a group, sorted."""
+    load_all()
+    return sorted(_REGISTRY[group])
+
+
+def lookup(group: str, name: str) -> type:
+    """The config class of ``group=name``; KeyError naming the valid options otherwise."""
+    load_all()
+    try:
+        return _REGISTRY[group][name]
+    except KeyError:
+        raise KeyError(
+            f"{group}={name!r} is not an option; choose one of: {', '.join(options(group))}"
+        ) from None
+
+
+_LOADED = False
+
+
+def load_all() -> None:
+    """Import every option module so that its ``@register`` has run (idempotent, cheap)."""
+    global _LOADED
+    if _LOADED:
+        return
+    _LOADED = True
+    import importlib
+    import pkgutil
+
+    for group in GROUPS:
+        pkg = importlib.import_module(f"memlab.{group}")
+        for info in pkgutil.iter_modules(pkg.__path__):
+            if not info.name.startswith("_") and info.name != "base":
+                importlib.import_module(f"memlab.{group}.{info.name}")
+
+
+class ConfigErrors(ValueError):
+    """Every problem found in a configuration, reported together."""
+
+    def __init__(self, errors: list[str]):
+        self.errors = list(errors)
+        body = "\n".join(f"  - {e}" for e in self.errors)
+        super().__init__(f"invalid configuration ({len(self.errors)} problem(s)):\n{body}")
+
+
+def build(group: str, node: Mapping[str, Any], where: str | None = None) -> tuple[Any, list[str]]:
+    """Turn a Hydra group node ``{name: ..., knob: ...}`` into its typed config.
+
+    Returns ``(config_or_None, errors)``; never raises for user mistakes.
+    """
+    where = where or group
+    node = dict(node)
+    name = node.pop("name", None)
+    if name is None:
+        return None, [f"{where}: missing 'name:' (one of: {', '.join(options(group))})"]
+    try:
+        cls = lookup(group, str(name))
+    except KeyError as e:
+        return None, [str(e.args[0])]
+    return from_mapping(cls, node, f"{where} ({name})")
+
+
+def from_mapping(cls: type[T], data: Mapping[str, Any], where: str) -> tuple[T | None, list[str]]:
+    """Construct dataclass ``cls`` from ``data`` with type checks; collect every error."""
+    errors: list[str] = []
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            errors.append(
+                f"{where}: unknown key {key!r}{hint} (valid keys: {', '.join(sorted(fields))})"
+            )
+            continue
+        ok, converted, why = _check(value, hints[key])
+        if not ok:
+            errors.append(f"{where}.{key}: {why} (got {value!r})")
+            continue
+        kwargs[key] = converted
+    missing = [
+        n
+        for n, f in fields.items()
+        if n not in kwargs
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING  # type: ignore[misc]
+        and not any(e.startswith(f"{where}.{n}:") for e in errors)
+    ]
+    for n in missing:
+        errors.append(f"{where}: missing required key {n!r}")
+    if errors:
+        return None, errors
+    return cls(**kwargs), []
+
+
+def _check(value: Any, tp: Any) -> tuple[bool, Any, str]:
+    """Check ``value`` against annotation ``tp``; returns (ok, converted value, reason)."""
+    if tp is Any:
+        return True, value, ""
+    origin = get_origin(tp)
+    if origin is Literal:
+        allowed = get_args(tp)
+        if value in allowed:
+            return True, value, ""
+        return False, value, f"must be one of {', '.join(repr(a) for a in allowed)}"
+    if origin in (Union, types.UnionType):
+        reasons = []
+        for arg in get_args(tp):
+            if arg is type(None):
+                if value is None:
+                    return True, None, ""
+                continue
+            ok, conv, why = _check(value, arg)
+            if ok:
+                return True, conv, ""
+            reasons.append(why)
+        return False, value, " or ".join(r for r in reasons if r) or "has the wrong type"
+    if tp is type(None):
+        return (value is None), value, "must be null"
+    if tp is bool:
+        return isinstance(value, bool), value, "must be true or false"
+    if tp is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+        return ok, value, "must be an integer"
+    if tp is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return ok, float(value) if ok else value, "must be a number"
+    if tp is str:
+        return isinstance(value, str), value, "must be a string"
+    if origin in (list, tuple) or tp in (list, tuple):
+        if isinstance(value, str) or not isinstance(value, (list, tuple)):
+            return False, value, "must be a list"
+        args = get_args(tp)
+        item_tp = args[0] if args else Any
+        out = []
+        for i, item in enumerate(value):
+            ok, conv, why = _check(item, item_tp)
+            if not ok:
+                return False, value, f"item {i} {why}"
+            out.append(conv)
+        return True, (tuple(out) if origin is tuple else out), ""
+    if origin is dict or tp is dict:
+        if not isinstance(value, Mapping):
+            return False, value, "must be a mapping"
+        return True, dict(value), ""
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, Mapping):
+            return False, value, "must be a mapping"
+        obj, errs = from_mapping(tp, value, tp.__name__)
+        return (obj is not None), obj, "; ".join(errs)
+    return isinstance(value, tp), value, f"must be {getattr(tp, '__name__', tp)}"

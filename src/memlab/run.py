@@ -1,0 +1,211 @@
+"""validate -> pipeline -> train -> summary. Every outcome (ok, invalid, failed, oom) ends in an
+atomically written summary.json in the run dir; nothing is lost when a sweep job fails."""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from memlab.config import BuildContext, MeasureConfig, TrainConfig
+from memlab.registry import GROUPS, ConfigErrors, build, from_mapping
+
+TOP_LEVEL = set(GROUPS) | {"train", "measure"}
+
+
+def _plain(cfg) -> dict[str, Any]:
+    from omegaconf import DictConfig, OmegaConf
+
+    if isinstance(cfg, DictConfig):
+        return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+    return dict(cfg)
+
+
+def resolve_device(requested: str) -> str:
+    import torch
+
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return requested
+
+
+def validate(cfg, run_dir: Path | str = ".", choices: dict[str, str] | None = None,
+             world_size: int = 1, rank: int = 0) -> BuildContext:
+    """Every group node -> typed config, then every cross-group rule. Raises ConfigErrors with
+    all problems at once. Loads no model and no data."""
+    data = _plain(cfg)
+    errors: list[str] = []
+    typed: dict[str, Any] = {}
+    for key in sorted(set(data) - TOP_LEVEL):
+        errors.append(f"unknown top-level key {key!r} (valid: {', '.join(sorted(TOP_LEVEL))})")
+    for group in GROUPS:
+        node = data.get(group)
+        if not isinstance(node, dict):
+            errors.append(f"{group}: missing config group (add '{group}: <option>' to defaults)")
+            continue
+        obj, errs = build(group, node)
+        errors += errs
+        typed[group] = obj
+    train, errs = from_mapping(TrainConfig, data.get("train") or {}, "train")
+    errors += errs
+    measure, errs = from_mapping(MeasureConfig, data.get("measure") or {}, "measure")
+    errors += errs
+    if errors:
+        raise ConfigErrors(errors)
+    assert train is not None and measure is not None
+    import torch
+
+    device = resolve_device(train.device)
+    if device == "cuda" and not torch.cuda.is_available():
+        errors.append("train.device=cuda but no CUDA device is visible; use train.device=auto")
+    for name, value in (("steps", train.steps), ("batch_size", train.batch_size),
+                        ("grad_accum", train.grad_accum), ("checkpoint_every",
+                                                           train.checkpoint_every)):
+        if value < 1:
+            errors.append(f"train.{name} must be >= 1 (got {value})")
+    if isinstance(measure.memory_steps, int) and measure.memory_steps < 0:
+        errors.append("measure.memory_steps must be 'auto', 'all' or >= 0")
+    ctx = BuildContext(
+        **typed, train=train, measure=measure, device=device, world_size=world_size,
+        rank=rank, choices=dict(choices or {}), run_dir=Path(run_dir),
+    )
+    for group in GROUPS:
+        errors += typed[group].validate(ctx)
+    if errors:
+        raise ConfigErrors(errors)
+    return ctx
+
+
+def seed_everything(seed: int) -> None:
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def base_summary(run_dir: Path, choices: dict[str, str], overrides: list[str],
+                 job: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "status": "failed",
+        "error": None,
+        "choices": choices,
+        "overrides": overrides,
+        "run_dir": str(run_dir),
+        "job": job,
+        "memory": None,
+        "throughput": None,
+        "data": None,
+        "train": None,
+        "versions": None,
+        "device": None,
+        "wall_time_s": None,
+    }
+
+
+def run(cfg, run_dir: Path | str, choices: dict[str, str] | None = None,
+        overrides: list[str] | None = None, job: dict[str, Any] | None = None,
+        print_table: bool = True) -> dict[str, Any]:
+    """Run one job and write ``run_dir/summary.json``; returns the summary. Never raises for
+    a failing job (the status says what happened)."""
+    from memlab.measure.summary import format_table, versions, write_atomic
+
+    t0 = time.perf_counter()
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    choices = dict(choices or {})
+    summary = base_summary(run_dir, choices, list(overrides or []), job or {})
+    logger_box: list = []
+    try:
+        summary["versions"] = versions()
+        ctx = validate(cfg, run_dir, choices)
+        summary["config"] = _plain(cfg)
+        _execute(ctx, summary, logger_box)
+        summary["status"] = "ok"
+    except ConfigErrors as e:
+        summary["status"] = "invalid"
+        summary["error"] = str(e)
+    except BaseException as e:  # noqa: BLE001 - recorded, not swallowed silently
+        from memlab.measure.memory import is_oom
+
+        if isinstance(e, KeyboardInterrupt):
+            summary["status"] = "failed"
+            summary["error"] = "interrupted"
+            raise
+        summary["status"] = "oom" if is_oom(e) else "failed"
+        summary["error"] = f"{type(e).__name__}: {e}"
+        (run_dir / "error.txt").write_text(traceback.format_exc())
+        if os.environ.get("MEMLAB_RAISE"):
+            raise
+    finally:
+        summary["wall_time_s"] = time.perf_counter() - t0
+        write_atomic(run_dir / "summary.json", summary)
+        if logger_box:
+            try:
+                logger_box[0].finish(summary)
+            except Exception as e:  # noqa: BLE001
+                print(f"[memlab] logger.finish failed: {e}")
+        if print_table:
+            print(format_table(summary), flush=True)
+    return summary
+
+
+def _execute(ctx: BuildContext, summary: dict[str, Any], logger_box: list) -> None:
+    from memlab.measure.summary import device_info
+    from memlab.pipeline import build
+    from memlab.trainer.loop import Trainer
+
+    summary["device"] = device_info(ctx.device)
+    seed_everything(ctx.train.seed)
+    pipe = build(ctx)
+    ctx.logger.start(ctx, {**summary.get("config", {}), "_sweep_dir": summary["job"].get(
+        "sweep_dir")})
+    logger_box.append(ctx.logger)
+    trainer = Trainer(ctx, ctx.method, pipe.models, pipe.stream, logger=ctx.logger,
+                      offload_handle=pipe.offload_handle)
+    summary["data"] = pipe.stats.as_dict()
+    try:
+        result = trainer.train()
+    finally:
+        summary["memory"] = trainer.probe.result()
+        if pipe.offload_handle is not None and hasattr(pipe.offload_handle, "stats"):
+            summary["memory"]["offload"] = pipe.offload_handle.stats()
+        summary["memory"]["params"] = _param_counts(pipe.models["policy"])
+    if ctx.train.save_final:
+        trainer.save_checkpoint()
+    summary["throughput"] = result.throughput()
+    summary["data"]["padding_fraction"] = result.padding_fraction()
+    summary["data"]["tokens_trained"] = result.real_tokens
+    summary["train"] = {
+        "final_loss": result.losses[-1] if result.losses else None,
+        "steps": result.steps,
+        "loss_curve": result.losses,
+        "final_metrics": result.metrics,
+    }
+
+
+def _param_counts(model) -> dict[str, int]:
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return {"total": int(total), "trainable": int(trainable)}
+
+
+def hydra_task(cfg) -> dict[str, Any]:
+    """The Hydra task function (called by ``memlab.__main__`` and by each sweep job)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hc = HydraConfig.get()
+    choices = {k: str(v) for k, v in hc.runtime.choices.items()
+               if not k.startswith("hydra/") and v is not None}
+    multirun = hc.mode == RunMode.MULTIRUN
+    job = {"name": hc.job.name, "num": hc.job.num if multirun else None,
+           "sweep_dir": str(Path(hc.sweep.dir).resolve()) if multirun else None}
+    summary = run(cfg, hc.runtime.output_dir, choices, list(hc.overrides.task), job)
+    if not multirun and summary["status"] != "ok":
+        raise SystemExit(1 if summary["status"] != "invalid" else 2)
+    return summary

@@ -1,0 +1,5 @@
+"""The training loop."""
+
+from memlab.trainer.loop import TrainResult, Trainer
+
+__all__ = ["Trainer", "TrainResult"]

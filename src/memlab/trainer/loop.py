@@ -1,0 +1,324 @@
+"""A readable training loop: deterministic batches, gradient accumulation normalised over the
+whole step, autocast / loss scaling, activation offload, per-phase memory, throughput,
+progress bar, logging, resumable checkpoints.
+
+One optimizer step = ``grad_accum`` micro-batches. The micro-batches of a step are collated
+first so that (a) the loss is divided by the number of loss items of the *whole* step (then
+1x8 and 8x1 give the same gradient) and (b) the probe knows the step's batch shapes before it
+decides whether to run the step under the memory tracker.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from memlab.measure.memory import MemoryProbe
+from memlab.method.base import Batch
+
+
+class BatchStream:
+    """Deterministic, resumable stream of micro-batches: a seeded permutation per epoch."""
+
+    def __init__(self, ds, batch_size: int, seed: int, collate: Callable[[list[dict]], Batch]):
+        if len(ds) == 0:
+            raise ValueError("the prepared dataset is empty (every example was dropped?)")
+        self.ds, self.batch_size, self.seed, self.collate = ds, batch_size, seed, collate
+        self.epoch, self.pos = 0, 0
+        self._perm = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> list[int]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(len(self.ds), generator=g).tolist()
+
+    def state(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load_state(self, state: dict[str, int]) -> None:
+        self.epoch, self.pos = state["epoch"], state["pos"]
+        self._perm = self._permutation(self.epoch)
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self
+
+    def __next__(self) -> Batch:
+        if self.pos >= len(self._perm):
+            self.epoch += 1
+            self.pos = 0
+            self._perm = self._permutation(self.epoch)
+        idx = self._perm[self.pos : self.pos + self.batch_size]
+        self.pos += len(idx)
+        cols = self.ds[idx]
+        rows = [{k: cols[k][i] for k in cols} for i in range(len(idx))]
+        return self.collate(rows)
+
+
+@dataclass
+class TrainResult:
+    steps: int = 0
+    losses: list[float] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
+    real_tokens: int = 0
+    total_tokens: int = 0
+    timed_tokens: int = 0
+    timed_seconds: float = 0.0
+    timed_samples: int = 0
+    timed_steps: int = 0
+    throughput_note: str = ""
+
+    def throughput(self) -> dict[str, Any]:
+        if self.timed_seconds <= 0:
+            return {"tokens_per_s": None, "samples_per_s": None, "step_time_s": None,
+                    "tokens": self.real_tokens, "note": "no timed steps"}
+        return {
+            "tokens_per_s": self.timed_tokens / self.timed_seconds,
+            "samples_per_s": self.timed_samples / self.timed_seconds,
+            "step_time_s": self.timed_seconds / max(1, self.timed_steps),
+            "timed_steps": self.timed_steps,
+            "tokens": self.real_tokens,
+            **({"note": self.throughput_note} if self.throughput_note else {}),
+        }
+
+    def padding_fraction(self) -> float:
+        return 1.0 - self.real_tokens / self.total_tokens if self.total_tokens else 0.0
+
+
+def build_optimizer(params: list[nn.Parameter], cfg) -> torch.optim.Optimizer:
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas),
+                             weight_decay=cfg.weight_decay)
+
+
+def build_scheduler(opt: torch.optim.Optimizer, cfg) -> torch.optim.lr_scheduler.LambdaLR:
+    total, warm = max(1, cfg.steps), cfg.warmup_steps
+
+    def factor(step: int) -> float:
+        if warm and step < warm:
+            return (step + 1) / warm
+        if cfg.scheduler == "constant":
+            return 1.0
+        progress = min(1.0, (step - warm) / max(1, total - warm))
+        if cfg.scheduler == "linear":
+            return 1.0 - progress
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+class Trainer:
+    """Runs ``ctx.train.steps`` optimizer steps of ``method`` on ``models['policy']``."""
+
+    def __init__(self, ctx, method, models: dict[str, nn.Module], stream: BatchStream,
+                 logger=None, offload_handle=None):
+        self.ctx, self.method, self.models, self.stream = ctx, method, models, stream
+        self.logger = logger
+        self.offload = offload_handle
+        self.policy = models["policy"]
+        self.params = [p for p in self.policy.parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError("the policy has no trainable parameters")
+        self.opt = build_optimizer(self.params, ctx.train)
+        self.sched = build_scheduler(self.opt, ctx.train)
+        self.scaler = ctx.precision.grad_scaler(ctx.device)
+        self.step_idx = 0
+        self.result = TrainResult()
+        self.probe = MemoryProbe(ctx.device, enabled=ctx.measure.memory)
+        self.probe.watch(*models.values(), self.opt)
+        self._max_key: tuple[int, ...] = ()
+
+    # ---------------------------------------------------------------- one step
+    def _tracked(self, step: int, key: tuple[int, ...]) -> bool:
+        mode = self.ctx.measure.memory_steps
+        if mode == "all":
+            return True
+        if isinstance(mode, int):
+            return step < mode
+        first = step < 2
+        bigger = not self._max_key or any(
+            k > m for k, m in zip(key, self._max_key, strict=False))
+        return first or bigger
+
+    def run_step(self, batches: list[Batch], tracked: bool) -> dict[str, float]:
+        """Forward + backward over the micro-batches, then one optimizer step."""
+        ctx, device = self.ctx, self.ctx.device
+        total_items = sum(b.num_items for b in batches)
+        inputs = [t for b in batches for t in b.tensors.values()]
+        sums: dict[str, float] = {}
+        loss_total = 0.0
+        with self.probe.step(self.step_idx, tracked, inputs):
+            for b in batches:
+                with self.probe.phase("forward"):
+                    with ctx.precision.autocast(device), self._offload_ctx():
+                        loss_sum, metrics = self.method.loss(self.models, b, ctx)
+                    loss = loss_sum / max(1, total_items)
+                with self.probe.phase("backward"):
+                    (self.scaler.scale(loss) if self.scaler else loss).backward()
+                del loss_sum
+                loss_total += float(loss.detach())
+                for k, v in metrics.items():
+                    sums[k] = sums.get(k, 0.0) + float(v) * b.num_items
+                del loss
+                if self.offload is not None and hasattr(self.offload, "reset"):
+                    self.offload.reset()
+            with self.probe.phase("optimizer"):
+                if self.scaler:
+                    self.scaler.unscale_(self.opt)
+                gnorm = None
+                if ctx.train.max_grad_norm is not None:
+                    gnorm = float(torch.nn.utils.clip_grad_norm_(self.params,
+                                                                 ctx.train.max_grad_norm))
+                if self.scaler:
+                    self.scaler.step(self.opt)
+                    self.scaler.update()
+                else:
+                    self.opt.step()
+                self.sched.step()
+                self.opt.zero_grad(set_to_none=True)
+        out = {"train/loss": loss_total, "train/lr": self.sched.get_last_lr()[0]}
+        if gnorm is not None:
+            out["train/grad_norm"] = gnorm
+        for k, v in sums.items():
+            out[k] = v / max(1, total_items)
+        return out
+
+    def _offload_ctx(self):
+        return self.ctx.offload.forward_context(self.offload)
+
+    # ---------------------------------------------------------------- the loop
+    def train(self) -> TrainResult:
+        ctx, res = self.ctx, self.result
+        if ctx.train.resume_from:
+            self.load_checkpoint(self._resolve_resume(ctx.train.resume_from))
+        for m in self.models.values():
+            m.train(m is self.policy)
+        bar = self._progress()
+        while self.step_idx < ctx.train.steps:
+            batches = [next(self.stream).to(ctx.device) for _ in range(ctx.train.grad_accum)]
+            key = tuple(max(col) for col in zip(*(b.size_key for b in batches), strict=False))
+            tracked = ctx.measure.memory and self._tracked(self.step_idx, key)
+            if tracked:
+                self._max_key = tuple(max(a, b) for a, b in zip(key, self._max_key or key,
+                                                              strict=False))
+            if self.probe.is_cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            metrics = self.run_step(batches, tracked)
+            if self.probe.is_cuda:
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            real = sum(b.real_tokens for b in batches)
+            res.real_tokens += real
+            res.total_tokens += sum(b.total_tokens for b in batches)
+            if self.step_idx >= ctx.measure.warmup_steps and not tracked:
+                res.timed_tokens += real
+                res.timed_seconds += dt
+                res.timed_samples += sum(b.meta.get("samples", 0) or 0 for b in batches)
+                res.timed_steps += 1
+            metrics["throughput/tokens_per_s"] = real / dt if dt > 0 else 0.0
+            metrics["data/padding_fraction"] = 1 - real / max(1, sum(b.total_tokens
+                                                                     for b in batches))
+            res.losses.append(metrics["train/loss"])
+            res.metrics = metrics
+            self.step_idx += 1
+            res.steps = self.step_idx
+            if not math.isfinite(metrics["train/loss"]):
+                raise FloatingPointError(f"loss is {metrics['train/loss']} at step "
+                                         f"{self.step_idx}; lower train.lr or check the data")
+            if self.logger is not None and self.step_idx % ctx.train.log_every == 0:
+                self.logger.log(metrics, step=self.step_idx)
+            if bar is not None:
+                bar.set_postfix(loss=f"{metrics['train/loss']:.4f}",
+                                tok_s=f"{metrics['throughput/tokens_per_s']:.0f}")
+                bar.update(1)
+            if ctx.train.save_every and self.step_idx % ctx.train.save_every == 0:
+                self.save_checkpoint()
+        if bar is not None:
+            bar.close()
+        if res.timed_steps == 0:
+            self._fallback_timing()
+        return res
+
+    def _fallback_timing(self) -> None:
+        self.result.throughput_note = (
+            "every step was warm-up or ran under the memory tracker; raise train.steps or set "
+            "measure.memory_steps=2 for a throughput number"
+        )
+
+    def _progress(self):
+        if not self.ctx.train.progress or self.ctx.rank != 0:
+            return None
+        from tqdm.auto import tqdm
+
+        return tqdm(total=self.ctx.train.steps, initial=self.step_idx, desc="train",
+                    dynamic_ncols=True, file=sys.stderr, mininterval=0.5)
+
+    # ---------------------------------------------------------------- checkpoints
+    def _trainable_state(self) -> dict[str, torch.Tensor]:
+        names = {id(p): n for n, p in self.policy.named_parameters()}
+        return {names[id(p)]: p.detach().cpu() for p in self.params}
+
+    def save_checkpoint(self) -> Path:
+        """Resumable state: trainable weights, optimizer, scheduler, scaler, data position, RNG."""
+        root = Path(self.ctx.run_dir) / "checkpoints"
+        final = root / f"step_{self.step_idx:06d}"
+        tmp = root / f".tmp_step_{self.step_idx:06d}"
+        tmp.mkdir(parents=True, exist_ok=True)
+        state = {
+            "step": self.step_idx,
+            "weights": self._trainable_state(),
+            "optimizer": self.opt.state_dict(),
+            "scheduler": self.sched.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler else None,
+            "stream": self.stream.state(),
+            "losses": self.result.losses,
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
+                    "numpy": np.random.get_state(),
+                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+        }
+        torch.save(state, tmp / "state.pt")
+        if final.exists():
+            import shutil
+
+            shutil.rmtree(final)
+        tmp.rename(final)
+        return final
+
+    def _resolve_resume(self, where: str) -> Path:
+        if where == "latest":
+            found = sorted((Path(self.ctx.run_dir) / "checkpoints").glob("step_*"))
+            if not found:
+                raise FileNotFoundError("train.resume_from=latest: no checkpoint under "
+                                        f"{self.ctx.run_dir}/checkpoints")
+            return found[-1]
+        return Path(where)
+
+    def load_checkpoint(self, path: Path) -> None:
+        state = torch.load(Path(path) / "state.pt", map_location="cpu", weights_only=False)
+        named = dict(self.policy.named_parameters())
+        with torch.no_grad():
+            for n, t in state["weights"].items():
+                named[n].copy_(t.to(named[n].device, named[n].dtype))
+        self.opt.load_state_dict(state["optimizer"])
+        self.sched.load_state_dict(state["scheduler"])
+        if self.scaler and state["scaler"]:
+            self.scaler.load_state_dict(state["scaler"])
+        self.stream.load_state(state["stream"])
+        self.step_idx = state["step"]
+        self.result.losses = list(state["losses"])
+        rng = state["rng"]
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
+        if rng.get("cuda") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])

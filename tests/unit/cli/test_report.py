@@ -1,0 +1,421 @@
+"""Unit tests of ``memlab report`` on hand-made summaries (no training, no torch)."""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from memlab.cli import report
+from memlab.cli.report import build_table, load_summaries, main, pareto_front
+
+MIB = 2**20
+OOM_ERROR = (
+    "CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.10 GiB total capacity; "
+    "75.00 GiB already allocated)\nTraceback (most recent call last):\n  File train.py, line 3"
+)
+BASE_CHOICES = {
+    "method": "sft",
+    "packing": "none",
+    "attention": "sdpa",
+    "precision": "fp32",
+    "offload": "none",
+    "peft": "none",
+    "distributed": "single",
+    "model": "tiny",
+    "data": "embedded",
+    "logger": "none",
+}
+
+
+def make_summary(
+    *,
+    num: int | None,
+    peft: str,
+    gc: str,
+    status: str = "ok",
+    error: str | None = None,
+    peak_mib: float | None = None,
+    tps: float | None = None,
+    loss: float | None = 2.5,
+) -> dict[str, Any]:
+    """A summary.json payload; memory is split 10/10/20/50/10 % across the categories."""
+    memory = throughput = data = train = None
+    if peak_mib is not None:
+        peak = int(peak_mib * MIB)
+        shares = {"parameters": 0.1, "gradients": 0.1, "optimizer": 0.2, "activations": 0.5}
+        cats = {k: int(peak * v) for k, v in shares.items()}
+        cats["other"] = peak - sum(cats.values())
+        memory = {
+            "device": "cpu",
+            "source": "tracker",
+            "peak_bytes": peak,
+            "by_category": cats,
+            "by_phase": {"forward": peak // 2, "backward": peak, "optimizer": peak // 3},
+            "cuda": None,
+        }
+    if tps is not None:
+        throughput = {"tokens_per_s": tps, "samples_per_s": tps / 64, "step_time_s": 0.1}
+        throughput["tokens"] = 6400
+        data = {"padding_fraction": 0.25, "tokens_dropped": 0, "rows": 100, "examples": 100}
+        data["fill_ratio"] = None
+        train = {"final_loss": loss, "steps": 10, "loss_curve": [3.0, loss]}
+    return {
+        "status": status,
+        "error": error,
+        "choices": {**BASE_CHOICES, "peft": peft},
+        "overrides": [f"peft={peft}", f"train.gradient_checkpointing={gc}", "train.seed=0"],
+        "run_dir": f"/somewhere/{num}",
+        "job": {"name": "train", "num": num, "sweep_dir": "/somewhere"},
+        "memory": memory,
+        "throughput": throughput,
+        "data": data,
+        "train": train,
+        "versions": {"python": "3.11"},
+        "device": {"type": "cpu", "name": "cpu", "count": 1},
+        "wall_time_s": 1.0,
+    }
+
+
+def write_job(sweep: Path, num: int, summary: dict[str, Any] | None, overrides: list[str]) -> Path:
+    """A Hydra job dir ``<sweep>/<num>`` with ``.hydra/overrides.yaml`` and maybe a summary."""
+    job = sweep / str(num)
+    (job / ".hydra").mkdir(parents=True)
+    (job / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+    if summary is not None:
+        (job / "summary.json").write_text(json.dumps(summary, indent=1))
+    return job
+
+
+@pytest.fixture()
+def sweep(tmp_path: Path) -> Path:
+    """A fake multirun: 3 ok jobs, one without summary (missing), one OOM.
+
+    ======  =====  ======  ========  ======  ===========================
+    job     peft   gc      peak MiB  tok/s   note
+    ======  =====  ======  ========  ======  ===========================
+    0       none   false   100       1000    Pareto (fastest)
+    1       lora   false   60        800     Pareto
+    2       lora   true    -         -       no summary.json -> missing
+    3       none   true    -         -       oom
+    4       lora   true    110       700     dominated by job 0
+    ======  =====  ======  ========  ======  ===========================
+    """
+    root = tmp_path / "multirun" / "12-00-00"
+    root.mkdir(parents=True)
+    (root / "multirun.yaml").write_text("hydra: {}\n")
+    specs = [
+        dict(num=0, peft="none", gc="false", peak_mib=100, tps=1000.0, loss=2.0),
+        dict(num=1, peft="lora", gc="false", peak_mib=60, tps=800.0, loss=2.2),
+        dict(num=2, peft="lora", gc="true"),
+        dict(num=3, peft="none", gc="true", status="oom", error=OOM_ERROR),
+        dict(num=4, peft="lora", gc="true", peak_mib=110, tps=700.0, loss=2.1),
+    ]
+    for spec in specs:
+        summary = make_summary(**spec)
+        write_job(root, spec["num"], None if spec["num"] == 2 else summary, summary["overrides"])
+    return root
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    """(width, height) from the PNG header."""
+    head = path.read_bytes()[:24]
+    assert head[:8] == b"\x89PNG\r\n\x1a\n"
+    return struct.unpack(">II", head[16:24])
+
+
+# ------------------------------------------------------------------------------ pareto_front
+
+
+@pytest.mark.parametrize(
+    ("points", "expected"),
+    [
+        # (1,1) dominates (2,1); (2,2) dominates (3,2); (3,3) is the fastest.
+        ([(1, 1), (2, 2), (2, 1), (3, 3), (3, 2)], [0, 1, 3]),
+        # duplicates on the front are both kept ...
+        ([(1, 5), (1, 5), (2, 4)], [0, 1]),
+        # ... and duplicates that are dominated are both dropped
+        ([(2, 1), (2, 1), (1, 2)], [2]),
+        ([(5.0, 5.0)], [0]),
+        ([], []),
+        # all-equal memory: only the highest throughput (twice) survives
+        ([(10, 1), (10, 3), (10, 3), (10, 2)], [1, 2]),
+        # all-equal throughput: only the lowest memory survives
+        ([(3, 1), (1, 1), (2, 1)], [1]),
+        # a staircase: every point trades memory for speed
+        ([(4, 40), (1, 10), (3, 30), (2, 20)], [0, 1, 2, 3]),
+    ],
+)
+def test_pareto_front(points: list[tuple[float, float]], expected: list[int]) -> None:
+    assert pareto_front(points) == expected
+
+
+def test_pareto_front_rejects_nan() -> None:
+    with pytest.raises(ValueError, match="not finite"):
+        pareto_front([(1.0, 2.0), (math.nan, 1.0)])
+
+
+# ------------------------------------------------------------------------------ loading
+
+
+def test_load_summaries_statuses_and_reasons(sweep: Path) -> None:
+    summaries = load_summaries([sweep])
+    assert [s["status"] for s in summaries] == ["ok", "ok", "missing", "oom", "ok"]
+    missing = summaries[2]
+    assert missing["overrides"] == [
+        "peft=lora",
+        "train.gradient_checkpointing=true",
+        "train.seed=0",
+    ]
+    assert missing["job"]["num"] == 2
+    assert "no summary.json" in missing["error"]
+    assert summaries[3]["error"] == OOM_ERROR
+
+
+def test_load_summaries_accepts_run_dirs_files_and_dedups(sweep: Path) -> None:
+    summaries = load_summaries([sweep / "1", sweep / "0" / "summary.json", sweep])
+    assert [s["job"]["num"] for s in summaries] == [1, 0, 2, 3, 4]
+
+
+def test_load_summaries_natural_order(tmp_path: Path) -> None:
+    for num in (10, 2, 1):
+        write_job(tmp_path, num, make_summary(num=num, peft="none", gc="false"), [])
+    assert [s["job"]["num"] for s in load_summaries([tmp_path])] == [1, 2, 10]
+
+
+def test_corrupt_summary_is_reported_not_raised(tmp_path: Path) -> None:
+    job = write_job(tmp_path, 0, None, ["peft=lora"])
+    (job / "summary.json").write_text('{"status": "ok", "memory": ')
+    bad_list = write_job(tmp_path, 1, None, [])
+    (bad_list / "summary.json").write_text("[1, 2]")
+    summaries = load_summaries([tmp_path])
+    assert [s["status"] for s in summaries] == ["corrupt", "corrupt"]
+    assert str(job / "summary.json") in summaries[0]["error"]
+    assert summaries[0]["overrides"] == ["peft=lora"]
+    df = build_table(summaries)
+    assert list(df["status"]) == ["corrupt", "corrupt"]
+
+
+def test_missing_job_reads_choices_from_hydra_yaml(tmp_path: Path) -> None:
+    write_job(tmp_path, 0, make_summary(num=0, peft="none", gc="false", peak_mib=1, tps=1.0), [])
+    job = write_job(tmp_path, 1, None, ["peft=none"])
+    choices = "\n".join(f"      {k}: {v}" for k, v in {**BASE_CHOICES, "precision": "bf16"}.items())
+    hydra_yaml = "hydra:\n  runtime:\n    choices:\n" + choices + "\n      hydra/launcher: basic\n"
+    (job / ".hydra" / "hydra.yaml").write_text(hydra_yaml)
+    missing = load_summaries([tmp_path])[1]
+    assert missing["status"] == "missing"
+    assert missing["choices"]["precision"] == "bf16"
+    assert "hydra/launcher" not in missing["choices"]
+    df = build_table(load_summaries([tmp_path]))
+    assert "precision" in df.attrs["params"]
+
+
+def test_load_summaries_missing_path(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        load_summaries([tmp_path / "nope"])
+
+
+# ------------------------------------------------------------------------------ table
+
+
+def test_build_table_rows_and_columns(sweep: Path) -> None:
+    df = build_table(load_summaries([sweep]))
+    assert len(df) == 5
+    assert df.attrs["params"] == ["peft", "train.gradient_checkpointing"]
+    assert list(df.columns) == [
+        "job",
+        "peft",
+        "train.gradient_checkpointing",
+        "status",
+        "error",
+        "peak_MiB",
+        "params_MiB",
+        "grads_MiB",
+        "optim_MiB",
+        "activ_MiB",
+        "other_MiB",
+        "tokens_per_s",
+        "padding_frac",
+        "final_loss",
+        "pareto",
+        "run_dir",
+    ]
+    fixed = df.attrs["fixed"]
+    assert fixed["model"] == "tiny" and fixed["precision"] == "fp32"
+    assert fixed["train.seed"] == "0"
+    for constant in ("model", "precision", "train.seed", "method"):
+        assert constant not in df.columns
+    assert report.fixed_line(df).startswith("fixed: method=sft, packing=none")
+
+    by_job = df.set_index("job")
+    assert by_job.loc["1", "peak_MiB"] == pytest.approx(60.0)
+    assert by_job.loc["1", "activ_MiB"] == pytest.approx(30.0, abs=1e-3)
+    assert by_job.loc["1", "params_MiB"] + by_job.loc["1", "other_MiB"] == pytest.approx(12.0, 1e-3)
+    assert by_job.loc["0", "tokens_per_s"] == 1000.0
+    assert by_job.loc["0", "padding_frac"] == 0.25
+    assert by_job.loc["0", "final_loss"] == 2.0
+    assert by_job.loc["2", "status"] == "missing"
+    assert by_job.loc["2", "peft"] == "lora"
+    assert math.isnan(by_job.loc["2", "peak_MiB"])
+    # The short reason is the first line, cut to 80 characters.
+    err = by_job.loc["3", "error"]
+    assert err.startswith("CUDA out of memory.") and len(err) <= 80 and "\n" not in err
+    assert err.endswith("...")
+    assert by_job.loc["0", "error"] == ""
+    assert by_job["pareto"].to_dict() == {"0": True, "1": True, "2": False, "3": False, "4": False}
+
+
+def test_build_table_default_sort_failed_last(sweep: Path) -> None:
+    df = build_table(load_summaries([sweep]))
+    assert list(df["job"]) == ["1", "0", "4", "2", "3"]
+
+
+@pytest.mark.parametrize(
+    ("sort", "desc", "expected"),
+    [
+        ("tokens_per_s", True, ["0", "1", "4", "2", "3"]),
+        ("tokens_per_s", False, ["4", "1", "0", "2", "3"]),
+        ("peak_MiB", True, ["4", "0", "1", "2", "3"]),
+        ("final_loss", False, ["0", "4", "1", "2", "3"]),
+        ("peft", False, ["1", "4", "0", "2", "3"]),
+        ("job", True, ["4", "1", "0", "3", "2"]),
+        ("tps", True, ["0", "1", "4", "2", "3"]),  # alias
+        ("PEAK", False, ["1", "0", "4", "2", "3"]),  # alias, any case
+    ],
+)
+def test_sort(sweep: Path, sort: str, desc: bool, expected: list[str]) -> None:
+    df = build_table(load_summaries([sweep]), sort=sort, desc=desc)
+    assert list(df["job"]) == expected
+    assert df.attrs["params"] == ["peft", "train.gradient_checkpointing"]
+
+
+def test_sort_numeric_text_column(tmp_path: Path) -> None:
+    for num, mbs in enumerate(["16", "2", "8"]):
+        summary = make_summary(num=num, peft="none", gc="false", peak_mib=10 + num, tps=1.0)
+        summary["overrides"] = [f"train.micro_batch_size={mbs}"]
+        write_job(tmp_path, num, summary, summary["overrides"])
+    df = build_table(load_summaries([tmp_path]), sort="train.micro_batch_size")
+    assert list(df["train.micro_batch_size"]) == ["2", "8", "16"]
+
+
+def test_sort_unknown_column(sweep: Path) -> None:
+    with pytest.raises(KeyError, match="unknown column 'nope'"):
+        build_table(load_summaries([sweep]), sort="nope")
+
+
+def test_override_parsing_and_duplicate_job_numbers(tmp_path: Path) -> None:
+    for sweep_name, peak in (("a", 10), ("b", 20)):
+        summary = make_summary(num=0, peft="none", gc="false", peak_mib=peak, tps=float(peak))
+        summary["overrides"] = ["+extra=1", "++train.lr=1e-4", "hydra.job.chdir=true", "~logger"]
+        write_job(tmp_path / sweep_name, 0, summary, summary["overrides"])
+    df = build_table(load_summaries([tmp_path / "a", tmp_path / "b"]))
+    assert list(df["job"]) == ["a/0", "b/0"]
+    assert df.attrs["fixed"]["extra"] == "1"
+    assert df.attrs["fixed"]["train.lr"] == "1e-4"
+    assert df.attrs["fixed"]["logger"] == "~"
+    assert not any(k.startswith("hydra") for k in df.attrs["fixed"])
+    assert list(df["pareto"]) == [True, True]
+
+
+def test_short_reason() -> None:
+    assert report.short_reason(None) == ""
+    assert report.short_reason("\n  boom  \nmore") == "boom"
+    long = report.short_reason("x" * 200)
+    assert len(long) == 80 and long.endswith("...")
+
+
+# ------------------------------------------------------------------------------ outputs / CLI
+
+
+def test_main_writes_reports_and_plots(sweep: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import matplotlib.image as mpimg
+    import pandas as pd
+
+    assert main([str(sweep)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("fixed: method=sft")
+    header = out.splitlines()[2].split()
+    assert header[:4] == ["job", "peft", "train.gradient_checkpointing", "status"]
+    assert "run_dir" not in header
+    assert "CUDA out of memory" in out
+
+    csv = pd.read_csv(sweep / "report.csv")
+    assert len(csv) == 5
+    assert list(csv["status"]) == ["ok", "ok", "ok", "missing", "oom"]
+
+    md = (sweep / "report.md").read_text()
+    table_rows = [line for line in md.splitlines() if line.startswith("| ")]
+    assert len(table_rows) == 1 + 5  # header + one row per job
+    assert "fixed: method=sft" in md
+    assert "## Failed jobs" in md
+    assert "File train.py, line 3" in md  # the full reason, not only its first line
+    assert "### job 2: `missing`" in md
+
+    for name in ("memory_by_category.png", "memory_vs_throughput.png"):
+        path = sweep / name
+        assert path.stat().st_size > 1024
+        image = mpimg.imread(path)
+        width, height = png_size(path)
+        assert image.shape[:2] == (height, width)
+        assert width > 400 and height > 200
+
+
+def test_main_out_dir_and_no_plots(sweep: Path, tmp_path: Path) -> None:
+    out = tmp_path / "reports" / "x"
+    assert main([str(sweep), "--out", str(out), "--no-plots", "--sort", "tps", "--desc"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["report.csv", "report.md"]
+    assert not (sweep / "report.csv").exists()
+
+
+def test_main_single_summary_file(sweep: Path, tmp_path: Path) -> None:
+    out = tmp_path / "single"
+    assert main([str(sweep / "1" / "summary.json"), "--out", str(out)]) == 0
+    assert (out / "memory_by_category.png").stat().st_size > 1024
+    assert "fixed: method=sft" in (out / "report.md").read_text()
+
+
+def test_main_no_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([str(tmp_path)]) == 2
+    assert "no summary.json found" in capsys.readouterr().err
+    write_job(tmp_path, 0, None, ["peft=lora"])
+    assert main([str(tmp_path)]) == 2
+    assert "without a summary" in capsys.readouterr().err
+    assert not (tmp_path / "report.csv").exists()
+
+
+def test_main_bad_inputs(sweep: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([str(tmp_path / "nope")]) == 2
+    assert "no such file or directory" in capsys.readouterr().err
+    assert main([str(sweep), "--sort", "bogus", "--no-plots"]) == 2
+    assert "unknown column 'bogus'" in capsys.readouterr().err
+
+
+def test_plots_skipped_when_nothing_ok(tmp_path: Path) -> None:
+    summary = make_summary(num=0, peft="none", gc="false", status="failed", error="boom")
+    write_job(tmp_path, 0, summary, [])
+    assert main([str(tmp_path)]) == 0
+    assert (tmp_path / "report.md").exists()
+    assert not (tmp_path / "memory_by_category.png").exists()
+    assert not (tmp_path / "memory_vs_throughput.png").exists()
+
+
+def test_import_is_light() -> None:
+    code = (
+        "import sys, memlab.cli.report; "
+        "print([m for m in ('torch', 'transformers', 'pandas', 'matplotlib') if m in sys.modules])"
+    )
+    src = str(Path(report.__file__).resolve().parents[2])
+    res = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PYTHONPATH": src, "PATH": ""},
+    )
+    assert res.stdout.strip() == "[]"
