@@ -41,6 +41,8 @@ def register(group: str, name: str) -> Callable[[type[T]], type[T]]:
     def deco(cls: type[T]) -> type[T]:
         if not dataclasses.is_dataclass(cls):
             raise TypeError(f"{cls.__name__} must be a dataclass to be registered")
+        if any(f.name == "name" for f in dataclasses.fields(cls)):
+            raise TypeError(f"{cls.__name__}: 'name' is the option key; call the field otherwise")
         if name in _REGISTRY[group] and _REGISTRY[group][name] is not cls:
             raise KeyError(f"{group}={name} registered twice")
         cls.group = group  # type: ignore[attr-defined]

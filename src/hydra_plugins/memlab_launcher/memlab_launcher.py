@@ -28,7 +28,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrides, setup_globals
 from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ class MemlabLauncher(Launcher):
                 sweep_config.hydra.job.num = idx
             HydraConfig.instance().set_config(sweep_config)
             subdir = str(sweep_config.hydra.sweep.subdir)
-            with open_dict(sweep_config):
+            with read_write(sweep_config.hydra.sweep):
                 # pin what the job process would otherwise resolve again (``${now:}``)
                 sweep_config.hydra.sweep.dir = str(sweep_dir)
                 sweep_config.hydra.sweep.subdir = subdir
@@ -133,13 +133,16 @@ class MemlabLauncher(Launcher):
                     free_devices.append(device)
                 results[idx] = self._collect(proc.returncode, res_path, overrides, sweep_config,
                                              job_dir, time.time() - t0)
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
         return [results[j[0]] for j in jobs]
 
     def _start(self, idx, sweep_config, module, qualname, tmp: Path, job_dir: Path, device):
         payload = tmp / f"job_{idx}.pkl"
         res_path = tmp / f"job_{idx}.result.pkl"
         with open(payload, "wb") as f:
-            pickle.dump({"config": OmegaConf.to_container(sweep_config, resolve=False),
+            pickle.dump({"config": sweep_config,
                          "module": module, "qualname": qualname, "result": str(res_path)}, f)
         env = {**os.environ, **self.env}
         if device is not None:
@@ -181,7 +184,9 @@ class MemlabLauncher(Launcher):
             except ValueError:
                 summary = None
         if summary is None or summary.get("status") == "ok":
-            summary = {"status": status, "error": why, "overrides": list(overrides),
+            summary = {**dict.fromkeys(("memory", "throughput", "data", "train", "versions",
+                                        "device", "job")),
+                       "status": status, "error": why, "overrides": list(overrides),
                        "choices": {k: v for k, v in (OmegaConf.to_container(
                            sweep_config.hydra.runtime.choices) or {}).items()
                            if not k.startswith("hydra/")},

@@ -11,15 +11,14 @@ import sys
 
 
 def main(payload_path: str) -> int:
-    from hydra.core.callbacks import Callbacks
+    from hydra._internal.callbacks import Callbacks
     from hydra.core.utils import run_job, setup_globals
     from hydra.types import HydraContext
-    from omegaconf import OmegaConf
 
     setup_globals()
     with open(payload_path, "rb") as f:
         payload = pickle.load(f)
-    config = OmegaConf.create(payload["config"])
+    config = payload["config"]
     module = importlib.import_module(payload["module"])
     fn = module
     for part in payload["qualname"].split("."):

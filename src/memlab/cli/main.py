@@ -27,10 +27,12 @@ def main(argv: list[str] | None = None) -> int | None:
         if argv is not None and code:
             raise SystemExit(code)
         return code
-    from memlab.__main__ import main as hydra_main
+    import runpy
 
+    # Run exactly as ``python -m memlab`` does: Hydra resolves conf/ relative to the file of a
+    # __main__ task function, and relative to a package when imported by module name.
     sys.argv = [sys.argv[0], *argv]
-    hydra_main()
+    runpy.run_module("memlab", run_name="__main__", alter_sys=True)
     return 0
 
 

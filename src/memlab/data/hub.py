@@ -15,7 +15,8 @@ class Hub:
     """Arguments of ``datasets.load_dataset``."""
 
     path: str = "trl-lib/Capybara"
-    name: str | None = None
+    config_name: str | None = None
+    """The dataset configuration (datasets.load_dataset(path, name=...))."""
     split: str = "train"
     revision: str | None = None
     data_dir: str | None = None
@@ -30,7 +31,7 @@ class Hub:
         import datasets
 
         ds = datasets.load_dataset(
-            self.path, self.name, split=self.split, revision=self.revision,
+            self.path, self.config_name, split=self.split, revision=self.revision,
             data_dir=self.data_dir,
         )
         return limit(ds, self.max_examples, self.shuffle_seed)

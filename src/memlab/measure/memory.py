@@ -25,11 +25,26 @@ CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "other")
 
 
 def _tracker_class():
-    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+    from copy import deepcopy
+
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState
 
     class Tracker(MemTracker):
-        """MemTracker that survives PEFT models: it installs gradient hooks only on parameters
-        that require grad (the base class tries every parameter and fails on frozen ones)."""
+        """MemTracker that survives PEFT models (gradient hooks only on parameters that
+        require grad; the base class tries every parameter and fails on frozen ones) and a root
+        module called twice before ``reset_mod_stats`` (grad accumulation, a KL pass)."""
+
+        def _pre_fw_hook(self, module, inputs):
+            try:
+                super()._pre_fw_hook(module, inputs)
+            except NotImplementedError:
+                # Same bookkeeping as for a submodule reused within one iteration.
+                stats = self.memory_tracking[module]
+                stats.input_mem = self._track_inputs_or_outputs(inputs)
+                snap = self.get_tracker_snapshot()
+                stats.local_peak = {d: v["Total"] for d, v in snap.items()}
+                stats.snapshots.setdefault(_ModState.PEAK_FW, []).append(snap)
+                stats.snapshots.setdefault(_ModState.PRE_FW, []).append(deepcopy(snap))
 
         def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
             param_memory = 0
@@ -117,6 +132,11 @@ class MemoryProbe:
                 self._active = False
                 self.tracker.reset_mod_stats()
                 self.tracker.__exit__(None, None, None)
+
+    def micro_end(self) -> None:
+        """After each micro-batch's backward: module stats are per iteration."""
+        if self._active:
+            self.tracker.reset_mod_stats()
 
     @contextlib.contextmanager
     def phase(self, name: str):

@@ -50,21 +50,15 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def versions() -> dict[str, str]:
-    import torch
-    import transformers
+    """Installed versions (read from package metadata: no heavy imports)."""
+    from importlib.metadata import PackageNotFoundError, version
 
-    import memlab
-
-    out = {
-        "memlab": memlab.__version__,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-    }
-    for mod in ("peft", "datasets", "accelerate"):
+    out = {"python": platform.python_version()}
+    for dist in ("memlab", "torch", "transformers", "peft", "datasets", "accelerate",
+                 "hydra-core"):
         try:
-            out[mod] = __import__(mod).__version__
-        except Exception:  # noqa: BLE001 - optional
+            out[dist] = version(dist)
+        except PackageNotFoundError:
             pass
     return out
 

@@ -144,7 +144,7 @@ class Trainer:
             return True
         if isinstance(mode, int):
             return step < mode
-        first = step < 2
+        first = step < 2  # step 0: cold; step 1: the first with optimizer state
         bigger = not self._max_key or any(
             k > m for k, m in zip(key, self._max_key, strict=False))
         return first or bigger
@@ -165,6 +165,7 @@ class Trainer:
                 with self.probe.phase("backward"):
                     (self.scaler.scale(loss) if self.scaler else loss).backward()
                 del loss_sum
+                self.probe.micro_end()
                 loss_total += float(loss.detach())
                 for k, v in metrics.items():
                     sums[k] = sums.get(k, 0.0) + float(v) * b.num_items
@@ -207,7 +208,9 @@ class Trainer:
             batches = [next(self.stream).to(ctx.device) for _ in range(ctx.train.grad_accum)]
             key = tuple(max(col) for col in zip(*(b.size_key for b in batches), strict=False))
             tracked = ctx.measure.memory and self._tracked(self.step_idx, key)
-            if tracked:
+            if tracked and self.step_idx >= 1:
+                # shapes are compared from step 1 on: step 0 runs without optimizer state, so
+                # a large step-0 batch must not hide a later, slightly smaller one that has it
                 self._max_key = tuple(max(a, b) for a, b in zip(key, self._max_key or key,
                                                               strict=False))
             if self.probe.is_cuda:

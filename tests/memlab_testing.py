@@ -1,0 +1,82 @@
+"""Shared test helpers: compose the real Hydra config and run jobs in-process.
+
+Imported by conftest.py and by tests (``tests/`` is on pytest's pythonpath)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("WANDB_SILENT", "true")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+REPO = Path(__file__).resolve().parents[1]
+CONF = REPO / "conf"
+
+# Small, fast settings every in-process job starts from (tests add their own overrides).
+FAST = [
+    "train.device=cpu",
+    "train.progress=false",
+    "train.steps=3",
+    "train.batch_size=2",
+    "method.max_length=128",
+    "data.n_examples=32",
+    "model.hidden_size=64",
+    "model.intermediate_size=128",
+    "model.num_layers=2",
+    "model.num_heads=4",
+    "model.num_kv_heads=2",
+]
+
+
+def compose(overrides: list[str]):
+    """The real conf/ composed with Hydra's compose API (hydra node included)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return hydra_compose(config_name="config", overrides=overrides,
+                             return_hydra_config=True)
+
+
+def choices_of(cfg) -> dict[str, str]:
+    return {k: str(v) for k, v in cfg.hydra.runtime.choices.items()
+            if not k.startswith("hydra/") and v is not None}
+
+
+def run_job(tmp_path: Path, overrides: list[str], fast: bool = True, name: str = "run") -> dict:
+    """Compose + run one job in this process; returns its summary."""
+    from omegaconf import OmegaConf, open_dict
+
+    from memlab.run import run
+
+    switched = {o.split("=")[0] for o in overrides if "=" in o and "." not in o.split("=")[0]}
+    base = [o for o in FAST if o.split(".")[0] not in switched] if fast else []
+    cfg = compose(base + overrides)
+    choices = choices_of(cfg)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    run_dir = Path(tmp_path) / name
+    summary = run(OmegaConf.create(OmegaConf.to_container(cfg)), run_dir, choices, overrides,
+                  print_table=False)
+    return summary
+
+
+@pytest.fixture
+def job(tmp_path):
+    counter = {"n": 0}
+
+    def _run(overrides: list[str], fast: bool = True) -> dict:
+        counter["n"] += 1
+        return run_job(tmp_path, overrides, fast, name=f"run{counter['n']}")
+
+    return _run

@@ -1,0 +1,94 @@
+"""Every option composes and validates; registry and conf/ in parity; errors name the fix."""
+
+from __future__ import annotations
+
+import pytest
+from memlab_testing import CONF, FAST, compose
+
+from memlab.registry import GROUPS, ConfigErrors, build, options
+from memlab.run import validate
+
+GPU_ONLY = {
+    ("attention", "flash_attention_2"), ("attention", "flash_attention_3"),
+    ("attention", "kernels"), ("attention", "flex_attention"),
+    ("precision", "fp16_mixed"), ("peft", "qlora"), ("offload", "activations"),
+}
+NEEDS_INPUT = {("data", "local")}
+
+
+def _plain(cfg):
+    from omegaconf import OmegaConf, open_dict
+
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def test_registry_matches_conf_files():
+    for group in GROUPS:
+        yamls = sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+        assert yamls == options(group), f"conf/{group}/ and the registry disagree"
+        for name in yamls:
+            text = (CONF / group / f"{name}.yaml").read_text()
+            assert f"name: {name}\n" in text, f"conf/{group}/{name}.yaml must say name: {name}"
+
+
+@pytest.mark.parametrize(
+    "group,name", [(g, n) for g in GROUPS for n in sorted(p.stem for p in (CONF / g).glob("*.yaml"))]
+)
+def test_every_option_composes_and_validates(group, name):
+    fast = [o for o in FAST if not o.startswith(f"{group}.")]
+    cfg = _plain(compose(fast + [f"{group}={name}"]))
+    if (group, name) in NEEDS_INPUT:
+        with pytest.raises(ConfigErrors, match="data.path"):
+            validate(cfg)
+        return
+    if (group, name) in GPU_ONLY:
+        with pytest.raises(ConfigErrors) as e:
+            validate(cfg)
+        msg = str(e.value)
+        assert name in msg and ("CUDA" in msg or "cuda" in msg or "CPU" in msg), msg
+        return
+    ctx = validate(cfg)
+    assert getattr(ctx, group).name == name
+
+
+def test_all_errors_reported_at_once_with_fixes():
+    cfg = _plain(compose(FAST + ["+method.bta=0.1", "train.lr=fast", "peft=lora",
+                                 "+peft.alpah=8"]))
+    with pytest.raises(ConfigErrors) as e:
+        validate(cfg)
+    errs = e.value.errors
+    assert len(errs) == 3, errs
+    assert any("unknown key 'bta'" in x for x in errs)
+    assert any("train.lr" in x and "number" in x for x in errs)
+    assert any("'alpah'" in x and "did you mean 'alpha'" in x for x in errs)
+
+
+def test_cross_group_rules_collected_together():
+    cfg = _plain(compose(FAST + ["attention=flash_attention_2", "precision=fp16_mixed",
+                                 "packing=bfd", "method.max_length=null"]))
+    with pytest.raises(ConfigErrors) as e:
+        validate(cfg)
+    text = str(e.value)
+    assert "flash_attention_2" in text and "use attention=sdpa" in text
+    assert "fp16_mixed" in text
+    assert "method.max_length" in text
+
+
+def test_unknown_option_names_choices():
+    _, errs = build("packing", {"name": "bdf"})
+    assert errs and "bfd" in errs[0] and "choose one of" in errs[0]
+
+
+def test_invalid_combination_rejected_before_model_load(job, monkeypatch):
+    from memlab.model.tiny import Tiny
+
+    def boom(*a, **k):
+        raise AssertionError("model loaded for an invalid config")
+
+    monkeypatch.setattr(Tiny, "load", boom)
+    monkeypatch.setattr(Tiny, "load_tokenizer", boom)
+    s = job(["attention=flex_attention"])
+    assert s["status"] == "invalid"
+    assert "attention=sdpa" in s["error"]
