@@ -1,0 +1,34 @@
+# memlab developer tasks. `make help` lists them.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+export OMP_NUM_THREADS ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: help setup run smoke test test-fast lint sweep report bench
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
+
+setup:  ## create .venv and install memlab (CPU torch when there is no GPU)
+	@bash scripts/setup.sh
+
+run: setup  ## train the embedded default (tiny model, generated data, CPU) and print its memory
+	OMP_NUM_THREADS=2 $(PY) -m memlab
+
+smoke: setup  ## a 4-step run
+	$(PY) -m memlab debug=smoke
+
+test: setup  ## the whole test suite (what CI runs)
+	$(PY) -m pytest -q
+
+test-fast: setup  ## unit tests only
+	$(PY) -m pytest -q tests/unit
+
+lint: setup  ## ruff
+	$(PY) -m ruff check src tests benchmarks scripts
+
+sweep: setup  ## the ready foundation sweep (peft x attention)
+	$(PY) -m memlab -m --config-dir sweeps --config-name foundation
+
+bench: setup  ## benchmarks (print tables, write benchmarks/results/*.json)
+	$(PY) benchmarks/packing.py
