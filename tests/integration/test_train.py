@@ -131,3 +131,20 @@ def test_malformed_row_names_row_and_field(job, tmp_path):
     s = job(["data=local", f"data.path={path}"])
     assert s["status"] == "failed"
     assert "row 3" in s["error"] and "messages" in s["error"] and "content" in s["error"]
+
+
+def test_activation_offload_same_loss_and_no_leak(job):
+    """On CPU offloading saves nothing (validation says so); with allow_cpu the hooks run and
+    must not change the loss, and they must not leak host copies."""
+    rejected = job(["offload=activations"])
+    assert rejected["status"] == "invalid" and "nothing to save" in rejected["error"]
+    base = job(["train.steps=3", "measure.memory_steps=all"])
+    for gc in ("true", "false"):
+        off = job(["offload=activations", "offload.allow_cpu=true", "offload.min_bytes=1024",
+                   "train.steps=3", f"train.gradient_checkpointing={gc}",
+                   "measure.memory_steps=all"])
+        assert off["status"] == "ok", off["error"]
+        assert off["train"]["loss_curve"] == base["train"]["loss_curve"]
+        stats = off["memory"]["offload"]
+        assert stats["offloaded_bytes"] > 0
+        assert stats["host_bytes"] == 0  # every host copy released after backward

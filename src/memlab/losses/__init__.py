@@ -1,0 +1,37 @@
+"""Pure-PyTorch, device-agnostic losses.
+
+Token level (:mod:`memlab.losses.token`):
+
+* :func:`token_logps`, :func:`sequence_logps`, :func:`segment_logps` -- label log-probs per
+  token, per (padded) sequence and per packed segment, without extra ``[..., V]`` copies.
+* :func:`chunked_linear_cross_entropy` / :class:`ChunkedCrossEntropy` -- cross-entropy of
+  ``hidden @ weight.T`` computed over token chunks, never materializing the ``[N, V]`` logits.
+
+Preference / reward (:mod:`memlab.losses.preference`):
+
+* :func:`dpo_loss` (sigmoid / IPO / hinge), :func:`kto_loss` with :func:`kto_kl_estimate`,
+  :func:`bradley_terry_loss`.
+"""
+
+from memlab.losses.preference import bradley_terry_loss, dpo_loss, kto_kl_estimate, kto_loss
+from memlab.losses.token import (
+    ChunkedCrossEntropy,
+    LinearCrossEntropyFunction,
+    chunked_linear_cross_entropy,
+    segment_logps,
+    sequence_logps,
+    token_logps,
+)
+
+__all__ = [
+    "ChunkedCrossEntropy",
+    "LinearCrossEntropyFunction",
+    "bradley_terry_loss",
+    "chunked_linear_cross_entropy",
+    "dpo_loss",
+    "kto_kl_estimate",
+    "kto_loss",
+    "segment_logps",
+    "sequence_logps",
+    "token_logps",
+]

@@ -1,0 +1,557 @@
+"""Activation offloading through ``torch.autograd.graph.saved_tensors_hooks``.
+
+Every tensor that autograd saves for backward during the forward pass goes through
+:meth:`ActivationOffloader.pack`; the returned object is what autograd keeps in the graph. Big
+floating activations are copied to a *storage* (host memory by default) and the device copy is
+released as soon as nothing else references it; :meth:`ActivationOffloader.unpack` brings them
+back when backward needs them.
+
+Ownership (why nothing leaks)
+    The host buffer of an offloaded tensor is owned by the packed object that autograd stores in
+    the graph, never by the offloader, which keeps only weak references (for de-duplication and
+    prefetching). When backward frees the graph (``retain_graph=False``), or when a graph is
+    dropped without a backward, the host buffers go with it and :meth:`~ActivationOffloader.stats`
+    reports ``host_bytes == 0``. :meth:`~ActivationOffloader.reset` (called by the trainer after
+    every micro-batch backward) only clears the offloader's own book-keeping, and waits for
+    outstanding copies.
+
+What stays on the device (is *kept*)
+    * parameters, buffers and views of them (``exclude=`` storages, plus anything that is or is
+      a view of an ``nn.Parameter``);
+    * tensors smaller than ``min_bytes``;
+    * non-floating tensors (indices, masks) unless ``floating_only=False``;
+    * tensors on another device than ``device`` (when given), tensor subclasses and non-strided
+      layouts;
+    * outputs of modules registered with :meth:`~ActivationOffloader.exclude_outputs_of` (e.g.
+      the LM head: its logits are needed again right at the start of backward) and everything
+      saved inside :meth:`~ActivationOffloader.disabled` /
+      :meth:`~ActivationOffloader.disable_within`.
+
+De-duplication
+    The same tensor is often saved by several ops (``x * x``, a residual stream used by two
+    projections). Saves of the same storage with the same offset, shape, strides, dtype *and
+    version counter* share one host copy; the version counter makes a tensor modified in place
+    between two saves count as a different tensor. A view and its base are *not* merged.
+
+Streams (CUDA, ``use_streams=True``)
+    Device-to-host copies run on a side stream that first waits for the compute stream, so they
+    overlap the rest of the forward pass. The source tensor is kept alive until its copy's event
+    has completed (polled at every pack). At most ``max_inflight`` copies may be outstanding:
+    beyond that the compute stream waits for the oldest copy (a device-side wait, the host does
+    not block) and its source is released, so device memory stays bounded when compute outpaces
+    the host link; at ``__exit__`` the compute stream waits for the last copy and all remaining
+    sources are released. In backward, when a tensor is unpacked the
+    next ``prefetch`` offloaded tensors (in reverse forward order) are copied back on a second
+    side stream; the compute stream waits on that copy's event before use and the reloaded tensor
+    is ``record_stream``-ed on the compute stream. With ``use_streams=False`` every copy is
+    synchronous on the current stream.
+
+CPU
+    On a CPU-only run there is no device memory to save: the default storage copies each
+    offloaded tensor into a *separate CPU buffer* and hands that buffer back in backward. This
+    exercises the whole code path (selection, de-duplication, ownership, counters) so it can be
+    tested without a GPU, but it saves **no** memory (transiently it uses more). ``pin_memory``
+    and ``use_streams`` are ignored for tensors that are not on CUDA.
+
+Gradient checkpointing
+    Saved-tensor hooks nest and only the innermost pair applies. Non-reentrant
+    ``torch.utils.checkpoint`` (what ``gradient_checkpointing_enable(use_reentrant=False)`` uses
+    in transformers) pushes its own hooks inside each checkpointed region, so inside it the
+    offloader sees nothing; it does see the checkpoint *inputs* (saved outside the region by
+    checkpoint's ``_NoopSaveInputs``) and what is saved outside checkpointed layers (embeddings,
+    final norm, LM head, loss). In backward the recomputation runs under checkpoint's own hooks,
+    so recomputed activations stay on the device. Gradients are unchanged. Reentrant
+    checkpointing runs the region under ``no_grad`` and saves its inputs through the outer hooks,
+    which also works but is not what memlab uses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections import deque
+from collections.abc import Iterable, Iterator
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_leaves
+from torch.utils.hooks import RemovableHandle
+
+__all__ = ["ActivationOffloader", "HostStorage", "OffloadStorage"]
+
+_MiB = 1 << 20
+_KEEP_REASONS = ("small", "param", "non_float", "excluded", "disabled", "other_device",
+                 "unsupported")
+
+
+@runtime_checkable
+class OffloadStorage(Protocol):
+    """Where offloaded activations live between forward and backward.
+
+    ``offload`` gets a detached tensor and returns any handle; ``reload`` turns that handle back
+    into a tensor on ``device`` with the same shape, dtype and values. When the offloader uses
+    CUDA streams it calls both inside a ``torch.cuda.stream`` context, so copies should be
+    enqueued on the current stream (``non_blocking``) rather than synchronising.
+    """
+
+    def offload(self, tensor: Tensor) -> Any:
+        """Copy ``tensor`` out; the returned handle must own the copy."""
+        ...
+
+    def reload(self, handle: Any, device: torch.device) -> Tensor:
+        """Return the tensor held by ``handle`` on ``device``."""
+        ...
+
+
+class HostStorage:
+    """Default storage: a host (CPU) copy, pinned when the source is on CUDA and ``pin_memory``.
+
+    The host buffer keeps the source's strides when the source is dense (so backward kernels see
+    the same layout and gradients stay bit-identical); otherwise it is contiguous. A CPU source is
+    copied into a separate CPU buffer (the CPU stand-in: no memory is saved), and reloading to
+    the CPU returns that buffer itself without a second copy.
+    """
+
+    def __init__(self, pin_memory: bool = True, non_blocking: bool = False) -> None:
+        self.pin_memory = pin_memory
+        self.non_blocking = non_blocking
+
+    def offload(self, tensor: Tensor) -> Tensor:
+        """Copy ``tensor`` into a new host buffer (pinned for CUDA sources if enabled)."""
+        pin = self.pin_memory and tensor.is_cuda
+        buf = torch.empty_like(tensor, device="cpu", pin_memory=pin)
+        buf.copy_(tensor, non_blocking=self.non_blocking and pin)
+        return buf
+
+    def reload(self, handle: Tensor, device: torch.device) -> Tensor:
+        """The host buffer on ``device`` (the buffer itself when ``device`` is the CPU)."""
+        if handle.device == device:
+            return handle
+        non_blocking = self.non_blocking and handle.is_pinned()
+        return handle.to(device, non_blocking=non_blocking)
+
+
+class _Entry:
+    """One offloaded tensor: owns the storage handle; shared by every save of that tensor.
+
+    Lives exactly as long as the packed objects autograd holds; its ``__del__`` returns its bytes
+    to the offloader's ``host_bytes`` counter.
+    """
+
+    __slots__ = (
+        "__weakref__", "handle", "device", "nbytes", "seq", "ready", "prefetched", "reloaded",
+        "_release",
+    )
+
+    def __init__(self, handle: Any, device: torch.device, nbytes: int, seq: int,
+                 release: Any) -> None:
+        self.handle = handle
+        self.device = device
+        self.nbytes = nbytes
+        self.seq = seq
+        self.ready: Any = None  # CUDA event: device-to-host copy finished
+        self.prefetched: tuple[Tensor, Any] | None = None  # (device tensor, CUDA event)
+        self.reloaded: weakref.ref[Tensor] | None = None
+        self._release = release
+
+    def __del__(self) -> None:
+        release, self._release = self._release, None
+        if release is not None:
+            with contextlib.suppress(Exception):  # interpreter shutdown
+                release(self.nbytes)
+
+
+class _Packed:
+    """What autograd stores for an offloaded tensor (one per save, several may share an entry)."""
+
+    __slots__ = ("entry",)
+
+    def __init__(self, entry: _Entry) -> None:
+        self.entry = entry
+
+
+def _storage_key(t: Tensor) -> tuple[str, int]:
+    st = t.untyped_storage()
+    return (str(st.device), st.data_ptr())
+
+
+class ActivationOffloader:
+    """Context manager that offloads activations saved for backward (see the module docstring).
+
+    Use it around the forward pass (including the loss), then run backward outside it::
+
+        offloader = ActivationOffloader.for_model(model, min_bytes=1 << 20)
+        offloader.exclude_outputs_of(model.lm_head)
+        for batch in loader:
+            with offloader:
+                loss = model(**batch).loss
+            loss.backward()
+            offloader.reset()  # once per step, after backward
+
+    Args:
+        min_bytes: tensors smaller than this stay where they are (default 1 MiB).
+        use_streams: on CUDA, overlap device-to-host copies with compute on a side stream and
+            prefetch reloads for backward on another; ``False``: synchronous copies.
+        pin_memory: pinned host buffers for CUDA tensors (default storage only).
+        storage: an :class:`OffloadStorage` (``offload(tensor) -> handle``,
+            ``reload(handle, device) -> tensor``); default :class:`HostStorage`.
+        exclude: tensors never offloaded, matched by storage, so views of them are excluded too
+            (pass the model's parameters and buffers; :meth:`for_model` does).
+        device: only tensors on this device are offloaded (``None``: any device).
+        floating_only: keep non-floating tensors (indices, masks) where they are.
+        dedup: share one copy between saves of the same tensor.
+        prefetch: how many tensors to reload ahead in backward (streams only).
+        max_inflight: how many device-to-host copies may be outstanding before the compute
+            stream waits for the oldest (streams only).
+    """
+
+    def __init__(
+        self,
+        *,
+        min_bytes: int = _MiB,
+        use_streams: bool = True,
+        pin_memory: bool = True,
+        storage: OffloadStorage | None = None,
+        exclude: Iterable[Tensor] = (),
+        device: torch.device | str | None = None,
+        floating_only: bool = True,
+        dedup: bool = True,
+        prefetch: int = 2,
+        max_inflight: int = 4,
+    ) -> None:
+        if min_bytes < 0:
+            raise ValueError(f"min_bytes must be >= 0, got {min_bytes}")
+        if prefetch < 0:
+            raise ValueError(f"prefetch must be >= 0, got {prefetch}")
+        self.min_bytes = int(min_bytes)
+        self.use_streams = bool(use_streams)
+        self.pin_memory = bool(pin_memory)
+        self.storage: OffloadStorage = (
+            storage if storage is not None
+            else HostStorage(pin_memory=pin_memory, non_blocking=use_streams)
+        )
+        self.device = torch.device(device) if device is not None else None
+        self.floating_only = floating_only
+        self.dedup = dedup
+        self.prefetch = int(prefetch)
+        self.max_inflight = max(1, int(max_inflight))
+
+        self._lock = threading.RLock()  # backward (and entry release) may run on another thread
+        self._excluded: dict[tuple[str, int], weakref.ref] = {}
+        self.exclude_tensors(exclude)
+        self._marked: dict[tuple[str, int], weakref.ref] = {}  # per-step outputs to keep
+        self._disabled = 0
+        self._hooks: list[Any] = []
+
+        # per-step book-keeping (weak or cleared by reset())
+        self._seen: dict[tuple, tuple[weakref.ref, weakref.ref]] = {}
+        self._order: list[weakref.ref[_Entry]] = []
+        self._pending: deque[tuple[Any, Tensor, torch.device]] = deque()
+        self._streams: dict[tuple[str, int], Any] = {}
+
+        self._counters: dict[str, int] = {}
+        self.reset_stats()
+        self._host_bytes = 0
+        self._peak_host_bytes = 0
+
+    # ------------------------------------------------------------------ construction helpers
+    @classmethod
+    def for_model(cls, model: nn.Module, **kwargs: Any) -> ActivationOffloader:
+        """An offloader that never offloads ``model``'s parameters, buffers or views of them."""
+        extra = list(kwargs.pop("exclude", ()))
+        tensors = [*model.parameters(), *model.buffers(), *extra]
+        return cls(exclude=tensors, **kwargs)
+
+    def exclude_tensors(self, tensors: Iterable[Tensor]) -> None:
+        """Never offload these tensors or anything sharing their storage (views)."""
+        for t in tensors:
+            if isinstance(t, Tensor) and t.layout == torch.strided:
+                st = t.untyped_storage()
+                self._excluded[_storage_key(t)] = weakref.ref(st)
+
+    def exclude_outputs_of(self, module: nn.Module) -> RemovableHandle:
+        """Keep the tensors ``module`` returns on the device when they are saved for backward.
+
+        Meant for the LM head: its logits are consumed by the loss and needed at the very start
+        of backward, so a round trip to the host only costs time. Only the output tensors
+        themselves (and views of them) are covered, not tensors computed from them (e.g. the
+        ``log_softmax`` result saved by the loss): wrap the loss in :meth:`disabled` for that.
+        """
+        def hook(_mod: nn.Module, _args: Any, output: Any) -> None:
+            for t in tree_leaves(output):
+                if isinstance(t, Tensor) and t.layout == torch.strided:
+                    self._marked[_storage_key(t)] = weakref.ref(t.untyped_storage())
+
+        return module.register_forward_hook(hook)
+
+    @contextlib.contextmanager
+    def disabled(self) -> Iterator[None]:
+        """Nothing saved inside this block is offloaded (nests)."""
+        self._disabled += 1
+        try:
+            yield
+        finally:
+            self._disabled -= 1
+
+    def disable_within(self, module: nn.Module) -> tuple[RemovableHandle, RemovableHandle]:
+        """Keep everything saved while ``module``'s forward runs on the device."""
+        def pre(_mod: nn.Module, _args: Any) -> None:
+            self._disabled += 1
+
+        def post(_mod: nn.Module, _args: Any, _out: Any) -> None:
+            self._disabled -= 1
+
+        return (module.register_forward_pre_hook(pre),
+                module.register_forward_hook(post, always_call=True))
+
+    # ------------------------------------------------------------------ context manager
+    def __enter__(self) -> ActivationOffloader:
+        if not self._hooks:
+            self._forget_dead()
+        hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        hooks.__enter__()
+        self._hooks.append(hooks)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        hooks = self._hooks.pop()
+        hooks.__exit__(*exc)
+        if not self._hooks:
+            self._release_pending(wait=True)
+
+    # ------------------------------------------------------------------ the hooks
+    def _keep_reason(self, t: Tensor) -> str | None:
+        """Why ``t`` stays where it is, or ``None`` if it should be offloaded."""
+        if self._disabled:
+            return "disabled"
+        if type(t) is not Tensor and type(t) is not nn.Parameter:
+            return "unsupported"  # tensor subclasses (DTensor, quantized, fake, ...)
+        if t.layout != torch.strided or t.device.type == "meta":
+            return "unsupported"
+        if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):
+            return "param"
+        if self.device is not None and not self._on_device(t.device):
+            return "other_device"
+        if self.floating_only and not (t.is_floating_point() or t.is_complex()):
+            return "non_float"
+        if t.numel() * t.element_size() < self.min_bytes:
+            return "small"
+        key = _storage_key(t)
+        ref = self._excluded.get(key)
+        if ref is not None and ref() is not None:
+            return "param"
+        ref = self._marked.get(key)
+        if ref is not None and ref() is not None:
+            return "excluded"
+        return None
+
+    def pack(self, tensor: Tensor) -> Any:
+        """Pack hook: a packed handle for an offloaded tensor, or the (detached) tensor itself.
+
+        Kept tensors are returned detached: returning a saved *output* itself would make a
+        reference cycle (tensor -> grad_fn -> saved variable -> tensor) that is never freed.
+        Autograd restores ``grad_fn`` / ``requires_grad`` when unpacking.
+        """
+        nbytes = tensor.numel() * tensor.element_size()
+        reason = self._keep_reason(tensor)
+        if reason is not None:
+            self._count("kept_tensors", "kept_bytes", nbytes)
+            self._count(f"kept_{reason}")
+            return tensor.detach()
+        with torch.no_grad():
+            src = tensor.detach()
+            key: tuple | None = None
+            if self.dedup:
+                key = (*_storage_key(src), src.storage_offset(), tuple(src.shape),
+                       src.stride(), src.dtype, src._version)
+                hit = self._seen.get(key)
+                if hit is not None:
+                    st_ref, entry_ref = hit
+                    entry = entry_ref()
+                    if entry is not None and st_ref() is src.untyped_storage():
+                        self._count("deduplicated_tensors", "deduplicated_bytes", nbytes)
+                        return _Packed(entry)
+            entry = self._offload(src, nbytes)
+            if key is not None:
+                self._seen[key] = (weakref.ref(src.untyped_storage()), weakref.ref(entry))
+        self._count("offloaded_tensors", "offloaded_bytes", nbytes)
+        return _Packed(entry)
+
+    def unpack(self, packed: Any) -> Tensor:
+        """Unpack hook: the saved tensor, reloaded onto its device if it was offloaded."""
+        if not isinstance(packed, _Packed):
+            return packed
+        entry = packed.entry
+        if entry.reloaded is not None:
+            t = entry.reloaded()
+            if t is not None:  # saved twice and the first reload is still alive
+                return t
+        with torch.no_grad():
+            if self._streams_for(entry.device):
+                t = self._reload_async(entry)
+            else:
+                t = self.storage.reload(entry.handle, entry.device)
+        entry.reloaded = weakref.ref(t)
+        self._count("reloaded_tensors", "reloaded_bytes", entry.nbytes)
+        return t
+
+    def _on_device(self, device: torch.device) -> bool:
+        """``device`` matches ``self.device`` (``cuda`` matches every ``cuda:i``)."""
+        want = self.device
+        assert want is not None
+        return device.type == want.type and (want.index is None or device.index == want.index)
+
+    # ------------------------------------------------------------------ copies
+    def _streams_for(self, device: torch.device) -> bool:
+        return self.use_streams and device.type == "cuda"
+
+    def _side_stream(self, device: torch.device, kind: str) -> Any:
+        key = (kind, device.index if device.index is not None else torch.cuda.current_device())
+        stream = self._streams.get(key)
+        if stream is None:
+            stream = self._streams[key] = torch.cuda.Stream(device=device)
+        return stream
+
+    def _offload(self, src: Tensor, nbytes: int) -> _Entry:
+        if self._streams_for(src.device):
+            self._drain_pending()
+            compute = torch.cuda.current_stream(src.device)
+            side = self._side_stream(src.device, "d2h")
+            side.wait_stream(compute)  # src must be fully written before it is copied
+            with torch.cuda.stream(side):
+                handle = self.storage.offload(src)
+                event = torch.cuda.Event()
+                event.record(side)
+            # keep src (its storage) alive until the copy has finished; bound what is in flight
+            self._pending.append((event, src, src.device))
+            while len(self._pending) > self.max_inflight:
+                old_event, _old, old_device = self._pending.popleft()
+                torch.cuda.current_stream(old_device).wait_event(old_event)
+        else:
+            handle = self.storage.offload(src)
+            event = None
+        entry = _Entry(handle, src.device, nbytes, len(self._order), self._release_host)
+        entry.ready = event
+        self._order.append(weakref.ref(entry))
+        with self._lock:
+            self._host_bytes += nbytes
+            self._peak_host_bytes = max(self._peak_host_bytes, self._host_bytes)
+        return entry
+
+    def _drain_pending(self) -> None:
+        """Drop sources whose device-to-host copy has finished (events complete in order)."""
+        while self._pending and self._pending[0][0].query():
+            self._pending.popleft()
+
+    def _release_pending(self, wait: bool) -> None:
+        """Release all sources: the compute stream first waits for the outstanding copies."""
+        if not self._pending:
+            return
+        if wait:
+            last: dict[torch.device, Any] = {}
+            for event, _src, device in self._pending:
+                last[device] = event
+            for device, event in last.items():
+                torch.cuda.current_stream(device).wait_event(event)
+        self._pending.clear()
+
+    def _reload_async(self, entry: _Entry) -> Tensor:
+        compute = torch.cuda.current_stream(entry.device)
+        if entry.prefetched is not None:
+            t, event = entry.prefetched
+            entry.prefetched = None
+            compute.wait_event(event)
+            t.record_stream(compute)  # allocated on the h2d stream, used on the compute stream
+        else:
+            if entry.ready is not None:
+                compute.wait_event(entry.ready)
+            t = self.storage.reload(entry.handle, entry.device)
+        self._prefetch_before(entry.seq, entry.device)
+        return t
+
+    def _prefetch_before(self, seq: int, device: torch.device) -> None:
+        """Start reloading the ``prefetch`` entries saved just before ``seq`` (next in backward)."""
+        if self.prefetch == 0:
+            return
+        h2d = None
+        for j in range(seq - 1, max(-1, seq - 1 - self.prefetch), -1):
+            if j >= len(self._order):
+                continue
+            entry = self._order[j]()
+            if entry is None or entry.prefetched is not None or entry.device != device:
+                continue
+            if entry.reloaded is not None and entry.reloaded() is not None:
+                continue
+            if h2d is None:
+                h2d = self._side_stream(device, "h2d")
+            if entry.ready is not None:
+                h2d.wait_event(entry.ready)
+            with torch.cuda.stream(h2d):
+                t = self.storage.reload(entry.handle, entry.device)
+                event = torch.cuda.Event()
+                event.record(h2d)
+            entry.prefetched = (t, event)
+            self._count("prefetched_tensors")
+
+    # ------------------------------------------------------------------ book-keeping
+    def _release_host(self, nbytes: int) -> None:
+        with self._lock:
+            self._host_bytes -= nbytes
+
+    def _count(self, name: str, bytes_name: str | None = None, nbytes: int = 0) -> None:
+        with self._lock:
+            self._counters[name] = self._counters.get(name, 0) + 1
+            if bytes_name is not None:
+                self._counters[bytes_name] = self._counters.get(bytes_name, 0) + nbytes
+
+    def reset(self) -> None:
+        """Per-step cleanup; call after each backward (the trainer does, per micro-batch).
+
+        Waits for outstanding device-to-host copies, then forgets the de-duplication table, the
+        prefetch order and the per-step output marks. Host buffers still referenced by a live
+        graph are *not* freed here: they belong to that graph and go when it goes.
+        """
+        self._release_pending(wait=True)
+        self._seen.clear()
+        self._order.clear()
+        self._marked.clear()
+        self._excluded = {k: r for k, r in self._excluded.items() if r() is not None}
+
+    def _forget_dead(self) -> None:
+        """Drop book-keeping whose tensors are all gone (a cheap safety net besides reset())."""
+        if self._order and all(r() is None for r in self._order):
+            self._order.clear()
+            self._seen.clear()
+        self._marked = {k: r for k, r in self._marked.items() if r() is not None}
+
+    def reset_stats(self) -> None:
+        """Zero the cumulative counters (``host_bytes`` is live state and is kept)."""
+        with self._lock:
+            self._counters = dict.fromkeys(
+                ("offloaded_tensors", "offloaded_bytes", "deduplicated_tensors",
+                 "deduplicated_bytes", "kept_tensors", "kept_bytes", "reloaded_tensors",
+                 "reloaded_bytes", "prefetched_tensors",
+                 *(f"kept_{r}" for r in _KEEP_REASONS)), 0)
+            self._peak_host_bytes = getattr(self, "_host_bytes", 0)
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes currently held by the storage for live graphs."""
+        return self._host_bytes
+
+    def stats(self) -> dict[str, int]:
+        """Counters since construction / :meth:`reset_stats`, plus live and peak host bytes.
+
+        ``offloaded_*``: distinct tensors copied out; ``deduplicated_*``: saves served by an
+        existing copy; ``kept_*``: saves left in place, with ``kept_<reason>`` counts for
+        ``small``, ``param``, ``non_float``, ``excluded``, ``disabled``, ``other_device`` and
+        ``unsupported``; ``reloaded_*``: copies back for backward; ``host_bytes`` /
+        ``peak_host_bytes``: storage bytes held now / at most.
+        """
+        with self._lock:
+            out = dict(self._counters)
+            out["host_bytes"] = self._host_bytes
+            out["peak_host_bytes"] = self._peak_host_bytes
+        return out
