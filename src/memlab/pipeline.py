@@ -58,6 +58,10 @@ def load_model(ctx, tokenizer, *, trainable: bool = True) -> nn.Module:
     """Model with attention + dtype at load, then PEFT and checkpointing when trainable."""
     head = ctx.method.head
     model = ctx.model.load(ctx, tokenizer, head, ctx.peft.load_kwargs(ctx))
+    if getattr(ctx.method, "use_liger_kernel", False):
+        from memlab.model._liger import apply_liger
+
+        apply_liger(model)
     if not trainable:
         model.requires_grad_(False)
         return model.eval()

@@ -148,3 +148,20 @@ def test_activation_offload_same_loss_and_no_leak(job):
         stats = off["memory"]["offload"]
         assert stats["offloaded_bytes"] > 0
         assert stats["host_bytes"] == 0  # every host copy released after backward
+
+
+def test_chunked_loss_same_loss_lower_peak_at_large_vocab(job):
+    big_vocab = ["model.vocab_size=32768", "measure.memory_steps=all", "train.batch_size=4",
+                 "method.max_length=256"]
+    std = job(big_vocab + ["method.loss_impl=standard"])
+    chk = job(big_vocab + ["method.loss_impl=chunked", "method.chunk_size=128"])
+    assert chk["status"] == "ok", chk["error"]
+    assert chk["train"]["loss_curve"] == pytest.approx(std["train"]["loss_curve"], rel=1e-5)
+    assert chk["memory"]["peak_bytes"] < 0.75 * std["memory"]["peak_bytes"], (
+        chk["memory"]["peak_bytes"], std["memory"]["peak_bytes"])
+
+
+def test_liger_rejected_on_cpu_with_the_fix(job):
+    s = job(["method.use_liger_kernel=true"])
+    assert s["status"] == "invalid"
+    assert "CUDA" in s["error"] and "memlab[gpu]" in s["error"]

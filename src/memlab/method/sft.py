@@ -43,6 +43,9 @@ class SFT:
     never exist (pure PyTorch, any device)."""
     chunk_size: int = 1024
     """Tokens per chunk for loss_impl=chunked."""
+    use_liger_kernel: bool = False
+    """Liger's Triton kernels (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy). CUDA + the
+    gpu extra."""
 
     data_kinds: ClassVar[tuple[str, ...]] = ("chat", "text")
     head: ClassVar[str] = "causal_lm"
@@ -73,6 +76,10 @@ class SFT:
             )
         if self.pad_to_multiple_of is not None and self.pad_to_multiple_of <= 0:
             errors.append("method.pad_to_multiple_of must be a positive integer or null")
+        if self.use_liger_kernel:
+            from memlab.model._liger import liger_errors
+
+            errors += liger_errors(ctx, "method")
         if self.loss_impl == "chunked":
             if self.chunk_size <= 0:
                 errors.append("method.chunk_size must be positive")
@@ -200,7 +207,15 @@ class SFT:
         t = batch.tensors
         inputs = {k: t[k] for k in ("input_ids", "attention_mask", "position_ids") if k in t}
         labels = t["labels"]
-        if self.loss_impl == "chunked":
+        if self.use_liger_kernel:
+            from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+            hidden = model.get_decoder()(**inputs, use_cache=False).last_hidden_state
+            head = model.get_output_embeddings()
+            loss_fn = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE, reduction="sum")
+            loss_sum = loss_fn(head.weight, hidden.reshape(-1, hidden.shape[-1]),
+                               labels.reshape(-1), getattr(head, "bias", None))
+        elif self.loss_impl == "chunked":
             from memlab.losses import chunked_linear_cross_entropy
 
             hidden = model.get_decoder()(**inputs, use_cache=False).last_hidden_state

@@ -1,0 +1,78 @@
+"""GPU-only paths, run on a CUDA machine (skipped elsewhere): each technique trains, matches the
+plain sdpa run's loss within a stated tolerance, and moves the allocator's peak the right way."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+CUDA = ["train.device=cuda", "measure.memory_steps=all", "train.steps=3"]
+
+
+def _has(mod: str) -> bool:
+    return importlib.util.find_spec(mod) is not None
+
+
+def test_cuda_run_reports_allocator_peaks(job):
+    s = job(CUDA)
+    assert s["status"] == "ok", s["error"]
+    m = s["memory"]
+    assert m["source"] == "cuda_allocator"
+    assert m["cuda"]["peak_reserved_bytes"] >= m["cuda"]["peak_allocated_bytes"] > 0
+    assert sum(m["by_category"].values()) == m["peak_bytes"]
+
+
+def test_offload_activations_lowers_cuda_peak(job):
+    big = CUDA + ["model.hidden_size=512", "model.intermediate_size=2048", "model.num_layers=4",
+                  "method.max_length=1024", "train.batch_size=4",
+                  "train.gradient_checkpointing=false"]
+    base = job(big)
+    off = job(big + ["offload=activations"])
+    assert off["status"] == "ok", off["error"]
+    assert off["train"]["loss_curve"] == pytest.approx(base["train"]["loss_curve"], rel=1e-4)
+    assert off["memory"]["peak_bytes"] < 0.8 * base["memory"]["peak_bytes"]
+
+
+@pytest.mark.skipif(not _has("flash_attn"), reason="flash-attn not installed")
+def test_flash_attention_2_matches_sdpa_packed(job):
+    common = CUDA + ["precision=bf16_mixed", "packing=bfd"]
+    sdpa = job(common + ["attention=sdpa"])
+    fa2 = job(common + ["attention=flash_attention_2"])
+    assert fa2["status"] == "ok", fa2["error"]
+    assert fa2["train"]["loss_curve"] == pytest.approx(sdpa["train"]["loss_curve"], rel=2e-2)
+
+
+@pytest.mark.skipif(not _has("liger_kernel"), reason="liger-kernel not installed")
+def test_liger_same_loss_lower_peak(job):
+    common = CUDA + ["model.vocab_size=65536"]
+    base = job(common)
+    lig = job(common + ["method.use_liger_kernel=true"])
+    assert lig["status"] == "ok", lig["error"]
+    assert lig["train"]["loss_curve"] == pytest.approx(base["train"]["loss_curve"], rel=1e-3)
+    assert lig["memory"]["peak_bytes"] < base["memory"]["peak_bytes"]
+
+
+@pytest.mark.skipif(not _has("bitsandbytes"), reason="bitsandbytes not installed")
+def test_qlora_needs_a_saved_model_and_trains(job, tmp_path):
+    from memlab.data.assets import load_tokenizer
+    from memlab.model.tiny import Tiny
+
+    tok = load_tokenizer()
+    cfg = Tiny(hidden_size=256, intermediate_size=512).hf_config(tok)
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    s = job(CUDA + ["model=hf", f"model.name_or_path={tmp_path / 'm'}",
+                    "model.local_files_only=true", "peft=qlora"])
+    assert s["status"] == "ok", s["error"]
+
+
+def test_fp16_mixed_trains(job):
+    s = job(CUDA + ["precision=fp16_mixed"])
+    assert s["status"] == "ok", s["error"]
