@@ -1,0 +1,95 @@
+"""Per-document attention for eager and sdpa ("varlen" without flash-attn).
+
+Transformers isolates the documents of a packed / padding-free row on eager and sdpa with one
+block-diagonal [N, N] mask over the whole row: attention then costs N^2 over the row's total
+length N, more than the padding it removed (a padded batch pays B * L_max^2). Flash attention's
+varlen kernel avoids that by running attention per document; this module does the same with
+the eager / sdpa kernels: when a layer gets no padding mask, the row is cut where position_ids
+restart and each document runs causal attention alone (cost sum(L_i^2)). Rows that carry a
+padding mask (ordinary padded batches) go through transformers' own functions unchanged.
+
+Registered with transformers' AttentionInterface / AttentionMaskInterface under
+``memlab_eager_varlen`` and ``memlab_sdpa_varlen``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_REGISTERED = False
+
+
+def _segments(position_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
+    """Per row, (start, end) of each document: a document starts where positions do not
+    continue (diff != 1), as in transformers' packed-sequence detection."""
+    pos = position_ids.detach()
+    starts = torch.ones_like(pos, dtype=torch.bool)
+    starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
+    out = []
+    n = pos.shape[1]
+    for row in starts.cpu():
+        idx = row.nonzero().flatten().tolist()
+        out.append([(s, e) for s, e in zip(idx, idx[1:] + [n], strict=False)])
+    return out
+
+
+def _causal_mask(n: int, dtype: torch.dtype, device) -> torch.Tensor:
+    m = torch.full((n, n), torch.finfo(dtype).min, dtype=dtype, device=device).triu(1)
+    return m[None, None]
+
+
+def _make(kind: str):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    base = sdpa_attention_forward if kind == "sdpa" else eager_attention_forward
+
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                  position_ids=None, **kwargs):
+        q_len, k_len = query.shape[2], key.shape[2]
+        if attention_mask is not None or position_ids is None or q_len != k_len:
+            return base(module, query, key, value, attention_mask, dropout=dropout,
+                        scaling=scaling, **kwargs)
+        segs = _segments(position_ids.expand(query.shape[0], -1))
+        outs = []
+        for b, row in enumerate(segs):
+            parts = []
+            for s, e in row:
+                mask = None if kind == "sdpa" else _causal_mask(e - s, query.dtype, query.device)
+                o, _ = base(module, query[b : b + 1, :, s:e], key[b : b + 1, :, s:e],
+                            value[b : b + 1, :, s:e], mask, dropout=dropout, scaling=scaling,
+                            **kwargs)
+                parts.append(o)
+            outs.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))
+        return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)), None
+
+    return attention
+
+
+def _make_mask(kind: str):
+    from transformers.masking_utils import eager_mask, sdpa_mask
+
+    base = sdpa_mask if kind == "sdpa" else eager_mask
+
+    def mask(*args, attention_mask=None, **kwargs):
+        # No padding mask: causal and per-document structure is handled by the attention itself.
+        if attention_mask is None:
+            return None
+        return base(*args, attention_mask=attention_mask, **kwargs)
+
+    return mask
+
+
+def register() -> None:
+    """Idempotently register memlab_{eager,sdpa}_varlen with transformers."""
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    for kind in ("eager", "sdpa"):
+        name = f"memlab_{kind}_varlen"
+        AttentionInterface.register(name, _make(kind))
+        AttentionMaskInterface.register(name, _make_mask(kind))
+    _REGISTERED = True
