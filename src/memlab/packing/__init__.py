@@ -1,0 +1,1 @@
+"""Sequence packing: the planner/packer library (``core``) and the ``packing=`` config options."""
