@@ -59,6 +59,35 @@ def test_multirun_records_failure_and_goes_on(tmp_path):
     assert a["memory"]["peak_bytes"] > 0  # measured up to the failure
     assert b["status"] == "ok" and b["train"]["steps"] == 4
     assert a["job"]["num"] == 0 and b["job"]["num"] == 1
+    # memlab report on the real sweep: right rows, statuses, reasons and files
+    out = tmp_path / "report"
+    r = subprocess.run([sys.executable, "-m", "memlab.cli.main", "report", str(sweep), "--out",
+                        str(out)], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    import csv
+
+    rows = list(csv.DictReader((out / "report.csv").open()))
+    assert [row["status"] for row in sorted(rows, key=lambda x: x["job"])] == ["failed", "ok"]
+    assert "loss is" in (out / "report.md").read_text()
+    for png in ("memory_by_category.png", "memory_vs_throughput.png"):
+        assert (out / png).stat().st_size > 1000
+
+
+def test_parallel_launcher_hands_out_devices(tmp_path):
+    sweep = tmp_path / "sweep"
+    r = memlab("-m", *FAST, "train.steps=2", "train.seed=0,1", "hydra/launcher=local_gpus",
+               "hydra.launcher.parallel=2", "hydra.launcher.devices=[7,9]",
+               f"hydra.sweep.dir={sweep}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = sorted(s["device"]["visible_devices"] for s in _summaries(sweep))
+    assert got == ["7", "9"]
+    assert all((sweep / str(i) / "job.log").exists() for i in (0, 1))
+
+
+def test_slurm_launcher_config_composes():
+    r = memlab("hydra/launcher=slurm", "--cfg", "hydra")
+    assert r.returncode == 0, r.stderr
+    assert "SlurmLauncher" in r.stdout and "array_parallelism: 32" in r.stdout
 
 
 def test_sweep_job_measures_like_a_lone_run(tmp_path):

@@ -66,6 +66,13 @@ def versions() -> dict[str, str]:
 def device_info(device: str) -> dict[str, Any]:
     import torch
 
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    info = _device_info(device, torch)
+    info["visible_devices"] = visible
+    return info
+
+
+def _device_info(device: str, torch) -> dict[str, Any]:
     if device.startswith("cuda") and torch.cuda.is_available():
         idx = torch.device(device).index or 0
         p = torch.cuda.get_device_properties(idx)
