@@ -13,7 +13,7 @@ class TrainConfig:
 
     seed: int = 0
     """Seeds model init, data order and dropout."""
-    steps: int = 30
+    steps: int = 20
     """Optimizer steps to run (data cycles as needed, reshuffled per epoch)."""
     batch_size: int = 4
     """Rows per micro-batch per device."""

@@ -16,7 +16,9 @@ Order, and why:
    offload wraps the forward outside checkpointing, so only what checkpointing still saves is
    moved off the device.
 7. distributed wrap last (DDP/FSDP wrap the finished module; one process here).
-8. extra models the method needs (reference, reward, value...), built by the same loader.
+8. extra models the method needs (reference, reward, value...), built by the same loader, then
+   the method's one-off pass (``before_training``), which may return the dataset with added
+   columns (DPO's precomputed reference log-probs) and drop a model it no longer needs.
 """
 
 from __future__ import annotations
@@ -90,10 +92,12 @@ def build(ctx) -> Pipeline:
     policy = load_model(ctx, tokenizer)
     offload_handle = ctx.offload.build(policy, ctx)
     policy = ctx.distributed.wrap(policy, ctx)
-    extra = ctx.method.extra_models(
+    # no local name keeps the extra models alive: before_training may drop one (and free it)
+    models = {"policy": policy, **ctx.method.extra_models(
         policy, ctx, partial(load_model, ctx, tokenizer, trainable=False)
-    )
-    models = {"policy": policy, **extra}
-    ctx.method.before_training(models, ds, ctx)
+    )}
+    prepared = ctx.method.before_training(models, ds, ctx)
+    if prepared is not None:  # the dataset with columns the method added (e.g. reference logps)
+        ds = prepared
     stream = BatchStream(ds, ctx.train.batch_size, ctx.train.seed, collate)
     return Pipeline(tokenizer, ds, stats, models, stream, offload_handle)

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from memlab_testing import FAST, REPO
 
 pytestmark = pytest.mark.integration

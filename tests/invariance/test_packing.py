@@ -82,10 +82,10 @@ def test_contamination_is_detected(attn):
 
 
 def _ctx(packing: str, padding_free=None, max_length=96, attn="sdpa"):
-    from memlab_testing import FAST, compose
     from omegaconf import OmegaConf, open_dict
 
     from memlab.run import validate
+    from memlab_testing import FAST, compose
 
     cfg = compose([o for o in FAST if not o.startswith("method.max_length")] + [
         f"packing={packing}", f"method.max_length={max_length}", f"attention={attn}",

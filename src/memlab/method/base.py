@@ -9,7 +9,8 @@ A method is a registered dataclass with:
   (packing is applied after this by the pipeline, when the method allows it);
 - ``collate(rows, tokenizer, ctx) -> Batch``;
 - ``extra_models(policy, ctx, build) -> dict``: other models it needs (e.g. a DPO reference);
-- ``before_training(models, ds, ctx)``: optional one-off pass (e.g. cache reference log-probs);
+- ``before_training(models, ds, ctx) -> ds | None``: optional one-off pass (e.g. cache reference
+  log-probs); returns the dataset with the columns it added, or None to keep ``ds``;
 - ``loss(models, batch, ctx) -> (loss_sum, metrics)``: the loss *summed* over the batch's
   ``num_items`` (tokens for SFT, pairs for DPO); the trainer divides by the items of the whole
   optimizer step, so gradient accumulation does not change the gradient.

@@ -27,6 +27,17 @@ from memlab.measure.memory import MemoryProbe
 from memlab.method.base import Batch
 
 
+def _scalar(x: Any) -> float:
+    """``float(x)``; NaN for a fake tensor (``memlab estimate`` runs this loop on
+    FakeTensorMode, where tensors have shapes but no values)."""
+    if isinstance(x, torch.Tensor):
+        from torch._subclasses.fake_tensor import is_fake
+
+        if is_fake(x):
+            return float("nan")
+    return float(x)
+
+
 class BatchStream:
     """Deterministic, resumable stream of micro-batches: a seeded permutation per epoch."""
 
@@ -166,9 +177,9 @@ class Trainer:
                     (self.scaler.scale(loss) if self.scaler else loss).backward()
                 del loss_sum
                 self.probe.micro_end()
-                loss_total += float(loss.detach())
+                loss_total += _scalar(loss.detach())
                 for k, v in metrics.items():
-                    sums[k] = sums.get(k, 0.0) + float(v) * b.num_items
+                    sums[k] = sums.get(k, 0.0) + _scalar(v) * b.num_items
                 del loss
                 if self.offload is not None and hasattr(self.offload, "reset"):
                     self.offload.reset()
@@ -177,7 +188,7 @@ class Trainer:
                     self.scaler.unscale_(self.opt)
                 gnorm = None
                 if ctx.train.max_grad_norm is not None:
-                    gnorm = float(torch.nn.utils.clip_grad_norm_(self.params,
+                    gnorm = _scalar(torch.nn.utils.clip_grad_norm_(self.params,
                                                                  ctx.train.max_grad_norm))
                 if self.scaler:
                     self.scaler.step(self.opt)

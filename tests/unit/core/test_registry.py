@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from memlab_testing import CONF, FAST, compose
 
 from memlab.registry import GROUPS, ConfigErrors, build, options
 from memlab.run import validate
+from memlab_testing import CONF, FAST, compose
 
 GPU_ONLY = {
     ("attention", "flash_attention_2"), ("attention", "flash_attention_3"),
