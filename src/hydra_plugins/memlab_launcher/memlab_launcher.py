@@ -19,9 +19,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
@@ -38,13 +39,13 @@ class MemlabLauncherConf:
     _target_: str = "hydra_plugins.memlab_launcher.memlab_launcher.MemlabLauncher"
     parallel: int = 1
     """Jobs running at once. Keep 1 when jobs share a device (the default)."""
-    devices: List[Any] = field(default_factory=list)
+    devices: list[Any] = field(default_factory=list)
     """GPU ids handed out one per running job (CUDA_VISIBLE_DEVICES); empty = inherit."""
-    python: Optional[str] = None
+    python: str | None = None
     """Interpreter for the jobs; None = the one running the sweep."""
-    env: Dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables for every job (e.g. OMP_NUM_THREADS)."""
-    timeout_min: Optional[float] = None
+    timeout_min: float | None = None
     """Kill a job after this many minutes (recorded as failed); None = no limit."""
 
 

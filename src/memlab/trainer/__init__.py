@@ -1,5 +1,5 @@
 """The training loop."""
 
-from memlab.trainer.loop import TrainResult, Trainer
+from memlab.trainer.loop import Trainer, TrainResult
 
 __all__ = ["Trainer", "TrainResult"]
