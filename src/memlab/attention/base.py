@@ -48,3 +48,22 @@ class Attention:
             if err:
                 errors.append(err)
         return errors
+
+
+@dataclass(kw_only=True)
+class VarlenAttention(Attention):
+    """eager / sdpa: transformers' kernels, plus memlab's per-document attention for rows that
+    hold several documents (memlab/attention/_varlen.py)."""
+
+    varlen: bool = True
+    """Per-document attention in packed / padding-free rows (cost sum(L_i^2)); false:
+    transformers' one block-diagonal [N, N] mask for the whole row (cost N^2)."""
+
+    def implementation(self) -> str:
+        name = self.name  # type: ignore[attr-defined]
+        if not self.varlen:
+            return name
+        from memlab.attention._varlen import register
+
+        register()
+        return f"memlab_{name}_varlen"

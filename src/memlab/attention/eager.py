@@ -10,22 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memlab.attention.base import Attention
+from memlab.attention.base import VarlenAttention
 from memlab.registry import register
 
 
 @register("attention", "eager")
 @dataclass(kw_only=True)
-class Eager(Attention):
-    """Whether multi-document rows run attention per document."""
-
-    varlen: bool = True
-    """Per-document attention in packed / padding-free rows (false: one [N, N] block mask)."""
-
-    def implementation(self) -> str:
-        if not self.varlen:
-            return "eager"
-        from memlab.attention._varlen import register
-
-        register()
-        return "memlab_eager_varlen"
+class Eager(VarlenAttention):
+    """Knob: ``varlen`` (see VarlenAttention)."""
