@@ -175,6 +175,8 @@ def _execute(ctx: BuildContext, summary: dict[str, Any], logger_box: list) -> No
         if pipe.offload_handle is not None and hasattr(pipe.offload_handle, "stats"):
             summary["memory"]["offload"] = pipe.offload_handle.stats()
         summary["memory"]["params"] = _param_counts(pipe.models["policy"])
+        summary["memory"]["models"] = {role: _param_counts(m) for role, m in
+                                       pipe.models.items()}
     if ctx.train.save_final:
         trainer.save_checkpoint()
     summary["throughput"] = result.throughput()
@@ -189,9 +191,13 @@ def _execute(ctx: BuildContext, summary: dict[str, Any], logger_box: list) -> No
 
 
 def _param_counts(model) -> dict[str, int]:
-    total = sum(p.numel() for p in model.parameters())
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return {"total": int(total), "trainable": int(trainable)}
+    """Parameter counts and bytes of one model (the reference's cost shows here)."""
+    params = list(model.parameters())
+    return {
+        "total": int(sum(p.numel() for p in params)),
+        "trainable": int(sum(p.numel() for p in params if p.requires_grad)),
+        "bytes": int(sum(p.numel() * p.element_size() for p in params)),
+    }
 
 
 def hydra_task(cfg) -> dict[str, Any]:

@@ -1,0 +1,212 @@
+"""`method=dpo`: Direct Preference Optimization (sigmoid), IPO and hinge, on preference pairs.
+
+Rows: ``prompt`` + ``chosen`` + ``rejected``, conversational (lists of messages) or plain strings
+(conversational rows without ``prompt`` use the shared message prefix). Order: tokenize ->
+truncate (prompt from the left to ``max_prompt_length``, completions from the right to
+``max_completion_length``, then the completion further so prompt + completion fits
+``max_length``; an example whose prompt alone fills ``max_length`` is dropped) -> collate:
+the batch's chosen and rejected sequences in ONE forward, either padded ``[2B, T]`` (chosen rows
+first) or padding-free (all ``2B`` sequences in one ``[1, N]`` row with restarting
+position_ids; per-sequence log-probs by segment).
+
+Reference (``reference``): ``copy`` (a frozen copy of the initial policy: one more set of
+weights, visible as "parameters" in the memory summary), ``adapter_disabled`` (the policy with
+its LoRA adapter off: no extra weights, needs peft=lora/qlora) or ``precomputed`` (reference
+log-probs computed once before training, stored as dataset columns ``ref_chosen_logps`` /
+``ref_rejected_logps``; no reference in memory during training). The reference always runs under
+``torch.no_grad`` in eval mode.
+
+``loss()`` returns the SUM of per-pair losses; ``num_items`` = pairs, so the trainer's division
+gives the mean over the optimizer step's pairs. Metrics (means over pairs): rewards/chosen,
+rewards/rejected, rewards/margins, rewards/accuracies, logps/chosen, logps/rejected (summed
+completion log-probs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+import torch
+
+from memlab.data.base import DataError
+from memlab.method import _preference as P
+from memlab.method.base import Batch, DataStats
+from memlab.registry import register
+
+
+@register("method", "dpo")
+@dataclass(kw_only=True)
+class DPO:
+    """DPO knobs, named as in TRL's DPOConfig where one exists."""
+
+    beta: float = 0.1
+    """KL strength / inverse temperature of the implicit reward."""
+    loss_type: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"
+    """sigmoid = DPO; ipo = IPO on length-averaged log-probs; hinge = SLiC."""
+    label_smoothing: float = 0.0
+    """Conservative DPO: probability that a preference label is flipped (sigmoid only)."""
+    reference: Literal["copy", "adapter_disabled", "precomputed"] = "copy"
+    """copy: frozen copy of the initial policy; adapter_disabled: the policy with its LoRA adapter
+    off (peft=lora/qlora); precomputed: reference log-probs computed once before training."""
+    max_length: int | None = 1024
+    """Longest prompt + completion; the completion is cut to fit. None = no limit."""
+    max_prompt_length: int | None = 512
+    """Prompt tokens kept (its end). None = no limit."""
+    max_completion_length: int | None = None
+    """Completion tokens kept (its start). None = no limit."""
+    padding_free: bool = False
+    """All 2B sequences of a batch in one row, restarting position_ids, no padding."""
+    pad_to_multiple_of: int | None = None
+    """Round padded lengths (or the flat row) up to a multiple."""
+    use_liger_kernel: bool = False
+    """Liger's fused linear DPO loss (CUDA + the gpu extra); never materialises the logits."""
+
+    data_kinds: ClassVar[tuple[str, ...]] = ("preference",)
+    head: ClassVar[str] = "causal_lm"
+    supports_packing: ClassVar[bool] = False
+    items_name: ClassVar[str] = "pairs"
+
+    # ------------------------------------------------------------------ validation
+    def validate(self, ctx) -> list[str]:
+        errors = []
+        if self.beta <= 0:
+            errors.append(f"method.beta must be > 0 (got {self.beta})")
+        if not 0.0 <= self.label_smoothing < 0.5:
+            errors.append(f"method.label_smoothing must be in [0, 0.5) (got "
+                          f"{self.label_smoothing})")
+        if self.label_smoothing and self.loss_type != "sigmoid":
+            errors.append(f"method.label_smoothing applies to loss_type=sigmoid only, not "
+                          f"{self.loss_type}; set method.label_smoothing=0")
+        errors += P.length_errors(self, ("max_length", "max_prompt_length",
+                                         "max_completion_length"))
+        if self.pad_to_multiple_of is not None and self.pad_to_multiple_of <= 0:
+            errors.append("method.pad_to_multiple_of must be a positive integer or null")
+        errors += P.padding_free_errors(self, ctx)
+        errors += P.reference_errors(self, ctx)
+        errors += P.liger_errors(self, ctx, "DPO")
+        if self.use_liger_kernel and (self.loss_type != "sigmoid" or self.label_smoothing):
+            errors.append("method.use_liger_kernel=true implements loss_type=sigmoid without "
+                          "label smoothing; set method.loss_type=sigmoid, "
+                          "method.label_smoothing=0")
+        return errors
+
+    # ------------------------------------------------------------------ data
+    def prepare(self, ds, tokenizer, ctx) -> tuple[Any, DataStats]:
+        """tokenize + truncate every pair; rows: prompt_ids, chosen_ids, rejected_ids."""
+        cols = set(ds.column_names)
+        if not {"chosen", "rejected"} <= cols:
+            raise DataError(f"method=dpo needs rows with 'prompt', 'chosen' and 'rejected' "
+                            f"(preference pairs); this dataset has columns {sorted(cols)}")
+        explicit = "prompt" in cols
+        limits = (self.max_prompt_length, self.max_completion_length, self.max_length)
+
+        def fn(row: dict, idx: int) -> list[dict]:
+            if explicit:
+                prompt, chosen, rejected = row["prompt"], row["chosen"], row["rejected"]
+            else:
+                prompt, chosen, rejected = P.split_implicit_prompt(row["chosen"],
+                                                                   row["rejected"], idx)
+            p = P.encode_prompt(tokenizer, prompt, idx)
+            c = P.encode_completion(tokenizer, prompt, p, chosen, idx, "chosen")
+            r = P.encode_completion(tokenizer, prompt, p, rejected, idx, "rejected")
+            n_in = 2 * len(p) + len(c) + len(r)
+            cut = P.truncate(p, [c, r], *limits)
+            if cut is None:
+                return [{"prompt_ids": [], "chosen_ids": [], "rejected_ids": [], "keep": False,
+                         "n_in": n_in, "n_dropped": n_in}]
+            p, (c, r), dropped = cut
+            return [{"prompt_ids": p, "chosen_ids": c, "rejected_ids": r, "keep": True,
+                     "n_in": n_in, "n_dropped": dropped}]
+
+        key = ("dpo", explicit, limits, tokenizer.name_or_path, len(tokenizer))
+        out = P.map_rows(ds, fn, ("prompt_ids", "chosen_ids", "rejected_ids", "keep", "n_in",
+                                  "n_dropped"), key, "tokenize pairs")
+        n_in, n_dropped, keep = out["n_in"], out["n_dropped"], out["keep"]
+        out = P.keep_rows(out, drop=("n_in", "n_dropped"))
+        stats = DataStats(examples=len(out), rows=len(out), tokens_in=int(sum(n_in)),
+                          tokens_dropped=int(sum(n_dropped)),
+                          examples_dropped=int(len(keep) - sum(keep)))
+        return out, stats
+
+    # ------------------------------------------------------------------ batches
+    def collate(self, rows: list[dict], tokenizer, ctx) -> Batch:
+        return self._collate(rows, tokenizer.pad_token_id)
+
+    def _collate(self, rows: list[dict], pad_id: int) -> Batch:
+        seqs = [P.sequence(r["prompt_ids"], r["chosen_ids"]) for r in rows]
+        seqs += [P.sequence(r["prompt_ids"], r["rejected_ids"]) for r in rows]
+        t, real, total = P.collate_sequences(seqs, pad_id, self.pad_to_multiple_of,
+                                             self.padding_free)
+        if "ref_chosen_logps" in rows[0]:
+            t["ref_logps"] = torch.tensor([r["ref_chosen_logps"] for r in rows]
+                                          + [r["ref_rejected_logps"] for r in rows],
+                                          dtype=torch.float32)
+        key = (total,) if self.padding_free else (total, t["input_ids"].shape[1])
+        return Batch(t, num_items=len(rows), real_tokens=real, total_tokens=total, size_key=key,
+                     meta={"samples": len(rows)})
+
+    # ------------------------------------------------------------------ models
+    def extra_models(self, policy, ctx, build) -> dict[str, Any]:
+        return P.reference_models(self, policy, ctx, build)
+
+    def before_training(self, models, ds, ctx):
+        """reference=precomputed: reference log-probs of every pair, as dataset columns."""
+        if self.reference != "precomputed":
+            return None
+        pad = P.pad_id_of(models)
+
+        def run(model, batch: Batch) -> dict[str, torch.Tensor]:
+            logps, _ = P.completion_logps(model, batch.tensors, 2 * batch.num_items)
+            b = batch.num_items
+            return {"ref_chosen_logps": logps[:b], "ref_rejected_logps": logps[b:]}
+
+        return P.precompute(self, models, ds, ctx, lambda rows: self._collate(rows, pad), run)
+
+    # ------------------------------------------------------------------ loss
+    def reference_logps(self, models, t: dict[str, torch.Tensor], n: int) -> torch.Tensor:
+        """Summed completion log-probs of the ``n`` sequences under the reference."""
+        if "ref_logps" in t:
+            return t["ref_logps"]
+        with P.reference_forward(self, models) as ref:
+            return P.completion_logps(ref, t, n)[0]
+
+    def loss(self, models: dict, batch: Batch, ctx) -> tuple[torch.Tensor, dict[str, float]]:
+        from memlab.losses import dpo_loss
+
+        if self.use_liger_kernel:
+            return self._liger_loss(models, batch)
+        t, b = batch.tensors, batch.num_items
+        # reference first: its logits are freed before the policy's graph exists (lower peak)
+        ref = self.reference_logps(models, t, 2 * b)
+        logps, counts = P.completion_logps(models["policy"], t, 2 * b)
+        pol_in, ref_in = logps, ref
+        if self.loss_type == "ipo":  # IPO is defined on length-averaged log-probs
+            n = counts.clamp(min=1).to(logps.dtype)
+            pol_in, ref_in = logps / n, ref / n
+        losses, rc, rr = dpo_loss(pol_in[:b], pol_in[b:], ref_in[:b], ref_in[b:], beta=self.beta,
+                                  loss_type=self.loss_type, label_smoothing=self.label_smoothing)
+        metrics = {
+            "rewards/chosen": float(rc.mean()),
+            "rewards/rejected": float(rr.mean()),
+            "rewards/margins": float((rc - rr).mean()),
+            "rewards/accuracies": float((rc > rr).float().mean()),
+            "logps/chosen": float(logps[:b].detach().mean()),
+            "logps/rejected": float(logps[b:].detach().mean()),
+        }
+        return losses.sum(), metrics
+
+    def _liger_loss(self, models: dict, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+        """Liger's fused linear DPO: chosen rows first in ``[2B, T, H]``, labels aligned; the loss
+        it returns is the mean over pairs, so it is scaled back to a sum."""
+        t, b = batch.tensors, batch.num_items
+        hidden, head = P.hidden_and_head(models["policy"], t)
+        with P.reference_forward(self, models) as ref:
+            ref_hidden, ref_head = P.hidden_and_head(ref, t)
+        fn = P.liger_module("LigerFusedLinearDPOLoss", beta=self.beta, use_ref_model=True,
+                            compute_nll_loss=False, average_log_prob=False,
+                            loss_type="sigmoid")
+        out = fn(head.weight, hidden, t["labels"], bias=getattr(head, "bias", None),
+                 ref_input=ref_hidden, ref_weight=ref_head.weight,
+                 ref_bias=getattr(ref_head, "bias", None))
+        return P.liger_loss_value(out) * b, {}

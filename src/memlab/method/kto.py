@@ -1,0 +1,272 @@
+"""`method=kto`: Kahneman-Tversky Optimization on unpaired desirable / undesirable examples.
+
+Rows: unpaired ``prompt`` + ``completion`` + ``label`` (true = desirable), or preference pairs
+``prompt`` + ``chosen`` + ``rejected``, each of which becomes one desirable (prompt, chosen) and
+one undesirable (prompt, rejected) example. Conversational or plain strings; tokenization and
+truncation as in ``method=dpo`` (prompt cut from the left, completion from the right, prompt
+alone filling ``max_length`` drops the example).
+
+KL reference point: every example also carries a *mismatched* completion - that of the next
+example in dataset order whose prompt differs - fixed at preparation (as TRL does, so the
+reference side can be precomputed). Per micro-batch, ``KL = max(0, mean(policy - reference))``
+over the mismatched sequences, both computed without gradient (the term is detached in KTO).
+
+Reference handling is DPO's (``copy | adapter_disabled | precomputed``); precomputed stores
+``ref_logps`` and ``ref_kl_logps`` columns. ``loss()`` returns the SUM of per-example losses;
+``num_items`` = examples. Metrics: kl, rewards/chosen, rewards/rejected, rewards/margins,
+logps/chosen, logps/rejected (per-class means within each micro-batch, 0 when a class is
+absent), desirable_fraction.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+import torch
+
+from memlab.data.base import DataError
+from memlab.method import _preference as P
+from memlab.method.base import Batch, DataStats
+from memlab.registry import register
+
+
+def mismatched_partners(prompts: list[list[int]]) -> list[int]:
+    """For each example, the index of the next example (cyclically) with a different prompt;
+    the next one when every prompt is the same."""
+    n = len(prompts)
+    out = []
+    for i in range(n):
+        j = (i + 1) % n
+        for step in range(1, n):
+            k = (i + step) % n
+            if prompts[k] != prompts[i]:
+                j = k
+                break
+        out.append(j)
+    return out
+
+
+@register("method", "kto")
+@dataclass(kw_only=True)
+class KTO:
+    """KTO knobs, named as in TRL's KTOConfig where one exists."""
+
+    beta: float = 0.1
+    """KL strength of the implicit reward."""
+    desirable_weight: float = 1.0
+    """Loss weight of desirable examples (lambda_D)."""
+    undesirable_weight: float = 1.0
+    """Loss weight of undesirable examples (lambda_U)."""
+    reference: Literal["copy", "adapter_disabled", "precomputed"] = "copy"
+    """As in method=dpo: frozen copy, policy with its LoRA adapter off, or precomputed log-probs."""
+    max_length: int | None = 1024
+    """Longest prompt + completion; the completion is cut to fit. None = no limit."""
+    max_prompt_length: int | None = 512
+    """Prompt tokens kept (its end). None = no limit."""
+    max_completion_length: int | None = None
+    """Completion tokens kept (its start). None = no limit."""
+    padding_free: bool = False
+    """All sequences of a batch in one row, restarting position_ids, no padding."""
+    pad_to_multiple_of: int | None = None
+    """Round padded lengths (or the flat row) up to a multiple."""
+    use_liger_kernel: bool = False
+    """Liger's fused linear KTO loss (CUDA + the gpu extra)."""
+
+    data_kinds: ClassVar[tuple[str, ...]] = ("preference",)
+    head: ClassVar[str] = "causal_lm"
+    supports_packing: ClassVar[bool] = False
+    items_name: ClassVar[str] = "examples"
+
+    # ------------------------------------------------------------------ validation
+    def validate(self, ctx) -> list[str]:
+        errors = []
+        if self.beta <= 0:
+            errors.append(f"method.beta must be > 0 (got {self.beta})")
+        for name in ("desirable_weight", "undesirable_weight"):
+            if getattr(self, name) < 0:
+                errors.append(f"method.{name} must be >= 0 (got {getattr(self, name)})")
+        errors += P.length_errors(self, ("max_length", "max_prompt_length",
+                                         "max_completion_length"))
+        if self.pad_to_multiple_of is not None and self.pad_to_multiple_of <= 0:
+            errors.append("method.pad_to_multiple_of must be a positive integer or null")
+        errors += P.padding_free_errors(self, ctx)
+        errors += P.reference_errors(self, ctx)
+        errors += P.liger_errors(self, ctx, "KTO")
+        if self.use_liger_kernel and (self.desirable_weight != 1 or self.undesirable_weight != 1):
+            errors.append("method.use_liger_kernel=true has no class weights; set "
+                          "method.desirable_weight=1 and method.undesirable_weight=1")
+        return errors
+
+    # ------------------------------------------------------------------ data
+    def prepare(self, ds, tokenizer, ctx) -> tuple[Any, DataStats]:
+        """Rows: prompt_ids, completion_ids, kl_completion_ids, label."""
+        cols = set(ds.column_names)
+        if {"completion", "label"} <= cols and "prompt" in cols:
+            paired = False
+        elif {"chosen", "rejected"} <= cols:
+            paired = True
+        else:
+            raise DataError(
+                "method=kto needs unpaired rows ('prompt', 'completion', 'label') or preference "
+                f"pairs ('prompt', 'chosen', 'rejected'); this dataset has columns {sorted(cols)}"
+            )
+        explicit = "prompt" in cols
+        limits = (self.max_prompt_length, self.max_completion_length, self.max_length)
+
+        def fn(row: dict, idx: int) -> list[dict]:
+            if paired:
+                if explicit:
+                    prompt, chosen, rejected = row["prompt"], row["chosen"], row["rejected"]
+                else:
+                    prompt, chosen, rejected = P.split_implicit_prompt(row["chosen"],
+                                                                       row["rejected"], idx)
+                items = [(chosen, True, "chosen"), (rejected, False, "rejected")]
+            else:
+                prompt, label = row["prompt"], row["label"]
+                if not isinstance(label, (bool, int)) or label not in (0, 1):
+                    raise DataError(f"row {idx}: field 'label' must be true/false (desirable or "
+                                    f"not), got {label!r}")
+                items = [(row["completion"], bool(label), "completion")]
+            p = P.encode_prompt(tokenizer, prompt, idx)
+            out = []
+            for completion, label, field in items:
+                c = P.encode_completion(tokenizer, prompt, p, completion, idx, field)
+                n_in = len(p) + len(c)
+                cut = P.truncate(p, [c], *limits)
+                if cut is None:
+                    out.append({"prompt_ids": [], "completion_ids": [], "label": label,
+                                "keep": False, "n_in": n_in, "n_dropped": n_in})
+                else:
+                    pp, (cc,), dropped = cut
+                    out.append({"prompt_ids": pp, "completion_ids": cc, "label": label,
+                                "keep": True, "n_in": n_in, "n_dropped": dropped})
+            return out
+
+        key = ("kto", paired, explicit, limits, tokenizer.name_or_path, len(tokenizer))
+        out = P.map_rows(ds, fn, ("prompt_ids", "completion_ids", "label", "keep", "n_in",
+                                  "n_dropped"), key, "tokenize examples")
+        n_in, n_dropped, keep = out["n_in"], out["n_dropped"], out["keep"]
+        out = P.keep_rows(out, drop=("n_in", "n_dropped"))
+        prompts, completions = out["prompt_ids"], out["completion_ids"]
+        kl = []
+        for i, j in enumerate(mismatched_partners(prompts)):
+            room = None if self.max_length is None else self.max_length - len(prompts[i])
+            kl.append(completions[j][:room])
+        fp = hashlib.sha1(repr((out._fingerprint, "kl")).encode()).hexdigest()
+        out = out.add_column("kl_completion_ids", kl, new_fingerprint=fp)
+        labels = out["label"]
+        stats = DataStats(examples=len(out), rows=len(out), tokens_in=int(sum(n_in)),
+                          tokens_dropped=int(sum(n_dropped)),
+                          examples_dropped=int(len(keep) - sum(keep)),
+                          extra={"desirable": int(sum(labels)),
+                                 "undesirable": int(len(labels) - sum(labels))})
+        return out, stats
+
+    # ------------------------------------------------------------------ batches
+    def collate(self, rows: list[dict], tokenizer, ctx) -> Batch:
+        return self._collate(rows, tokenizer.pad_token_id)
+
+    def _collate(self, rows: list[dict], pad_id: int) -> Batch:
+        main = [P.sequence(r["prompt_ids"], r["completion_ids"]) for r in rows]
+        kl = [P.sequence(r["prompt_ids"], r["kl_completion_ids"]) for r in rows]
+        t, real, total = P.collate_sequences(main, pad_id, self.pad_to_multiple_of,
+                                             self.padding_free)
+        tk, real_kl, total_kl = P.collate_sequences(kl, pad_id, self.pad_to_multiple_of,
+                                                    self.padding_free)
+        t.update({f"kl_{k}": v for k, v in tk.items()})
+        t["label"] = torch.tensor([bool(r["label"]) for r in rows], dtype=torch.bool)
+        if "ref_logps" in rows[0]:
+            t["ref_logps"] = torch.tensor([r["ref_logps"] for r in rows], dtype=torch.float32)
+            t["ref_kl_logps"] = torch.tensor([r["ref_kl_logps"] for r in rows],
+                                             dtype=torch.float32)
+        key = ((total + total_kl,) if self.padding_free
+               else (total + total_kl, t["input_ids"].shape[1]))
+        # real_tokens counts the trained sequences; the KL forward is auxiliary work
+        return Batch(t, num_items=len(rows), real_tokens=real, total_tokens=total, size_key=key,
+                     meta={"samples": len(rows), "kl_tokens": real_kl})
+
+    # ------------------------------------------------------------------ models
+    def extra_models(self, policy, ctx, build) -> dict[str, Any]:
+        return P.reference_models(self, policy, ctx, build)
+
+    def before_training(self, models, ds, ctx):
+        """reference=precomputed: reference log-probs of each example and of its mismatched
+        (KL) sequence, as dataset columns."""
+        if self.reference != "precomputed":
+            return None
+        pad = P.pad_id_of(models)
+
+        def run(model, batch: Batch) -> dict[str, torch.Tensor]:
+            n = batch.num_items
+            return {"ref_logps": P.completion_logps(model, batch.tensors, n)[0],
+                    "ref_kl_logps": P.completion_logps(model, batch.tensors, n, "kl_")[0]}
+
+        return P.precompute(self, models, ds, ctx, lambda rows: self._collate(rows, pad), run)
+
+    # ------------------------------------------------------------------ loss
+    def reference_logps(self, models, t: dict[str, torch.Tensor], n: int
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reference log-probs of the examples and of their mismatched sequences."""
+        if "ref_logps" in t:
+            return t["ref_logps"], t["ref_kl_logps"]
+        with P.reference_forward(self, models) as ref:
+            return (P.completion_logps(ref, t, n)[0],
+                    P.completion_logps(ref, t, n, "kl_")[0])
+
+    def kl_estimate(self, models, t: dict[str, torch.Tensor], n: int,
+                    ref_kl: torch.Tensor) -> torch.Tensor:
+        """Detached ``max(0, mean(policy - reference))`` on the mismatched sequences."""
+        from memlab.losses import kto_kl_estimate
+
+        with torch.no_grad():
+            policy_kl = P.completion_logps(models["policy"], t, n, "kl_")[0]
+        return kto_kl_estimate(policy_kl, ref_kl)
+
+    def loss(self, models: dict, batch: Batch, ctx) -> tuple[torch.Tensor, dict[str, float]]:
+        from memlab.losses import kto_loss
+
+        t, n = batch.tensors, batch.num_items
+        if self.use_liger_kernel:
+            return self._liger_loss(models, batch)
+        ref, ref_kl = self.reference_logps(models, t, n)
+        kl = self.kl_estimate(models, t, n, ref_kl)
+        logps, _ = P.completion_logps(models["policy"], t, n)
+        desirable = t["label"]
+        losses, rewards = kto_loss(logps, ref, desirable, kl, beta=self.beta,
+                                   desirable_weight=self.desirable_weight,
+                                   undesirable_weight=self.undesirable_weight)
+        lp = logps.detach()
+
+        def mean(x: torch.Tensor, mask: torch.Tensor) -> float:
+            return float(x[mask].mean()) if bool(mask.any()) else 0.0
+
+        und = ~desirable
+        metrics = {
+            "kl": float(kl),
+            "rewards/chosen": mean(rewards, desirable),
+            "rewards/rejected": mean(rewards, und),
+            "rewards/margins": mean(rewards, desirable) - mean(rewards, und),
+            "logps/chosen": mean(lp, desirable),
+            "logps/rejected": mean(lp, und),
+            "desirable_fraction": float(desirable.float().mean()),
+        }
+        return losses.sum(), metrics
+
+    def _liger_loss(self, models: dict, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+        """Liger's fused linear KTO on ``[B, T, H]`` hidden states (the reference's log-probs of
+        the examples are computed inside it from the reference's hidden states); its loss is the
+        mean over examples, scaled back to a sum."""
+        t, n = batch.tensors, batch.num_items
+        with P.reference_forward(self, models) as ref:
+            ref_kl = P.completion_logps(ref, t, n, "kl_")[0]
+            ref_hidden, ref_head = P.hidden_and_head(ref, t)
+        kl = self.kl_estimate(models, t, n, ref_kl)
+        hidden, head = P.hidden_and_head(models["policy"], t)
+        fn = P.liger_module("LigerFusedLinearKTOLoss", beta=self.beta, use_ref_model=True,
+                            average_log_prob=False)
+        out = fn(hidden, head.weight, t["labels"], bias=getattr(head, "bias", None),
+                 preference_labels=t["label"], ref_input=ref_hidden, ref_weight=ref_head.weight,
+                 ref_bias=getattr(ref_head, "bias", None), kl=kl)
+        return P.liger_loss_value(out) * n, {"kl": float(kl)}

@@ -1,0 +1,180 @@
+"""`method=reward`: a Bradley-Terry reward model on preference pairs.
+
+The model is a sequence-classification head with one output (``head = "seq_cls"``): the
+reward of a sequence is the head's output at its last token. Rows: ``chosen`` + ``rejected``
+with an optional ``prompt`` (conversational or strings; without a prompt each is a whole
+conversation / text) and an optional per-pair ``margin`` (Llama-2 style required gap).
+
+Sequences longer than ``max_length``: ``truncation_mode=drop`` drops the pair (as TRL does:
+cutting the end would move the token the reward is read at), ``keep_end`` keeps the last
+``max_length`` tokens. Both are counted (examples_dropped / tokens_dropped).
+
+Batches: the B chosen and B rejected sequences go through ONE forward, padded ``[2B, T]`` (right
+padding; transformers pools the last non-pad token of each row) or padding-free (one ``[1, N]``
+row with restarting position_ids; the decoder runs once and the score head is applied at the last
+non-pad token of every sequence - the same token transformers would pick).
+
+``loss()`` returns the Bradley-Terry loss SUMMED over pairs (``num_items`` = pairs), plus
+``center_rewards_coefficient * (r_c + r_r)^2`` per pair when set. Metrics: accuracy
+(r_chosen > r_rejected), rewards/margins, rewards/chosen, rewards/rejected.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+import torch
+from torch import nn
+
+from memlab.data.base import DataError
+from memlab.method import _preference as P
+from memlab.method.base import Batch, DataStats
+from memlab.registry import register
+
+
+@register("method", "reward")
+@dataclass(kw_only=True)
+class Reward:
+    """Reward-model knobs, named as in TRL's RewardConfig where one exists."""
+
+    max_length: int | None = 1024
+    """Longest chosen / rejected sequence. None = no limit."""
+    truncation_mode: Literal["drop", "keep_end"] = "drop"
+    """drop: pairs with a longer sequence are dropped; keep_end: keep the last max_length tokens."""
+    center_rewards_coefficient: float | None = None
+    """Weight of the auxiliary (r_c + r_r)^2 term that keeps rewards centred (null = off)."""
+    use_margin: bool = True
+    """Subtract the dataset's per-pair 'margin' column (when it has one) from r_c - r_r."""
+    padding_free: bool = False
+    """All 2B sequences of a batch in one row, restarting position_ids, no padding."""
+    pad_to_multiple_of: int | None = None
+    """Round padded lengths (or the flat row) up to a multiple."""
+
+    data_kinds: ClassVar[tuple[str, ...]] = ("preference",)
+    head: ClassVar[str] = "seq_cls"
+    supports_packing: ClassVar[bool] = False
+    items_name: ClassVar[str] = "pairs"
+
+    # ------------------------------------------------------------------ validation
+    def validate(self, ctx) -> list[str]:
+        errors = P.length_errors(self, ("max_length",))
+        if self.center_rewards_coefficient is not None and self.center_rewards_coefficient < 0:
+            errors.append("method.center_rewards_coefficient must be >= 0 or null")
+        if self.pad_to_multiple_of is not None and self.pad_to_multiple_of <= 0:
+            errors.append("method.pad_to_multiple_of must be a positive integer or null")
+        errors += P.padding_free_errors(self, ctx)
+        return errors
+
+    # ------------------------------------------------------------------ data
+    def prepare(self, ds, tokenizer, ctx) -> tuple[Any, DataStats]:
+        """Rows: chosen_ids, rejected_ids (whole sequences) [, margin]."""
+        cols = set(ds.column_names)
+        if not {"chosen", "rejected"} <= cols:
+            raise DataError("method=reward needs rows with 'chosen' and 'rejected' (and "
+                            f"optionally 'prompt', 'margin'); this dataset has columns "
+                            f"{sorted(cols)}")
+        has_prompt = "prompt" in cols
+        margin = self.use_margin and "margin" in cols
+        limit, mode = self.max_length, self.truncation_mode
+
+        def fn(row: dict, idx: int) -> list[dict]:
+            prompt = row["prompt"] if has_prompt else None
+            c = P.encode_full(tokenizer, prompt, row["chosen"], idx, "chosen")
+            r = P.encode_full(tokenizer, prompt, row["rejected"], idx, "rejected")
+            n_in = len(c) + len(r)
+            out = {"chosen_ids": c, "rejected_ids": r, "keep": True, "n_in": n_in,
+                   "n_dropped": 0, "margin": 0.0}
+            if margin:
+                m = row["margin"]
+                if isinstance(m, bool) or not isinstance(m, (int, float)):
+                    raise DataError(f"row {idx}: field 'margin' must be a number, got {m!r}")
+                out["margin"] = float(m)
+            if limit is not None and max(len(c), len(r)) > limit:
+                if mode == "drop":
+                    out.update(chosen_ids=[], rejected_ids=[], keep=False, n_dropped=n_in)
+                else:
+                    out.update(chosen_ids=c[-limit:], rejected_ids=r[-limit:],
+                               n_dropped=n_in - min(len(c), limit) - min(len(r), limit))
+            return [out]
+
+        key = ("reward", has_prompt, margin, limit, mode, tokenizer.name_or_path, len(tokenizer))
+        out = P.map_rows(ds, fn, ("chosen_ids", "rejected_ids", "margin", "keep", "n_in",
+                                  "n_dropped"), key, "tokenize pairs")
+        n_in, n_dropped, keep = out["n_in"], out["n_dropped"], out["keep"]
+        out = P.keep_rows(out, drop=("n_in", "n_dropped") + (() if margin else ("margin",)))
+        stats = DataStats(examples=len(out), rows=len(out), tokens_in=int(sum(n_in)),
+                          tokens_dropped=int(sum(n_dropped)),
+                          examples_dropped=int(len(keep) - sum(keep)))
+        return out, stats
+
+    # ------------------------------------------------------------------ batches
+    def collate(self, rows: list[dict], tokenizer, ctx) -> Batch:
+        pad = tokenizer.pad_token_id
+        seqs = [(r["chosen_ids"], [0] * len(r["chosen_ids"])) for r in rows]
+        seqs += [(r["rejected_ids"], [0] * len(r["rejected_ids"])) for r in rows]
+        t, real, total = P.collate_sequences(seqs, pad, self.pad_to_multiple_of,
+                                             self.padding_free)
+        del t["labels"]
+        if self.padding_free:
+            t["last_index"] = self._last_non_pad(seqs, pad)
+        if "margin" in rows[0]:
+            t["margin"] = torch.tensor([float(r["margin"]) for r in rows], dtype=torch.float32)
+        key = (total,) if self.padding_free else (total, t["input_ids"].shape[1])
+        return Batch(t, num_items=len(rows), real_tokens=real, total_tokens=total, size_key=key,
+                     meta={"samples": len(rows)})
+
+    @staticmethod
+    def _last_non_pad(seqs: list[tuple[list[int], list[int]]], pad: int | None) -> torch.Tensor:
+        """Flat position of each sequence's last token that is not the pad id (the token
+        transformers pools when the rows are padded; pad == eos tokenizers make it differ from
+        the very last token)."""
+        out, start = [], 0
+        for ids, _ in seqs:
+            last = len(ids) - 1
+            while last > 0 and ids[last] == pad:
+                last -= 1
+            out.append(start + last)
+            start += len(ids)
+        return torch.tensor(out)
+
+    # ------------------------------------------------------------------ models
+    def extra_models(self, policy, ctx, build) -> dict[str, Any]:
+        return {}
+
+    def before_training(self, models, ds, ctx):
+        return None
+
+    # ------------------------------------------------------------------ loss
+    def rewards(self, model: nn.Module, t: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One scalar reward per sequence, ``[S]``."""
+        if "segment_ids" not in t:
+            out = model(**P.model_inputs(t), use_cache=False).logits
+            return out.reshape(-1).float()
+        base = P.unwrap(model)
+        if hasattr(base, "get_base_model"):
+            base = base.get_base_model()
+        decoder = getattr(base, base.base_model_prefix)
+        score = getattr(base, "score", None)
+        if score is None:
+            raise TypeError(f"method.padding_free=true for method=reward applies the model's "
+                            f"'score' head itself; {type(base).__name__} has none")
+        hidden = decoder(**P.model_inputs(t), use_cache=False).last_hidden_state
+        return score(hidden[0, t["last_index"]]).reshape(-1).float()
+
+    def loss(self, models: dict, batch: Batch, ctx) -> tuple[torch.Tensor, dict[str, float]]:
+        from memlab.losses import bradley_terry_loss
+
+        b = batch.num_items
+        r = self.rewards(models["policy"], batch.tensors)
+        rc, rr = r[:b], r[b:]
+        mean_loss = bradley_terry_loss(rc, rr, margin=batch.tensors.get("margin"),
+                                       center_rewards_coefficient=self.center_rewards_coefficient)
+        rc, rr = rc.detach(), rr.detach()
+        metrics = {
+            "accuracy": float((rc > rr).float().mean()),
+            "rewards/margins": float((rc - rr).mean()),
+            "rewards/chosen": float(rc.mean()),
+            "rewards/rejected": float(rr.mean()),
+        }
+        return mean_loss * b, metrics
