@@ -136,8 +136,11 @@ class EstimateOptions:
     docstring); False keeps transformers' fake-tensor (tracing) behaviour."""
     config_overrides: dict[str, Any] = field(default_factory=dict)
     """HF config fields to change (``hidden_size``, ``num_hidden_layers``, ...)."""
-    steps: int = 2
-    """Tracked fake steps (2: the first with optimizer state creation, then the steady state)."""
+    run_first_step: bool = False
+    """Run (and track) step 0 as well. Default: the optimizer state is created by the
+    optimizer's own ``step`` on fake zero gradients, then only the steady-state step 1 runs
+    (half the time; step 0 never peaks higher: it has no optimizer state in forward/backward
+    and the same gradients + state + temporaries in its optimizer phase as step 1)."""
 
 
 # ----------------------------------------------------------------------------- configuration
@@ -229,9 +232,10 @@ class _ModelFromConfig:
 
         quant = extra.pop("memlab_quantized", None)
         kw = load_kwargs(ctx, extra)
-        if head == "seq_cls":
-            kw.setdefault("num_labels", 1)
-        model = auto_class(head).from_config(self.config(tokenizer), **kw)
+        cfg = self.config(tokenizer)
+        if head == "seq_cls" and "num_labels" not in self.overrides:
+            cfg.num_labels = 1  # as model=hf passes num_labels=1 to from_pretrained
+        model = auto_class(head).from_config(cfg, **kw)
         if quant is not None:
             quantize_standin(model, quant)
         return finish_load(model, tokenizer, head)
@@ -403,47 +407,47 @@ def _longest_real_row(ctx, tokenizer) -> int:
     return max(len(x) for x in ds[col])
 
 
-def synthetic_batch(ctx, tokenizer, length: int, docs_per_row: int = 1):
-    """The worst-case micro-batch of this configuration, built by the method's own collate
-    (and the packing strategy's own ``apply``). Returns ``(batch, description)``."""
+def synthetic_rows(ctx, tokenizer, length: int, docs_per_row: int = 1
+                   ) -> tuple[list[dict], str]:
+    """The worst-case prepared rows of one micro-batch (what ``method.collate`` gets): for
+    SFT-style methods ``batch_size`` rows of ``length`` tokens (packed by the packing strategy's
+    own ``apply``); otherwise generated rows of the method's data kind through its own
+    ``prepare``; a method may define ``estimate_rows(length, n, tokenizer, ctx)``."""
     import datasets
 
     from memlab.method.base import DataStats
 
     method, packing, bs = ctx.method, ctx.packing, ctx.train.batch_size
     rows_for = getattr(method, "estimate_rows", None)
-    vocab = len(tokenizer)
-    token = min(100, vocab - 1)
-    if callable(rows_for):  # a method that knows its worst-case prepared rows
-        rows = rows_for(length, bs, tokenizer, ctx)
-        desc = {"rows": "method.estimate_rows"}
-    elif "input_ids" in _prepared_columns(method):
-        if packing.name != "none":
-            docs = [n for _ in range(bs) for n in _split(length, docs_per_row)]
-            ds = datasets.Dataset.from_list(_token_rows(docs, token))
-            ds, _ = packing.apply(ds, DataStats(rows=len(ds), examples=len(ds)), ctx)
-            rows = [ds[i] for i in range(min(bs, len(ds)))]
-            while len(rows) < bs:
-                rows.append(rows[len(rows) % len(ds)])
-            desc = {"rows": f"{bs} packed rows of {length} tokens, {docs_per_row} "
-                            f"document(s) each (packing={packing.name})"}
-        else:
-            rows = _token_rows([length] * bs, token)
-            desc = {"rows": f"{bs} rows of {length} tokens"}
-    else:
+    token = min(100, len(tokenizer) - 1)
+    if callable(rows_for):
+        return rows_for(length, bs, tokenizer, ctx), "method.estimate_rows"
+    if "input_ids" not in _prepared_columns(method):
         rows = _generic_rows(ctx, tokenizer, length)
-        desc = {"rows": f"{len(rows)} longest of generated {ctx.method.data_kinds[0]} rows "
-                        f"through method.prepare (max_length={length})"}
-    batch = method.collate(rows, tokenizer, ctx)
-    desc.update({
+        return rows, (f"{len(rows)} longest generated {ctx.method.data_kinds[0]} rows through "
+                      f"method.prepare (max_length={length})")
+    if packing.name == "none":
+        return _token_rows([length] * bs, token), f"{bs} rows of {length} tokens"
+    docs = [n for _ in range(bs) for n in _split(length, docs_per_row)]
+    ds = datasets.Dataset.from_list(_token_rows(docs, token))
+    ds, _ = packing.apply(ds, DataStats(rows=len(ds), examples=len(ds)), ctx)
+    rows = [ds[i] for i in range(min(bs, len(ds)))]
+    while len(rows) < bs:
+        rows.append(rows[len(rows) % len(ds)])
+    return rows, (f"{bs} packed rows of {length} tokens, {docs_per_row} document(s) each "
+                  f"(packing={packing.name})")
+
+
+def describe_batch(batch, ctx, rows_desc: str, length: int) -> dict[str, Any]:
+    return {
+        "rows": rows_desc,
         "shapes": {k: list(v.shape) for k, v in batch.tensors.items()},
         "tokens": int(batch.total_tokens),
         "real_tokens": int(batch.real_tokens),
         "length": int(length),
-        "batch_size": int(bs),
+        "batch_size": int(ctx.train.batch_size),
         "collate": "padding-free (one flat row)" if _is_flat(ctx) else "padded",
-    })
-    return batch, desc
+    }
 
 
 def _prepared_columns(method) -> set[str]:
@@ -456,12 +460,15 @@ def _prepared_columns(method) -> set[str]:
 
 def _is_flat(ctx) -> bool:
     flat = getattr(ctx.method, "flat", None)
-    return bool(flat(ctx)) if callable(flat) else False
+    if callable(flat):
+        return bool(flat(ctx))
+    return bool(getattr(ctx.method, "padding_free", False))
 
 
 def _generic_rows(ctx, tokenizer, length: int) -> list[dict]:
-    """Any method: generated rows of its data kind, longer than ``length``, through its own
-    ``prepare`` (format, tokenize, truncate); the ``batch_size`` longest prepared rows."""
+    """Any method: generated rows of its data kind around ``length`` tokens through its own
+    ``prepare`` (format, tokenize, truncate or drop); the ``batch_size`` longest prepared rows
+    (repeated if fewer survive)."""
     import datasets
 
     from memlab.data import synthetic
@@ -470,64 +477,103 @@ def _generic_rows(ctx, tokenizer, length: int) -> list[dict]:
     gen = {"chat": synthetic.generate_chat, "text": synthetic.generate_text,
            "preference": synthetic.generate_preference}[kind]
     bs = ctx.train.batch_size
-    raw = datasets.Dataset.from_list(gen(max(8, 2 * bs), seed=0, median_tokens=4 * length,
-                                         max_tokens=8 * length, sigma=0.1))
-    ds, _ = ctx.method.prepare(raw, tokenizer, ctx)
-    ids = [c for c in ds.column_names if c.endswith("input_ids")]
+    parts = []
+    for median in (2 * length, length):  # longer than max_length (truncated) and around it
+        raw = datasets.Dataset.from_list(gen(max(32, 4 * bs), seed=0, median_tokens=median,
+                                             max_tokens=4 * length, sigma=0.3))
+        part, _ = ctx.method.prepare(raw, tokenizer, ctx)
+        if len(part):
+            parts.append(part)
+    if not parts:
+        raise EstimateError(f"method={ctx.method.name} kept none of the generated rows at "
+                            f"length {length}; pass --length")
+    ds = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
+    ids = [c for c in ds.column_names if c.endswith("_ids") or c == "input_ids"]
     size = [sum(len(ds[i][c]) for c in ids) for i in range(len(ds))]
     order = sorted(range(len(ds)), key=lambda i: -size[i])[:bs]
-    return [ds[i] for i in order]
+    rows = [ds[i] for i in order]
+    while len(rows) < bs:
+        rows.append(rows[len(rows) % len(order)])
+    return rows
 
 
 # ----------------------------------------------------------------------------- value hooks
 
 
-def _match(real: torch.Tensor | None, fake: Any) -> torch.Tensor | None:
-    if real is None or not isinstance(fake, torch.Tensor):
-        return None
-    if tuple(fake.shape) == tuple(real.shape):
-        return real
-    try:
-        return real.expand(tuple(fake.shape))
-    except RuntimeError:
-        return None
+def _candidates(real: dict[str, torch.Tensor], suffix: str, fake: Any) -> list[torch.Tensor]:
+    """The batch's real tensors named ``*suffix`` that ``fake`` can be (same shape, or the same
+    after ``expand``, as transformers does with position_ids)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    if not isinstance(fake, torch.Tensor):
+        return []
+    out = []
+    with unset_fake_temporarily():
+        for name, r in real.items():
+            if not name.endswith(suffix):
+                continue
+            if tuple(r.shape) == tuple(fake.shape):
+                out.append(r)
+            elif r.dim() == fake.dim():
+                try:
+                    out.append(r.expand(tuple(fake.shape)))
+                except RuntimeError:
+                    pass
+    return out
+
+
+def _same(values: list[Any]) -> bool:
+    first = values[0]
+    for v in values[1:]:
+        if isinstance(first, torch.Tensor) or isinstance(v, torch.Tensor):
+            if not (isinstance(first, torch.Tensor) and isinstance(v, torch.Tensor)
+                    and first.shape == v.shape and torch.equal(first, v)):
+                return False
+        elif v != first:
+            return False
+    return True
 
 
 @contextlib.contextmanager
 def exact_value_hooks(real: dict[str, torch.Tensor], fake_mode, notes: list[str]):
     """Evaluate the forward's few value-dependent decisions on the real batch tensors (see the
     module docstring): transformers' causal-mask skip and packed-sequence detection, and
-    memlab's per-document attention split. Scoped: everything is restored on exit."""
+    memlab's per-document attention split. The fake argument is matched to the batch tensors of
+    the same kind (``*attention_mask`` / ``*position_ids``) and shape; when several match and
+    disagree, the fake-tensor behaviour (a materialised mask: the larger memory) is kept.
+    Scoped: everything is restored on exit."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from transformers import masking_utils as mu
 
-    pos, mask = real.get("position_ids"), real.get("attention_mask")
     saved: list[tuple[Any, str, Any]] = []
 
     def patch(obj, name, fn):
         saved.append((obj, name, getattr(obj, name)))
         setattr(obj, name, fn)
 
+    def decide(orig, suffix, fake, *args, convert=None, **kwargs):
+        """orig(real, ...) if every real candidate gives the same answer, else orig(fake)."""
+        cands = _candidates(real, suffix, fake)
+        if not cands:
+            return orig(fake, *args, **kwargs)
+        with unset_fake_temporarily():
+            answers = [orig(convert(c) if convert else c, *args, **kwargs) for c in cands]
+            if not _same(answers):
+                return orig(fake, *args, **kwargs)
+        ans = answers[0]
+        return fake_mode.from_tensor(ans) if isinstance(ans, torch.Tensor) else ans
+
     orig_find = mu.find_packed_sequence_indices
+    orig_skip = mu._ignore_causal_mask_sdpa
 
     def find_packed(position_ids):
-        r = _match(pos, position_ids)
-        if r is None:
-            return orig_find(position_ids)
-        with unset_fake_temporarily():
-            out = orig_find(r)
-        return None if out is None else fake_mode.from_tensor(out)
-
-    orig_skip = mu._ignore_causal_mask_sdpa
+        return decide(orig_find, "position_ids", position_ids)
 
     def ignore_causal(padding_mask, *args, **kwargs):
         if padding_mask is None:
             return orig_skip(padding_mask, *args, **kwargs)
-        r = _match(mask, padding_mask)
-        if r is None:
-            return orig_skip(padding_mask, *args, **kwargs)
-        with unset_fake_temporarily():
-            return orig_skip(r.bool(), *args, **kwargs)
+        return decide(orig_skip, "attention_mask", padding_mask, *args,
+                      convert=lambda t: t.bool(), **kwargs)
 
     patch(mu, "find_packed_sequence_indices", find_packed)
     patch(mu, "_ignore_causal_mask_sdpa", ignore_causal)
@@ -539,15 +585,16 @@ def exact_value_hooks(real: dict[str, torch.Tensor], fake_mode, notes: list[str]
         orig_seg = _varlen._segments
 
         def segments(position_ids):
-            if pos is None:  # no position_ids in the batch: the model counts 0..n-1 per row
+            cands = _candidates(real, "position_ids", position_ids)
+            if not cands:  # no position_ids in the batch: the model counts 0..n-1 per row
                 n = position_ids.shape[-1]
                 return [[(0, n)] for _ in range(position_ids.shape[0])]
-            r = _match(pos, position_ids)
-            if r is None:
-                raise EstimateError("per-document attention on a row the estimator did not "
-                                    "build; set attention.varlen=false to estimate")
             with unset_fake_temporarily():
-                return orig_seg(r)
+                answers = [orig_seg(c) for c in cands]
+            if not _same(answers):
+                raise EstimateError("several packed rows of this shape split into documents "
+                                    "differently; set attention.varlen=false to estimate")
+            return answers[0]
 
         patch(_varlen, "_segments", segments)
     try:
@@ -558,20 +605,25 @@ def exact_value_hooks(real: dict[str, torch.Tensor], fake_mode, notes: list[str]
 
 
 @contextlib.contextmanager
-def _fake_storage_keys():
-    """memlab's offloader keys tensors by storage data pointer; fake storages all report 0, so
-    while estimating they are keyed by storage identity instead (same meaning, alive objects)."""
+def _offload_accepts_fake():
+    """Let memlab's activation offloader work on fake tensors while estimating: it keys tensors
+    by storage data pointer (fake storages all report 0: keyed by storage identity here, same
+    meaning for live objects) and leaves tensor subclasses alone (fake tensors count as plain
+    tensors here). Scoped; restored on exit."""
     try:
         from memlab.offload import hooks
     except ImportError:
         yield
         return
-    orig = hooks._storage_key
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    saved = (hooks._storage_key, hooks.Tensor)
     hooks._storage_key = lambda t: (str(t.untyped_storage().device), id(t.untyped_storage()))
+    hooks.Tensor = FakeTensor
     try:
         yield
     finally:
-        hooks._storage_key = orig
+        hooks._storage_key, hooks.Tensor = saved
 
 
 class _HostStandin:
@@ -591,22 +643,31 @@ class _HostStandin:
 def _estimate_tracker(round_to: int = 0):
     """The run's tracker class, optionally rounding each storage up to ``round_to`` bytes
     (the CUDA caching allocator's 512-byte blocks) while the fake tensors live on the CPU."""
-    from torch.distributed._tools.mem_tracker import _UpdateType
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, _UpdateType
 
     from memlab.measure.memory import _tracker_class
 
     base = _tracker_class()
-    if not round_to:
-        return base()
 
-    class RoundingTracker(base):  # type: ignore[misc, valid-type]
-        def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None):
-            if u_type in (_UpdateType.ADD, _UpdateType.SIZE):
-                raw = winfo.size * winfo.element_size
-                winfo.mem_consumed = math.ceil(raw / round_to) * round_to if raw > 0 else 0
-            return super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
+    class EstimateTracker(base):  # type: ignore[misc, valid-type]
+        def _update_peak_stats(self, peak_state) -> None:
+            # Only the global peak (what MemoryProbe reads). MemTracker also keeps a per-module
+            # peak, walking every tracked module after every op: 2/3 of the time of a 1B
+            # estimate, and memlab never reads it.
+            for dev, snap in self._curr_mem_snap.items():
+                total = snap[_TOTAL_KEY]
+                if self._peak_mem.get(dev, 0) < total:
+                    self._peak_mem[dev] = total
+                    self._peak_mem_snap[dev] = dict(snap)
 
-    return RoundingTracker()
+        if round_to:
+            def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None):
+                if u_type in (_UpdateType.ADD, _UpdateType.SIZE):
+                    raw = winfo.size * winfo.element_size
+                    winfo.mem_consumed = math.ceil(raw / round_to) * round_to if raw > 0 else 0
+                return super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
+
+    return EstimateTracker()
 
 
 # ----------------------------------------------------------------------------- the estimate
@@ -645,11 +706,69 @@ def _hf_summary(cfg) -> dict[str, Any]:
     return {k: getattr(cfg, k) for k in keys if hasattr(cfg, k)}
 
 
-def run_fake_step(ctx, opts: EstimateOptions, notes: list[str]) -> dict[str, Any]:
-    """Build the configured model, method and optimizer on fake tensors and run ``opts.steps``
-    tracked training steps through :meth:`Trainer.run_step`; returns the raw probe result plus
-    model / batch descriptions. ``ctx`` is the context to *build* with (device cpu)."""
+def _fake_mode():
+    """A FakeTensorMode that answers the value reads a training step makes *after* the
+    decisions :func:`exact_value_hooks` resolves from the real batch - in practice loss values
+    and logging metrics: a floating scalar read (``float(t)``, ``.item()``, ``.tolist()``) gives
+    NaN, a boolean read gives True, and a data-dependent shape (``nonzero``, boolean indexing,
+    ``masked_select``) keeps every element (the upper bound). Integer reads still fail. The
+    answers are counted in ``mode.assumed`` and reported."""
     from torch._subclasses.fake_tensor import FakeTensorMode
+
+    aten = torch.ops.aten
+
+    class EstimateFakeMode(FakeTensorMode):
+        assumed: dict[str, int]
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is aten._local_scalar_dense.default:
+                x = args[0]
+                if x.is_floating_point() or x.dtype == torch.bool:
+                    kind = "float reads (NaN)" if x.is_floating_point() else \
+                        "boolean reads (True)"
+                    self.assumed[kind] = self.assumed.get(kind, 0) + 1
+                    return float("nan") if x.is_floating_point() else True
+            if func in (aten.nonzero.default, aten.masked_select.default):
+                key = "data-dependent shapes (all elements kept)"
+                self.assumed[key] = self.assumed.get(key, 0) + 1
+                x = args[0]
+                if func is aten.nonzero.default:
+                    shape, dtype = (x.numel(), x.dim()), torch.long
+                else:
+                    shape = (torch.broadcast_shapes(x.shape, args[1].shape).numel(),)
+                    dtype = x.dtype
+                return super().__torch_dispatch__(
+                    aten.empty.memory_format, types, (shape,),
+                    {"dtype": dtype, "device": x.device})
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    mode = EstimateFakeMode()
+    mode.assumed = {}
+    return mode
+
+
+@contextlib.contextmanager
+def _skip_weight_checks():
+    """Checks that compare weight *values* (a DPO / KTO reference must equal the initial policy)
+    cannot run on fake tensors; they are skipped while estimating (the check runs in real runs)."""
+    try:
+        from memlab.method import _preference
+    except ImportError:
+        yield
+        return
+    orig = _preference.check_same_weights
+    _preference.check_same_weights = lambda policy, reference: 0
+    try:
+        yield
+    finally:
+        _preference.check_same_weights = orig
+
+
+def run_fake_step(ctx, opts: EstimateOptions, notes: list[str]) -> dict[str, Any]:
+    """Build the configured models, method and optimizer on fake tensors and run the tracked
+    training step(s) through :meth:`Trainer.run_step`; returns the raw probe result plus model /
+    batch descriptions. ``ctx`` is the validated context (its device is replaced by cpu)."""
+    import datasets
 
     from memlab.pipeline import load_model
     from memlab.trainer.loop import Trainer
@@ -681,10 +800,10 @@ def run_fake_step(ctx, opts: EstimateOptions, notes: list[str]) -> dict[str, Any
             notes.append(f"from_data: the longest prepared row has {longest} tokens "
                          f"(< {length}); estimated at {longest}")
             length = longest
-    batch, batch_desc = synthetic_batch(bctx, tokenizer, length, opts.docs_per_row)
-    real_tensors = dict(batch.tensors)
+    rows, rows_desc = synthetic_rows(bctx, tokenizer, length, opts.docs_per_row)
+    real_tensors = dict(bctx.method.collate(rows, tokenizer, bctx).tensors)
 
-    fake_mode = FakeTensorMode()
+    fake_mode = _fake_mode()
     meta_ctx = dataclasses.replace(bctx, device="meta")
 
     def build(*args, trainable: bool = True, **kwargs):
@@ -692,21 +811,36 @@ def run_fake_step(ctx, opts: EstimateOptions, notes: list[str]) -> dict[str, Any
             m = load_model(meta_ctx, tokenizer, *args, trainable=trainable, **kwargs)
         return fakeify(m, fake_mode)
 
+    hooks = (lambda: exact_value_hooks(real_tensors, fake_mode, notes)) if opts.exact_masks \
+        else contextlib.nullcontext
     t0 = time.perf_counter()
     policy = build()
     build_s = time.perf_counter() - t0
-    offload_handle = bctx.offload.build(policy, bctx)
+    with _offload_accepts_fake():
+        offload_handle = bctx.offload.build(policy, bctx)
     if offload_handle is not None and hasattr(offload_handle, "storage"):
         offload_handle.storage = _HostStandin()
-    extra = bctx.method.extra_models(
-        policy, bctx, lambda *a, **k: build(*a, **{"trainable": False, **k}))
+    with _skip_weight_checks():
+        extra = bctx.method.extra_models(
+            policy, bctx, lambda *a, **k: build(*a, **{"trainable": False, **k}))
     models = {"policy": policy, **extra}
+    built = sorted(extra)
+    # the method's one-off pass (e.g. DPO's precomputed reference log-probs) over these rows,
+    # untracked, as the pipeline runs it before training (values are NaN; shapes are right)
+    with fake_mode, hooks():
+        prepared = bctx.method.before_training(models, datasets.Dataset.from_list(rows), bctx)
+    if prepared is not None:
+        rows = [prepared[i] for i in range(len(prepared))]
+        notes.append("method.before_training ran on the synthetic rows (untracked, as before "
+                     f"step 0); models kept for training: {', '.join(sorted(models))}")
 
-    batch.tensors = {k: fake_mode.from_tensor(v) for k, v in batch.tensors.items()}
+    def make_batch():
+        b = bctx.method.collate(rows, tokenizer, bctx)
+        b.tensors = {k: fake_mode.from_tensor(v) for k, v in b.tensors.items()}
+        return b
+
     micro = min(max(1, ctx.train.grad_accum), 2)
-    batches = [batch] + [dataclasses.replace(batch, tensors={
-        k: fake_mode.from_tensor(v.clone()) for k, v in real_tensors.items()})
-        for _ in range(micro - 1)]
+    batches = [make_batch() for _ in range(micro)]
     if ctx.train.grad_accum > 2:
         notes.append(f"grad_accum={ctx.train.grad_accum} estimated with 2 micro-batches per "
                      "step (from the second on, every micro-batch repeats the same memory)")
@@ -723,13 +857,19 @@ def run_fake_step(ctx, opts: EstimateOptions, notes: list[str]) -> dict[str, Any
     for m in models.values():
         m.train(m is policy)
 
-    hooks = (exact_value_hooks(real_tensors, fake_mode, notes) if opts.exact_masks
-             else contextlib.nullcontext())
     t1 = time.perf_counter()
-    steps = max(1, min(opts.steps, ctx.train.steps))
+    if ctx.train.steps == 1 or opts.run_first_step:
+        step_ids = list(range(min(2, ctx.train.steps)))
+    else:
+        step_ids = [1]
+        with fake_mode:  # step 0's optimizer update, by the optimizer itself: creates its state
+            for p in trainer.params:
+                p.grad = torch.zeros_like(p)
+            trainer.opt.step()
+            trainer.opt.zero_grad(set_to_none=True)
     try:
-        with fake_mode, hooks, _fake_storage_keys():
-            for step in range(steps):
+        with fake_mode, hooks(), _offload_accepts_fake():
+            for step in step_ids:
                 trainer.step_idx = step
                 trainer.run_step(batches, tracked=True)
     except (torch._subclasses.fake_tensor.DataDependentOutputException,
@@ -739,6 +879,9 @@ def run_fake_step(ctx, opts: EstimateOptions, notes: list[str]) -> dict[str, Any
             "value-dependent decisions it knows (masks, document splits): add a hook in "
             "memlab.measure.estimate.exact_value_hooks for this one") from e
     step_s = time.perf_counter() - t1
+    if fake_mode.assumed:
+        notes.append("value reads answered without values (metrics, logging): " + ", ".join(
+            f"{n} {k}" for k, n in sorted(fake_mode.assumed.items())))
     raw = trainer.probe.result()
     offload = None
     if offload_handle is not None and hasattr(offload_handle, "stats"):
@@ -747,24 +890,55 @@ def run_fake_step(ctx, opts: EstimateOptions, notes: list[str]) -> dict[str, Any
         "raw": raw,
         "offload": offload,
         "model": {**_param_info(policy), "config": _hf_summary(model_standin.config(tokenizer)),
-                  "extra_models": sorted(extra)},
-        "batch": {**batch_desc, "micro_batches_per_step": micro,
-                  "grad_accum": ctx.train.grad_accum},
-        "timing": {"build_s": build_s, "steps_s": step_s, "steps": steps},
+                  "shard_units": shard_units(policy), "extra_models": built,
+                  "models_in_training": sorted(models)},
+        "batch": {**describe_batch(batches[0], bctx, rows_desc, length),
+                  "micro_batches_per_step": micro, "grad_accum": ctx.train.grad_accum},
+        "timing": {"build_s": build_s, "steps_s": step_s, "steps": step_ids},
     }
 
 
 # ----------------------------------------------------------------------------- post-processing
 
 
+def shard_units(model: nn.Module) -> dict[str, int]:
+    """FSDP / ZeRO-3 wrapping units: each decoder layer (the model's ``_no_split_modules``) and
+    the rest (embeddings, head, final norm) as the root unit. Returns the largest unit's
+    parameter bytes and trainable (gradient) bytes."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = set(getattr(base, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+
+    def nbytes(params, trainable_only=False):
+        seen, total = set(), 0
+        for p in params:
+            if id(p) in seen or (trainable_only and not p.requires_grad):
+                continue
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+        return total
+
+    sizes = [(nbytes(m.parameters()), nbytes(m.parameters(), True)) for m in layers]
+    in_layers = {id(p) for m in layers for p in m.parameters()}
+    rest = [p for p in model.parameters() if id(p) not in in_layers]
+    sizes.append((nbytes(rest), nbytes(rest, True)))
+    return {"units": len(sizes), "largest_bytes": max(s[0] for s in sizes),
+            "largest_grad_bytes": max(s[1] for s in sizes)}
+
+
 def apply_sharding(mem: dict[str, Any], world: int, stage: int,
-                   layer_param_bytes: int = 0, notes: list[str] | None = None) -> dict[str, Any]:
-    """Divide what ZeRO / FSDP shard by the world size (per phase, then the peak is the largest
-    phase). ``layer_param_bytes``: full parameter bytes of the largest layer (stage 3 gathers
-    two at a time in forward and backward: the current one and the prefetched next)."""
+                   units: dict[str, int] | None = None,
+                   notes: list[str] | None = None) -> dict[str, Any]:
+    """Divide what ZeRO / FSDP shard by the world size, per phase; the peak is then the largest
+    phase. Stage 3 adds the gathered parameters of the two largest units in forward and backward
+    (the current one and the prefetched next); stages 2-3 add one unit of unsharded gradients in
+    backward (before its reduce-scatter). Stage 0 with world > 1 is DDP: its gradient buckets add
+    one gradient-sized buffer (``gradient_as_bucket_view=False``, the default)."""
     notes = notes if notes is not None else []
     if world <= 1:
         return mem
+    units = units or {}
+    unit_p, unit_g = units.get("largest_bytes", 0), units.get("largest_grad_bytes", 0)
     div = {"optimizer": stage >= 1, "gradients": stage >= 2, "parameters": stage >= 3}
     phases = {}
     for ph, snap in (mem.get("by_phase_category") or {}).items():
@@ -772,18 +946,27 @@ def apply_sharding(mem: dict[str, Any], world: int, stage: int,
         if stage == 0:
             new["gradients"] = snap.get("gradients", 0) * 2
         if stage >= 3 and ph in ("forward", "backward"):
-            new["parameters"] += 2 * layer_param_bytes
+            new["parameters"] += 2 * unit_p
+        if stage >= 2 and ph == "backward":
+            new["gradients"] += unit_g
         phases[ph] = new
     if stage == 0:
         notes.append(f"world_size={world}, zero_stage=0 (DDP): nothing sharded; DDP's gradient "
                      "buckets add one gradient-sized buffer (gradient_as_bucket_view=False)")
     else:
         what = [k for k in ("optimizer", "gradients", "parameters") if div[k]]
-        notes.append(f"world_size={world}, zero_stage={stage}: {', '.join(what)} divided by "
-                     f"{world} per rank" + (" (FSDP full shard / ZeRO-3: plus the gathered "
-                                            "parameters of two layers in forward/backward)"
-                                            if stage >= 3 else "")
-                     + "; activations are per rank (each rank runs its own micro-batch); "
+        extra = []
+        if stage >= 3:
+            extra.append(f"forward/backward gather two units' parameters (2 x "
+                         f"{fmt_bytes(unit_p)}; units = decoder layers + the root)")
+        if stage >= 2:
+            extra.append(f"backward holds one unit's unsharded gradients "
+                         f"({fmt_bytes(unit_g)}) before its reduce-scatter")
+        notes.append(f"world_size={world}, zero_stage={stage}"
+                     + (" (FSDP full shard)" if stage == 3 else "")
+                     + f": {', '.join(what)} divided by {world} per rank; "
+                     + "; ".join(extra) + ("; " if extra else "")
+                     + "activations are per rank (each rank runs its own micro-batch); other "
                        "communication buffers are not modelled")
     by_phase = {ph: sum(s.values()) for ph, s in phases.items()}
     peak_phase = max(by_phase, key=by_phase.get) if by_phase else None
@@ -824,12 +1007,6 @@ def verdict(peak: int, budget: int | None, by_category: dict[str, int],
             "dominant": top, "text": text}
 
 
-def _largest_layer_bytes(model_info: dict[str, Any], hf: dict[str, Any]) -> int:
-    layers = hf.get("num_hidden_layers") or 1
-    total = sum(model_info.get("bytes_by_dtype", {}).values())
-    return int(total / max(1, layers))
-
-
 def estimate(cfg, opts: EstimateOptions | None = None, choices: dict[str, str] | None = None,
              overrides: list[str] | None = None) -> dict[str, Any]:
     """Estimate one composed configuration; returns the ``estimate.json`` dict (``status`` ok /
@@ -862,8 +1039,11 @@ def estimate(cfg, opts: EstimateOptions | None = None, choices: dict[str, str] |
     raw = res["raw"]
     mem = {k: raw[k] for k in ("peak_bytes", "by_category", "by_phase", "by_phase_category",
                                 "peak_at")}
-    notes.insert(0, f"measured: {res['timing']['steps']} training step(s) on fake tensors "
-                    "under the run's memory tracker (CPU kernels' shapes)")
+    ran = res["timing"]["steps"]
+    notes.insert(0, "measured: training step(s) " + ", ".join(map(str, ran)) + " on fake tensors "
+                    "under the run's memory tracker (CPU kernels' shapes)"
+                    + ("; optimizer state created by the optimizer's own step 0 update"
+                       if ran == [1] else ""))
     unsharded = mem
     sm = CARDS[opts.card]["sm"] if opts.card else 8
     if opts.device == "cuda":
@@ -875,8 +1055,8 @@ def estimate(cfg, opts: EstimateOptions | None = None, choices: dict[str, str] |
     else:
         notes.append("device=cpu: byte-exact for a CPU run of the same shapes")
     if opts.world_size > 1:
-        layer = _largest_layer_bytes(res["model"], res["model"]["config"])
-        mem = apply_sharding(mem, opts.world_size, opts.zero_stage, layer, notes)
+        mem = apply_sharding(mem, opts.world_size, opts.zero_stage, res["model"]["shard_units"],
+                             notes)
     budget = opts.budget_bytes
     overhead = 0
     if opts.card:

@@ -1,0 +1,272 @@
+"""``memlab estimate``: predict the peak memory of a configuration before running it, no GPU.
+
+Usage::
+
+    memlab estimate peft=lora method.max_length=2048                   # the table
+    memlab estimate model=hf model.name_or_path=Qwen/Qwen2.5-0.5B --card a100-40gb
+    memlab estimate model.hidden_size=2048 model.num_layers=16 --budget 24GiB
+    memlab estimate model=hf model.name_or_path=./my_model --set num_hidden_layers=8
+    memlab estimate --world-size 8 --zero-stage 3 precision=bf16
+    memlab estimate -m peft=none,lora packing=none,bfd --budget 24GiB   # a sweep: what fits
+    python -m memlab.cli.estimate ...                                  # the same
+
+Every ``key=value`` is a Hydra override, exactly as a training run takes it (composed over the
+repository's ``conf/`` and validated like a run, as a CUDA run with ``--device cuda``); options
+(``--...``) are this command's. The estimate runs one training step of the configured model and
+method on fake tensors under the run's memory tracker (see :mod:`memlab.measure.estimate`) and
+prints categories x phases, the peak and, with ``--budget`` or ``--card``, a verdict. It writes
+``estimate.json`` (atomically) to ``--out`` (default ``outputs/estimate/<date>/<time>/``); a
+sweep (``-m``: every comma list is expanded, all combinations, in this process) writes one
+``<n>/estimate.json`` per point plus ``sweep.json`` and prints one line per point.
+
+Exit status: 0 estimated (whatever the verdict), 1 the estimate failed, 2 invalid command line or
+configuration (for a sweep: 0 unless every point failed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+
+def conf_dir() -> Path:
+    """The repository's ``conf/`` (the one ``python -m memlab`` composes)."""
+    import memlab
+
+    return Path(memlab.__file__).resolve().parents[2] / "conf"
+
+
+def compose(overrides: Sequence[str]):
+    """(config without the hydra node, group choices) composed over :func:`conf_dir`."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from omegaconf import OmegaConf, open_dict
+
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        cfg = hydra_compose(config_name="config", overrides=list(overrides),
+                            return_hydra_config=True)
+    choices = {str(k): str(v) for k, v in cfg.hydra.runtime.choices.items()
+               if not str(k).startswith("hydra/") and v is not None}
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return OmegaConf.create(OmegaConf.to_container(cfg)), choices
+
+
+def split_values(value: str) -> list[str]:
+    """Split a sweep value on top-level commas (not inside [], {}, () or quotes)."""
+    out, depth, quote, cur = [], 0, None, []
+    for ch in value:
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "[{(":
+            depth += 1
+        elif ch in "]})":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            out.append("".join(cur))
+            cur = []
+            continue
+        cur.append(ch)
+    out.append("".join(cur))
+    return out
+
+
+def expand_sweep(overrides: Sequence[str]) -> list[list[str]]:
+    """``['a=1,2', 'b=x,y', 'c=3']`` -> the 4 override lists of the product (Hydra's basic
+    sweeper order: the last key varies fastest)."""
+    axes: list[list[str]] = []
+    for o in overrides:
+        key, sep, value = o.partition("=")
+        if not sep:
+            axes.append([o])
+            continue
+        if value.startswith(("range(", "interval(", "choice(", "glob(")):
+            raise ValueError(f"{o}: sweep functions are not supported by memlab estimate -m; "
+                             "list the values with commas")
+        axes.append([f"{key}={v}" for v in split_values(value)])
+    return [list(p) for p in itertools.product(*axes)]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from memlab.measure.estimate import CARDS
+
+    p = argparse.ArgumentParser(
+        prog="memlab estimate",
+        description="Predict peak training memory (categories x phases) on fake tensors.",
+        epilog="Every key=value argument is a Hydra override, as for a training run.",
+    )
+    p.add_argument("-m", "--multirun", action="store_true",
+                   help="sweep: expand comma lists (a=x,y b=u,v -> 4 estimates)")
+    p.add_argument("--budget", metavar="SIZE",
+                   help="memory per device for the verdict, e.g. 24GiB, 80GB, 40960MiB")
+    p.add_argument("--card", choices=sorted(CARDS), metavar="CARD",
+                   help=f"a GPU: {', '.join(CARDS)} (budget = its memory; implies "
+                        "--device cuda)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                   help="cpu: byte-exact CPU tracker peak; cuda: the CUDA model (512-byte "
+                        "allocator blocks, cuBLAS workspace, foreach AdamW; validated as a "
+                        "CUDA run). Default: cuda with --card, else cpu")
+    p.add_argument("--world-size", type=int, default=1, metavar="N",
+                   help="ranks sharing the model (with --zero-stage / --shard)")
+    p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None,
+                   help="ZeRO stage: 1 shards optimizer state, 2 + gradients, 3 + parameters")
+    p.add_argument("--shard", choices=("none", "ddp", "zero1", "zero2", "zero3", "fsdp"),
+                   default=None, help="the same as --zero-stage by name (fsdp = zero3)")
+    p.add_argument("--length", type=int, default=None, metavar="N",
+                   help="tokens per row (default: method.max_length)")
+    p.add_argument("--from-data", action="store_true",
+                   help="prepare the real data and use its longest row if shorter")
+    p.add_argument("--docs-per-row", type=int, default=1, metavar="K",
+                   help="documents per packed row (default 1)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="sets",
+                   help="change a field of the model's HF config (repeatable), e.g. "
+                        "--set num_hidden_layers=8")
+    p.add_argument("--inexact-masks", action="store_true",
+                   help="keep transformers' fake-tensor mask behaviour (measures the "
+                        "discrepancy the exact hooks remove)")
+    p.add_argument("--run-first-step", action="store_true",
+                   help="track step 0 too instead of creating the optimizer state directly")
+    p.add_argument("--out", type=Path, default=None, metavar="DIR",
+                   help="where estimate.json goes (default outputs/estimate/<date>/<time>)")
+    p.add_argument("--json", action="store_true", help="print the JSON instead of the table")
+    p.add_argument("--cards", action="store_true", help="list the known cards and exit")
+    return p
+
+
+def _value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def options_from(args) -> Any:
+    from memlab.measure.estimate import EstimateOptions, parse_bytes
+
+    stage = args.zero_stage
+    if args.shard is not None:
+        named = {"none": 0, "ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3, "fsdp": 3}[args.shard]
+        if stage is not None and stage != named:
+            raise ValueError(f"--shard {args.shard} and --zero-stage {stage} disagree")
+        stage = named
+    if args.world_size < 1:
+        raise ValueError("--world-size must be >= 1")
+    if args.docs_per_row < 1:
+        raise ValueError("--docs-per-row must be >= 1")
+    sets = {}
+    for item in args.sets:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set {item!r}: expected KEY=VALUE")
+        sets[key] = _value(value)
+    device = args.device or ("cuda" if args.card else "cpu")
+    return EstimateOptions(
+        device=device, card=args.card,
+        budget_bytes=parse_bytes(args.budget) if args.budget else None,
+        world_size=args.world_size, zero_stage=stage or 0, length=args.length,
+        from_data=args.from_data, docs_per_row=args.docs_per_row,
+        exact_masks=not args.inexact_masks, config_overrides=sets,
+        run_first_step=args.run_first_step,
+    )
+
+
+def _cards_table() -> str:
+    from memlab.measure.estimate import CARDS, CUDA_CONTEXT_BYTES, cublas_workspace_bytes, fmt_bytes
+
+    lines = [f"{'card':<11}{'memory':>11}  {'cuBLAS ws':>9}  name"]
+    for key, c in CARDS.items():
+        lines.append(f"{key:<11}{fmt_bytes(c['mib'] * 1024**2):>11}  "
+                     f"{fmt_bytes(cublas_workspace_bytes(c['sm'])):>9}  {c['name']}")
+    lines.append(f"(memory as nvidia-smi reports it; the verdict also counts "
+                 f"~{fmt_bytes(CUDA_CONTEXT_BYTES)} of CUDA context)")
+    return "\n".join(lines)
+
+
+def _default_out() -> Path:
+    return Path("outputs") / "estimate" / time.strftime("%Y-%m-%d") / time.strftime("%H-%M-%S")
+
+
+def estimate_one(overrides: list[str], opts) -> dict[str, Any]:
+    """Compose + estimate one point; never raises for a bad configuration."""
+    from memlab.measure.estimate import estimate
+
+    try:
+        cfg, choices = compose(overrides)
+    except Exception as e:  # noqa: BLE001 - Hydra's override / compose errors
+        if type(e).__module__.split(".")[0] not in ("hydra", "omegaconf"):
+            raise
+        return {"kind": "estimate", "status": "invalid", "error": str(e),
+                "choices": {}, "overrides": list(overrides)}
+    return estimate(cfg, opts, choices, list(overrides))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``memlab estimate``; see the module docstring for the exit status."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    unknown = [a for a in rest if a.startswith("-")]
+    if unknown:
+        parser.print_usage(sys.stderr)
+        print(f"memlab estimate: unknown option(s): {' '.join(unknown)}", file=sys.stderr)
+        return 2
+    if args.cards:
+        print(_cards_table())
+        return 0
+    try:
+        opts = options_from(args)
+        points = expand_sweep(rest) if args.multirun else [list(rest)]
+    except ValueError as e:
+        print(f"memlab estimate: {e}", file=sys.stderr)
+        return 2
+
+    from memlab.measure.estimate import format_sweep, format_table
+    from memlab.measure.summary import write_atomic
+
+    out = args.out or _default_out()
+    if not args.multirun:
+        est = estimate_one(points[0], opts)
+        write_atomic(out / "estimate.json", est)
+        print(json.dumps(est, indent=2, default=str) if args.json else format_table(est))
+        print(f"\nwrote {out / 'estimate.json'}", file=sys.stderr)
+        return {"ok": 0, "invalid": 2}.get(est["status"], 1)
+
+    rows = []
+    for i, point in enumerate(points):
+        print(f"[memlab estimate] {i + 1}/{len(points)}: {' '.join(point)}", file=sys.stderr,
+              flush=True)
+        est = estimate_one(point, opts)
+        est["sweep_point"] = [o for o in point if o in _varied(points)]
+        write_atomic(out / str(i) / "estimate.json", est)
+        rows.append(est)
+    summary = [{k: r.get(k) for k in ("sweep_point", "status", "error", "peak_bytes",
+                                      "by_category", "verdict")} for r in rows]
+    write_atomic(out / "sweep.json", {"kind": "estimate_sweep", "points": summary,
+                                      "options": rows[0].get("options") if rows else None})
+    if args.json:
+        print(json.dumps(summary, indent=2, default=str))
+    else:
+        print(format_sweep(rows))
+    print(f"\nwrote {out}/<n>/estimate.json and {out / 'sweep.json'}", file=sys.stderr)
+    return 0 if any(r["status"] == "ok" for r in rows) else 1
+
+
+def _varied(points: list[list[str]]) -> set[str]:
+    """Overrides that differ between sweep points (the columns of the sweep table)."""
+    if len(points) <= 1:
+        return set(points[0]) if points else set()
+    return {o for p in points for o in p if not all(o in q for q in points)}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
