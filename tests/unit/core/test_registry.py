@@ -92,3 +92,11 @@ def test_invalid_combination_rejected_before_model_load(job, monkeypatch):
     s = job(["attention=flex_attention"])
     assert s["status"] == "invalid"
     assert "attention=sdpa" in s["error"]
+
+
+def test_experiment_configs_compose_and_validate():
+    for path in sorted((CONF / "experiment").glob("*.yaml")):
+        cfg = _plain(compose([o for o in FAST if not o.startswith("method.max_length")]
+                             + [f"experiment={path.stem}"]))
+        ctx = validate(cfg)
+        assert ctx.method.name in ("sft", "dpo", "reward", "kto")
