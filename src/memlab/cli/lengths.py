@@ -49,6 +49,8 @@ from typing import Any
 
 import numpy as np
 
+from memlab.cli.compose import compose, conf_dir  # noqa: F401 (re-exported)
+
 PERCENTILES: tuple[int, ...] = (50, 75, 90, 95, 99)
 DEFAULT_MAX_TRUNCATED = 0.01
 DEFAULT_EPOCHS = 8
@@ -63,13 +65,6 @@ _NO_LIMIT = re.compile(r"^max_(\w+_)?length$")
 # --------------------------------------------------------------------------------- config / data
 
 
-def conf_dir() -> Path:
-    """The repository's ``conf/`` (the one ``python -m memlab`` composes)."""
-    import memlab
-
-    return Path(memlab.__file__).resolve().parents[2] / "conf"
-
-
 def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     """(this command's options, Hydra overrides): ``key=value`` not starting with ``--`` is an
     override, everything else goes to argparse (``--out DIR`` and ``--out=DIR`` both work)."""
@@ -80,22 +75,6 @@ def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
         else:
             opts.append(arg)
     return opts, overrides
-
-
-def compose(overrides: Sequence[str]):
-    """(config without the hydra node, group choices) composed over :func:`conf_dir`."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from omegaconf import OmegaConf, open_dict
-
-    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-        cfg = hydra_compose(config_name="config", overrides=list(overrides),
-                            return_hydra_config=True)
-    choices = {str(k): str(v) for k, v in cfg.hydra.runtime.choices.items()
-               if not str(k).startswith("hydra/") and v is not None}
-    with open_dict(cfg):
-        del cfg["hydra"]
-    return OmegaConf.create(OmegaConf.to_container(cfg)), choices
 
 
 def untruncated(ctx):
