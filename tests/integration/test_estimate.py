@@ -1,91 +1,193 @@
 """`memlab estimate` against real measurements: on tiny models the fake-tensor estimate's peak
 and categories agree with the CPU tracker of a real run of the same batch shape (within 3%),
-and estimates move the right way when a technique is switched on.
+estimates move the right way when a technique is switched on, verdicts, sweeps, the CLI, and a
+1B-parameter estimate in under a minute with under 1 GiB of real memory (slow).
 
-Real runs use packing=bfd with padding-free collation on long documents truncated to
-max_length (every step is one flat row of exactly batch_size * max_length tokens) and track
-every step, so every real step has the shape the estimate assumes.
+Real runs use long documents (median 3,000 tokens) truncated at max_length, so every row has
+exactly max_length tokens: padded batches are [batch_size, max_length] without padding, packed
+padding-free batches one flat row of batch_size * max_length tokens - the shapes the estimate
+assumes. They run two steps, both tracked (``measure.memory_steps=all``), like the estimate's
+steady-state step 1 after step 0's optimizer update.
+
+Why two real steps and not more: in LoRA + gradient-checkpointing runs MemTracker itself keeps
+two hidden-state-sized tensors alive per *tracked* step (they are not kept without the
+tracker), so with ``memory_steps=all`` the measured peak creeps up by ~0.8% of this model's peak
+per extra step. The estimate does not have that artefact; at step 1 it differs by ~1%.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import time
 
 import pytest
 
 from memlab.cli.estimate import main as estimate_main
+from memlab.measure.memory import CATEGORIES
+from memlab_testing import REPO
 
 pytestmark = pytest.mark.integration
 
-# Long conversations (median 3,000 tokens) truncated at 256: every packed row is exactly one
-# 256-token document, so every real step has the shape the estimate assumes.
 SHAPE = ["model.hidden_size=128", "model.intermediate_size=384", "model.num_layers=2",
-         "method.max_length=256", "train.batch_size=2", "data.n_examples=32",
-         "data.median_tokens=3000", "packing=bfd", "train.device=cpu"]
+         "train.batch_size=2", "data.n_examples=32", "data.median_tokens=3000",
+         "train.device=cpu", "train.progress=false"]
+LEN = ["method.max_length=256"]
+REAL = ["measure.memory_steps=all", "train.steps=2"]
 
 
 def _estimate(tmp_path, overrides, *extra):
     out = tmp_path / ("est_" + str(abs(hash(tuple(overrides + list(extra))))))
     code = estimate_main([*overrides, *extra, "--out", str(out)])
     assert code == 0
-    return json.loads((out / "estimate.json").read_text())
+    est = json.loads((out / "estimate.json").read_text())
+    assert est["status"] == "ok", est["error"]
+    return est
 
 
-def _peak(est):
-    return est["memory"]["peak_bytes"] if "memory" in est else est["peak_bytes"]
+CASES = {
+    "full packed": ["packing=bfd", *LEN],
+    "lora packed": ["packing=bfd", "peft=lora", *LEN],
+    "no checkpointing": ["packing=bfd", "train.gradient_checkpointing=false", *LEN],
+    "bf16": ["packing=bfd", "precision=bf16", *LEN],
+    "chunked loss": ["packing=bfd", "method.loss_impl=chunked", "method.chunk_size=128", *LEN],
+    "padded bf16_mixed eager": ["packing=none", "precision=bf16_mixed", "attention=eager", *LEN],
+    "dpo reference copy": ["packing=none", "method=dpo", *LEN],
+}
 
 
-def _cats(est):
-    return (est.get("memory") or est)["by_category"]
-
-
-@pytest.mark.parametrize("extra", [
-    [],
-    ["peft=lora"],
-    ["train.gradient_checkpointing=false"],
-    ["precision=bf16"],
-    ["method.loss_impl=chunked", "method.chunk_size=128"],
-])
-def test_estimate_matches_real_run_within_3_percent(job, tmp_path, extra):
-    est = _estimate(tmp_path, SHAPE + extra)
-    real = job(SHAPE + extra + ["measure.memory_steps=all", "train.steps=3"], fast=False)
+@pytest.mark.parametrize("case", list(CASES))
+def test_estimate_matches_real_run_within_3_percent(job, tmp_path, case):
+    overrides = SHAPE + CASES[case]
+    est = _estimate(tmp_path, overrides)
+    real = job(overrides + REAL, fast=False)
     assert real["status"] == "ok", real["error"]
-    rp, ep = real["memory"]["peak_bytes"], _peak(est)
-    # LoRA: the real run carries one ~1 MiB activation-category tensor from step to step that a
-    # one-step estimate does not have (3.05% here; cause not yet found, see the closing note).
-    tol = 0.035 if "peft=lora" in extra else 0.03
-    assert abs(ep - rp) <= tol * rp, (ep, rp)
-    for cat in ("parameters", "optimizer"):
-        assert _cats(est)[cat] == pytest.approx(real["memory"]["by_category"][cat], rel=0.03)
+    assert real["data"]["padding_fraction"] == 0.0  # every real batch has the estimated shape
+    rm = real["memory"]
+    rp, ep = rm["peak_bytes"], est["peak_bytes"]
+    rows = [f"{'peak':12}{ep:>12}{rp:>12}{100 * (ep - rp) / rp:+8.2f}%"]
+    for cat in CATEGORIES:
+        e, r = est["by_category"][cat], rm["by_category"][cat]
+        rows.append(f"{cat:12}{e:>12}{r:>12}" + (f"{100 * (e - r) / r:+8.2f}%" if r else ""))
+    print(f"\n[{case}] estimate vs real (bytes)\n" + "\n".join(rows))
+    assert abs(ep - rp) <= 0.03 * rp, (ep, rp)
+    for cat in CATEGORIES:
+        e, r = est["by_category"][cat], rm["by_category"][cat]
+        assert abs(e - r) <= 0.03 * r + 64 * 1024, (cat, e, r)
+    assert est["peak_at"]["phase"] == rm["peak_at"]["phase"]
 
 
 def test_estimates_move_the_right_way(tmp_path):
-    base = _estimate(tmp_path, SHAPE)
-    no_gc = _estimate(tmp_path, SHAPE + ["train.gradient_checkpointing=false"])
-    lora = _estimate(tmp_path, SHAPE + ["peft=lora"])
-    bf16 = _estimate(tmp_path, SHAPE + ["precision=bf16"])
-    z3 = _estimate(tmp_path, SHAPE, "--world-size", "8", "--zero-stage", "3")
-    assert _cats(no_gc)["activations"] > _cats(base)["activations"]
-    assert _cats(lora)["optimizer"] < _cats(base)["optimizer"] / 4
-    assert _cats(bf16)["parameters"] * 2 == pytest.approx(_cats(base)["parameters"], rel=0.01)
-    # ZeRO-3 / FSDP: optimizer state is split 8 ways; parameters are split too but each rank
-    # gathers two units (layer or embedding/head) in forward/backward, which the estimate adds
-    assert _cats(z3)["optimizer"] == pytest.approx(_cats(base)["optimizer"] / 8, rel=0.05)
-    assert z3["unsharded"]["by_category"]["parameters"] == _cats(base)["parameters"]
-    assert any("gather" in a for a in z3["assumptions"])
+    base_o = SHAPE + ["packing=bfd", *LEN]
+    base = _estimate(tmp_path, base_o)
+    no_gc = _estimate(tmp_path, base_o + ["train.gradient_checkpointing=false"])
+    lora = _estimate(tmp_path, base_o + ["peft=lora"])
+    bf16 = _estimate(tmp_path, base_o + ["precision=bf16"])
+    z3 = _estimate(tmp_path, base_o, "--world-size", "8", "--zero-stage", "3")
+    cats = {n: e["by_category"] for n, e in
+            (("base", base), ("no_gc", no_gc), ("lora", lora), ("bf16", bf16), ("z3", z3))}
+    assert cats["no_gc"]["activations"] > cats["base"]["activations"]
+    assert (cats["lora"]["optimizer"] + cats["lora"]["gradients"]
+            < (cats["base"]["optimizer"] + cats["base"]["gradients"]) / 4)
+    assert lora["by_phase_category"]["optimizer"]["gradients"] < \
+        base["by_phase_category"]["optimizer"]["gradients"] / 4
+    assert cats["bf16"]["parameters"] * 2 == pytest.approx(cats["base"]["parameters"], rel=0.01)
+    # ZeRO-3 / FSDP over 8 ranks: parameters and optimizer state split 8 ways per rank (plus
+    # two gathered units in forward/backward); the unsharded numbers are kept for reference
+    z3_opt = z3["by_phase_category"]["optimizer"]
+    base_opt = base["by_phase_category"]["optimizer"]
+    assert z3_opt["parameters"] == pytest.approx(base_opt["parameters"] / 8, rel=0.01)
+    assert z3_opt["optimizer"] == pytest.approx(base_opt["optimizer"] / 8, rel=0.01)
+    assert z3["unsharded"]["by_category"] == base["by_category"]
+    assert z3["peak_bytes"] < base["peak_bytes"]
+    assert any("zero_stage=3" in a for a in z3["assumptions"])
 
 
-def test_verdict_against_a_budget(tmp_path, capsys):
-    small = _estimate(tmp_path, SHAPE, "--budget", "1MiB")
-    big = _estimate(tmp_path, SHAPE, "--budget", "24GiB")
-    text = json.dumps(small)
-    assert "does not fit" in text
-    assert "fits" in json.dumps(big) and "does not fit" not in json.dumps(big)
+def test_cuda_model_offload_and_qlora(tmp_path):
+    base_o = SHAPE + ["packing=none", "train.gradient_checkpointing=false", *LEN]
+    cpu = _estimate(tmp_path, base_o)
+    cuda = _estimate(tmp_path, base_o, "--device", "cuda")
+    # 512-byte blocks + cuBLAS workspace: never below the byte-exact CPU number
+    assert cuda["peak_bytes"] > cpu["peak_bytes"]
+    assert cuda["by_category"]["other"] >= 8 * 1024**2
+    off = _estimate(tmp_path, base_o + ["offload=activations", "offload.min_bytes=0"],
+                    "--device", "cuda")
+    assert off["by_category"]["activations"] < cuda["by_category"]["activations"]
+    assert off["offload"]["host_peak_bytes"] > 0
+    # qlora validates as a CUDA run (no bitsandbytes here) and stores the base in 4 bits
+    q = _estimate(tmp_path, base_o + ["peft=qlora", "precision=bf16"], "--card", "a10g")
+    assert q["model"]["quantized_linears"] == 2 * 7  # q k v o gate up down per layer
+    assert "uint8(4-bit)" in q["model"]["bytes_by_dtype"]
+    assert q["verdict"]["fits"] and q["card"]["key"] == "a10g"
+
+
+def test_exact_masks_remove_the_fake_tensor_mask(tmp_path):
+    """Transformers treats fake inputs as tracing and materialises a mask an unpadded real
+    batch never builds; the estimator decides from the real batch values instead."""
+    o = SHAPE + ["packing=none", "attention=sdpa", *LEN]
+    exact = _estimate(tmp_path, o)
+    inexact = _estimate(tmp_path, o, "--inexact-masks")
+    assert inexact["peak_bytes"] > exact["peak_bytes"]
+
+
+def test_verdict_against_a_budget(tmp_path):
+    o = SHAPE + ["packing=bfd", *LEN]
+    small = _estimate(tmp_path, o, "--budget", "1MiB")
+    big = _estimate(tmp_path, o, "--budget", "24GiB")
+    assert not small["verdict"]["fits"] and "does not fit: over by" in small["verdict"]["text"]
+    assert small["verdict"]["dominant"] in CATEGORIES
+    assert big["verdict"]["fits"] and big["verdict"]["text"].startswith("fits with")
 
 
 def test_sweep_of_estimates(tmp_path, capsys):
-    code = estimate_main([*SHAPE, "-m", "peft=none,lora", "train.gradient_checkpointing=true,false",
-                          "--budget", "24GiB", "--out", str(tmp_path / "sweep")])
+    out = tmp_path / "sweep"
+    code = estimate_main([*SHAPE, *LEN, "-m", "peft=none,lora", "packing=none,bfd",
+                          "--budget", "38MiB", "--out", str(out)])
     assert code == 0
-    out = capsys.readouterr().out
-    assert out.count("fits") >= 4
+    table = capsys.readouterr().out
+    lines = [line for line in table.splitlines() if line.startswith(("none", "lora"))]
+    assert len(lines) == 4 and "peft" in table and "packing" in table
+    assert any("does not fit" in line for line in lines)  # full fine-tuning: ~44 MiB
+    assert any("fits with" in line for line in lines)  # LoRA: under
+    sweep = json.loads((out / "sweep.json").read_text())
+    assert [p["sweep_point"] for p in sweep["points"]][0] == ["peft=none", "packing=none"]
+    assert all((out / str(i) / "estimate.json").exists() for i in range(4))
+
+
+def test_invalid_config_and_module_entry_point(tmp_path):
+    code = estimate_main([*SHAPE, "attention=flash_attention_2", "precision=bf16",
+                          "--out", str(tmp_path)])
+    assert code == 2
+    est = json.loads((tmp_path / "estimate.json").read_text())
+    assert est["status"] == "invalid" and "--device cuda" in est["error"]
+    r = subprocess.run([sys.executable, "-m", "memlab.cli.estimate", "--cards"], cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "h100-80gb" in r.stdout
+
+
+LLAMA_1B = ["model.hidden_size=2048", "model.num_layers=16", "model.num_heads=32",
+            "model.num_kv_heads=8", "model.intermediate_size=8192", "model.vocab_size=32000",
+            "method.max_length=2048", "train.batch_size=4", "packing=none"]
+
+
+@pytest.mark.slow
+def test_1b_model_estimates_in_under_a_minute_and_1gib(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "memlab.cli.estimate", *LLAMA_1B,
+                        "--out", str(tmp_path), "--budget", "24GiB"], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=300)
+    wall = time.perf_counter() - t0
+    assert r.returncode == 0, r.stderr[-3000:]
+    est = json.loads((tmp_path / "estimate.json").read_text())
+    print(f"\n1B estimate: process {wall:.1f} s, estimate() {est['estimator']['wall_s']:.1f} s, "
+          f"max RSS {est['estimator']['max_rss_bytes'] / 2**20:.0f} MiB, peak "
+          f"{est['peak_bytes'] / 2**30:.2f} GiB")
+    assert est["model"]["total"] == pytest.approx(1.1e9, rel=0.05)
+    assert est["by_category"]["parameters"] == 4 * est["model"]["total"]  # fp32
+    assert est["by_phase_category"]["optimizer"]["optimizer"] >= 8 * est["model"]["total"]
+    assert est["batch"]["shapes"]["input_ids"] == [4, 2048]
+    assert wall < 60
+    assert est["estimator"]["max_rss_bytes"] < 2**30

@@ -1030,6 +1030,13 @@ def estimate(cfg, opts: EstimateOptions | None = None, choices: dict[str, str] |
     except ConfigErrors as e:
         out["status"] = "invalid"
         out["error"] = str(e)
+        if opts.device == "cpu":
+            try:
+                validate_for(cfg, "cuda", choices)
+                out["error"] += ("\n(valid as a CUDA run: estimate it with --device cuda or "
+                                 "--card NAME)")
+            except ConfigErrors:
+                pass
         return out
     try:
         res = run_fake_step(ctx, opts, notes)
