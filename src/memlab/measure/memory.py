@@ -29,10 +29,43 @@ def _tracker_class():
 
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState
 
+    from torch.distributed._tools import mod_tracker
+
     class Tracker(MemTracker):
         """MemTracker that survives PEFT models (gradient hooks only on parameters that
         require grad; the base class tries every parameter and fails on frozen ones) and a root
-        module called twice before ``reset_mod_stats`` (grad accumulation, a KL pass)."""
+        module called twice before ``reset_mod_stats`` (grad accumulation, a KL pass), and that
+        leaks nothing from a tracked step.
+
+        The leak: ModTracker puts a multi-grad hook on every module input that requires grad
+        and never removes it. When such an input is a leaf (LoRA + checkpointing: the embedding
+        output gets ``requires_grad_()`` so checkpointed layers backpropagate), the hook's
+        closure holds the leaf's AccumulateGrad node, which holds the leaf: a cycle through C++
+        that Python's collector cannot see. Two hidden-state tensors per tracked step stayed
+        alive for the whole run (measured: +512 KiB per tracked step on the test model). The
+        hooks are recorded while tracking and removed when the step ends."""
+
+        def __enter__(self):
+            self._grad_hook_handles = []
+            real = mod_tracker.register_multi_grad_hook
+
+            def recording(*args, **kwargs):
+                handle = real(*args, **kwargs)
+                self._grad_hook_handles.append(handle)
+                return handle
+
+            self._real_register_multi_grad_hook = real
+            mod_tracker.register_multi_grad_hook = recording
+            return super().__enter__()
+
+        def __exit__(self, *args):
+            try:
+                super().__exit__(*args)
+            finally:
+                mod_tracker.register_multi_grad_hook = self._real_register_multi_grad_hook
+                for handle in self._grad_hook_handles:
+                    handle.remove()
+                self._grad_hook_handles = []
 
         def _pre_fw_hook(self, module, inputs):
             try:
