@@ -15,7 +15,8 @@ Order, and why:
 6. gradient checkpointing (non-reentrant, every k-th layer), then activation offload hooks:
    offload wraps the forward outside checkpointing, so only what checkpointing still saves is
    moved off the device.
-7. distributed wrap last (DDP/FSDP wrap the finished module; one process here).
+7. distributed wrap last (DDP wraps the finished module; each rank runs this same build and
+   streams its own slice of every global batch).
 8. extra models the method needs (reference, reward, value...), built by the same loader, then
    the method's one-off pass (``before_training``), which may return the dataset with added
    columns (DPO's precomputed reference log-probs) and drop a model it no longer needs.
@@ -99,5 +100,6 @@ def build(ctx) -> Pipeline:
     prepared = ctx.method.before_training(models, ds, ctx)
     if prepared is not None:  # the dataset with columns the method added (e.g. reference logps)
         ds = prepared
-    stream = BatchStream(ds, ctx.train.batch_size, ctx.train.seed, collate)
+    stream = BatchStream(ds, ctx.train.batch_size, ctx.train.seed, collate,
+                         shard=(ctx.rank, ctx.world_size))
     return Pipeline(tokenizer, ds, stats, models, stream, offload_handle)

@@ -33,9 +33,10 @@ def resolve_device(requested: str) -> str:
 
 
 def validate(cfg, run_dir: Path | str = ".", choices: dict[str, str] | None = None,
-             world_size: int = 1, rank: int = 0) -> BuildContext:
+             world_size: int | None = None, rank: int = 0) -> BuildContext:
     """Every group node -> typed config, then every cross-group rule. Raises ConfigErrors with
-    all problems at once. Loads no model and no data."""
+    all problems at once. Loads no model and no data. ``world_size`` None: the processes the
+    distributed option asks for."""
     data = _plain(cfg)
     errors: list[str] = []
     typed: dict[str, Any] = {}
@@ -68,6 +69,8 @@ def validate(cfg, run_dir: Path | str = ".", choices: dict[str, str] | None = No
             errors.append(f"train.{name} must be >= 1 (got {value})")
     if isinstance(measure.memory_steps, int) and measure.memory_steps < 0:
         errors.append("measure.memory_steps must be 'auto', 'all' or >= 0")
+    if world_size is None:
+        world_size = typed["distributed"].processes(device)
     ctx = BuildContext(
         **typed, train=train, measure=measure, device=device, world_size=world_size,
         rank=rank, choices=dict(choices or {}), run_dir=Path(run_dir),
@@ -112,19 +115,41 @@ def run(cfg, run_dir: Path | str, choices: dict[str, str] | None = None,
         print_table: bool = True) -> dict[str, Any]:
     """Run one job and write ``run_dir/summary.json``; returns the summary. Never raises for
     a failing job (the status says what happened)."""
-    from memlab.measure.summary import format_table, versions, write_atomic
+    from memlab.measure.summary import format_table
 
-    t0 = time.perf_counter()
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     choices = dict(choices or {})
     summary = base_summary(run_dir, choices, list(overrides or []), job or {})
+
+    def body(logger_box: list) -> None:
+        ctx = validate(cfg, run_dir, choices)
+        summary["config"] = _plain(cfg)
+        if ctx.world_size > 1:  # one worker process per rank; their summaries merged here
+            from memlab.distributed.launch import launch
+
+            launch(ctx, summary)
+        else:
+            _execute(ctx, summary, logger_box)
+
+    guarded(body, summary, run_dir / "summary.json")
+    if print_table:
+        print(format_table(summary), flush=True)
+    return summary
+
+
+def guarded(body, summary: dict[str, Any], out: Path) -> dict[str, Any]:
+    """Run ``body(logger_box)`` and record its outcome in ``summary`` (ok / invalid / oom /
+    failed, with the error), then write it atomically to ``out``; never raises for a failing
+    job (except KeyboardInterrupt, and anything under ``MEMLAB_RAISE=1``)."""
+    from memlab.measure.summary import versions, write_atomic
+
+    t0 = time.perf_counter()
+    run_dir = out.parent
+    run_dir.mkdir(parents=True, exist_ok=True)
     logger_box: list = []
     try:
         summary["versions"] = versions()
-        ctx = validate(cfg, run_dir, choices)
-        summary["config"] = _plain(cfg)
-        _execute(ctx, summary, logger_box)
+        body(logger_box)
         summary["status"] = "ok"
     except ConfigErrors as e:
         summary["status"] = "invalid"
@@ -138,19 +163,18 @@ def run(cfg, run_dir: Path | str, choices: dict[str, str] | None = None,
             raise
         summary["status"] = "oom" if is_oom(e) else "failed"
         summary["error"] = f"{type(e).__name__}: {e}"
-        (run_dir / "error.txt").write_text(traceback.format_exc())
+        err = "error.txt" if out.name == "summary.json" else f"{out.stem}.error.txt"
+        (run_dir / err).write_text(traceback.format_exc())
         if os.environ.get("MEMLAB_RAISE"):
             raise
     finally:
         summary["wall_time_s"] = time.perf_counter() - t0
-        write_atomic(run_dir / "summary.json", summary)
+        write_atomic(out, summary)
         if logger_box:
             try:
                 logger_box[0].finish(summary)
             except Exception as e:  # noqa: BLE001
                 print(f"[memlab] logger.finish failed: {e}")
-        if print_table:
-            print(format_table(summary), flush=True)
     return summary
 
 

@@ -1,2 +1,2 @@
-"""Distributed setups (``distributed=``). Only ``single`` exists yet; ``ddp``, ``fsdp2`` and
-``deepspeed_zero3`` plug in here through the same ``setup`` / ``wrap`` shape."""
+"""Distributed setups (``distributed=``): ``single`` and ``ddp``; FSDP2 and DeepSpeed plug in
+through the same shape (``memlab.distributed.base``) and launcher (``launch``)."""

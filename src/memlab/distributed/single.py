@@ -1,8 +1,9 @@
-"""`distributed=single`: one process, one device. The shape every distributed option follows:
-``world_size()`` before building, ``wrap(model, ctx)`` after PEFT and checkpointing."""
+"""`distributed=single`: one process, one device. See ``memlab.distributed.base`` for the shape
+every distributed option follows."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 from torch import nn
@@ -15,17 +16,26 @@ from memlab.registry import register
 class Single:
     """No knobs."""
 
-    def world_size(self) -> int:
+    def processes(self, device: str) -> int:
         return 1
-
-    def rank(self) -> int:
-        return 0
 
     def validate(self, ctx) -> list[str]:
         return []
 
+    def setup(self, ctx) -> None:
+        return None
+
+    def teardown(self) -> None:
+        return None
+
     def wrap(self, model: nn.Module, ctx) -> nn.Module:
         return model
+
+    def sync(self, model: nn.Module, last: bool) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def all_reduce_sum(self, values: list[float], device: str) -> list[float]:
+        return list(values)
 
     def shards_states(self) -> bool:
         """Whether parameters / gradients / optimizer state are sharded across ranks."""

@@ -27,9 +27,8 @@ CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "other")
 def _tracker_class():
     from copy import deepcopy
 
-    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState
-
     from torch.distributed._tools import mod_tracker
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState
 
     class Tracker(MemTracker):
         """MemTracker that survives PEFT models (gradient hooks only on parameters that

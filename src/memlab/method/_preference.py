@@ -38,7 +38,8 @@ import torch
 from torch import nn
 
 from memlab.data.base import DataError, check_messages, check_text
-from memlab.method.base import IGNORE, flatten_batch, pad_batch, shifted_labels
+from memlab.distributed.base import call_inside, unwrap
+from memlab.method.base import IGNORE, decoder_hidden, flatten_batch, pad_batch, shifted_labels
 
 REFERENCE_MODES = ("copy", "adapter_disabled", "precomputed")
 GPU_EXTRA_HINT = "needs a CUDA device and the gpu extra: pip install 'memlab[gpu]'"
@@ -276,13 +277,6 @@ def completion_logps(model: nn.Module, t: dict[str, torch.Tensor], n: int, prefi
 # ----------------------------------------------------------------------------------- reference
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    """Through distributed wrappers (``.module``) to the model (PeftModel or plain)."""
-    while hasattr(model, "module") and isinstance(model.module, nn.Module):
-        model = model.module
-    return model
-
-
 @contextlib.contextmanager
 def frozen_forward(model: nn.Module, disable_adapter: bool = False) -> Iterator[nn.Module]:
     """No grad, eval mode (no dropout), optionally the LoRA adapter off; the mode is restored."""
@@ -305,7 +299,7 @@ def frozen_forward(model: nn.Module, disable_adapter: bool = False) -> Iterator[
 
 def _base_name(name: str) -> str:
     """A PEFT / wrapper parameter name -> the plain model's name."""
-    for prefix in ("module.", "base_model.model."):
+    for prefix in ("base_model.model.",):
         if name.startswith(prefix):
             name = name[len(prefix):]
     return name.replace(".base_layer.", ".").replace(".original_module.", ".")
@@ -315,7 +309,7 @@ def check_same_weights(policy: nn.Module, reference: nn.Module) -> int:
     """Every reference parameter must equal the policy's (frozen base) parameter of the same
     name: a DPO / KTO reference is the policy *before* training. Returns the number compared;
     raises ValueError naming the first mismatch."""
-    ours = {_base_name(n): p for n, p in policy.named_parameters() if "lora_" not in n}
+    ours = {_base_name(n): p for n, p in unwrap(policy).named_parameters() if "lora_" not in n}
     compared = 0
     for name, ref in reference.named_parameters():
         mine = ours.get(_base_name(name))
@@ -429,5 +423,5 @@ def liger_loss_value(out: Any) -> torch.Tensor:
 def hidden_and_head(model: nn.Module, t: dict[str, torch.Tensor], prefix: str = ""
                     ) -> tuple[torch.Tensor, nn.Module]:
     """Final hidden states ``[S, T, H]`` (no logits) and the output head of a causal LM."""
-    hidden = model.get_decoder()(**model_inputs(t, prefix), use_cache=False).last_hidden_state
-    return hidden, model.get_output_embeddings()
+    hidden = call_inside(model, decoder_hidden, **model_inputs(t, prefix))
+    return hidden, unwrap(model).get_output_embeddings()

@@ -65,6 +65,13 @@ class Batch:
         return self
 
 
+def decoder_hidden(model, **inputs: torch.Tensor) -> torch.Tensor:
+    """Final hidden states of a causal LM's decoder, no logits (for chunked / fused losses).
+    Methods run it through ``memlab.distributed.base.call_inside`` so that it stays inside a
+    distributed wrapper's forward."""
+    return model.get_decoder()(**inputs, use_cache=False).last_hidden_state
+
+
 def round_up(n: int, multiple: int | None) -> int:
     if not multiple:
         return n

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from memlab.data.base import DataError
+from memlab.distributed.base import call_inside
 from memlab.method import _preference as P
 from memlab.method.base import Batch, DataStats
 from memlab.registry import register
@@ -151,16 +152,8 @@ class Reward:
         if "segment_ids" not in t:
             out = model(**P.model_inputs(t), use_cache=False).logits
             return out.reshape(-1).float()
-        base = P.unwrap(model)
-        if hasattr(base, "get_base_model"):
-            base = base.get_base_model()
-        decoder = getattr(base, base.base_model_prefix)
-        score = getattr(base, "score", None)
-        if score is None:
-            raise TypeError(f"method.padding_free=true for method=reward applies the model's "
-                            f"'score' head itself; {type(base).__name__} has none")
-        hidden = decoder(**P.model_inputs(t), use_cache=False).last_hidden_state
-        return score(hidden[0, t["last_index"]]).reshape(-1).float()
+        scores = call_inside(model, _packed_scores, t["last_index"], **P.model_inputs(t))
+        return scores.reshape(-1).float()
 
     def loss(self, models: dict, batch: Batch, ctx) -> tuple[torch.Tensor, dict[str, float]]:
         from memlab.losses import bradley_terry_loss
@@ -178,3 +171,17 @@ class Reward:
             "rewards/rejected": float(rr.mean()),
         }
         return mean_loss * b, metrics
+
+
+def _packed_scores(model: nn.Module, last_index: torch.Tensor, **inputs: torch.Tensor
+                   ) -> torch.Tensor:
+    """Scores of a padding-free row: the decoder once, the score head only at each sequence's
+    last token (run inside a distributed wrapper by ``call_inside``)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    decoder = getattr(base, base.base_model_prefix)
+    score = getattr(base, "score", None)
+    if score is None:
+        raise TypeError(f"method.padding_free=true for method=reward applies the model's "
+                        f"'score' head itself; {type(base).__name__} has none")
+    hidden = decoder(**inputs, use_cache=False).last_hidden_state
+    return score(hidden[0, last_index])

@@ -18,7 +18,16 @@ import torch
 import torch.nn.functional as F
 
 from memlab.data.base import DataError, check_messages, check_text
-from memlab.method.base import IGNORE, Batch, DataStats, flatten_batch, pad_batch, shifted_labels
+from memlab.distributed.base import call_inside, unwrap
+from memlab.method.base import (
+    IGNORE,
+    Batch,
+    DataStats,
+    decoder_hidden,
+    flatten_batch,
+    pad_batch,
+    shifted_labels,
+)
 from memlab.registry import register
 
 
@@ -210,16 +219,16 @@ class SFT:
         if self.use_liger_kernel:
             from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
-            hidden = model.get_decoder()(**inputs, use_cache=False).last_hidden_state
-            head = model.get_output_embeddings()
+            hidden = call_inside(model, decoder_hidden, **inputs)
+            head = unwrap(model).get_output_embeddings()
             loss_fn = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE, reduction="sum")
             loss_sum = loss_fn(head.weight, hidden.reshape(-1, hidden.shape[-1]),
                                labels.reshape(-1), getattr(head, "bias", None))
         elif self.loss_impl == "chunked":
             from memlab.losses import chunked_linear_cross_entropy
 
-            hidden = model.get_decoder()(**inputs, use_cache=False).last_hidden_state
-            head = model.get_output_embeddings()
+            hidden = call_inside(model, decoder_hidden, **inputs)
+            head = unwrap(model).get_output_embeddings()
             loss_sum = chunked_linear_cross_entropy(
                 hidden.reshape(-1, hidden.shape[-1]), head.weight, labels.reshape(-1),
                 bias=getattr(head, "bias", None), chunk_size=self.chunk_size, reduction="sum",

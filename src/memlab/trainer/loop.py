@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from memlab.distributed.base import unwrap
 from memlab.measure.memory import MemoryProbe
 from memlab.method.base import Batch
 
@@ -39,12 +40,18 @@ def _scalar(x: Any) -> float:
 
 
 class BatchStream:
-    """Deterministic, resumable stream of micro-batches: a seeded permutation per epoch."""
+    """Deterministic, resumable stream of micro-batches: a seeded permutation per epoch.
 
-    def __init__(self, ds, batch_size: int, seed: int, collate: Callable[[list[dict]], Batch]):
+    With ``shard=(rank, world_size)`` every rank walks the same permutation in global batches
+    of ``batch_size * world_size`` rows and collates its own slice of each, so N ranks x batch
+    B see exactly the rows one process sees with batch N*B."""
+
+    def __init__(self, ds, batch_size: int, seed: int, collate: Callable[[list[dict]], Batch],
+                 shard: tuple[int, int] = (0, 1)):
         if len(ds) == 0:
             raise ValueError("the prepared dataset is empty (every example was dropped?)")
         self.ds, self.batch_size, self.seed, self.collate = ds, batch_size, seed, collate
+        self.rank, self.world = shard
         self.epoch, self.pos = 0, 0
         self._perm = self._permutation(0)
 
@@ -67,8 +74,11 @@ class BatchStream:
             self.epoch += 1
             self.pos = 0
             self._perm = self._permutation(self.epoch)
-        idx = self._perm[self.pos : self.pos + self.batch_size]
+        idx = self._perm[self.pos : self.pos + self.batch_size * self.world]
         self.pos += len(idx)
+        if self.world > 1:  # this rank's slice; a short last batch is split as evenly
+            per = -(-len(idx) // self.world)
+            idx = idx[self.rank * per : (self.rank + 1) * per] or idx[-1:]
         cols = self.ds[idx]
         rows = [{k: cols[k][i] for k in cols} for i in range(len(idx))]
         return self.collate(rows)
@@ -136,6 +146,7 @@ class Trainer:
         self.logger = logger
         self.offload = offload_handle
         self.policy = models["policy"]
+        self.dist = ctx.distributed
         self.params = [p for p in self.policy.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("the policy has no trainable parameters")
@@ -163,21 +174,28 @@ class Trainer:
     def run_step(self, batches: list[Batch], tracked: bool) -> dict[str, float]:
         """Forward + backward over the micro-batches, then one optimizer step."""
         ctx, device = self.ctx, self.ctx.device
+        world = ctx.world_size
         total_items = sum(b.num_items for b in batches)
+        if world > 1:  # normalise by the items of the whole step on every rank
+            total_items = int(self.dist.all_reduce_sum([total_items], device)[0])
+        # DDP averages gradients over ranks; scaling by the world size makes that average the
+        # gradient of (sum of every rank's loss) / (all items): N ranks x B == 1 process x N*B
+        scale = world / max(1, total_items)
         inputs = [t for b in batches for t in b.tensors.values()]
         sums: dict[str, float] = {}
         loss_total = 0.0
         with self.probe.step(self.step_idx, tracked, inputs):
-            for b in batches:
-                with self.probe.phase("forward"):
-                    with ctx.precision.autocast(device), self._offload_ctx():
-                        loss_sum, metrics = self.method.loss(self.models, b, ctx)
-                    loss = loss_sum / max(1, total_items)
-                with self.probe.phase("backward"):
-                    (self.scaler.scale(loss) if self.scaler else loss).backward()
+            for i, b in enumerate(batches):
+                with self.dist.sync(self.policy, last=i == len(batches) - 1):
+                    with self.probe.phase("forward"):
+                        with ctx.precision.autocast(device), self._offload_ctx():
+                            loss_sum, metrics = self.method.loss(self.models, b, ctx)
+                        loss = loss_sum * scale
+                    with self.probe.phase("backward"):
+                        (self.scaler.scale(loss) if self.scaler else loss).backward()
                 del loss_sum
                 self.probe.micro_end()
-                loss_total += _scalar(loss.detach())
+                loss_total += _scalar(loss.detach()) / world
                 for k, v in metrics.items():
                     sums[k] = sums.get(k, 0.0) + _scalar(v) * b.num_items
                 del loss
@@ -197,6 +215,10 @@ class Trainer:
                     self.opt.step()
                 self.sched.step()
                 self.opt.zero_grad(set_to_none=True)
+        if world > 1:  # the step's loss and metrics over every rank's items
+            keys = sorted(sums)
+            reduced = self.dist.all_reduce_sum([loss_total, *(sums[k] for k in keys)], device)
+            loss_total, sums = reduced[0], dict(zip(keys, reduced[1:], strict=True))
         out = {"train/loss": loss_total, "train/lr": self.sched.get_last_lr()[0]}
         if gnorm is not None:
             out["train/grad_norm"] = gnorm
@@ -279,11 +301,14 @@ class Trainer:
 
     # ---------------------------------------------------------------- checkpoints
     def _trainable_state(self) -> dict[str, torch.Tensor]:
-        names = {id(p): n for n, p in self.policy.named_parameters()}
+        names = {id(p): n for n, p in unwrap(self.policy).named_parameters()}
         return {names[id(p)]: p.detach().cpu() for p in self.params}
 
     def save_checkpoint(self) -> Path:
-        """Resumable state: trainable weights, optimizer, scheduler, scaler, data position, RNG."""
+        """Resumable state: trainable weights, optimizer, scheduler, scaler, data position, RNG.
+        Replicated ranks (DDP) hold the same state: rank 0 writes it, every rank can load it."""
+        if self.ctx.rank != 0 and not self.dist.shards_states():
+            return Path(self.ctx.run_dir) / "checkpoints" / f"step_{self.step_idx:06d}"
         root = Path(self.ctx.run_dir) / "checkpoints"
         final = root / f"step_{self.step_idx:06d}"
         tmp = root / f".tmp_step_{self.step_idx:06d}"
@@ -319,7 +344,7 @@ class Trainer:
 
     def load_checkpoint(self, path: Path) -> None:
         state = torch.load(Path(path) / "state.pt", map_location="cpu", weights_only=False)
-        named = dict(self.policy.named_parameters())
+        named = dict(unwrap(self.policy).named_parameters())
         with torch.no_grad():
             for n, t in state["weights"].items():
                 named[n].copy_(t.to(named[n].device, named[n].dtype))

@@ -1,0 +1,119 @@
+"""`distributed=ddp` on CPU with real torch.distributed (gloo, 2 worker processes started by
+memlab's launcher): N ranks x batch B trains exactly like one process with batch N*B (same
+loss curve, same final weights), through every way a method calls the model (full logits,
+the chunked loss's decoder call, LoRA, DPO's reference, reward's packed scoring); each rank's
+memory is measured and merged; failures and invalid setups are reported like any run's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from memlab.distributed.base import Routed, call_inside, unwrap
+from memlab.trainer.loop import BatchStream
+
+pytestmark = pytest.mark.integration
+
+DDP = ["distributed=ddp", "distributed.nproc=2"]
+
+
+def _weights(summary) -> dict[str, torch.Tensor]:
+    step = summary["train"]["steps"]
+    path = f"{summary['run_dir']}/checkpoints/step_{step:06d}/state.pt"
+    return torch.load(path, weights_only=False)["weights"]
+
+
+def _same_training(single, ddp, rel=2e-5):
+    assert single["status"] == "ok", single["error"]
+    assert ddp["status"] == "ok", ddp["error"]
+    assert ddp["train"]["loss_curve"] == pytest.approx(single["train"]["loss_curve"], rel=rel)
+    assert ddp["data"]["tokens_trained"] == single["data"]["tokens_trained"]
+
+
+def test_two_ranks_of_two_rows_train_like_one_process_of_four(job):
+    o = ["train.steps=4", "train.save_final=true", "measure.memory_steps=2"]
+    single = job(o + ["train.batch_size=4"])
+    ddp = job(o + DDP + ["train.batch_size=2"])
+    _same_training(single, ddp)
+    w1, w2 = _weights(single), _weights(ddp)
+    assert w1.keys() == w2.keys()  # checkpoints name parameters without wrapper prefixes
+    for k in w1:
+        torch.testing.assert_close(w2[k], w1[k], rtol=1e-4, atol=1e-5)  # Adam: ~1e-6 noise
+    # every rank measured itself: same replica, half the batch -> fewer activation bytes
+    ranks = ddp["distributed"]["ranks"]
+    assert len(ranks) == 2 and all(r["status"] == "ok" for r in ranks)
+    for r in ranks:
+        assert r["by_category"]["parameters"] == single["memory"]["by_category"]["parameters"]
+        assert r["peak_bytes"] < single["memory"]["peak_bytes"]
+    assert ddp["memory"]["peak_bytes_max_rank"] == max(r["peak_bytes"] for r in ranks)
+    assert ddp["throughput"]["note"] == "summed over 2 ranks"
+
+
+def test_grad_accumulation_across_ranks(job):
+    """2 ranks x 2 micro-batches of 1 row (no_sync on the first) == 1 process x 4 rows."""
+    o = ["train.steps=3"]
+    single = job(o + ["train.batch_size=4"])
+    ddp = job(o + DDP + ["train.batch_size=1", "train.grad_accum=2"])
+    _same_training(single, ddp)
+
+
+@pytest.mark.parametrize("extra", [
+    ["peft=lora", "method.loss_impl=chunked", "method.chunk_size=64", "packing=bfd"],
+    ["method=dpo", "method.max_length=96"],
+    ["method=reward", "method.padding_free=true", "method.max_length=96"],
+], ids=["lora-chunked-packed", "dpo-reference-copy", "reward-padding-free"])
+def test_every_model_call_path_syncs(job, extra):
+    """Chunked loss and packed reward scoring call parts of the model; they run inside DDP's
+    forward (call_inside), or gradients would not be all-reduced and the runs would differ."""
+    o = ["train.steps=3"] + extra
+    single = job(o + ["train.batch_size=4"])
+    ddp = job(o + DDP + ["train.batch_size=2"])
+    _same_training(single, ddp, rel=1e-4)
+
+
+def test_failing_ranks_fail_the_run_with_their_error(job, tmp_path):
+    bad = job(DDP + ["model=hf", f"model.name_or_path={tmp_path}/no-such-model"])
+    assert bad["status"] == "failed"
+    assert bad["error"].startswith("RankFailed: rank 0 failed:")
+    assert [r["status"] for r in bad["distributed"]["ranks"]] == ["failed", "failed"]
+
+
+def test_invalid_setup_is_rejected_before_any_rank_starts(job):
+    bad = job(DDP + ["distributed.backend=nccl"])
+    assert bad["status"] == "invalid"
+    assert "distributed.backend=nccl needs CUDA" in bad["error"]
+    from pathlib import Path
+
+    assert not (Path(bad["run_dir"]) / "ranks").exists()
+
+
+def test_batch_stream_shards_are_the_single_process_batches():
+    rows = [{"i": [k]} for k in range(10)]
+
+    class DS(list):
+        def __getitem__(self, idx):
+            return {"i": [rows[j]["i"] for j in idx]}
+
+    ds = DS(rows)
+    one = BatchStream(ds, 4, 0, collate=lambda r: [x["i"][0] for x in r])
+    two = [BatchStream(ds, 2, 0, collate=lambda r: [x["i"][0] for x in r], shard=(k, 2))
+           for k in range(2)]
+    for _ in range(5):  # across the epoch boundary (10 rows, global batch 4)
+        assert next(one) == next(two[0]) + next(two[1])
+
+
+def test_call_inside_runs_through_the_wrapper():
+    lin = torch.nn.Linear(3, 2)
+    routed = torch.nn.Module()
+    routed.module = Routed(lin)  # what DDP(Routed(model)) looks like to call_inside
+    routed.forward = lambda *a, **k: routed.module(*a, **k)
+    x = torch.ones(1, 3)
+    seen = []
+
+    def part(model, x):
+        seen.append(model)
+        return model(x)
+
+    torch.testing.assert_close(call_inside(routed, part, x), lin(x))
+    assert seen == [lin] and unwrap(routed) is lin
+    assert call_inside(lin, part, x).shape == (1, 2)
