@@ -201,6 +201,9 @@ def _execute(ctx: BuildContext, summary: dict[str, Any], logger_box: list) -> No
         summary["memory"]["params"] = _param_counts(pipe.models["policy"])
         summary["memory"]["models"] = {role: _param_counts(m) for role, m in
                                        pipe.models.items()}
+        wrapper = ctx.distributed.describe(pipe.models["policy"])
+        if wrapper:
+            summary["memory"]["distributed"] = wrapper
     if ctx.train.save_final:
         trainer.save_checkpoint()
     summary["throughput"] = result.throughput()

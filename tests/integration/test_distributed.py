@@ -46,6 +46,10 @@ def test_two_ranks_of_two_rows_train_like_one_process_of_four(job):
         assert r["by_category"]["parameters"] == single["memory"]["by_category"]["parameters"]
         assert r["peak_bytes"] < single["memory"]["peak_bytes"]
     assert ddp["memory"]["peak_bytes_max_rank"] == max(r["peak_bytes"] for r in ranks)
+    # DDP's gradient buckets (outside the tracker) hold every trainable gradient
+    grad_bytes = single["memory"]["by_phase_category"]["optimizer"]["gradients"]
+    assert ranks[0]["wrapper"]["bucket_bytes"] == grad_bytes
+    assert ranks[0]["wrapper"]["gradient_as_bucket_view"] is True
     assert ddp["throughput"]["note"] == "summed over 2 ranks"
 
 
@@ -69,6 +73,27 @@ def test_every_model_call_path_syncs(job, extra):
     single = job(o + ["train.batch_size=4"])
     ddp = job(o + DDP + ["train.batch_size=2"])
     _same_training(single, ddp, rel=1e-4)
+
+
+def test_estimate_of_a_ddp_run_is_one_rank_with_resident_buckets(tmp_path):
+    import json
+
+    from memlab.cli.estimate import main as estimate_main
+
+    shape = ["model.hidden_size=64", "model.intermediate_size=128", "model.num_layers=2",
+             "method.max_length=128", "train.batch_size=2", "train.device=cpu"]
+    ests = {}
+    for name, extra in (("single", []), ("ddp", DDP)):
+        assert estimate_main([*shape, *extra, "--out", str(tmp_path / name)]) == 0
+        ests[name] = json.loads((tmp_path / name / "estimate.json").read_text())
+    one, ddp = ests["single"], ests["ddp"]
+    assert ddp["sharding"] == {"world_size": 2, "zero_stage": 0}
+    grads = one["by_phase_category"]["optimizer"]["gradients"]
+    assert ddp["by_phase_category"]["forward"]["gradients"] == grads  # buckets resident
+    assert one["by_phase_category"]["forward"]["gradients"] == 0
+    for cat in ("parameters", "optimizer", "activations"):  # per rank: nothing else changes
+        assert ddp["by_phase_category"]["backward"][cat] == \
+            one["by_phase_category"]["backward"][cat]
 
 
 def test_failing_ranks_fail_the_run_with_their_error(job, tmp_path):

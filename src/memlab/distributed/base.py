@@ -12,6 +12,7 @@ An option (``distributed=<name>``) is a registered dataclass with:
   on all but the last micro-batch of a step);
 - ``all_reduce_sum(values, device) -> list[float]``: sums numbers over the ranks (loss items,
   logged metrics);
+- ``describe(model) -> dict``: the wrapper's own buffers for the summary (DDP's buckets);
 - ``shards_states() -> bool``.
 
 Methods call the policy as ``model(**inputs)``. When they need only part of it (the decoder's

@@ -130,5 +130,15 @@ class DDP:
         dist.all_reduce(t)
         return t.tolist()
 
+    def describe(self, model: nn.Module) -> dict:
+        """DDP's own buffers, for the summary: its gradient buckets are allocated when the model
+        is wrapped (before the memory tracker starts) and stay for the whole run, so the
+        tracker sees them only as gradients while those exist; on CUDA the allocator's peak
+        includes them."""
+        data = model._get_ddp_logging_data() if hasattr(model, "_get_ddp_logging_data") else {}
+        sizes = [int(x) for x in str(data.get("bucket_sizes", "")).split(",") if x.strip()]
+        return {"bucket_bytes": sum(sizes), "buckets": len(sizes),
+                "gradient_as_bucket_view": self.gradient_as_bucket_view}
+
     def shards_states(self) -> bool:
         return False

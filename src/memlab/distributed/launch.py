@@ -126,6 +126,7 @@ def merge(summary: dict[str, Any], ranks: Path, n: int, codes: list[int | None])
             "peak_bytes": (x.get("memory") or {}).get("peak_bytes"),
             "by_category": (x.get("memory") or {}).get("by_category"),
             "cuda": (x.get("memory") or {}).get("cuda"),
+            "wrapper": (x.get("memory") or {}).get("distributed"),
             "tokens_per_s": (x.get("throughput") or {}).get("tokens_per_s"),
             "tokens_trained": (x.get("data") or {}).get("tokens_trained"),
         } for x in recs],

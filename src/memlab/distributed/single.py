@@ -37,6 +37,10 @@ class Single:
     def all_reduce_sum(self, values: list[float], device: str) -> list[float]:
         return list(values)
 
+    def describe(self, model: nn.Module) -> dict:
+        """Buffers the wrapper itself holds (none here)."""
+        return {}
+
     def shards_states(self) -> bool:
         """Whether parameters / gradients / optimizer state are sharded across ranks."""
         return False

@@ -928,12 +928,15 @@ def shard_units(model: nn.Module) -> dict[str, int]:
 
 def apply_sharding(mem: dict[str, Any], world: int, stage: int,
                    units: dict[str, int] | None = None,
-                   notes: list[str] | None = None) -> dict[str, Any]:
+                   notes: list[str] | None = None,
+                   bucket_view: bool = False) -> dict[str, Any]:
     """Divide what ZeRO / FSDP shard by the world size, per phase; the peak is then the largest
     phase. Stage 3 adds the gathered parameters of the two largest units in forward and backward
     (the current one and the prefetched next); stages 2-3 add one unit of unsharded gradients in
-    backward (before its reduce-scatter). Stage 0 with world > 1 is DDP: its gradient buckets add
-    one gradient-sized buffer (``gradient_as_bucket_view=False``, the default)."""
+    backward (before its reduce-scatter). Stage 0 with world > 1 is DDP: its gradient buckets
+    (allocated when the model is wrapped, resident for the whole run) add one gradient-sized
+    buffer; with ``bucket_view`` (``gradient_as_bucket_view=True``) the gradients live inside
+    them instead, so gradient memory is the full gradient size in every phase."""
     notes = notes if notes is not None else []
     if world <= 1:
         return mem
@@ -944,7 +947,9 @@ def apply_sharding(mem: dict[str, Any], world: int, stage: int,
     for ph, snap in (mem.get("by_phase_category") or {}).items():
         new = {k: (math.ceil(v / world) if div.get(k) else v) for k, v in snap.items()}
         if stage == 0:
-            new["gradients"] = snap.get("gradients", 0) * 2
+            full = (mem.get("by_phase_category") or {}).get("optimizer", {}).get("gradients", 0)
+            g = snap.get("gradients", 0)
+            new["gradients"] = max(g, full) if bucket_view else g + full
         if stage >= 3 and ph in ("forward", "backward"):
             new["parameters"] += 2 * unit_p
         if stage >= 2 and ph == "backward":
@@ -952,7 +957,9 @@ def apply_sharding(mem: dict[str, Any], world: int, stage: int,
         phases[ph] = new
     if stage == 0:
         notes.append(f"world_size={world}, zero_stage=0 (DDP): nothing sharded; DDP's gradient "
-                     "buckets add one gradient-sized buffer (gradient_as_bucket_view=False)")
+                     "buckets hold one gradient-sized buffer for the whole run ("
+                     + ("gradient_as_bucket_view=True: the gradients live in it)" if bucket_view
+                        else "gradient_as_bucket_view=False: beside the gradients)"))
     else:
         what = [k for k in ("optimizer", "gradients", "parameters") if div[k]]
         extra = []
@@ -1038,6 +1045,16 @@ def estimate(cfg, opts: EstimateOptions | None = None, choices: dict[str, str] |
             except ConfigErrors:
                 pass
         return out
+    procs = ctx.world_size
+    if procs > 1:  # one rank of a multi-process run: estimate it as one process, then shard
+        from memlab.distributed.single import Single
+
+        if opts.world_size == 1:
+            opts = dataclasses.replace(opts, world_size=procs)
+        notes.append(f"distributed={choices.get('distributed', '?') if choices else '?'}: one "
+                     f"rank of {procs}, train.batch_size rows per rank")
+        ctx = dataclasses.replace(ctx, distributed=Single(), world_size=1, rank=0)
+        out["options"]["world_size"] = opts.world_size
     try:
         res = run_fake_step(ctx, opts, notes)
     except EstimateError as e:
@@ -1062,8 +1079,11 @@ def estimate(cfg, opts: EstimateOptions | None = None, choices: dict[str, str] |
     else:
         notes.append("device=cpu: byte-exact for a CPU run of the same shapes")
     if opts.world_size > 1:
+        dist_cfg = getattr(cfg, "distributed", None) or {}
+        bucket_view = bool(dist_cfg.get("gradient_as_bucket_view", False)) if hasattr(
+            dist_cfg, "get") else False
         mem = apply_sharding(mem, opts.world_size, opts.zero_stage, res["model"]["shard_units"],
-                             notes)
+                             notes, bucket_view=bucket_view)
     budget = opts.budget_bytes
     overhead = 0
     if opts.card:
