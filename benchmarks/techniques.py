@@ -12,8 +12,10 @@ What runs (one model, one data set, the same batches for every configuration):
   assistant token are dropped up front (TRL drops them itself, memlab would keep them).
   ``n`` is the smallest count whose BFD packing fills ``steps * batch_size`` rows, so packed runs
   use every row once; padded runs use the first ``steps * batch_size`` examples of memlab's own
-  shuffle (``memlab.trainer.loop.BatchStream``) and TRL gets the rows in that order with
-  ``train_sampling_strategy="sequential"``: both sides see the same batches, step for step.
+  shuffle. TRL's sampler is replaced by that same permutation (``memlab.trainer.loop.BatchStream``)
+  of its prepared rows; with ``n <= 1000`` TRL's BFD packs globally, like memlab, into the same
+  rows. Both sides therefore see the same batches step for step (the loss curves agree to the
+  4th decimal, which the report checks: ``loss_first_diff`` / ``loss_final_diff``).
 * training: ``--steps`` optimizer steps, batch ``--batch-size``, no grad accumulation, AdamW
   (``adamw_torch``: torch.optim.AdamW, betas 0.9/0.999, wd 0), lr 3e-4 cosine without warm-up,
   max_grad_norm 1.0, max_length ``--max-length`` (keep_start), loss on assistant tokens only
@@ -95,7 +97,7 @@ class Settings:
     """None = the tokenizer's 4096; larger adds unused output rows (a real LLM's vocab size)."""
     max_length: int = 512
     batch_size: int = 4
-    steps: int = 6
+    steps: int = 5
     lr: float = 3e-4
     seed: int = 0
     data_seed: int = 0
@@ -118,7 +120,7 @@ class Settings:
         ]
 
 
-QUICK = dict(hidden=128, intermediate=384, max_length=512, steps=6, rounds=1)
+QUICK = dict(hidden=128, intermediate=384, max_length=384, steps=5, rounds=1)
 
 
 @dataclass
@@ -144,6 +146,12 @@ TRL_CONFIGS: dict[str, dict[str, Any]] = {
     "lora_bf16_bfd": {"lora": True, "dtype": "bfloat16", "bf16": True, "packing": "bfd"},
 }
 
+# TRL-only diagnostic runs (memory only), to attribute the memory gap.
+TRL_DIAGNOSTICS: dict[str, dict[str, Any]] = {
+    "baseline_tile_vocab": {"tile": "vocab"},
+}
+TRL_CONFIGS.update(TRL_DIAGNOSTICS)
+
 CONFIGS: list[Config] = [
     Config("baseline", "sdpa, fp32, checkpointing every layer (memlab default)", [], "baseline"),
     Config("no_checkpointing", "train.gradient_checkpointing=false",
@@ -161,7 +169,7 @@ CONFIGS: list[Config] = [
            "padding_free"),
     Config("packing_bfd", "packing=bfd (padding-free rows)", ["packing=bfd"], "packing_bfd"),
     Config("lora_bf16_bfd", "peft=lora precision=bf16 packing=bfd",
-           ["peft=lora", "precision=bf16", "packing=bfd"], "lora_bf16_bfd"),
+           ["peft=lora", "precision=bf16", "packing=bfd"], "lora_bf16_bfd", quick=False),
     Config("bf16_chunked_bfd", "precision=bf16 method.loss_impl=chunked packing=bfd",
            ["precision=bf16", "method.loss_impl=chunked", "packing=bfd"], None, quick=False),
 ]
@@ -293,8 +301,6 @@ def trl_job(req: dict[str, Any]) -> dict[str, Any]:
     tok = load_tokenizer()
     rows = [json.loads(line) for line in Path(req["data"]).read_text().splitlines()]
     packing = spec.get("packing")
-    if not packing:  # memlab's batch order, read sequentially
-        rows = [rows[i] for i in req["order"]]
     pretokenized = spec.get("padding_free") and not packing
     if pretokenized:
         rows = _trl_tokenized(rows, tok, s.max_length)
@@ -323,9 +329,23 @@ def trl_job(req: dict[str, Any]) -> dict[str, Any]:
             state["max_key"] = tuple(max(a, b) for a, b in zip(key, mk or key, strict=False))
         return tracked
 
+    if spec.get("tile") == "vocab":  # diagnostic: TRL's LM-head tile as wide as the vocab
+        import trl.trainer.utils as trl_utils
+
+        trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE = tiny.hf_config(tok).vocab_size
+
     class Bench(SFTTrainer):
-        """SFTTrainer that counts tokens per step and, in memory mode, runs each selected step
-        under memlab's MemoryProbe with the same phases as memlab's loop."""
+        """SFTTrainer that reads rows in memlab's order, counts tokens per step and, in memory
+        mode, runs each selected step under memlab's MemoryProbe with memlab's phases."""
+
+        def _get_train_sampler(self, train_dataset=None):
+            # memlab's BatchStream permutation of the prepared rows (examples, or packed rows:
+            # with n <= 1000 TRL's BFD is global like memlab's and gives the same rows)
+            from memlab.trainer.loop import BatchStream
+
+            n = len(train_dataset if train_dataset is not None else self.train_dataset)
+            rec["order_rows"] = n
+            return BatchStream(list(range(n)), s.batch_size, s.seed, None)._permutation(0)
 
         def training_step(self, model, inputs, num_items_in_batch=None):
             ids = inputs["input_ids"]
@@ -386,7 +406,7 @@ def trl_job(req: dict[str, Any]) -> dict[str, Any]:
         max_length=None if pretokenized else s.max_length, truncation_mode="keep_start",
         packing=bool(packing), packing_strategy=packing or "bfd",
         padding_free=bool(spec.get("padding_free", False)),
-        assistant_only_loss=not pretokenized, train_sampling_strategy="sequential",
+        assistant_only_loss=not pretokenized,
         logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,
         dataloader_num_workers=0, dataset_num_proc=None,
     )
@@ -403,6 +423,8 @@ def trl_job(req: dict[str, Any]) -> dict[str, Any]:
         "timed_steps": len(rec["dt"]) - 1, "tokens": sum(rec["tokens"]),
         "padding_fraction": 1 - sum(rec["tokens"]) / max(1, sum(rec["slots"])),
         "rows": len(trainer.train_dataset), "losses": rec["losses"],
+        "fill_ratio": (sum(len(x) for x in trainer.train_dataset["input_ids"])
+                       / (len(trainer.train_dataset) * s.max_length)) if packing else None,
         "steps": len(rec["dt"]),
     }
     if probe is not None:
@@ -582,7 +604,7 @@ def main() -> None:
     def run_trl(name: str, mode: str, tag: str) -> dict:
         assert tw is not None
         r = tw.run({"mode": mode, "trl": name, "settings": asdict(s), "data": data["path"],
-                    "order": data["order"], "dir": str(work / "trl" / f"{name}-{tag}")})
+                    "dir": str(work / "trl" / f"{name}-{tag}")})
         _log_run("trl", name, mode, r)
         return r
 
@@ -590,7 +612,7 @@ def main() -> None:
         if not a.skip_memory:
             for c in configs:
                 res.memory[f"memlab:{c.name}"] = run_memlab(c, "memory", "mem")
-            for name in trl_names:
+            for name in trl_names + (list(TRL_DIAGNOSTICS) if tw and not a.quick else []):
                 res.memory[f"trl:{name}"] = run_trl(name, "memory", "mem")
         if not a.skip_speed:
             for rnd in range(s.rounds):
@@ -737,8 +759,12 @@ def build_report(s: Settings, data: dict, configs: list[Config], res: Results,
                     cmp["loss_final_diff"] = round(m["loss_final"] - t["loss_final"], 4)
                 entry["memlab_over_trl"] = cmp
         rows.append(entry)
+    diagnostics = {name: _side(res, f"trl:{name}", s.rounds) for name in TRL_DIAGNOSTICS
+                   if f"trl:{name}" in res.memory}
     return {
         "benchmark": "techniques",
+        "command": "python benchmarks/techniques.py " + " ".join(sys.argv[1:]),
+        "trl_diagnostics": diagnostics,
         "settings": asdict(s),
         "model": f"tiny llama hidden {s.hidden}, intermediate {s.intermediate}, {s.layers} layers,"
                  f" {s.heads} heads / {s.kv_heads} kv, vocab {s.vocab or 4096}, untied",
@@ -783,6 +809,10 @@ def print_table(rep: dict[str, Any]) -> None:
               f"{_fmt(m.get('tokens_per_s_vs_baseline'), '7.2f')} "
               f"{_fmt(None if pad is None else 100 * pad, '5.1f')}")
     pairs = [e for e in rep["configs"] if e.get("trl")]
+    for name, d in (rep.get("trl_diagnostics") or {}).items():
+        if d and d.get("peak_mib"):
+            print(f"TRL diagnostic {name}: peak {d['peak_mib']:.1f} MiB (activations "
+                  f"{d['by_category_mib']['activations']:.1f})")
     if not pairs:
         return
     print(f"\nmemlab vs TRL {rep['env'].get('trl', '')} SFTTrainer (same model, data, batches, "
