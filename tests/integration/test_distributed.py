@@ -15,6 +15,7 @@ from memlab.trainer.loop import BatchStream
 pytestmark = pytest.mark.integration
 
 DDP = ["distributed=ddp", "distributed.nproc=2"]
+FSDP2 = ["distributed=fsdp2", "distributed.nproc=2"]
 
 
 def _weights(summary) -> dict[str, torch.Tensor]:
@@ -61,18 +62,46 @@ def test_grad_accumulation_across_ranks(job):
     _same_training(single, ddp)
 
 
+@pytest.mark.parametrize("dist", [DDP, FSDP2], ids=["ddp", "fsdp2"])
 @pytest.mark.parametrize("extra", [
     ["peft=lora", "method.loss_impl=chunked", "method.chunk_size=64", "packing=bfd"],
     ["method=dpo", "method.max_length=96"],
     ["method=reward", "method.padding_free=true", "method.max_length=96"],
 ], ids=["lora-chunked-packed", "dpo-reference-copy", "reward-padding-free"])
-def test_every_model_call_path_syncs(job, extra):
-    """Chunked loss and packed reward scoring call parts of the model; they run inside DDP's
-    forward (call_inside), or gradients would not be all-reduced and the runs would differ."""
+def test_every_model_call_path_syncs(job, extra, dist):
+    """Chunked loss and packed reward scoring call parts of the model; they run inside the
+    wrapper's forward (call_inside), or gradients would not be synchronised (DDP) or the
+    sharded parameters not gathered (FSDP2), and the runs would differ or fail."""
     o = ["train.steps=3"] + extra
     single = job(o + ["train.batch_size=4"])
-    ddp = job(o + DDP + ["train.batch_size=2"])
-    _same_training(single, ddp, rel=1e-4)
+    multi = job(o + dist + ["train.batch_size=2"])
+    _same_training(single, multi, rel=1e-4)
+
+
+def test_fsdp2_shards_parameters_gradients_and_optimizer_state(job):
+    """2 ranks x 2 rows under FSDP2 == 1 process x 4 rows, and each rank holds half of the
+    parameters and optimizer state (measured by each rank's tracker)."""
+    o = ["train.steps=4", "measure.memory_steps=2"]
+    single = job(o + ["train.batch_size=4"])
+    sharded = job(o + FSDP2 + ["train.batch_size=2", "train.grad_accum=1"])
+    _same_training(single, sharded)
+    one = single["memory"]["by_phase_category"]["optimizer"]
+    for r in sharded["distributed"]["ranks"]:
+        assert r["status"] == "ok"
+    mine = sharded["memory"]["by_phase_category"]["optimizer"]
+    # even split of every parameter's first dimension: exactly half here (all dims are even)
+    assert mine["optimizer"] == pytest.approx(one["optimizer"] / 2, rel=0.01)
+    assert mine["gradients"] == pytest.approx(one["gradients"] / 2, rel=0.01)
+    assert sharded["memory"]["by_category"]["parameters"] < single["memory"]["by_category"][
+        "parameters"]
+    assert sharded["memory"]["distributed"]["units"] == 2 + 1  # 2 decoder layers + root
+    accum = job(o + FSDP2 + ["train.batch_size=1", "train.grad_accum=2"])
+    _same_training(single, accum)
+
+
+def test_fsdp2_rejects_checkpoint_saving(job):
+    bad = job(FSDP2 + ["train.save_final=true"])
+    assert bad["status"] == "invalid" and "torch.distributed.checkpoint" in bad["error"]
 
 
 def test_estimate_of_a_ddp_run_is_one_rank_with_resident_buckets(tmp_path):
@@ -94,6 +123,11 @@ def test_estimate_of_a_ddp_run_is_one_rank_with_resident_buckets(tmp_path):
     for cat in ("parameters", "optimizer", "activations"):  # per rank: nothing else changes
         assert ddp["by_phase_category"]["backward"][cat] == \
             one["by_phase_category"]["backward"][cat]
+    assert estimate_main([*shape, *FSDP2, "--out", str(tmp_path / "fsdp2")]) == 0
+    fsdp = json.loads((tmp_path / "fsdp2" / "estimate.json").read_text())
+    assert fsdp["sharding"] == {"world_size": 2, "zero_stage": 3}
+    assert fsdp["by_phase_category"]["optimizer"]["optimizer"] == pytest.approx(
+        one["by_phase_category"]["optimizer"]["optimizer"] / 2, rel=0.01)
 
 
 def test_failing_ranks_fail_the_run_with_their_error(job, tmp_path):
@@ -142,3 +176,32 @@ def test_call_inside_runs_through_the_wrapper():
     torch.testing.assert_close(call_inside(routed, part, x), lin(x))
     assert seen == [lin] and unwrap(routed) is lin
     assert call_inside(lin, part, x).shape == (1, 2)
+
+
+def test_sweep_over_single_and_ddp_with_report(tmp_path):
+    """A DDP job inside a real Hydra multirun (isolating launcher): one job dir per job, the
+    ranks under it, and `memlab report` reads both jobs."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from memlab_testing import FAST, REPO
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    sweep = tmp_path / "sweep"
+    r = subprocess.run([sys.executable, "-m", "memlab", "-m", *FAST, "train.steps=2",
+                        "distributed=single,ddp",  # ddp: 2 ranks on CPU by default
+                        f"hydra.sweep.dir={sweep}"], cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    single, ddp = (json.loads((sweep / str(i) / "summary.json").read_text()) for i in (0, 1))
+    assert single["status"] == ddp["status"] == "ok", (single["error"], ddp["error"])
+    assert "distributed" not in single and len(ddp["distributed"]["ranks"]) == 2
+    assert sorted(p.name for p in (sweep / "1" / "ranks").glob("rank*.json")) == \
+        ["rank0.json", "rank1.json"]
+    r = subprocess.run([sys.executable, "-m", "memlab.cli.main", "report", str(sweep), "--out",
+                        str(tmp_path / "report")], cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "ddp" in (tmp_path / "report" / "report.md").read_text()

@@ -24,9 +24,13 @@ reduction in its forward, and a forward that bypasses it would break or skip the
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Literal
 
+import torch
 from torch import nn
 
 
@@ -55,11 +59,84 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 def call_inside(model: nn.Module, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``fn(unwrapped_model, *args, **kwargs)``, run inside the distributed wrapper's forward
-    when there is one."""
-    inner = getattr(model, "module", None)
-    if isinstance(inner, Routed):
+    when there is one (DDP around a Routed, or a Routed that FSDP2 made its root)."""
+    if isinstance(model, Routed) or isinstance(getattr(model, "module", None), Routed):
         return model(*args, memlab_call=fn, **kwargs)
     return fn(unwrap(model), *args, **kwargs)
+
+
+def env_rank() -> tuple[int, int, int]:
+    """(rank, local rank, world size) of this worker, from the launcher's environment."""
+    return (int(os.environ.get("MEMLAB_RANK", 0)), int(os.environ.get("MEMLAB_LOCAL_RANK", 0)),
+            int(os.environ.get("MEMLAB_WORLD_SIZE", 1)))
+
+
+@dataclass(kw_only=True)
+class Ranks:
+    """What every multi-process option shares: how many ranks, the process group, sums."""
+
+    nproc: int | None = None
+    """Ranks on this machine. None: one per visible GPU on CUDA, 2 on CPU."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """auto: nccl on CUDA, gloo on CPU."""
+    timeout_s: int = 1800
+    """How long a rank waits in a collective before the run fails (a dead peer)."""
+    master_port: int = 0
+    """Rendezvous port on 127.0.0.1; 0 picks a free one."""
+
+    def processes(self, device: str) -> int:
+        if self.nproc is not None:
+            return self.nproc
+        if device.startswith("cuda") and torch.cuda.is_available():
+            return max(1, torch.cuda.device_count())
+        return 2
+
+    def backend_for(self, device: str) -> str:
+        if self.backend != "auto":
+            return self.backend
+        return "nccl" if device.startswith("cuda") else "gloo"
+
+    def validate(self, ctx) -> list[str]:
+        errors = []
+        n = self.processes(ctx.device)
+        if n < 1:
+            errors.append(f"distributed.nproc must be >= 1 (got {n})")
+        if ctx.is_cuda and torch.cuda.is_available() and n > torch.cuda.device_count():
+            errors.append(f"distributed.nproc={n} but {torch.cuda.device_count()} CUDA "
+                          f"device(s) are visible; set distributed.nproc<="
+                          f"{torch.cuda.device_count()} (one rank per GPU)")
+        if self.backend_for(ctx.device) == "nccl" and not ctx.is_cuda:
+            errors.append("distributed.backend=nccl needs CUDA devices; use "
+                          "distributed.backend=gloo (or auto) on CPU")
+        if not torch.distributed.is_available():
+            errors.append("this torch build has no torch.distributed; use distributed=single")
+        return errors
+
+    def setup(self, ctx) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            return
+        _, local, _ = env_rank()
+        if ctx.is_cuda:
+            torch.cuda.set_device(local)
+        dist.init_process_group(self.backend_for(ctx.device), rank=ctx.rank,
+                                world_size=ctx.world_size,
+                                timeout=timedelta(seconds=self.timeout_s))
+
+    def teardown(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def all_reduce_sum(self, values: list[float], device: str) -> list[float]:
+        import torch.distributed as dist
+
+        t = torch.tensor(values, dtype=torch.float64,
+                         device=device if self.backend_for(device) == "nccl" else "cpu")
+        dist.all_reduce(t)
+        return t.tolist()
 
 
 def no_context(*_: Any, **__: Any) -> contextlib.AbstractContextManager:

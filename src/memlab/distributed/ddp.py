@@ -13,33 +13,20 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import os
 from dataclasses import dataclass
-from datetime import timedelta
-from typing import Literal
 
 import torch
 from torch import nn
 
-from memlab.distributed.base import Routed
+from memlab.distributed.base import Ranks, Routed
 from memlab.registry import register
-
-
-def env_rank() -> tuple[int, int, int]:
-    """(rank, local rank, world size) of this worker, from the launcher's environment."""
-    return (int(os.environ.get("MEMLAB_RANK", 0)), int(os.environ.get("MEMLAB_LOCAL_RANK", 0)),
-            int(os.environ.get("MEMLAB_WORLD_SIZE", 1)))
 
 
 @register("distributed", "ddp")
 @dataclass(kw_only=True)
-class DDP:
+class DDP(Ranks):
     """Data parallel: every rank a full replica, gradients all-reduced in backward."""
 
-    nproc: int | None = None
-    """Ranks on this machine. None: one per visible GPU on CUDA, 2 on CPU."""
-    backend: Literal["auto", "gloo", "nccl"] = "auto"
-    """auto: nccl on CUDA, gloo on CPU."""
     bucket_cap_mb: float = 25.0
     """Gradient bucket size: larger buckets, fewer all-reduce calls, more memory in flight."""
     gradient_as_bucket_view: bool = True
@@ -51,57 +38,6 @@ class DDP:
     """Re-send rank 0's buffers before every forward (DDP's ``broadcast_buffers``). Needed for
     running statistics (batch norm); a causal LM's buffers (rotary frequencies) are constant
     and identical on every rank, so the default skips the per-step broadcast."""
-    timeout_s: int = 1800
-    """How long a rank waits in a collective before the run fails (a dead peer)."""
-    master_port: int = 0
-    """Rendezvous port on 127.0.0.1; 0 picks a free one."""
-
-    def processes(self, device: str) -> int:
-        if self.nproc is not None:
-            return self.nproc
-        if device.startswith("cuda") and torch.cuda.is_available():
-            return max(1, torch.cuda.device_count())
-        return 2
-
-    def backend_for(self, device: str) -> str:
-        if self.backend != "auto":
-            return self.backend
-        return "nccl" if device.startswith("cuda") else "gloo"
-
-    def validate(self, ctx) -> list[str]:
-        errors = []
-        n = self.processes(ctx.device)
-        if n < 1:
-            errors.append(f"distributed.nproc must be >= 1 (got {n})")
-        if ctx.is_cuda and torch.cuda.is_available() and n > torch.cuda.device_count():
-            errors.append(f"distributed.nproc={n} but {torch.cuda.device_count()} CUDA "
-                          f"device(s) are visible; set distributed.nproc<="
-                          f"{torch.cuda.device_count()} (one rank per GPU)")
-        if self.backend_for(ctx.device) == "nccl" and not ctx.is_cuda:
-            errors.append("distributed.backend=nccl needs CUDA devices; use "
-                          "distributed.backend=gloo (or auto) on CPU")
-        if not torch.distributed.is_available():
-            errors.append("this torch build has no torch.distributed; use distributed=single")
-        return errors
-
-    def setup(self, ctx) -> None:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            return
-        _, local, _ = env_rank()
-        if ctx.is_cuda:
-            torch.cuda.set_device(local)
-        dist.init_process_group(self.backend_for(ctx.device), rank=ctx.rank,
-                                world_size=ctx.world_size,
-                                timeout=timedelta(seconds=self.timeout_s))
-
-    def teardown(self) -> None:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
     def wrap(self, model: nn.Module, ctx) -> nn.Module:
         from torch.nn.parallel import DistributedDataParallel
 
@@ -121,14 +57,6 @@ class DDP:
         if last or not hasattr(model, "no_sync"):
             return contextlib.nullcontext()
         return model.no_sync()
-
-    def all_reduce_sum(self, values: list[float], device: str) -> list[float]:
-        import torch.distributed as dist
-
-        t = torch.tensor(values, dtype=torch.float64,
-                         device=device if self.backend_for(device) == "nccl" else "cpu")
-        dist.all_reduce(t)
-        return t.tolist()
 
     def describe(self, model: nn.Module) -> dict:
         """DDP's own buffers, for the summary: its gradient buckets are allocated when the model

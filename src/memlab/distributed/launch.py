@@ -159,7 +159,7 @@ def _interrupt(*_: Any) -> None:
 
 def worker(run_dir: Path) -> int:
     """One rank: train the job in ``run_dir/ranks/job.json`` and write ``rank<r>.json``."""
-    from memlab.distributed.ddp import env_rank
+    from memlab.distributed.base import env_rank
     from memlab.run import _execute, base_summary, guarded, validate
 
     rank, _, world = env_rank()

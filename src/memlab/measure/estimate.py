@@ -1051,10 +1051,13 @@ def estimate(cfg, opts: EstimateOptions | None = None, choices: dict[str, str] |
 
         if opts.world_size == 1:
             opts = dataclasses.replace(opts, world_size=procs)
+        if ctx.distributed.shards_states() and not opts.zero_stage:  # fsdp2: full shard
+            opts = dataclasses.replace(opts, zero_stage=3)
         notes.append(f"distributed={choices.get('distributed', '?') if choices else '?'}: one "
                      f"rank of {procs}, train.batch_size rows per rank")
         ctx = dataclasses.replace(ctx, distributed=Single(), world_size=1, rank=0)
         out["options"]["world_size"] = opts.world_size
+        out["options"]["zero_stage"] = opts.zero_stage
     try:
         res = run_fake_step(ctx, opts, notes)
     except EstimateError as e:

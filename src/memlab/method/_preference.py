@@ -315,7 +315,9 @@ def check_same_weights(policy: nn.Module, reference: nn.Module) -> int:
         mine = ours.get(_base_name(name))
         if mine is None or mine.shape != ref.shape or not ref.dtype.is_floating_point:
             continue
-        if type(ref) is not nn.Parameter or type(mine) is not nn.Parameter:
+        if hasattr(mine, "full_tensor"):  # an FSDP2 shard: compare the gathered parameter
+            mine = mine.detach().full_tensor()
+        elif type(ref) is not nn.Parameter or type(mine) is not nn.Parameter:
             continue  # quantized storage (bitsandbytes): compared through its float neighbours
         if not torch.equal(mine.detach().to(ref.dtype), ref.detach()):
             raise ValueError(

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from memlab.data.base import DataError, check_messages, check_text
-from memlab.distributed.base import call_inside, unwrap
+from memlab.distributed.base import call_inside
 from memlab.method.base import (
     IGNORE,
     Batch,
@@ -216,23 +216,10 @@ class SFT:
         t = batch.tensors
         inputs = {k: t[k] for k in ("input_ids", "attention_mask", "position_ids") if k in t}
         labels = t["labels"]
-        if self.use_liger_kernel:
-            from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
-
-            hidden = call_inside(model, decoder_hidden, **inputs)
-            head = unwrap(model).get_output_embeddings()
-            loss_fn = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE, reduction="sum")
-            loss_sum = loss_fn(head.weight, hidden.reshape(-1, hidden.shape[-1]),
-                               labels.reshape(-1), getattr(head, "bias", None))
-        elif self.loss_impl == "chunked":
-            from memlab.losses import chunked_linear_cross_entropy
-
-            hidden = call_inside(model, decoder_hidden, **inputs)
-            head = unwrap(model).get_output_embeddings()
-            loss_sum = chunked_linear_cross_entropy(
-                hidden.reshape(-1, hidden.shape[-1]), head.weight, labels.reshape(-1),
-                bias=getattr(head, "bias", None), chunk_size=self.chunk_size, reduction="sum",
-            )
+        if self.use_liger_kernel or self.loss_impl == "chunked":
+            # decoder + head + loss in one call inside the wrapper's forward: under FSDP2 the
+            # head's weight is gathered only there
+            loss_sum = call_inside(model, self._fused_head_loss, labels, **inputs)
         else:
             logits = model(**inputs, use_cache=False).logits
             loss_sum = F.cross_entropy(
@@ -240,3 +227,21 @@ class SFT:
                 ignore_index=IGNORE, reduction="sum",
             )
         return loss_sum, {}
+
+    def _fused_head_loss(self, model, labels: torch.Tensor, **inputs: torch.Tensor
+                         ) -> torch.Tensor:
+        """Summed token loss from the decoder's hidden states and the output head, never
+        building the [tokens, vocab] logits (Liger's fused kernel, or memlab's chunked one)."""
+        hidden = decoder_hidden(model, **inputs)
+        hidden = hidden.reshape(-1, hidden.shape[-1])
+        head = model.get_output_embeddings()
+        bias = getattr(head, "bias", None)
+        if self.use_liger_kernel:
+            from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+            loss_fn = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE, reduction="sum")
+            return loss_fn(head.weight, hidden, labels.reshape(-1), bias)
+        from memlab.losses import chunked_linear_cross_entropy
+
+        return chunked_linear_cross_entropy(hidden, head.weight, labels.reshape(-1), bias=bias,
+                                            chunk_size=self.chunk_size, reduction="sum")

@@ -36,6 +36,8 @@ def _scalar(x: Any) -> float:
 
         if is_fake(x):
             return float("nan")
+        if hasattr(x, "full_tensor"):  # a DTensor (FSDP2's gradient norm)
+            x = x.full_tensor()
     return float(x)
 
 

@@ -1,0 +1,89 @@
+"""`distributed=fsdp2`: fully sharded data parallel (torch's ``fully_shard``, FSDP2) over N
+processes on this machine, started like ``ddp`` (``memlab.distributed.launch``).
+
+Each decoder layer is one FSDP unit, and the rest of the model (embeddings, final norm, output
+head) is the root unit. Parameters, gradients and optimizer state are sharded over the ranks
+(each rank holds 1/N of every parameter as a DTensor shard); a unit's full parameters exist only
+while it runs (all-gathered before its forward and again before its backward), and its gradients
+are reduce-scattered right after its backward. With ``reshard_after_forward: false`` a unit keeps
+its gathered parameters from forward to backward (ZeRO-2-like: more memory, one all-gather less).
+
+Per-rank memory therefore is: 1/N of parameters + gradients + optimizer state, plus the gathered
+units in flight, plus the rank's own activations - what ``memlab estimate --zero-stage 3``
+models, and what each rank's tracker measures here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from torch import nn
+
+from memlab.distributed.base import Ranks, Routed, unwrap
+from memlab.registry import register
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated blocks: modules whose class the model lists in ``_no_split_modules``
+    (transformers' own marker for "keep this block on one device")."""
+    inner = unwrap(model)
+    base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+    names = set(getattr(base, "_no_split_modules", None) or ())
+    # by class name through the MRO: fully_shard turns a LlamaDecoderLayer into a subclass
+    return [m for m in base.modules() if any(c.__name__ in names for c in type(m).__mro__)]
+
+
+@register("distributed", "fsdp2")
+@dataclass(kw_only=True)
+class FSDP2(Ranks):
+    """Fully sharded data parallel: parameters, gradients and optimizer state split over ranks."""
+
+    reshard_after_forward: bool = True
+    """true: free a layer's gathered parameters after its forward (ZeRO-3); false: keep them
+    until its backward (ZeRO-2-like)."""
+
+    def validate(self, ctx) -> list[str]:
+        errors = super().validate(ctx)
+        t = ctx.train
+        if t.save_every or t.save_final or t.resume_from:
+            errors.append("distributed=fsdp2 does not save or resume checkpoints yet (sharded "
+                          "state needs torch.distributed.checkpoint); drop train.save_every / "
+                          "save_final / resume_from, or use distributed=ddp")
+        if getattr(ctx.method, "use_liger_kernel", False):
+            errors.append("distributed=fsdp2 with method.use_liger_kernel=true is not supported "
+                          "yet (Liger reads the sharded output head outside the forward); use "
+                          "method.loss_impl=chunked or distributed=ddp")
+        return errors
+
+    def wrap(self, model: nn.Module, ctx) -> nn.Module:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cuda" if ctx.is_cuda else "cpu", (ctx.world_size,))
+        layers = decoder_layers(model)
+        if not layers:
+            raise ValueError(f"distributed=fsdp2 found no decoder layers in "
+                             f"{type(unwrap(model)).__name__} (no _no_split_modules)")
+        for layer in layers:
+            fully_shard(layer, mesh=mesh, reshard_after_forward=self.reshard_after_forward)
+        # the root: embeddings, norm, head; ``Routed`` lets methods run a part of the model
+        # inside the root's forward (call_inside), where every unit's hooks fire as usual
+        return fully_shard(Routed(model), mesh=mesh,
+                           reshard_after_forward=self.reshard_after_forward)
+
+    @contextlib.contextmanager
+    def sync(self, model: nn.Module, last: bool) -> Iterator[None]:
+        """Reduce-scatter gradients only in the step's last micro-batch (earlier ones
+        accumulate unsharded gradients locally)."""
+        if hasattr(model, "set_requires_gradient_sync"):
+            model.set_requires_gradient_sync(last)
+        yield
+
+    def describe(self, model: nn.Module) -> dict:
+        return {"units": len(decoder_layers(model)) + 1,
+                "reshard_after_forward": self.reshard_after_forward}
+
+    def shards_states(self) -> bool:
+        return True
