@@ -80,3 +80,11 @@ def job(tmp_path):
         return run_job(tmp_path, overrides, fast, name=f"run{counter['n']}")
 
     return _run
+
+
+
+def reward_low_ids(completions, *, completion_ids, **_):
+    """Test reward for method=grpo: the share of completion tokens whose id is below 2048 (half
+    of the tiny tokenizer's vocabulary): ~0.5 at random, with enough spread inside a group for
+    a tiny model to learn from within a few steps."""
+    return [sum(t < 2048 for t in ids) / max(1, len(ids)) for ids in completion_ids]

@@ -214,6 +214,7 @@ def _execute(ctx: BuildContext, summary: dict[str, Any], logger_box: list) -> No
         "steps": result.steps,
         "loss_curve": result.losses,
         "final_metrics": result.metrics,
+        "curves": result.curves,
     }
 
 

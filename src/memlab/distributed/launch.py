@@ -54,13 +54,17 @@ def launch(ctx, summary: dict[str, Any]) -> None:
     write_atomic(ranks / "job.json", {k: summary[k] for k in
                                       ("config", "choices", "overrides", "job", "run_dir")})
     port = getattr(ctx.distributed, "master_port", 0) or free_port()
+    # the ranks import what this process can (a reward function in the user's module, say)
+    path = [p for p in sys.path if p and os.path.isdir(p)]
+    if os.environ.get("PYTHONPATH"):
+        path.append(os.environ["PYTHONPATH"])
     procs: list[subprocess.Popen] = []
     logs = []
     try:
         for r in range(n):
             env = {**os.environ, "MEMLAB_RANK": str(r), "MEMLAB_LOCAL_RANK": str(r),
                    "MEMLAB_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1",
-                   "MASTER_PORT": str(port)}
+                   "MASTER_PORT": str(port), "PYTHONPATH": os.pathsep.join(path)}
             out = None
             if r > 0:
                 out = open(ranks / f"rank{r}.log", "w")  # noqa: SIM115 - closed below

@@ -1045,6 +1045,13 @@ def estimate(cfg, opts: EstimateOptions | None = None, choices: dict[str, str] |
             except ConfigErrors:
                 pass
         return out
+    if hasattr(ctx.method, "rollout"):
+        out["status"] = "invalid"
+        out["error"] = (f"method={choices.get('method', '?') if choices else '?'} generates its "
+                        "training batches (sampling reads token values, which fake tensors do "
+                        "not have); memlab estimate does not model generation yet: measure a "
+                        "short real run instead (python -m memlab ... train.steps=2)")
+        return out
     procs = ctx.world_size
     if procs > 1:  # one rank of a multi-process run: estimate it as one process, then shard
         from memlab.distributed.single import Single

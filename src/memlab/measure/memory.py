@@ -230,7 +230,9 @@ class MemoryProbe:
             "source": source,
             "peak_bytes": int(peak),
             "by_category": {k: int(by_cat.get(k, 0)) for k in CATEGORIES},
-            "by_phase": {k: int(by_phase.get(k, 0)) for k in ("forward", "backward", "optimizer")},
+            "by_phase": {k: int(by_phase.get(k, 0)) for k in
+                         (("generate",) if "generate" in by_phase else ())
+                         + ("forward", "backward", "optimizer")},
             "by_phase_category": self.phase_snap,
             "peak_at": {"step": self.peak_where[0], "phase": self.peak_where[1]}
             if self.peak_where

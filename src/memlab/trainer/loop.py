@@ -91,6 +91,8 @@ class TrainResult:
     steps: int = 0
     losses: list[float] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
+    curves: dict[str, list[float]] = field(default_factory=dict)
+    """Every logged metric per step (rewards, accuracies, grad norm...)."""
     real_tokens: int = 0
     total_tokens: int = 0
     timed_tokens: int = 0
@@ -174,19 +176,26 @@ class Trainer:
         return first or bigger
 
     def run_step(self, batches: list[Batch], tracked: bool) -> dict[str, float]:
-        """Forward + backward over the micro-batches, then one optimizer step."""
+        """[generate,] forward + backward over the micro-batches, then one optimizer step. An
+        online method's ``rollout`` replaces each prompt batch in ``batches`` by its generated
+        training batch (so the caller counts the tokens actually trained on)."""
         ctx, device = self.ctx, self.ctx.device
         world = ctx.world_size
-        total_items = sum(b.num_items for b in batches)
-        if world > 1:  # normalise by the items of the whole step on every rank
-            total_items = int(self.dist.all_reduce_sum([total_items], device)[0])
-        # DDP averages gradients over ranks; scaling by the world size makes that average the
-        # gradient of (sum of every rank's loss) / (all items): N ranks x B == 1 process x N*B
-        scale = world / max(1, total_items)
         inputs = [t for b in batches for t in b.tensors.values()]
         sums: dict[str, float] = {}
         loss_total = 0.0
         with self.probe.step(self.step_idx, tracked, inputs):
+            rollout = getattr(self.method, "rollout", None)
+            if rollout is not None:  # online methods: generate the step's training batches
+                with self.probe.phase("generate"):
+                    with ctx.precision.autocast(device):
+                        batches[:] = [rollout(self.models, b, ctx) for b in batches]
+            total_items = sum(b.num_items for b in batches)
+            if world > 1:  # normalise by the items of the whole step on every rank
+                total_items = int(self.dist.all_reduce_sum([total_items], device)[0])
+            # DDP averages gradients over ranks; scaling by the world size makes that average
+            # the gradient of (sum of every rank's loss) / (all items): N ranks x B == 1 x N*B
+            scale = world / max(1, total_items)
             for i, b in enumerate(batches):
                 with self.dist.sync(self.policy, last=i == len(batches) - 1):
                     with self.probe.phase("forward"):
@@ -268,6 +277,9 @@ class Trainer:
                                                                      for b in batches))
             res.losses.append(metrics["train/loss"])
             res.metrics = metrics
+            for k, v in metrics.items():
+                if k != "train/loss" and not k.startswith("throughput/"):
+                    res.curves.setdefault(k, []).append(v)
             self.step_idx += 1
             res.steps = self.step_idx
             if not math.isfinite(metrics["train/loss"]):

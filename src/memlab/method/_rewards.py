@@ -1,0 +1,79 @@
+"""Reward functions for the online methods (``method=grpo``), by name.
+
+A reward function scores a batch of completions, one float each::
+
+    def my_reward(completions: list[str], *, prompts: list[str], references: list[str],
+                  completion_ids: list[list[int]], finished: list[bool]) -> list[float]
+
+``method.rewards`` lists built-in names (below) or ``package.module:function`` import paths of
+your own; ``method.reward_weights`` weights them (default 1 each). ``references`` is the
+dataset's answer for the prompt (the conversation's last assistant turn, or a preference row's
+chosen completion); ``finished`` says whether the completion ended with EOS before
+``max_completion_length``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+RewardFn = Callable[..., list[float]]
+
+
+def length(target: int) -> RewardFn:
+    """``-|n - target| / target`` for a completion of ``n`` tokens: peaks at the target length."""
+
+    def fn(completions: list[str], *, completion_ids: list[list[int]], **_: Any) -> list[float]:
+        return [-abs(len(ids) - target) / target for ids in completion_ids]
+
+    fn.__name__ = "length"
+    return fn
+
+
+def finished(completions: list[str], *, finished: list[bool], **_: Any) -> list[float]:
+    """1 when the completion ended with EOS inside ``max_completion_length``, else 0."""
+    return [1.0 if f else 0.0 for f in finished]
+
+
+_WORD = re.compile(r"\w+")
+
+
+def reference_f1(completions: list[str], *, references: list[str], **_: Any) -> list[float]:
+    """Word-level F1 overlap between the completion and the reference answer (0 to 1)."""
+    out = []
+    for text, ref in zip(completions, references, strict=True):
+        a, b = Counter(_WORD.findall(text.lower())), Counter(_WORD.findall((ref or "").lower()))
+        common = sum((a & b).values())
+        if common == 0:
+            out.append(0.0)
+            continue
+        p, r = common / sum(a.values()), common / sum(b.values())
+        out.append(2 * p * r / (p + r))
+    return out
+
+
+BUILTIN = ("length", "finished", "reference_f1")
+
+
+def resolve(name: str, method: Any) -> RewardFn:
+    """A built-in by name, or ``module:function``; raises ValueError naming the choices."""
+    if name == "length":
+        return length(method.target_length)
+    if name == "finished":
+        return finished
+    if name == "reference_f1":
+        return reference_f1
+    if ":" in name:
+        mod, _, attr = name.partition(":")
+        try:
+            fn = getattr(importlib.import_module(mod), attr)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"method.rewards: cannot import {name!r} ({e})") from None
+        if not callable(fn):
+            raise ValueError(f"method.rewards: {name!r} is not callable")
+        return fn
+    raise ValueError(f"method.rewards: unknown reward {name!r}; built-in: {', '.join(BUILTIN)}, "
+                     "or 'package.module:function' for your own")

@@ -1,0 +1,122 @@
+"""GRPO's pieces without a training run: group advantages, the loss's gradient against the
+policy-gradient formula it must equal on-policy, normalisations, reward functions, prompts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from memlab.data.base import DataError
+from memlab.losses import token_logps
+from memlab.method import _rewards
+from memlab.method.base import IGNORE, Batch
+from memlab.method.grpo import GRPO, _prompt_and_reference, advantages
+
+
+def test_advantages_are_group_relative():
+    r = torch.tensor([1.0, 3.0, 5.0, 5.0, 2.0, 2.0])
+    a = advantages(r, 2, "none")
+    torch.testing.assert_close(a, torch.tensor([-1.0, 1.0, 0.0, 0.0, 0.0, 0.0]))
+    g = advantages(r, 2, "group")  # std of [1, 3] is sqrt(2)
+    torch.testing.assert_close(g[:2], torch.tensor([-1.0, 1.0]) / (2**0.5 + 1e-4))
+    assert g[2:].abs().max() == 0  # equal rewards in a group: no signal
+    b = advantages(r, 3, "batch")
+    torch.testing.assert_close(b.view(2, 3).sum(1), torch.zeros(2), atol=1e-6, rtol=0)
+
+
+def _rollout_batch(model, g=3, seed=0):
+    torch.manual_seed(seed)
+    ids = torch.randint(3, 60, (2 * g, 9))
+    attn = torch.ones_like(ids)
+    attn[0, :2] = 0  # a left-padded prompt
+    labels = torch.full_like(ids, IGNORE)
+    labels[:, 3:-1] = ids[:, 4:]  # completion tokens from position 4
+    labels[1, 6:] = IGNORE  # a completion that ended early
+    adv = torch.randn(2 * g)
+    t = {"input_ids": ids, "attention_mask": attn,
+         "position_ids": (attn.cumsum(1) - 1).clamp(min=0), "labels": labels,
+         "advantages": adv, "seq_valid": torch.ones(2 * g, dtype=torch.bool)}
+    return Batch(t, num_items=int((labels != IGNORE).sum()), real_tokens=int(attn.sum()),
+                 total_tokens=ids.numel())
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=1, num_attention_heads=4,
+                                        num_key_value_heads=2))
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
+def test_on_policy_gradient_is_the_policy_gradient(tiny, loss_type):
+    """ratio = exp(logp - logp.detach()) is 1, and its gradient is A * grad logp: the loss's
+    gradient equals the REINFORCE formula with group advantages, under each normalisation."""
+    method = GRPO(loss_type=loss_type, num_generations=3, max_completion_length=5)
+    batch = _rollout_batch(tiny)
+    t = batch.tensors
+    tiny.zero_grad()
+    loss, _ = method.loss({"policy": tiny}, batch, None)
+    loss.backward()
+    ours = [p.grad.clone() for p in tiny.parameters()]
+
+    tiny.zero_grad()
+    inputs = {k: t[k] for k in ("input_ids", "attention_mask", "position_ids")}
+    logits = tiny(**inputs).logits[:, :-1]
+    labels = t["labels"][:, :-1]
+    logps = token_logps(logits, labels, IGNORE)
+    mask = (labels != IGNORE).float()
+    a = t["advantages"][:, None]
+    per_seq = (a * logps * mask).sum(1)
+    if loss_type == "dapo":
+        ref = -per_seq.sum()
+    elif loss_type == "grpo":
+        ref = -(per_seq / mask.sum(1)).sum()
+    else:
+        ref = -per_seq.sum() / 5
+    ref.backward()
+    # value: the same normalisation of -A per token (ratio is exactly 1)
+    n = {"dapo": 1.0, "dr_grpo": 5.0}.get(loss_type)
+    value = -((a * mask).sum(1) / mask.sum(1)).sum() if n is None else -(a * mask).sum() / n
+    torch.testing.assert_close(loss.detach(), value)
+    for g1, p in zip(ours, tiny.parameters(), strict=True):
+        torch.testing.assert_close(g1, p.grad, rtol=1e-4, atol=1e-7)
+
+
+def test_zero_advantages_give_no_gradient(tiny):
+    method = GRPO(num_generations=3)
+    batch = _rollout_batch(tiny)
+    batch.tensors["advantages"].zero_()
+    tiny.zero_grad()
+    loss, _ = method.loss({"policy": tiny}, batch, None)
+    loss.backward()
+    assert float(loss.detach()) == 0.0
+    assert all(float(p.grad.abs().max()) == 0.0 for p in tiny.parameters())
+
+
+def test_builtin_rewards():
+    m = GRPO(target_length=4)
+    length = _rewards.resolve("length", m)
+    assert length(["a", "b"], completion_ids=[[1, 2, 3, 4], [1, 2]]) == [0.0, -0.5]
+    fin = _rewards.resolve("finished", m)
+    assert fin(["x", "y"], finished=[True, False]) == [1.0, 0.0]
+    f1 = _rewards.resolve("reference_f1", m)
+    assert f1(["the cat sat", "dog"], references=["The cat", "cat"]) == pytest.approx([0.8, 0.0])
+    custom = _rewards.resolve("memlab_testing:reward_low_ids", m)
+    assert custom([""], completion_ids=[[1, 4000]]) == [0.5]
+    with pytest.raises(ValueError, match="built-in: length, finished, reference_f1"):
+        _rewards.resolve("nope", m)
+    with pytest.raises(ValueError, match="cannot import"):
+        _rewards.resolve("no_such_module:fn", m)
+
+
+def test_prompts_from_conversations_and_preference_rows():
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"},
+            {"role": "assistant", "content": "a"}]
+    prompt, ref = _prompt_and_reference({"messages": msgs}, 0)
+    assert prompt == msgs[:2] and ref == "a"
+    prompt, ref = _prompt_and_reference({"prompt": "2+2?", "chosen": "4"}, 1)
+    assert (prompt, ref) == ("2+2?", "4")
+    with pytest.raises(DataError, match="row 2: field 'messages' has no user turn"):
+        _prompt_and_reference({"messages": [{"role": "assistant", "content": "a"}]}, 2)
