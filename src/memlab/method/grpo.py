@@ -1,245 +1,49 @@
-"""`method=grpo`: Group Relative Policy Optimization, the first online method.
+"""`method=grpo`: Group Relative Policy Optimization (``memlab.method._online`` does the
+generation and scoring).
 
-Each optimizer step: every prompt of the batch gets ``num_generations`` completions sampled from
-the current policy (the trainer's ``generate`` phase, measured like forward and backward), the
-reward functions score them (``memlab.method._rewards``), each completion's advantage is its
-reward minus its group's mean (divided by the group's std with ``scale_rewards=group``), and
+A completion's advantage is its reward minus its group's mean (divided by the group's std with
+``scale_rewards=group``, the batch's with ``batch``, or nothing with ``none``: Dr. GRPO), and
 the policy takes a clipped-surrogate step on the completion tokens:
 
     per_token = -min(ratio * A, clip(ratio, 1 - epsilon, 1 + epsilon_high) * A)
                 + beta * KL_k3(policy || reference)
 
-``ratio`` is ``exp(logp - logp.detach())``: 1 in value (one optimisation pass per generation
-batch, on-policy), with the policy gradient ``A * grad logp``. ``loss_type`` normalises it:
-``dapo`` (default): summed over every completion token of the whole step and divided by their
-count (token-level, over micro-batches and ranks); ``grpo``: each completion's mean, averaged
-over completions; ``dr_grpo``: summed over tokens, divided by completions x
-``max_completion_length``.
-
-``train.batch_size`` counts prompts per micro-batch (each becomes ``num_generations`` sequences).
-Generation runs through transformers' ``generate`` with the KV cache, in eval mode and without
-gradients, inside the distributed wrapper's forward (``call_inside``), so DDP and FSDP2 runs
-generate with their own replica / gathered shards.
+``ratio`` is ``exp(logp - logp.detach())``: 1 in value, with the policy gradient
+``A * grad logp``. ``loss_type`` normalises it: ``dapo`` (default): summed over every completion
+token of the whole step and divided by their count (token-level, over micro-batches and ranks);
+``grpo``: each completion's mean, averaged over completions; ``dr_grpo``: summed over tokens,
+divided by completions x ``max_completion_length``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
-from memlab.data.base import DataError, check_messages, check_text
-from memlab.distributed.base import call_inside, unwrap
 from memlab.losses import token_logps
 from memlab.method import _preference as P
-from memlab.method import _rewards
-from memlab.method.base import IGNORE, Batch, DataStats
+from memlab.method._online import Online
+from memlab.method.base import IGNORE, Batch
 from memlab.registry import register
 
 
 @register("method", "grpo")
 @dataclass(kw_only=True)
-class GRPO:
+class GRPO(Online):
     """GRPO knobs, named as in TRL's GRPOConfig where one exists."""
 
-    num_generations: int = 4
-    """Completions sampled per prompt (the group whose mean reward is the baseline)."""
-    max_prompt_length: int | None = 256
-    """Prompt tokens kept, cut from the left. None = no limit."""
-    max_completion_length: int = 64
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int | None = None
-    rewards: list[str] = field(default_factory=lambda: ["length"])
-    """Built-in reward names (length, finished, reference_f1) or 'package.module:function'."""
-    reward_weights: list[float] | None = None
-    target_length: int = 24
-    """Completion length (tokens) the built-in 'length' reward peaks at."""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """Divide advantages by the group's reward std, the batch's, or not at all (Dr. GRPO)."""
     loss_type: Literal["dapo", "grpo", "dr_grpo"] = "dapo"
-    epsilon: float = 0.2
-    epsilon_high: float | None = None
-    """Upper clip (DAPO's clip-higher); None = epsilon."""
-    beta: float = 0.0
-    """KL penalty to the reference; 0 loads no reference model."""
-    reference: Literal["copy", "adapter_disabled"] = "copy"
-    """With beta > 0: a frozen copy, or the LoRA policy with its adapter off."""
-    mask_truncated_completions: bool = False
-    """Leave completions that hit max_completion_length without EOS out of the loss."""
 
-    data_kinds: ClassVar[tuple[str, ...]] = ("chat", "preference")
-    head: ClassVar[str] = "causal_lm"
-    supports_packing: ClassVar[bool] = False
-    items_name: ClassVar[str] = "completion tokens"
+    def advantages_for(self, models, rewards, t, metrics) -> torch.Tensor:
+        return advantages(rewards, self.num_generations, self.scale_rewards)
 
-    # ------------------------------------------------------------------ validation
-    def validate(self, ctx) -> list[str]:
-        errors = P.length_errors(self, ["max_prompt_length", "max_completion_length"])
-        if self.num_generations < 2:
-            errors.append(f"method.num_generations must be >= 2: the advantage is a reward "
-                          f"minus its group's mean (got {self.num_generations})")
-        if self.temperature <= 0:
-            errors.append("method.temperature must be > 0 (GRPO samples its completions)")
-        if not 0 < self.top_p <= 1:
-            errors.append(f"method.top_p must be in (0, 1] (got {self.top_p})")
-        if self.beta < 0:
-            errors.append(f"method.beta must be >= 0 (got {self.beta})")
-        if self.epsilon <= 0 or (self.epsilon_high is not None and self.epsilon_high <= 0):
-            errors.append("method.epsilon and method.epsilon_high must be > 0")
-        if not self.rewards:
-            errors.append("method.rewards is empty; e.g. method.rewards=[length]")
-        for name in self.rewards:
-            try:
-                _rewards.resolve(name, self)
-            except ValueError as e:
-                errors.append(str(e))
-        if self.reward_weights is not None and len(self.reward_weights) != len(self.rewards):
-            errors.append(f"method.reward_weights has {len(self.reward_weights)} values for "
-                          f"{len(self.rewards)} rewards; give one weight per reward or null")
-        if self.target_length < 1:
-            errors.append("method.target_length must be >= 1")
-        if ctx.packing.name != "none":
-            errors.append(f"packing={ctx.packing.name} does not apply to method=grpo (it "
-                          "trains on its own generated completions); use packing=none")
-        if self.beta > 0:
-            errors += P.reference_errors(self, ctx)
-        return errors
+    def num_items(self, completion_tokens: int, completions: int) -> int:
+        return completion_tokens if self.loss_type == "dapo" else completions
 
-    # ------------------------------------------------------------------ data
-    def prepare(self, ds, tokenizer, ctx) -> tuple[Any, DataStats]:
-        """Prompt tokens (chat template with the generation prompt, cut from the left) and the
-        reference answer text, from conversations or preference rows."""
-        cols = set(ds.column_names)
-        if "messages" not in cols and "prompt" not in cols:
-            raise DataError(f"method=grpo needs rows with 'messages' (a conversation ending in "
-                            f"an assistant turn) or 'prompt' (+ optional 'chosen'); this "
-                            f"dataset has columns {sorted(cols)}")
-        limit = self.max_prompt_length
-
-        def fn(row: dict, idx: int) -> list[dict]:
-            prompt, reference = _prompt_and_reference(row, idx)
-            ids = P.encode_prompt(tokenizer, prompt, idx)
-            n_in = len(ids)
-            if limit is not None and len(ids) > limit:
-                ids = ids[len(ids) - limit:]
-            return [{"prompt_ids": ids, "reference": reference, "n_in": n_in,
-                     "prompt_text": tokenizer.decode(ids, skip_special_tokens=False)}]
-
-        key = ("grpo", limit, tokenizer.name_or_path, len(tokenizer))
-        out = P.map_rows(ds, fn, ["prompt_ids", "reference", "n_in", "prompt_text"], key,
-                         "tokenize prompts")
-        n_in = sum(out["n_in"])
-        kept = sum(len(x) for x in out["prompt_ids"])
-        out = out.remove_columns(["n_in"])
-        stats = DataStats(examples=len(ds), rows=len(out), tokens_in=n_in,
-                          tokens_dropped=n_in - kept)
-        return out, stats
-
-    def collate(self, rows: list[dict], tokenizer, ctx) -> Batch:
-        """Left-padded prompts ``[B, P]``: generation appends to the right end of every row."""
-        pad = tokenizer.pad_token_id
-        width = max(len(r["prompt_ids"]) for r in rows)
-        ids = torch.full((len(rows), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, r in enumerate(rows):
-            n = len(r["prompt_ids"])
-            ids[i, width - n:] = torch.tensor(r["prompt_ids"], dtype=torch.long)
-            mask[i, width - n:] = 1
-        real = int(mask.sum())
-        return Batch({"prompt_ids": ids, "prompt_mask": mask}, num_items=0, real_tokens=real,
-                     total_tokens=ids.numel(), size_key=(len(rows), width),
-                     meta={"samples": len(rows) * self.num_generations,
-                           "references": [r["reference"] for r in rows],
-                           "prompts": [r["prompt_text"] for r in rows],
-                           "eos": tokenizer.eos_token_id, "pad": pad,
-                           "decode": tokenizer.batch_decode})
-
-    # ------------------------------------------------------------------ models
-    def extra_models(self, policy, ctx, build) -> dict[str, Any]:
-        return P.reference_models(self, policy, ctx, build) if self.beta > 0 else {}
-
-    def before_training(self, models, ds, ctx):
-        return None
-
-    # ------------------------------------------------------------------ generation
-    def rollout(self, models: dict, batch: Batch, ctx) -> Batch:
-        """Sample completions, score them, and return the training batch: prompt +
-        completion rows ``[B*G, P+L]`` with advantages and the completion-token mask."""
-        g = self.num_generations
-        prompt = batch.tensors["prompt_ids"].repeat_interleave(g, 0)
-        pmask = batch.tensors["prompt_mask"].repeat_interleave(g, 0)
-        eos, pad = batch.meta["eos"], batch.meta["pad"]
-        policy = models["policy"]
-        inner = unwrap(policy)
-        was_training = inner.training
-        inner.eval()
-        try:
-            with torch.no_grad():
-                seqs = call_inside(policy, _generate, input_ids=prompt, attention_mask=pmask,
-                                   max_new_tokens=self.max_completion_length, do_sample=True,
-                                   temperature=self.temperature, top_p=self.top_p,
-                                   top_k=self.top_k if self.top_k else None,
-                                   pad_token_id=pad, eos_token_id=eos, use_cache=True)
-        finally:
-            inner.train(was_training)
-        comp = seqs[:, prompt.shape[1]:]
-        # completion tokens: up to and including the first EOS
-        is_eos = comp == eos
-        finished = is_eos.any(1)
-        first = torch.where(finished, is_eos.int().argmax(1), comp.shape[1])
-        cmask = (torch.arange(comp.shape[1], device=comp.device)[None, :]
-                 <= first[:, None]).long()
-        comp = comp.masked_fill(cmask == 0, pad)
-        lengths = cmask.sum(1)
-
-        comp_ids = [comp[i, : int(lengths[i])].tolist() for i in range(comp.shape[0])]
-        texts = batch.meta["decode"](comp_ids, skip_special_tokens=True)
-        refs = [r for r in batch.meta["references"] for _ in range(g)]
-        prompts = [p for p in batch.meta["prompts"] for _ in range(g)]
-        fin = finished.tolist()
-        weights = self.reward_weights or [1.0] * len(self.rewards)
-        total = torch.zeros(comp.shape[0], dtype=torch.float32)
-        metrics: dict[str, float] = {}
-        for name, w in zip(self.rewards, weights, strict=True):
-            fn = _rewards.resolve(name, self)
-            r = torch.tensor(fn(texts, prompts=prompts, references=refs, completion_ids=comp_ids,
-                                finished=fin), dtype=torch.float32)
-            if r.shape != total.shape:
-                raise ValueError(f"reward {name!r} returned {r.numel()} values for "
-                                 f"{total.numel()} completions")
-            metrics[f"rewards/{name.split(':')[-1]}"] = float(r.mean())
-            total += w * r
-        adv = advantages(total, g, self.scale_rewards)
-
-        ids = torch.cat([prompt, comp.to(prompt.device)], 1)
-        attn = torch.cat([pmask, cmask.to(pmask.device)], 1)
-        labels = torch.full_like(ids, IGNORE)
-        # labels[t] = ids[t+1] where t+1 is a completion token (aligned with input_ids)
-        p = prompt.shape[1]
-        labels[:, p - 1: -1] = comp.masked_fill(cmask == 0, IGNORE)
-        loss_mask = torch.ones(comp.shape[0], dtype=torch.bool)
-        if self.mask_truncated_completions:
-            loss_mask = finished.cpu()
-            labels[~loss_mask.to(labels.device)] = IGNORE
-        n_tokens = int((labels != IGNORE).sum())
-        n_seq = int(loss_mask.sum())
-        items = {"dapo": n_tokens, "grpo": n_seq, "dr_grpo": n_seq}[self.loss_type]
-        metrics.update({
-            "reward": float(total.mean()),
-            "reward_std": float(total.view(-1, g).std(1).mean()),
-            "completions/mean_length": float(lengths.float().mean()),
-            "completions/finished": float(finished.float().mean()),
-        })
-        t = {"input_ids": ids, "attention_mask": attn,
-             "position_ids": (attn.cumsum(1) - 1).clamp(min=0), "labels": labels,
-             "advantages": adv.to(ids.device), "seq_valid": loss_mask.to(ids.device)}
-        real = int(attn.sum())
-        return Batch(t, num_items=items, real_tokens=real, total_tokens=ids.numel(),
-                     size_key=tuple(ids.shape), meta={**batch.meta, "rollout": metrics})
-
-    # ------------------------------------------------------------------ loss
     def loss(self, models: dict, batch: Batch, ctx) -> tuple[torch.Tensor, dict[str, float]]:
         t = batch.tensors
         inputs = {k: t[k] for k in ("input_ids", "attention_mask", "position_ids")}
@@ -271,9 +75,6 @@ class GRPO:
         return loss_sum, metrics
 
 
-def _generate(model, **kwargs: Any) -> torch.Tensor:
-    """``model.generate`` (run inside the distributed wrapper's forward by call_inside)."""
-    return model.generate(**kwargs)
 
 
 def advantages(rewards: torch.Tensor, group: int, scale: str) -> torch.Tensor:
@@ -286,29 +87,4 @@ def advantages(rewards: torch.Tensor, group: int, scale: str) -> torch.Tensor:
     elif scale == "batch":
         centered = centered / (rewards.std() + 1e-4)
     return centered.reshape(-1)
-
-
-def _prompt_and_reference(row: dict, idx: int) -> tuple[Any, str]:
-    """(prompt, reference answer) of a conversation or a preference row."""
-    if "messages" in row and row["messages"] is not None:
-        msgs = row["messages"]
-        check_messages(msgs, idx, "messages")
-        last = max((i for i, m in enumerate(msgs) if m["role"] == "user"), default=None)
-        if last is None:
-            raise DataError(f"row {idx}: field 'messages' has no user turn to prompt with")
-        answer = next((m["content"] for m in msgs[last + 1:] if m["role"] == "assistant"), "")
-        return msgs[: last + 1], answer
-    prompt = row.get("prompt")
-    chosen = row.get("chosen")
-    if isinstance(prompt, list):
-        check_messages(prompt, idx, "prompt")
-    elif prompt is not None:
-        check_text(prompt, idx, "prompt")
-    else:
-        raise DataError(f"row {idx}: field 'prompt' is empty")
-    if isinstance(chosen, list):
-        answer = " ".join(m.get("content", "") for m in chosen if isinstance(m, dict))
-    else:
-        answer = chosen or ""
-    return prompt, answer
 

@@ -10,8 +10,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from memlab.data.base import DataError
 from memlab.losses import token_logps
 from memlab.method import _rewards
+from memlab.method._online import _prompt_and_reference
 from memlab.method.base import IGNORE, Batch
-from memlab.method.grpo import GRPO, _prompt_and_reference, advantages
+from memlab.method.grpo import GRPO, advantages
 
 
 def test_advantages_are_group_relative():
@@ -120,3 +121,33 @@ def test_prompts_from_conversations_and_preference_rows():
     assert (prompt, ref) == ("2+2?", "4")
     with pytest.raises(DataError, match="row 2: field 'messages' has no user turn"):
         _prompt_and_reference({"messages": [{"role": "assistant", "content": "a"}]}, 2)
+
+
+def test_rloo_leave_one_out_baseline():
+    from memlab.method.rloo import leave_one_out
+
+    r = torch.tensor([1.0, 2.0, 6.0, 4.0, 4.0, 4.0])
+    # 1 - (2+6)/2, 2 - (1+6)/2, 6 - (1+2)/2; an all-equal group gets 0
+    torch.testing.assert_close(leave_one_out(r, 3), torch.tensor([-3.0, -1.5, 4.5, 0, 0, 0]))
+    # with 2 per group: r_i - r_j
+    torch.testing.assert_close(leave_one_out(torch.tensor([1.0, 3.0]), 2),
+                               torch.tensor([-2.0, 2.0]))
+
+
+def test_rloo_gradient_is_sequence_level_reinforce(tiny):
+    from memlab.method.rloo import RLOO
+
+    method = RLOO(num_generations=3, beta=0.0)
+    batch = _rollout_batch(tiny, seed=1)
+    t = batch.tensors
+    tiny.zero_grad()
+    loss, _ = method.loss({"policy": tiny}, batch, None)
+    loss.backward()
+    ours = [p.grad.clone() for p in tiny.parameters()]
+    tiny.zero_grad()
+    inputs = {k: t[k] for k in ("input_ids", "attention_mask", "position_ids")}
+    logps = token_logps(tiny(**inputs).logits[:, :-1], t["labels"][:, :-1], IGNORE).sum(1)
+    (-(t["advantages"] * logps).sum()).backward()
+    torch.testing.assert_close(loss.detach(), -t["advantages"].sum())
+    for g1, p in zip(ours, tiny.parameters(), strict=True):
+        torch.testing.assert_close(g1, p.grad, rtol=1e-4, atol=1e-7)

@@ -1,0 +1,80 @@
+"""`method=rloo`: REINFORCE Leave-One-Out, as TRL's RLOOTrainer defines it
+(``memlab.method._online`` does the generation and scoring).
+
+Sequence-level throughout: with ``beta > 0`` each completion's reward is lowered by ``beta`` x its
+KL to the reference, summed over its tokens (policy minus reference log-probs, both without
+gradient, computed in the generate phase); its advantage is that reward minus the mean reward of
+the *other* completions of its prompt (the leave-one-out baseline); optionally the advantages are
+normalised over the batch. The loss is a clipped surrogate on the completion's summed log-prob,
+averaged over completions:
+
+    loss = mean_i -min(ratio_i * A_i, clip(ratio_i, 1 - epsilon, 1 + epsilon_high) * A_i)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from memlab.losses import token_logps
+from memlab.method import _preference as P
+from memlab.method._online import Online
+from memlab.method.base import IGNORE, Batch
+from memlab.registry import register
+
+
+@register("method", "rloo")
+@dataclass(kw_only=True)
+class RLOO(Online):
+    """RLOO knobs, named as in TRL's RLOOConfig."""
+
+    num_generations: int = 2
+    beta: float = 0.05
+    """KL strength, applied to the reward (sequence level); 0 loads no reference model."""
+    normalize_advantages: bool = False
+    """Scale advantages to mean 0, std 1 over the batch."""
+
+    def advantages_for(self, models, rewards, t, metrics) -> torch.Tensor:
+        if self.beta > 0:
+            kl = self._sequence_kl(models, t)
+            metrics["kl"] = float(kl.mean())
+            rewards = rewards - self.beta * kl.to(rewards.device, rewards.dtype)
+        adv = leave_one_out(rewards, self.num_generations)
+        if self.normalize_advantages:
+            adv = (adv - adv.mean()) / (adv.std() + 1e-4)
+        return adv
+
+    def _sequence_kl(self, models, t) -> torch.Tensor:
+        """Sum over completion tokens of log pi(token) - log pi_ref(token), no gradient."""
+        inputs = {k: t[k] for k in ("input_ids", "attention_mask", "position_ids")}
+        labels = t["labels"][:, :-1]
+        with torch.no_grad():
+            with P.frozen_forward(models["policy"]) as m:
+                pol = token_logps(m(**inputs, use_cache=False).logits[:, :-1], labels, IGNORE)
+            with P.reference_forward(self, models) as ref:
+                rl = token_logps(ref(**inputs, use_cache=False).logits[:, :-1], labels, IGNORE)
+        return (pol - rl).sum(1).float().cpu()
+
+    def num_items(self, completion_tokens: int, completions: int) -> int:
+        return completions
+
+    def loss(self, models: dict, batch: Batch, ctx) -> tuple[torch.Tensor, dict[str, float]]:
+        t = batch.tensors
+        inputs = {k: t[k] for k in ("input_ids", "attention_mask", "position_ids")}
+        labels = t["labels"][:, :-1]
+        logits = models["policy"](**inputs, use_cache=False).logits[:, :-1]
+        logps = token_logps(logits, labels, IGNORE).sum(1)
+        ratio = torch.exp(logps - logps.detach())
+        adv = t["advantages"].to(logps.dtype)
+        hi = self.epsilon_high if self.epsilon_high is not None else self.epsilon
+        per_seq = -torch.min(ratio * adv, torch.clamp(ratio, 1 - self.epsilon, 1 + hi) * adv)
+        per_seq = per_seq * t["seq_valid"].to(per_seq.dtype)
+        return per_seq.sum(), dict(batch.meta.get("rollout", {}))
+
+
+def leave_one_out(rewards: torch.Tensor, group: int) -> torch.Tensor:
+    """Each reward minus the mean of the other rewards of its group."""
+    r = rewards.view(-1, group)
+    baseline = (r.sum(1, keepdim=True) - r) / (group - 1)
+    return (r - baseline).reshape(-1)
