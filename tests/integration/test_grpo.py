@@ -69,3 +69,17 @@ def test_rloo_learns_with_a_kl_penalty_in_the_reward(job):
     assert sum(reward[-3:]) / 3 > sum(reward[:3]) / 3 + 0.25, reward
     assert kl[0] == 0.0 and kl[-1] > 0.0
     assert "reference" in s["memory"]["models"]
+
+
+def test_online_dpo_starts_at_log2_and_learns(job):
+    """Online DPO: at step 0 the policy is the reference, so every pair's loss is exactly
+    log 2; the reward of the sampled pairs rises."""
+    import math
+
+    o = [x.replace("method=grpo", "method=online_dpo") for x in LEARN
+         if not x.startswith("method.num_generations")]
+    s = job(o + ["train.steps=15", "train.lr=1e-1", "train.batch_size=8"])
+    assert s["status"] == "ok", s["error"]
+    assert s["train"]["loss_curve"][0] == pytest.approx(math.log(2), abs=1e-6)
+    reward = s["train"]["curves"]["reward"]
+    assert sum(reward[-3:]) / 3 > sum(reward[:3]) / 3 + 0.3, reward  # ~0.5 -> ~0.95

@@ -45,9 +45,6 @@ class Online:
     reward_weights: list[float] | None = None
     target_length: int = 24
     """Completion length (tokens) the built-in 'length' reward peaks at."""
-    epsilon: float = 0.2
-    epsilon_high: float | None = None
-    """Upper clip (DAPO's clip-higher); None = epsilon."""
     beta: float = 0.0
     """KL strength to the reference; 0 loads no reference model."""
     reference: Literal["copy", "adapter_disabled"] = "copy"
@@ -72,8 +69,6 @@ class Online:
             errors.append(f"method.top_p must be in (0, 1] (got {self.top_p})")
         if self.beta < 0:
             errors.append(f"method.beta must be >= 0 (got {self.beta})")
-        if self.epsilon <= 0 or (self.epsilon_high is not None and self.epsilon_high <= 0):
-            errors.append("method.epsilon and method.epsilon_high must be > 0")
         if not self.rewards:
             errors.append("method.rewards is empty; e.g. method.rewards=[length]")
         for name in self.rewards:
@@ -219,7 +214,7 @@ class Online:
         })
         t = {"input_ids": ids, "attention_mask": attn,
              "position_ids": (attn.cumsum(1) - 1).clamp(min=0), "labels": labels,
-             "seq_valid": loss_mask.to(ids.device)}
+             "seq_valid": loss_mask.to(ids.device), "finished": finished.to(ids.device)}
         t["advantages"] = self.advantages_for(models, total, t, metrics).to(ids.device)
         real = int(attn.sum())
         return Batch(t, num_items=items, real_tokens=real, total_tokens=ids.numel(),
@@ -266,3 +261,20 @@ def _prompt_and_reference(row: dict, idx: int) -> tuple[Any, str]:
         answer = chosen or ""
     return prompt, answer
 
+
+@dataclass(kw_only=True)
+class Clipped(Online):
+    """Online methods with a clipped probability-ratio surrogate (GRPO, RLOO)."""
+
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    """Upper clip (DAPO's clip-higher); None = epsilon."""
+
+    def validate(self, ctx) -> list[str]:
+        errors = super().validate(ctx)
+        if self.epsilon <= 0 or (self.epsilon_high is not None and self.epsilon_high <= 0):
+            errors.append("method.epsilon and method.epsilon_high must be > 0")
+        return errors
+
+    def clip_high(self) -> float:
+        return self.epsilon_high if self.epsilon_high is not None else self.epsilon

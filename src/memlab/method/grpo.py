@@ -24,14 +24,14 @@ import torch
 
 from memlab.losses import token_logps
 from memlab.method import _preference as P
-from memlab.method._online import Online
+from memlab.method._online import Clipped
 from memlab.method.base import IGNORE, Batch
 from memlab.registry import register
 
 
 @register("method", "grpo")
 @dataclass(kw_only=True)
-class GRPO(Online):
+class GRPO(Clipped):
     """GRPO knobs, named as in TRL's GRPOConfig where one exists."""
 
     scale_rewards: Literal["group", "batch", "none"] = "group"
@@ -53,7 +53,7 @@ class GRPO(Online):
         mask = (labels != IGNORE).to(logps.dtype)
         ratio = torch.exp(logps - logps.detach())
         adv = t["advantages"].to(logps.dtype)[:, None]
-        hi = self.epsilon_high if self.epsilon_high is not None else self.epsilon
+        hi = self.clip_high()
         per_token = -torch.min(ratio * adv, torch.clamp(ratio, 1 - self.epsilon, 1 + hi) * adv)
         metrics: dict[str, float] = dict(batch.meta.get("rollout", {}))
         if self.beta > 0:

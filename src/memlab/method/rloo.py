@@ -19,14 +19,14 @@ import torch
 
 from memlab.losses import token_logps
 from memlab.method import _preference as P
-from memlab.method._online import Online
+from memlab.method._online import Clipped
 from memlab.method.base import IGNORE, Batch
 from memlab.registry import register
 
 
 @register("method", "rloo")
 @dataclass(kw_only=True)
-class RLOO(Online):
+class RLOO(Clipped):
     """RLOO knobs, named as in TRL's RLOOConfig."""
 
     num_generations: int = 2
@@ -67,7 +67,7 @@ class RLOO(Online):
         logps = token_logps(logits, labels, IGNORE).sum(1)
         ratio = torch.exp(logps - logps.detach())
         adv = t["advantages"].to(logps.dtype)
-        hi = self.epsilon_high if self.epsilon_high is not None else self.epsilon
+        hi = self.clip_high()
         per_seq = -torch.min(ratio * adv, torch.clamp(ratio, 1 - self.epsilon, 1 + hi) * adv)
         per_seq = per_seq * t["seq_valid"].to(per_seq.dtype)
         return per_seq.sum(), dict(batch.meta.get("rollout", {}))

@@ -151,3 +151,36 @@ def test_rloo_gradient_is_sequence_level_reinforce(tiny):
     torch.testing.assert_close(loss.detach(), -t["advantages"].sum())
     for g1, p in zip(ours, tiny.parameters(), strict=True):
         torch.testing.assert_close(g1, p.grad, rtol=1e-4, atol=1e-7)
+
+
+def test_online_dpo_pairs_chosen_and_rejected(tiny):
+    """Rewards pick the chosen completion of each pair (missing-EOS penalty included); the
+    loss is DPO on exactly those pairs."""
+    import copy
+
+    from memlab.losses import dpo_loss
+    from memlab.method.online_dpo import OnlineDPO
+
+    m = OnlineDPO(missing_eos_penalty=1.0)
+    t = {"finished": torch.tensor([True, False, True, True])}
+    metrics: dict = {}
+    # pair 0: 0.2 vs 0.5 - 1 (no EOS) -> first; pair 1: 0.1 vs 0.3 -> second
+    sign = m.advantages_for({}, torch.tensor([0.2, 0.5, 0.1, 0.3]), t, metrics)
+    assert sign.tolist() == [1.0, -1.0, -1.0, 1.0]
+
+    batch = _rollout_batch(tiny, g=2, seed=2)  # 4 rows = 2 pairs
+    batch.tensors["advantages"] = sign
+    ref = copy.deepcopy(tiny)
+    with torch.no_grad():  # a reference that differs from the policy
+        for p in ref.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    loss, met = m.loss({"policy": tiny, "reference": ref}, batch, None)
+    t = batch.tensors
+    inputs = {k: t[k] for k in ("input_ids", "attention_mask", "position_ids")}
+    lab = t["labels"][:, :-1]
+    with torch.no_grad():
+        lp = token_logps(tiny(**inputs).logits[:, :-1], lab, IGNORE).sum(1)
+        rp = token_logps(ref(**inputs).logits[:, :-1], lab, IGNORE).sum(1)
+    expect, _, _ = dpo_loss(lp[[0, 3]], lp[[1, 2]], rp[[0, 3]], rp[[1, 2]], beta=0.1)
+    torch.testing.assert_close(loss.detach(), expect.sum())
+    assert 0.0 <= met["rewards/accuracies"] <= 1.0

@@ -1,0 +1,86 @@
+"""`method=online_dpo`: Online DPO (as TRL's OnlineDPOTrainer): each prompt gets two
+completions from the current policy (``memlab.method._online`` generates and scores them), the
+better-rewarded one is "chosen", and the policy takes a DPO step on that fresh pair against a
+frozen reference (a copy, or the LoRA policy with its adapter off).
+
+``missing_eos_penalty`` is subtracted from the reward of a completion that did not end with EOS
+(TRL's knob against rambling). Ties keep the first completion as chosen. The loss normaliser is
+the number of pairs (prompts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from memlab.losses import dpo_loss, token_logps
+from memlab.method import _preference as P
+from memlab.method._online import Online
+from memlab.method.base import IGNORE, Batch
+from memlab.registry import register
+
+
+@register("method", "online_dpo")
+@dataclass(kw_only=True)
+class OnlineDPO(Online):
+    """Online DPO knobs, named as in TRL's OnlineDPOConfig."""
+
+    num_generations: int = 2
+    """Two completions per prompt: the pair."""
+    beta: float = 0.1
+    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
+    missing_eos_penalty: float | None = None
+
+    def validate(self, ctx) -> list[str]:
+        errors = super().validate(ctx)
+        if self.num_generations != 2:
+            errors.append(f"method.num_generations must be 2 for method=online_dpo (one pair "
+                          f"per prompt; got {self.num_generations})")
+        if self.beta <= 0:
+            errors.append(f"method.beta must be > 0 for method=online_dpo (got {self.beta})")
+        if self.mask_truncated_completions:
+            errors.append("method.mask_truncated_completions=true would leave half-pairs; "
+                          "method=online_dpo penalises them with method.missing_eos_penalty")
+        return errors
+
+    def extra_models(self, policy, ctx, build):
+        return P.reference_models(self, policy, ctx, build)
+
+    def advantages_for(self, models, rewards, t, metrics) -> torch.Tensor:
+        """+1 for the chosen completion of each pair, -1 for the rejected one."""
+        if self.missing_eos_penalty:
+            unfinished = (~t["finished"]).to(rewards.device, rewards.dtype)
+            rewards = rewards - self.missing_eos_penalty * unfinished
+        r = rewards.view(-1, 2)
+        first = r[:, 0] >= r[:, 1]
+        metrics["rewards/pair_margin"] = float((r[:, 0] - r[:, 1]).abs().mean())
+        sign = torch.stack([first, ~first], 1).float() * 2 - 1
+        return sign.reshape(-1)
+
+    def num_items(self, completion_tokens: int, completions: int) -> int:
+        return completions // 2
+
+    def loss(self, models: dict, batch: Batch, ctx) -> tuple[torch.Tensor, dict[str, float]]:
+        t = batch.tensors
+        inputs = {k: t[k] for k in ("input_ids", "attention_mask", "position_ids")}
+        labels = t["labels"][:, :-1]
+        n = (labels != IGNORE).sum(1).clamp(min=1)
+        logits = models["policy"](**inputs, use_cache=False).logits[:, :-1]
+        logps = token_logps(logits, labels, IGNORE).sum(1)
+        with P.reference_forward(self, models) as ref:
+            ref_logps = token_logps(ref(**inputs, use_cache=False).logits[:, :-1], labels,
+                                    IGNORE).sum(1)
+        if self.loss_type == "ipo":  # IPO is defined on length-averaged log-probs
+            logps, ref_logps = logps / n, ref_logps / n
+        chosen = (t["advantages"] > 0).view(-1, 2)
+        idx = torch.arange(chosen.shape[0], device=chosen.device) * 2
+        c = idx + (~chosen[:, 0]).long()  # row of each pair's chosen completion
+        r = idx + chosen[:, 0].long()
+        losses, cr, rr = dpo_loss(logps[c], logps[r], ref_logps[c], ref_logps[r],
+                                  beta=self.beta, loss_type=self.loss_type)
+        metrics = dict(batch.meta.get("rollout", {}))
+        metrics.update({"rewards/chosen": float(cr.mean()), "rewards/rejected": float(rr.mean()),
+                        "rewards/accuracies": float((cr > rr).float().mean())})
+        return losses.sum(), metrics
