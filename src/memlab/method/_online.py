@@ -152,27 +152,9 @@ class Online:
         prompt = batch.tensors["prompt_ids"].repeat_interleave(g, 0)
         pmask = batch.tensors["prompt_mask"].repeat_interleave(g, 0)
         eos, pad = batch.meta["eos"], batch.meta["pad"]
-        policy = models["policy"]
-        inner = unwrap(policy)
-        was_training = inner.training
-        inner.eval()
-        try:
-            with torch.no_grad():
-                seqs = call_inside(policy, _generate, input_ids=prompt, attention_mask=pmask,
-                                   max_new_tokens=self.max_completion_length, do_sample=True,
-                                   temperature=self.temperature, top_p=self.top_p,
-                                   top_k=self.top_k if self.top_k else None,
-                                   pad_token_id=pad, eos_token_id=eos, use_cache=True)
-        finally:
-            inner.train(was_training)
-        comp = seqs[:, prompt.shape[1]:]
-        # completion tokens: up to and including the first EOS
-        is_eos = comp == eos
-        finished = is_eos.any(1)
-        first = torch.where(finished, is_eos.int().argmax(1), comp.shape[1])
-        cmask = (torch.arange(comp.shape[1], device=comp.device)[None, :]
-                 <= first[:, None]).long()
-        comp = comp.masked_fill(cmask == 0, pad)
+        comp, cmask, finished = sample(
+            models["policy"], prompt, pmask, max_new_tokens=self.max_completion_length,
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, eos=eos, pad=pad)
         lengths = cmask.sum(1)
 
         comp_ids = [comp[i, : int(lengths[i])].tolist() for i in range(comp.shape[0])]
@@ -193,12 +175,8 @@ class Online:
             metrics[f"rewards/{name.split(':')[-1]}"] = float(r.mean())
             total += w * r
 
-        ids = torch.cat([prompt, comp.to(prompt.device)], 1)
-        attn = torch.cat([pmask, cmask.to(pmask.device)], 1)
-        labels = torch.full_like(ids, IGNORE)
-        # labels[t] = ids[t+1] where t+1 is a completion token (aligned with input_ids)
-        p = prompt.shape[1]
-        labels[:, p - 1: -1] = comp.masked_fill(cmask == 0, IGNORE)
+        t = join(prompt, pmask, comp, cmask)
+        ids, attn, labels = t["input_ids"], t["attention_mask"], t["labels"]
         loss_mask = torch.ones(comp.shape[0], dtype=torch.bool)
         if self.mask_truncated_completions:
             loss_mask = finished.cpu()
@@ -212,9 +190,7 @@ class Online:
             "completions/mean_length": float(lengths.float().mean()),
             "completions/finished": float(finished.float().mean()),
         })
-        t = {"input_ids": ids, "attention_mask": attn,
-             "position_ids": (attn.cumsum(1) - 1).clamp(min=0), "labels": labels,
-             "seq_valid": loss_mask.to(ids.device), "finished": finished.to(ids.device)}
+        t.update(seq_valid=loss_mask.to(ids.device), finished=finished.to(ids.device))
         t["advantages"] = self.advantages_for(models, total, t, metrics).to(ids.device)
         real = int(attn.sum())
         return Batch(t, num_items=items, real_tokens=real, total_tokens=ids.numel(),
@@ -235,6 +211,46 @@ class Online:
 def _generate(model, **kwargs: Any) -> torch.Tensor:
     """``model.generate`` (run inside the distributed wrapper's forward by call_inside)."""
     return model.generate(**kwargs)
+
+
+def sample(model, prompt: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens: int,
+           temperature: float, top_p: float = 1.0, top_k: int | None = None, eos: int,
+           pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sample one completion per row of the left-padded ``prompt`` with ``model`` (eval mode, no
+    gradient, KV cache, inside its distributed wrapper). Returns ``(completion [N, L],
+    completion mask [N, L] up to and including the first EOS, finished [N])``; tokens after the
+    first EOS are set to ``pad``."""
+    inner = unwrap(model)
+    was_training = inner.training
+    inner.eval()
+    try:
+        with torch.no_grad():
+            seqs = call_inside(model, _generate, input_ids=prompt, attention_mask=prompt_mask,
+                               max_new_tokens=max_new_tokens, do_sample=True,
+                               temperature=temperature, top_p=top_p, top_k=top_k or None,
+                               pad_token_id=pad, eos_token_id=eos, use_cache=True)
+    finally:
+        inner.train(was_training)
+    comp = seqs[:, prompt.shape[1]:]
+    is_eos = comp == eos
+    finished = is_eos.any(1)
+    first = torch.where(finished, is_eos.int().argmax(1), comp.shape[1])
+    cmask = (torch.arange(comp.shape[1], device=comp.device)[None, :] <= first[:, None]).long()
+    return comp.masked_fill(cmask == 0, pad), cmask, finished
+
+
+def join(prompt: torch.Tensor, prompt_mask: torch.Tensor, completion: torch.Tensor,
+         completion_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Left-padded prompts + right-padded completions -> the training tensors: input_ids,
+    attention_mask, position_ids (counting real tokens only) and labels on the completion
+    tokens (``labels[t] = input_ids[t+1]``, aligned with input_ids)."""
+    ids = torch.cat([prompt, completion.to(prompt.device)], 1)
+    attn = torch.cat([prompt_mask, completion_mask.to(prompt_mask.device)], 1)
+    labels = torch.full_like(ids, IGNORE)
+    p = prompt.shape[1]
+    labels[:, p - 1: -1] = completion.masked_fill(completion_mask == 0, IGNORE)
+    return {"input_ids": ids, "attention_mask": attn,
+            "position_ids": (attn.cumsum(1) - 1).clamp(min=0), "labels": labels}
 
 
 def _prompt_and_reference(row: dict, idx: int) -> tuple[Any, str]:
