@@ -17,7 +17,8 @@ Order, and why:
    moved off the device.
 7. distributed wrap last (DDP wraps the finished module; each rank runs this same build and
    streams its own slice of every global batch).
-8. extra models the method needs (reference, reward, value...), built by the same loader, then
+8. extra models the method needs (reference, teacher, reward, value...), built by the same
+   loader (optionally with model-group overrides: a teacher of another size), then
    the method's one-off pass (``before_training``), which may return the dataset with added
    columns (DPO's precomputed reference log-probs) and drop a model it no longer needs.
 """
@@ -74,6 +75,25 @@ def load_model(ctx, tokenizer, *, trainable: bool = True) -> nn.Module:
     return model
 
 
+def with_model_overrides(ctx, overrides: dict[str, Any] | None):
+    """``ctx`` whose model group has ``overrides`` applied (a teacher of another size / seed /
+    checkpoint); the model group may define ``with_overrides`` (estimate's stand-in does)."""
+    if not overrides:
+        return ctx
+    import dataclasses
+
+    m = ctx.model
+    new = m.with_overrides(overrides) if hasattr(m, "with_overrides") else dataclasses.replace(
+        m, **overrides)
+    return dataclasses.replace(ctx, model=new)
+
+
+def load_frozen(ctx, tokenizer, model_overrides: dict[str, Any] | None = None) -> nn.Module:
+    """An extra, frozen model (reference, teacher...): the run's model, or the model group with
+    ``model_overrides`` applied."""
+    return load_model(with_model_overrides(ctx, model_overrides), tokenizer, trainable=False)
+
+
 def enable_checkpointing(model: nn.Module, every: int = 1) -> None:
     """Non-reentrant activation checkpointing on every ``every``-th decoder layer."""
     kwargs = {"use_reentrant": False}
@@ -95,7 +115,7 @@ def build(ctx) -> Pipeline:
     policy = ctx.distributed.wrap(policy, ctx)
     # no local name keeps the extra models alive: before_training may drop one (and free it)
     models = {"policy": policy, **ctx.method.extra_models(
-        policy, ctx, partial(load_model, ctx, tokenizer, trainable=False)
+        policy, ctx, partial(load_frozen, ctx, tokenizer)
     )}
     prepared = ctx.method.before_training(models, ds, ctx)
     if prepared is not None:  # the dataset with columns the method added (e.g. reference logps)

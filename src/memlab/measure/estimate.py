@@ -194,6 +194,11 @@ class _ModelFromConfig:
         self.name = getattr(inner, "name", "?")
         self.hf: Any = None
 
+    def with_overrides(self, model_overrides: dict[str, Any]) -> _ModelFromConfig:
+        """Another model of the same group (a GKD teacher of another size)."""
+        return _ModelFromConfig(dataclasses.replace(self.inner, **model_overrides),
+                                self.overrides, self.notes)
+
     def load_tokenizer(self, ctx):
         try:
             return self.inner.load_tokenizer(ctx)
@@ -806,9 +811,12 @@ def run_fake_step(ctx, opts: EstimateOptions, notes: list[str]) -> dict[str, Any
     fake_mode = _fake_mode()
     meta_ctx = dataclasses.replace(bctx, device="meta")
 
-    def build(*args, trainable: bool = True, **kwargs):
+    def build(model_overrides: dict | None = None, trainable: bool = True):
+        from memlab.pipeline import with_model_overrides
+
         with torch.device("meta"):
-            m = load_model(meta_ctx, tokenizer, *args, trainable=trainable, **kwargs)
+            m = load_model(with_model_overrides(meta_ctx, model_overrides), tokenizer,
+                           trainable=trainable)
         return fakeify(m, fake_mode)
 
     hooks = (lambda: exact_value_hooks(real_tensors, fake_mode, notes)) if opts.exact_masks \
@@ -822,7 +830,7 @@ def run_fake_step(ctx, opts: EstimateOptions, notes: list[str]) -> dict[str, Any
         offload_handle.storage = _HostStandin()
     with _skip_weight_checks():
         extra = bctx.method.extra_models(
-            policy, bctx, lambda *a, **k: build(*a, **{"trainable": False, **k}))
+            policy, bctx, lambda overrides=None: build(overrides, trainable=False))
     models = {"policy": policy, **extra}
     built = sorted(extra)
     # the method's one-off pass (e.g. DPO's precomputed reference log-probs) over these rows,
@@ -1045,7 +1053,7 @@ def estimate(cfg, opts: EstimateOptions | None = None, choices: dict[str, str] |
             except ConfigErrors:
                 pass
         return out
-    if hasattr(ctx.method, "rollout"):
+    if hasattr(ctx.method, "rollout") and getattr(ctx.method, "generates", lambda: True)():
         out["status"] = "invalid"
         out["error"] = (f"method={choices.get('method', '?') if choices else '?'} generates its "
                         "training batches (sampling reads token values, which fake tensors do "

@@ -186,7 +186,8 @@ class Trainer:
         loss_total = 0.0
         with self.probe.step(self.step_idx, tracked, inputs):
             rollout = getattr(self.method, "rollout", None)
-            if rollout is not None:  # online methods: generate the step's training batches
+            if rollout is not None and getattr(self.method, "generates", lambda: True)():
+                # online methods: generate the step's training batches
                 with self.probe.phase("generate"):
                     with ctx.precision.autocast(device):
                         batches[:] = [rollout(self.models, b, ctx) for b in batches]

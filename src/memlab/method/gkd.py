@@ -1,0 +1,211 @@
+"""`method=gkd`: Generalized Knowledge Distillation (Agarwal et al. 2024, as TRL's GKDTrainer):
+the student (the policy) matches a frozen teacher's next-token distributions on the completion
+tokens of conversations, with the generalized Jensen-Shannon divergence
+
+    JSD_beta(P_teacher || P_student) = beta * KL(P_teacher || M) + (1 - beta) * KL(P_student || M),
+    M = beta * P_teacher + (1 - beta) * P_student
+
+(``beta=0`` is the forward KL(teacher || student), ``beta=1`` the reverse KL(student ||
+teacher), both at ``temperature``). With probability ``lmbda`` a micro-batch's completions are
+replaced by the student's own samples (on-policy distillation, in the measured ``generate``
+phase); otherwise, with ``seq_kd``, by the teacher's samples; otherwise the dataset's answers
+are used.
+
+The teacher is the run's model group with ``teacher`` overrides applied, e.g.
+``method.teacher={name_or_path: Qwen/Qwen2.5-7B-Instruct}`` for ``model=hf`` or
+``method.teacher={hidden_size: 256, num_layers: 8, seed: 1}`` for ``model=tiny``; it must share
+the student's tokenizer. Both models' full ``[tokens, vocab]`` fp32 log-probabilities exist
+during the loss: that is the memory cost this method adds over SFT.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from memlab.data.base import DataError
+from memlab.method import _preference as P
+from memlab.method._online import _prompt_and_reference, join, sample
+from memlab.method.base import IGNORE, Batch, DataStats
+from memlab.registry import register
+
+
+@register("method", "gkd")
+@dataclass(kw_only=True)
+class GKD:
+    """GKD knobs, named as in TRL's GKDConfig."""
+
+    teacher: dict[str, Any] | None = None
+    """Model-group overrides that make the teacher (None = a second copy of the student's
+    initial model, useful only as a control: the loss is then 0 at the start)."""
+    lmbda: float = 0.5
+    """Share of micro-batches trained on the student's own samples (on-policy)."""
+    beta: float = 0.5
+    """JSD interpolation: 0 = forward KL(teacher||student), 1 = reverse KL(student||teacher)."""
+    temperature: float = 0.9
+    """Softmax temperature of both distributions, and of sampling."""
+    max_new_tokens: int = 128
+    """Length of sampled completions (on-policy / seq_kd)."""
+    seq_kd: bool = False
+    """Off-policy micro-batches use the teacher's samples instead of the dataset's answers."""
+    max_length: int | None = 1024
+    max_prompt_length: int | None = 512
+
+    data_kinds: ClassVar[tuple[str, ...]] = ("chat",)
+    head: ClassVar[str] = "causal_lm"
+    supports_packing: ClassVar[bool] = False
+    items_name: ClassVar[str] = "completion tokens"
+
+    # ------------------------------------------------------------------ validation
+    def validate(self, ctx) -> list[str]:
+        errors = P.length_errors(self, ["max_length", "max_prompt_length", "max_new_tokens"])
+        if not 0 <= self.lmbda <= 1:
+            errors.append(f"method.lmbda must be in [0, 1] (got {self.lmbda})")
+        if not 0 <= self.beta <= 1:
+            errors.append(f"method.beta must be in [0, 1] (got {self.beta})")
+        if self.temperature <= 0:
+            errors.append(f"method.temperature must be > 0 (got {self.temperature})")
+        if ctx.packing.name != "none":
+            errors.append(f"packing={ctx.packing.name} does not apply to method=gkd; use "
+                          "packing=none")
+        fields_ = {f.name for f in dataclasses.fields(ctx.model)} if dataclasses.is_dataclass(
+            ctx.model) else set()
+        teacher_cfg = self.teacher or {}
+        for key in teacher_cfg:
+            if fields_ and key not in fields_:
+                errors.append(f"method.teacher.{key}: not an option of model={ctx.model.name} "
+                              f"(options: {', '.join(sorted(fields_))})")
+        if "vocab_size" in teacher_cfg or "tokenizer" in teacher_cfg:
+            errors.append("method.teacher must share the student's tokenizer and vocabulary; "
+                          "drop vocab_size / tokenizer from method.teacher")
+        if fields_ and not errors and teacher_cfg:
+            teacher = dataclasses.replace(ctx.model, **teacher_cfg)
+            errors += [f"method.teacher: {e}" for e in teacher.validate(ctx)]
+        return errors
+
+    # ------------------------------------------------------------------ data
+    def prepare(self, ds, tokenizer, ctx) -> tuple[Any, DataStats]:
+        """Prompt (conversation up to its last user turn, chat template with the generation
+        prompt) and completion (the following assistant turn) tokens, truncated like DPO's."""
+        if "messages" not in ds.column_names:
+            raise DataError(f"method=gkd needs conversations ('messages'); this dataset has "
+                            f"columns {sorted(ds.column_names)}")
+        stats = {"n_in": 0, "dropped": 0, "examples_dropped": 0}
+
+        def fn(row: dict, idx: int) -> list[dict]:
+            prompt, answer = _prompt_and_reference(row, idx)
+            p = P.encode_prompt(tokenizer, prompt, idx)
+            c = P.encode_completion(tokenizer, prompt, p, [{"role": "assistant",
+                                                             "content": answer}], idx, "messages")
+            cut = P.truncate(p, [c], self.max_prompt_length, None, self.max_length)
+            if cut is None:
+                return [{"prompt_ids": [], "completion_ids": [], "keep": False,
+                         "n_in": len(p) + len(c), "dropped": len(p) + len(c)}]
+            p2, (c2,), dropped = cut
+            return [{"prompt_ids": p2, "completion_ids": c2, "keep": bool(c2),
+                     "n_in": len(p) + len(c), "dropped": dropped}]
+
+        key = ("gkd", self.max_prompt_length, self.max_length, tokenizer.name_or_path,
+               len(tokenizer))
+        out = P.map_rows(ds, fn, ["prompt_ids", "completion_ids", "keep", "n_in", "dropped"],
+                         key, "tokenize conversations")
+        stats["n_in"] = sum(out["n_in"])
+        stats["dropped"] = sum(out["dropped"])
+        n_before = len(out)
+        out = P.keep_rows(out, "keep", drop=["n_in", "dropped"])
+        return out, DataStats(examples=len(ds), rows=len(out), tokens_in=stats["n_in"],
+                              tokens_dropped=stats["dropped"],
+                              examples_dropped=n_before - len(out))
+
+    def collate(self, rows: list[dict], tokenizer, ctx) -> Batch:
+        """The dataset's prompt + completion (left-padded prompts, right-padded completions, as
+        generated batches are laid out), plus the prompts alone for sampling."""
+        pad = tokenizer.pad_token_id
+        pw = max(len(r["prompt_ids"]) for r in rows)
+        cw = max(len(r["completion_ids"]) for r in rows)
+        prompt = torch.full((len(rows), pw), pad, dtype=torch.long)
+        pmask = torch.zeros_like(prompt)
+        comp = torch.full((len(rows), cw), pad, dtype=torch.long)
+        cmask = torch.zeros_like(comp)
+        for i, r in enumerate(rows):
+            n, m = len(r["prompt_ids"]), len(r["completion_ids"])
+            prompt[i, pw - n:] = torch.tensor(r["prompt_ids"])
+            pmask[i, pw - n:] = 1
+            comp[i, :m] = torch.tensor(r["completion_ids"])
+            cmask[i, :m] = 1
+        t = join(prompt, pmask, comp, cmask)
+        t.update(prompt_ids=prompt, prompt_mask=pmask)
+        return _batch(t, {"samples": len(rows), "eos": tokenizer.eos_token_id, "pad": pad,
+                          "source": "dataset"})
+
+    # ------------------------------------------------------------------ models
+    def extra_models(self, policy, ctx, build) -> dict[str, Any]:
+        return {"teacher": build(self.teacher or None)}
+
+    def before_training(self, models, ds, ctx):
+        return None
+
+    def generates(self) -> bool:
+        return self.lmbda > 0 or self.seq_kd
+
+    def rollout(self, models: dict, batch: Batch, ctx) -> Batch:
+        """On-policy (probability lmbda): the student's samples; else with seq_kd the teacher's;
+        else the dataset's completion."""
+        rng = getattr(self, "_rng", None)
+        if rng is None:
+            rng = self._rng = random.Random(ctx.train.seed * 7919 + ctx.rank)
+        u = rng.random()
+        if u < self.lmbda:
+            who = "student"
+        elif self.seq_kd:
+            who = "teacher"
+        else:
+            return batch
+        t = batch.tensors
+        model = models["policy"] if who == "student" else models["teacher"]
+        comp, cmask, _ = sample(model, t["prompt_ids"], t["prompt_mask"],
+                                max_new_tokens=self.max_new_tokens,
+                                temperature=self.temperature, eos=batch.meta["eos"],
+                                pad=batch.meta["pad"])
+        new = join(t["prompt_ids"], t["prompt_mask"], comp, cmask)
+        return _batch(new, {**batch.meta, "source": who})
+
+    # ------------------------------------------------------------------ loss
+    def loss(self, models: dict, batch: Batch, ctx) -> tuple[torch.Tensor, dict[str, float]]:
+        t = batch.tensors
+        inputs = {k: t[k] for k in ("input_ids", "attention_mask", "position_ids")}
+        mask = t["labels"] != IGNORE
+        student = models["policy"](**inputs, use_cache=False).logits[mask]
+        with P.frozen_forward(models["teacher"]) as teacher_model:
+            teacher = teacher_model(**inputs, use_cache=False).logits[mask]
+        loss_sum = generalized_jsd(student, teacher, self.beta, self.temperature).sum()
+        return loss_sum, {"on_policy": 1.0 if batch.meta.get("source") == "student" else 0.0}
+
+
+def _batch(t: dict[str, torch.Tensor], meta: dict[str, Any]) -> Batch:
+    items = int((t["labels"] != IGNORE).sum())
+    return Batch(t, num_items=items, real_tokens=int(t["attention_mask"].sum()),
+                 total_tokens=t["input_ids"].numel(), size_key=tuple(t["input_ids"].shape),
+                 meta=meta)
+
+
+def generalized_jsd(student_logits: torch.Tensor, teacher_logits: torch.Tensor, beta: float,
+                    temperature: float = 1.0) -> torch.Tensor:
+    """Per-token generalized JSD (module docstring) between ``[N, V]`` logits, in fp32.
+    ``beta=0``: KL(teacher || student); ``beta=1``: KL(student || teacher)."""
+    s = F.log_softmax(student_logits.float() / temperature, -1)
+    t = F.log_softmax(teacher_logits.float() / temperature, -1)
+    if beta == 0:
+        return F.kl_div(s, t, reduction="none", log_target=True).sum(-1)
+    if beta == 1:
+        return F.kl_div(t, s, reduction="none", log_target=True).sum(-1)
+    m = torch.logsumexp(torch.stack([t + math.log(beta), s + math.log(1 - beta)]), 0)
+    kl_t = F.kl_div(m, t, reduction="none", log_target=True).sum(-1)
+    kl_s = F.kl_div(m, s, reduction="none", log_target=True).sum(-1)
+    return beta * kl_t + (1 - beta) * kl_s
