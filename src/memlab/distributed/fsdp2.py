@@ -24,6 +24,8 @@ from torch import nn
 from memlab.distributed.base import Ranks, Routed, unwrap
 from memlab.registry import register
 
+_ROOT = "module."  # the Routed root's prefix in state-dict names
+
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The model's repeated blocks: modules whose class the model lists in ``_no_split_modules``
@@ -46,11 +48,6 @@ class FSDP2(Ranks):
 
     def validate(self, ctx) -> list[str]:
         errors = super().validate(ctx)
-        t = ctx.train
-        if t.save_every or t.save_final or t.resume_from:
-            errors.append("distributed=fsdp2 does not save or resume checkpoints yet (sharded "
-                          "state needs torch.distributed.checkpoint); drop train.save_every / "
-                          "save_final / resume_from, or use distributed=ddp")
         if getattr(ctx.method, "use_liger_kernel", False):
             errors.append("distributed=fsdp2 with method.use_liger_kernel=true is not supported "
                           "yet (Liger reads the sharded output head outside the forward); use "
@@ -80,6 +77,25 @@ class FSDP2(Ranks):
         if hasattr(model, "set_requires_gradient_sync"):
             model.set_requires_gradient_sync(last)
         yield
+
+    def full_state(self, model: nn.Module, optimizer) -> tuple[dict, dict]:
+        """The gathered (unsharded) trainable weights, named as in the unwrapped model, and the
+        optimizer state keyed by parameter name, on CPU. A collective: every rank calls it."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                ignore_frozen_params=True)
+        weights, optim = get_state_dict(model, optimizer, options=opts)
+        return {k.removeprefix(_ROOT): v for k, v in weights.items()}, optim
+
+    def load_full_state(self, model: nn.Module, optimizer, weights: dict, optim: dict) -> None:
+        """Shard a :meth:`full_state` back onto this rank's model and optimizer."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        opts = StateDictOptions(full_state_dict=True, strict=False)
+        set_state_dict(model, optimizer, model_state_dict={_ROOT + k: v for k, v in
+                                                           weights.items()},
+                       optim_state_dict=optim, options=opts)
 
     def describe(self, model: nn.Module) -> dict:
         return {"units": len(decoder_layers(model)) + 1,

@@ -322,16 +322,22 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         """Resumable state: trainable weights, optimizer, scheduler, scaler, data position, RNG.
         Replicated ranks (DDP) hold the same state: rank 0 writes it, every rank can load it."""
-        if self.ctx.rank != 0 and not self.dist.shards_states():
-            return Path(self.ctx.run_dir) / "checkpoints" / f"step_{self.step_idx:06d}"
         root = Path(self.ctx.run_dir) / "checkpoints"
         final = root / f"step_{self.step_idx:06d}"
+        sharded = self.dist.shards_states()
+        if sharded:  # gathered by every rank (a collective), written by rank 0
+            weights, optim = self.dist.full_state(self.policy, self.opt)
+        if self.ctx.rank != 0:
+            return final
+        if not sharded:
+            weights, optim = self._trainable_state(), self.opt.state_dict()
         tmp = root / f".tmp_step_{self.step_idx:06d}"
         tmp.mkdir(parents=True, exist_ok=True)
         state = {
             "step": self.step_idx,
-            "weights": self._trainable_state(),
-            "optimizer": self.opt.state_dict(),
+            "weights": weights,
+            "optimizer": optim,
+            "optimizer_format": "by_name" if sharded else "torch",
             "scheduler": self.sched.state_dict(),
             "scaler": self.scaler.state_dict() if self.scaler else None,
             "stream": self.stream.state(),
@@ -359,11 +365,21 @@ class Trainer:
 
     def load_checkpoint(self, path: Path) -> None:
         state = torch.load(Path(path) / "state.pt", map_location="cpu", weights_only=False)
-        named = dict(unwrap(self.policy).named_parameters())
-        with torch.no_grad():
-            for n, t in state["weights"].items():
-                named[n].copy_(t.to(named[n].device, named[n].dtype))
-        self.opt.load_state_dict(state["optimizer"])
+        by_name = state.get("optimizer_format") == "by_name"
+        if by_name != self.dist.shards_states():
+            raise ValueError(
+                f"checkpoint {path} was written by a {'sharded' if by_name else 'replicated'} "
+                "run; resume it with the same kind of setup (distributed=fsdp2 for sharded "
+                "checkpoints; single or ddp for the others)")
+        if by_name:
+            self.dist.load_full_state(self.policy, self.opt, state["weights"],
+                                      state["optimizer"])
+        else:
+            named = dict(unwrap(self.policy).named_parameters())
+            with torch.no_grad():
+                for n, t in state["weights"].items():
+                    named[n].copy_(t.to(named[n].device, named[n].dtype))
+            self.opt.load_state_dict(state["optimizer"])
         self.sched.load_state_dict(state["scheduler"])
         if self.scaler and state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])
