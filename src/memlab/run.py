@@ -115,8 +115,14 @@ def run(cfg, run_dir: Path | str, choices: dict[str, str] | None = None,
         print_table: bool = True) -> dict[str, Any]:
     """Run one job and write ``run_dir/summary.json``; returns the summary. Never raises for
     a failing job (the status says what happened)."""
+    from memlab.distributed.base import external_launch
     from memlab.measure.summary import format_table
 
+    if external_launch():  # one rank of a torchrun launch: the ranks meet in rank 0's run dir
+        from memlab.distributed.launch import run_external
+
+        return run_external(cfg, Path(run_dir), dict(choices or {}), list(overrides or []),
+                            job or {}, print_table)
     run_dir = Path(run_dir)
     choices = dict(choices or {})
     summary = base_summary(run_dir, choices, list(overrides or []), job or {})

@@ -221,3 +221,35 @@ def test_sweep_over_single_and_ddp_with_report(tmp_path):
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "ddp" in (tmp_path / "report" / "report.md").read_text()
+
+
+def test_torchrun_launch_meets_in_rank0_dir(job, tmp_path):
+    """Started by torchrun (as across nodes), every process is a rank: the ranks meet in rank
+    0's run dir even when each rank's Hydra names its own (``${now:}`` with microseconds),
+    and the merged run trains like one process with the global batch."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from memlab_testing import FAST, REPO
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env.pop("MEMLAB_RANK", None)
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+            "2", "-m", "memlab", *FAST, "train.steps=3", "train.batch_size=2"]
+    r = subprocess.run([*args, "distributed=ddp",
+                        f"hydra.run.dir={tmp_path}/runs/${{now:%H-%M-%S-%f}}"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    dirs = sorted((tmp_path / "runs").iterdir())
+    assert len(dirs) == 1, dirs  # rank 1's own empty Hydra dir is gone
+    s = json.loads((dirs[0] / "summary.json").read_text())
+    assert s["status"] == "ok" and len(s["distributed"]["ranks"]) == 2
+    single = job(["train.steps=3", "train.batch_size=4"])
+    assert s["train"]["loss_curve"] == pytest.approx(single["train"]["loss_curve"], rel=2e-5)
+    bad = subprocess.run([*args, f"hydra.run.dir={tmp_path}/bad"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0
+    s = json.loads((tmp_path / "bad" / "summary.json").read_text())
+    assert s["status"] == "invalid" and "use distributed=ddp or distributed=fsdp2" in s["error"]

@@ -66,9 +66,20 @@ def call_inside(model: nn.Module, fn: Callable[..., Any], *args: Any, **kwargs: 
 
 
 def env_rank() -> tuple[int, int, int]:
-    """(rank, local rank, world size) of this worker, from the launcher's environment."""
-    return (int(os.environ.get("MEMLAB_RANK", 0)), int(os.environ.get("MEMLAB_LOCAL_RANK", 0)),
-            int(os.environ.get("MEMLAB_WORLD_SIZE", 1)))
+    """(rank, local rank, world size) of this process: from memlab's launcher, else from an
+    external one (torchrun sets RANK / LOCAL_RANK / WORLD_SIZE)."""
+    env = os.environ
+    if "MEMLAB_RANK" in env:
+        return (int(env["MEMLAB_RANK"]), int(env.get("MEMLAB_LOCAL_RANK", 0)),
+                int(env.get("MEMLAB_WORLD_SIZE", 1)))
+    return (int(env.get("RANK", 0)), int(env.get("LOCAL_RANK", 0)),
+            int(env.get("WORLD_SIZE", 1)))
+
+
+def external_launch() -> bool:
+    """Whether this process is one rank of several started by an external launcher (torchrun,
+    possibly across nodes) rather than by memlab."""
+    return "MEMLAB_RANK" not in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
 @dataclass(kw_only=True)
