@@ -58,9 +58,11 @@ def prepare_data(ctx, tokenizer) -> tuple[Any, DataStats]:
     return ds, stats
 
 
-def load_model(ctx, tokenizer, *, trainable: bool = True) -> nn.Module:
-    """Model with attention + dtype at load, then PEFT and checkpointing when trainable."""
-    head = ctx.method.head
+def load_model(ctx, tokenizer, *, trainable: bool = True, head: str | None = None,
+               peft: bool = True) -> nn.Module:
+    """Model with attention + dtype at load, then PEFT (``peft``) and checkpointing when
+    trainable. ``head`` defaults to the method's."""
+    head = head or ctx.method.head
     model = ctx.model.load(ctx, tokenizer, head, ctx.peft.load_kwargs(ctx))
     if getattr(ctx.method, "use_liger_kernel", False):
         from memlab.model._liger import apply_liger
@@ -69,7 +71,8 @@ def load_model(ctx, tokenizer, *, trainable: bool = True) -> nn.Module:
     if not trainable:
         model.requires_grad_(False)
         return model.eval()
-    model = ctx.peft.apply(model, ctx, head)
+    if peft:
+        model = ctx.peft.apply(model, ctx, head)
     if ctx.train.gradient_checkpointing:
         enable_checkpointing(model, ctx.train.checkpoint_every)
     return model
@@ -88,10 +91,12 @@ def with_model_overrides(ctx, overrides: dict[str, Any] | None):
     return dataclasses.replace(ctx, model=new)
 
 
-def load_frozen(ctx, tokenizer, model_overrides: dict[str, Any] | None = None) -> nn.Module:
-    """An extra, frozen model (reference, teacher...): the run's model, or the model group with
-    ``model_overrides`` applied."""
-    return load_model(with_model_overrides(ctx, model_overrides), tokenizer, trainable=False)
+def load_extra(ctx, tokenizer, model_overrides: dict[str, Any] | None = None, *,
+               head: str | None = None, trainable: bool = False) -> nn.Module:
+    """An extra model: the run's model (or the model group with ``model_overrides``), frozen
+    (reference, teacher) or ``trainable`` without PEFT (a PPO value model), with ``head``."""
+    return load_model(with_model_overrides(ctx, model_overrides), tokenizer,
+                      trainable=trainable, head=head, peft=False)
 
 
 def enable_checkpointing(model: nn.Module, every: int = 1) -> None:
@@ -115,7 +120,7 @@ def build(ctx) -> Pipeline:
     policy = ctx.distributed.wrap(policy, ctx)
     # no local name keeps the extra models alive: before_training may drop one (and free it)
     models = {"policy": policy, **ctx.method.extra_models(
-        policy, ctx, partial(load_frozen, ctx, tokenizer)
+        policy, ctx, partial(load_extra, ctx, tokenizer)
     )}
     prepared = ctx.method.before_training(models, ds, ctx)
     if prepared is not None:  # the dataset with columns the method added (e.g. reference logps)

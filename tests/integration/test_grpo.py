@@ -83,3 +83,28 @@ def test_online_dpo_starts_at_log2_and_learns(job):
     assert s["train"]["loss_curve"][0] == pytest.approx(math.log(2), abs=1e-6)
     reward = s["train"]["curves"]["reward"]
     assert sum(reward[-3:]) / 3 > sum(reward[:3]) / 3 + 0.3, reward  # ~0.5 -> ~0.95
+
+
+def test_ppo_trains_policy_and_value_with_a_frozen_reference(job):
+    """PPO: four roles in memory (policy, frozen reference, trainable value model; rewards from
+    functions), the KL is exactly 0 at step 0, the optimizer updates the value model too (its
+    gradients are counted), and the value model learns the returns (its loss falls)."""
+    o = [x.replace("method=grpo", "method=ppo") for x in LEARN
+         if not x.startswith("method.num_generations")]
+    s = job(o + ["train.steps=12", "train.lr=3e-2", "train.batch_size=16",
+                 "measure.memory_steps=2"])
+    assert s["status"] == "ok", s["error"]
+    c = s["train"]["curves"]
+    assert c["kl"][0] == 0.0
+    assert sum(c["loss/value"][-3:]) / 3 < 0.5 * c["loss/value"][0], c["loss/value"]
+    models = s["memory"]["models"]
+    assert models["reference"]["trainable"] == 0
+    assert models["value"]["trainable"] == models["value"]["total"] > 0
+    grads = s["memory"]["by_phase_category"]["optimizer"]["gradients"]
+    assert grads == models["policy"]["bytes"] + models["value"]["bytes"]
+    assert s["memory"]["by_phase"]["generate"] > 0
+
+
+def test_ppo_is_single_process_for_now(job):
+    s = job(["method=ppo", "distributed=ddp", "distributed.nproc=2"])
+    assert s["status"] == "invalid" and "use distributed=single" in s["error"]

@@ -811,12 +811,12 @@ def run_fake_step(ctx, opts: EstimateOptions, notes: list[str]) -> dict[str, Any
     fake_mode = _fake_mode()
     meta_ctx = dataclasses.replace(bctx, device="meta")
 
-    def build(model_overrides: dict | None = None, trainable: bool = True):
+    def build(model_overrides: dict | None = None, trainable: bool = True, **kw):
         from memlab.pipeline import with_model_overrides
 
         with torch.device("meta"):
             m = load_model(with_model_overrides(meta_ctx, model_overrides), tokenizer,
-                           trainable=trainable)
+                           trainable=trainable, **kw)
         return fakeify(m, fake_mode)
 
     hooks = (lambda: exact_value_hooks(real_tensors, fake_mode, notes)) if opts.exact_masks \
@@ -830,7 +830,8 @@ def run_fake_step(ctx, opts: EstimateOptions, notes: list[str]) -> dict[str, Any
         offload_handle.storage = _HostStandin()
     with _skip_weight_checks():
         extra = bctx.method.extra_models(
-            policy, bctx, lambda overrides=None: build(overrides, trainable=False))
+            policy, bctx, lambda overrides=None, head=None, trainable=False:
+            build(overrides, trainable=trainable, head=head, peft=False))
     models = {"policy": policy, **extra}
     built = sorted(extra)
     # the method's one-off pass (e.g. DPO's precomputed reference log-probs) over these rows,

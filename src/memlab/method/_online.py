@@ -56,13 +56,15 @@ class Online:
     head: ClassVar[str] = "causal_lm"
     supports_packing: ClassVar[bool] = False
     items_name: ClassVar[str] = "completion tokens"
+    min_generations: ClassVar[int] = 2
 
     # ------------------------------------------------------------------ validation
     def validate(self, ctx) -> list[str]:
         errors = P.length_errors(self, ["max_prompt_length", "max_completion_length"])
-        if self.num_generations < 2:
-            errors.append(f"method.num_generations must be >= 2: the advantage is a reward "
-                          f"minus its group's mean (got {self.num_generations})")
+        if self.num_generations < self.min_generations:
+            errors.append(f"method.num_generations must be >= {self.min_generations}: the "
+                          f"advantage compares completions of the same prompt (got "
+                          f"{self.num_generations})")
         if self.temperature <= 0:
             errors.append("method.temperature must be > 0 (GRPO samples its completions)")
         if not 0 < self.top_p <= 1:
@@ -186,7 +188,7 @@ class Online:
         items = self.num_items(n_tokens, n_seq)
         metrics.update({
             "reward": float(total.mean()),
-            "reward_std": float(total.view(-1, g).std(1).mean()),
+            "reward_std": float(total.view(-1, g).std(1).mean()) if g > 1 else 0.0,
             "completions/mean_length": float(lengths.float().mean()),
             "completions/finished": float(finished.float().mean()),
         })

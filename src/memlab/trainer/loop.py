@@ -151,8 +151,15 @@ class Trainer:
         self.offload = offload_handle
         self.policy = models["policy"]
         self.dist = ctx.distributed
-        self.params = [p for p in self.policy.parameters() if p.requires_grad]
-        if not self.params:
+        # the policy's trainable parameters, then any other model's (a PPO value model)
+        seen: set[int] = set()
+        self.params = []
+        for m in models.values():
+            for p in m.parameters():
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    self.params.append(p)
+        if not any(p.requires_grad for p in self.policy.parameters()):
             raise ValueError("the policy has no trainable parameters")
         self.opt = build_optimizer(self.params, ctx.train)
         self.sched = build_scheduler(self.opt, ctx.train)
@@ -315,9 +322,19 @@ class Trainer:
                     dynamic_ncols=True, file=sys.stderr, mininterval=0.5)
 
     # ---------------------------------------------------------------- checkpoints
+    def _named_trainable(self) -> dict[str, nn.Parameter]:
+        """Trainable parameters by name: the policy's as named in the unwrapped model, other
+        models' prefixed with their role (``value::...``)."""
+        out: dict[str, nn.Parameter] = {}
+        for role, m in self.models.items():
+            prefix = "" if role == "policy" else f"{role}::"
+            for n, p in unwrap(m).named_parameters():
+                if p.requires_grad:
+                    out.setdefault(prefix + n, p)
+        return out
+
     def _trainable_state(self) -> dict[str, torch.Tensor]:
-        names = {id(p): n for n, p in unwrap(self.policy).named_parameters()}
-        return {names[id(p)]: p.detach().cpu() for p in self.params}
+        return {n: p.detach().cpu() for n, p in self._named_trainable().items()}
 
     def save_checkpoint(self) -> Path:
         """Resumable state: trainable weights, optimizer, scheduler, scaler, data position, RNG.
@@ -375,7 +392,7 @@ class Trainer:
             self.dist.load_full_state(self.policy, self.opt, state["weights"],
                                       state["optimizer"])
         else:
-            named = dict(unwrap(self.policy).named_parameters())
+            named = self._named_trainable()
             with torch.no_grad():
                 for n, t in state["weights"].items():
                     named[n].copy_(t.to(named[n].device, named[n].dtype))

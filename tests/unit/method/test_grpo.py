@@ -184,3 +184,20 @@ def test_online_dpo_pairs_chosen_and_rejected(tiny):
     expect, _, _ = dpo_loss(lp[[0, 3]], lp[[1, 2]], rp[[0, 3]], rp[[1, 2]], beta=0.1)
     torch.testing.assert_close(loss.detach(), expect.sum())
     assert 0.0 <= met["rewards/accuracies"] <= 1.0
+
+
+def test_gae_matches_the_recursion_by_hand():
+    from memlab.method.ppo import gae
+
+    # one row: 2 prompt positions (masked out), 3 completion tokens
+    r = torch.tensor([[0.0, 0.0, 0.1, -0.2, 1.0]])
+    v = torch.tensor([[9.0, 9.0, 0.5, 0.4, 0.3]])
+    m = torch.tensor([[0.0, 0.0, 1.0, 1.0, 1.0]])
+    g, lam = 0.9, 0.8
+    d4 = 1.0 - 0.3
+    d3 = -0.2 + g * 0.3 - 0.4
+    d2 = 0.1 + g * 0.4 - 0.5
+    a4 = d4
+    a3 = d3 + g * lam * a4
+    a2 = d2 + g * lam * a3
+    torch.testing.assert_close(gae(r, v, m, g, lam), torch.tensor([[0, 0, a2, a3, a4]]))

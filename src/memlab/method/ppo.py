@@ -1,0 +1,170 @@
+"""`method=ppo`: Proximal Policy Optimization for language models, as TRL's PPOTrainer defines
+it, with four roles: the policy, a frozen reference, a trainable value model (the model group
+with a one-output classification head, a separate network as in TRL) and the reward (memlab's
+reward functions, ``memlab.method._online``; a reward *model* is not wired in yet).
+
+Each optimizer step (the generate phase, no gradients):
+
+1. one completion per prompt is sampled from the policy;
+2. per-token log-probs of the completion under the policy and the reference, and the value
+   model's per-token values, are computed;
+3. per-token rewards are ``-beta * (logp - ref_logp)`` (TRL's ``kl_coef``), plus the reward functions' score
+   (minus ``missing_eos_penalty`` without EOS) on the completion's last token;
+4. advantages by GAE (``gamma``, ``lam``) over the completion tokens, returns = advantages +
+   values; advantages are whitened over the batch.
+
+Then the loss on the same batch (one PPO epoch, one mini-batch per optimizer step):
+clipped policy surrogate ``-min(ratio * A, clip(ratio, 1 +- cliprange) * A)`` plus ``vf_coef`` x
+the clipped value loss ``0.5 * max((V - R)^2, (V_clip - R)^2)``, averaged over completion
+tokens. The optimizer updates policy and value model together.
+
+Runs in one process for now (the value model is not wrapped by DDP / FSDP2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from memlab.distributed.base import call_inside
+from memlab.losses import token_logps
+from memlab.method import _preference as P
+from memlab.method._online import Online
+from memlab.method.base import IGNORE, Batch
+from memlab.registry import register
+
+
+@register("method", "ppo")
+@dataclass(kw_only=True)
+class PPO(Online):
+    """PPO knobs, named as in TRL's PPOConfig."""
+
+    num_generations: int = 1
+    """Completions per prompt (PPO's baseline is the value model, not a group)."""
+    beta: float = 0.05
+    """Per-token KL penalty in the reward (TRL's ``kl_coef``)."""
+    cliprange: float = 0.2
+    cliprange_value: float = 0.2
+    vf_coef: float = 0.1
+    gamma: float = 1.0
+    lam: float = 0.95
+    whiten_advantages: bool = True
+    missing_eos_penalty: float | None = None
+
+    min_generations: ClassVar[int] = 1
+
+    def validate(self, ctx) -> list[str]:
+        errors = super().validate(ctx)
+        if ctx.world_size > 1:
+            errors.append("method=ppo runs in one process for now (its value model is not "
+                          "wrapped for data parallelism); use distributed=single")
+        if self.cliprange <= 0 or self.cliprange_value <= 0:
+            errors.append("method.cliprange and method.cliprange_value must be > 0")
+        if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
+            errors.append("method.gamma and method.lam must be in [0, 1]")
+        if self.mask_truncated_completions:
+            errors.append("method=ppo penalises completions without EOS with "
+                          "method.missing_eos_penalty; set mask_truncated_completions=false")
+        return errors
+
+    # ------------------------------------------------------------------ models
+    def extra_models(self, policy, ctx, build) -> dict[str, Any]:
+        """The reference (frozen copy, or the disabled adapter) and the value model (the model
+        group with a one-output head, trainable, no PEFT)."""
+        models = P.reference_models(self, policy, ctx, build)
+        models["value"] = build(head="seq_cls", trainable=True)
+        return models
+
+    # ------------------------------------------------------------------ rollout
+    def advantages_for(self, models, rewards, t, metrics) -> torch.Tensor:
+        """Fills ``t`` with old log-probs, values, per-token advantages and returns; returns
+        the per-sequence score (kept for the batch layout; PPO's advantages are per token)."""
+        inputs = {k: t[k] for k in ("input_ids", "attention_mask", "position_ids")}
+        labels = t["labels"][:, :-1]
+        mask = (labels != IGNORE).float()
+        with torch.no_grad():
+            with P.frozen_forward(models["policy"]) as m:
+                logps = token_logps(m(**inputs, use_cache=False).logits[:, :-1], labels, IGNORE)
+            with P.reference_forward(self, models) as ref:
+                ref_logps = token_logps(ref(**inputs, use_cache=False).logits[:, :-1], labels,
+                                        IGNORE)
+            with P.frozen_forward(models["value"]) as v:
+                values = token_values(v, inputs)[:, :-1] * mask
+        score = rewards.to(logps.device, logps.dtype)
+        if self.missing_eos_penalty:
+            score = score - self.missing_eos_penalty * (~t["finished"]).to(score.dtype)
+        kl = (logps - ref_logps) * mask
+        per_token = -self.beta * kl
+        last = (mask.cumsum(1) == mask.sum(1, keepdim=True)) & (mask > 0)
+        per_token = per_token + last.float() * score[:, None]
+        adv = gae(per_token, values, mask, self.gamma, self.lam)
+        returns = adv + values
+        if self.whiten_advantages:
+            n = mask.sum().clamp(min=1)
+            mean = (adv * mask).sum() / n
+            var = (((adv - mean) * mask) ** 2).sum() / (n - 1).clamp(min=1)
+            adv = (adv - mean) / (var.sqrt() + 1e-8) * mask
+        t.update(old_logps=logps, old_values=values, token_advantages=adv, returns=returns)
+        metrics.update({"kl": float(kl.sum(1).mean()),
+                        "score": float(score.mean()),
+                        "values/mean": float((values * mask).sum() / mask.sum().clamp(min=1))})
+        return score
+
+    def num_items(self, completion_tokens: int, completions: int) -> int:
+        return completion_tokens
+
+    # ------------------------------------------------------------------ loss
+    def loss(self, models: dict, batch: Batch, ctx) -> tuple[torch.Tensor, dict[str, float]]:
+        t = batch.tensors
+        inputs = {k: t[k] for k in ("input_ids", "attention_mask", "position_ids")}
+        labels = t["labels"][:, :-1]
+        mask = (labels != IGNORE).float()
+        logits = models["policy"](**inputs, use_cache=False).logits[:, :-1]
+        logps = token_logps(logits, labels, IGNORE)
+        ratio = torch.exp(logps - t["old_logps"])
+        adv = t["token_advantages"]
+        pg = -torch.min(ratio * adv, torch.clamp(ratio, 1 - self.cliprange,
+                                                 1 + self.cliprange) * adv)
+        vpred = token_values(models["value"], inputs)[:, :-1]
+        old_v = t["old_values"]
+        v_clip = old_v + torch.clamp(vpred - old_v, -self.cliprange_value, self.cliprange_value)
+        vf = 0.5 * torch.max((vpred - t["returns"]) ** 2, (v_clip - t["returns"]) ** 2)
+        loss_sum = ((pg + self.vf_coef * vf) * mask).sum()
+        n = mask.sum().clamp(min=1)
+        metrics = dict(batch.meta.get("rollout", {}))
+        metrics.update({"loss/policy": float((pg.detach() * mask).sum() / n),
+                        "loss/value": float((vf.detach() * mask).sum() / n)})
+        return loss_sum, metrics
+
+
+def _values(model, **inputs: torch.Tensor) -> torch.Tensor:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    decoder = getattr(base, base.base_model_prefix)
+    hidden = decoder(**inputs, use_cache=False).last_hidden_state
+    return base.score(hidden).squeeze(-1).float()
+
+
+def token_values(model, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The value model's output at every position ``[N, T]`` (its head on each hidden state,
+    not only on the last token as the classification forward pools)."""
+    return call_inside(model, _values, **inputs)
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,
+        lam: float) -> torch.Tensor:
+    """Generalized advantage estimation over the masked (completion) positions of each row,
+    right to left; positions outside the mask get 0 and are skipped (the completion's tokens
+    are contiguous)."""
+    adv = torch.zeros_like(rewards)
+    last = torch.zeros(rewards.shape[0], dtype=rewards.dtype, device=rewards.device)
+    next_v = torch.zeros_like(last)
+    for i in reversed(range(rewards.shape[1])):
+        m = mask[:, i]
+        delta = rewards[:, i] + gamma * next_v - values[:, i]
+        cur = delta + gamma * lam * last
+        adv[:, i] = cur * m
+        last = torch.where(m > 0, cur, last)
+        next_v = torch.where(m > 0, values[:, i], next_v)
+    return adv
