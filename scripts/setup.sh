@@ -20,8 +20,10 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
     $PIP install "torch==$TORCH_VERSION"
   else
     echo "[setup] no GPU: installing the CPU build of torch==$TORCH_VERSION"
+    # one try, no retries: where that index is unreachable (a closed network with a local
+    # mirror that serves the CPU wheel) pip would otherwise back off on every dependency
     $PIP install "torch==$TORCH_VERSION" --index-url https://download.pytorch.org/whl/cpu \
-      --timeout 20 || $PIP install "torch==$TORCH_VERSION"
+      --timeout 20 --retries 0 || $PIP install "torch==$TORCH_VERSION"
   fi
 fi
 echo "[setup] installing memlab (editable) with the dev extras"
