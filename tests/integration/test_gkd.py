@@ -49,7 +49,7 @@ def test_teacher_settings_are_validated(job):
         assert needle in s["error"], (needle, s["error"])
 
 
-def test_estimate_counts_the_teacher_and_rejects_sampling(tmp_path):
+def test_estimate_counts_the_teacher_and_its_sampling(tmp_path):
     import json
 
     from memlab.cli.estimate import main as estimate_main
@@ -64,6 +64,12 @@ def test_estimate_counts_the_teacher_and_rejects_sampling(tmp_path):
     sft = json.loads((tmp_path / "b" / "estimate.json").read_text())
     # the frozen teacher (hidden 128) adds more parameter bytes than the student has
     assert est["by_category"]["parameters"] > 2 * sft["by_category"]["parameters"]
-    assert estimate_main([*base, "method.lmbda=0.5", "--out", str(tmp_path / "c")]) == 2
-    assert "does not model generation" in json.loads(
-        (tmp_path / "c" / "estimate.json").read_text())["error"]
+    # on-policy sampling (lmbda > 0): a measured generate phase, the training batch is the
+    # longest prompts + max_new_tokens sampled tokens
+    assert estimate_main([*base, "method.lmbda=0.5", "method.max_new_tokens=24",
+                          "--out", str(tmp_path / "c")]) == 0
+    gen = json.loads((tmp_path / "c" / "estimate.json").read_text())
+    assert gen["status"] == "ok" and gen["by_phase"]["generate"] > 0
+    assert "generate" not in est["by_phase"]
+    rows, width = gen["batch"]["shapes"]["input_ids"]
+    assert rows == 2 and 24 < width <= 128 + 24  # prompts (<= max_length) + 24 new tokens

@@ -80,6 +80,7 @@ from memlab.measure.memory import CATEGORIES
 GiB = 1024**3
 MiB = 1024**2
 PHASES = ("forward", "backward", "optimizer")
+ALL_PHASES = ("generate", *PHASES)  # generate: online methods only
 
 CUDA_BLOCK = 512
 """The CUDA caching allocator rounds every allocation up to a multiple of 512 bytes."""
@@ -494,6 +495,8 @@ def _generic_rows(ctx, tokenizer, length: int) -> list[dict]:
                             f"length {length}; pass --length")
     ds = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
     ids = [c for c in ds.column_names if c.endswith("_ids") or c == "input_ids"]
+    if _generates(ctx.method) and "prompt_ids" in ids:  # completions come from generation
+        ids = ["prompt_ids"]
     size = [sum(len(ds[i][c]) for c in ids) for i in range(len(ds))]
     order = sorted(range(len(ds)), key=lambda i: -size[i])[:bs]
     rows = [ds[i] for i in order]
@@ -640,6 +643,114 @@ class _HostStandin:
 
     def reload(self, handle, device):
         return torch.empty_like(handle, device=device)
+
+
+# ----------------------------------------------------------------------------- generation
+
+
+def _generates(method) -> bool:
+    """Whether the method builds its training batches by sampling (online methods; GKD with
+    on-policy or teacher samples)."""
+    return callable(getattr(method, "rollout", None)) and \
+        getattr(method, "generates", lambda: True)()
+
+
+def _new_tokens(method) -> int:
+    return int(getattr(method, "max_completion_length", None)
+               or getattr(method, "max_new_tokens", 0))
+
+
+def _worst_case_rollout_tensors(method, real: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The real values of the worst-case generated training batch (every completion runs to its
+    full length): the candidates :func:`exact_value_hooks` evaluates the training forward's mask
+    decisions on, as it does for collated batches."""
+    from memlab.method._online import join
+
+    if "prompt_ids" not in real:
+        return {}
+    g = int(getattr(method, "num_generations", 1) or 1)
+    prompt = real["prompt_ids"].repeat_interleave(g, 0)
+    pmask = real["prompt_mask"].repeat_interleave(g, 0)
+    comp = torch.zeros(prompt.shape[0], _new_tokens(method), dtype=torch.long)
+    t = join(prompt, pmask, comp, torch.ones_like(comp))
+    return {f"rollout_{k}": v for k, v in t.items()}
+
+
+class _NoDraw:
+    """``random.Random`` stand-in whose draws are 0.0: GKD's draw picks on-policy sampling."""
+
+    def random(self) -> float:
+        return 0.0
+
+
+@contextlib.contextmanager
+def worst_case_generation(method, notes: list[str]):
+    """Online methods on fake tensors: the generate phase runs the model's real ``generate``
+    (prefill, KV cache, sampling) for exactly the maximum number of new tokens on every row
+    (no early EOS: the worst case; the loop's stop check reads a value, here it reads the
+    length instead); reward functions are not called (they read decoded text; rewards are
+    zeros, which changes no shape); host-side counts of valid tokens answer "all of them".
+    Everything after - the reference / value passes of ``advantages_for``, the join into
+    ``[prompts x generations, prompt + completion]`` rows, the losses - is the method's own code.
+    Scoped: everything is restored on exit."""
+    import sys
+
+    from transformers.generation import utils as gen_utils
+    from transformers.utils import logging as hf_logging
+
+    from memlab.method import _online
+
+    saved: list[tuple[Any, str, Any]] = []
+
+    def patch(obj, name, fn):
+        saved.append((obj, name, obj.__dict__.get(name, _MISSING)))
+        setattr(obj, name, fn)
+
+    state = {"stop_at": 0}
+    orig_generate = _online._generate
+
+    def generate(model, **kwargs):
+        state["stop_at"] = kwargs["input_ids"].shape[1] + kwargs["max_new_tokens"]
+        return orig_generate(model, **kwargs)
+
+    def stop(self, unfinished, tokens, length):
+        return length >= state["stop_at"]
+
+    def score(self, batch, comp, cmask, finished):
+        return torch.zeros(comp.shape[0], dtype=torch.float32), {}
+
+    patch(_online, "_generate", generate)
+    patch(gen_utils.StopCheck, "__call__", stop)
+    patch(_online.Online, "score", score)
+    orig_count = _online.count
+    for mod in [m for n, m in list(sys.modules.items()) if n.startswith("memlab.method")]:
+        if getattr(mod, "count", None) is orig_count:
+            patch(mod, "count", lambda mask: mask.numel())
+    if hasattr(method, "lmbda"):  # GKD: on-policy (the student samples) when lmbda > 0
+        patch(method, "_rng", _NoDraw())
+    n = _new_tokens(method)
+    notes.append(f"generation: every completion runs to {n} new tokens (no early EOS), with "
+                 "the model's own generate (KV cache, sampling); the training batch is the "
+                 "prompts x completions it makes; reward functions are not run (they read "
+                 "text and allocate no device memory)")
+    if getattr(method, "lmbda", 0) > 0:
+        notes.append("gkd: the on-policy path (the student samples); a step on the dataset's "
+                     "own completions is estimated with method.lmbda=0")
+    # generate's sanity warnings read token values (answered without them): not the user's
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        for obj, name, old in reversed(saved):
+            if old is _MISSING:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, old)
+
+
+_MISSING = object()
 
 
 # ----------------------------------------------------------------------------- the tracker
@@ -795,7 +906,10 @@ def run_fake_step(ctx, opts: EstimateOptions, notes: list[str]) -> dict[str, Any
     bctx = dataclasses.replace(ctx, device="cpu", **groups)
     tokenizer = model_standin.load_tokenizer(bctx)
 
+    online = _generates(ctx.method)
     length = opts.length or getattr(ctx.method, "max_length", None)
+    if online and not opts.length and getattr(ctx.method, "max_prompt_length", None):
+        length = ctx.method.max_prompt_length  # the prompts; completions come from generation
     if length is None:
         raise EstimateError("method.max_length is null: give the row length with --length N "
                             "(or set method.max_length)")
@@ -807,6 +921,8 @@ def run_fake_step(ctx, opts: EstimateOptions, notes: list[str]) -> dict[str, Any
             length = longest
     rows, rows_desc = synthetic_rows(bctx, tokenizer, length, opts.docs_per_row)
     real_tensors = dict(bctx.method.collate(rows, tokenizer, bctx).tensors)
+    if online:
+        real_tensors.update(_worst_case_rollout_tensors(bctx.method, real_tensors))
 
     fake_mode = _fake_mode()
     meta_ctx = dataclasses.replace(bctx, device="meta")
@@ -876,8 +992,10 @@ def run_fake_step(ctx, opts: EstimateOptions, notes: list[str]) -> dict[str, Any
                 p.grad = torch.zeros_like(p)
             trainer.opt.step()
             trainer.opt.zero_grad(set_to_none=True)
+    generation = (lambda: worst_case_generation(bctx.method, notes)) if online \
+        else contextlib.nullcontext
     try:
-        with fake_mode, hooks(), _offload_accepts_fake():
+        with fake_mode, hooks(), _offload_accepts_fake(), generation():
             for step in step_ids:
                 trainer.step_idx = step
                 trainer.run_step(batches, tracked=True)
@@ -959,7 +1077,7 @@ def apply_sharding(mem: dict[str, Any], world: int, stage: int,
             full = (mem.get("by_phase_category") or {}).get("optimizer", {}).get("gradients", 0)
             g = snap.get("gradients", 0)
             new["gradients"] = max(g, full) if bucket_view else g + full
-        if stage >= 3 and ph in ("forward", "backward"):
+        if stage >= 3 and ph in ("generate", "forward", "backward"):
             new["parameters"] += 2 * unit_p
         if stage >= 2 and ph == "backward":
             new["gradients"] += unit_g
@@ -988,11 +1106,26 @@ def apply_sharding(mem: dict[str, Any], world: int, stage: int,
     peak_phase = max(by_phase, key=by_phase.get) if by_phase else None
     out = dict(mem)
     out["by_phase_category"] = phases
-    out["by_phase"] = {ph: int(by_phase.get(ph, 0)) for ph in PHASES}
+    out["by_phase"] = {ph: int(by_phase[ph]) for ph in ALL_PHASES if ph in by_phase}
     out["by_category"] = dict(phases[peak_phase]) if peak_phase else mem["by_category"]
     out["peak_bytes"] = int(by_phase[peak_phase]) if peak_phase else mem["peak_bytes"]
     out["peak_at"] = {"step": (mem.get("peak_at") or {}).get("step"), "phase": peak_phase}
     return out
+
+
+def _padding_mask_note(ctx, batch: dict[str, Any]) -> str | None:
+    """What padding would add: the estimate's padded rows are all full length, so sdpa skips
+    the attention mask (its causal kernel); a real batch whose rows differ in length also
+    materialises a boolean ``[rows, 1, T, T]`` mask (eager builds one either way: estimated)."""
+    shape = (batch.get("shapes") or {}).get("input_ids")
+    if _is_flat(ctx) or getattr(ctx.attention, "name", "") != "sdpa" or not shape \
+            or len(shape) != 2:
+        return None
+    rows, width = shape
+    return (f"padding: these rows are all full length; a batch whose rows differ in length "
+            f"also builds a boolean [{rows}, 1, {width}, {width}] attention mask on sdpa: "
+            f"+{fmt_bytes(rows * width * width)} while the forward's activations are alive "
+            "(not in the peak above)")
 
 
 def _add_other(mem: dict[str, Any], nbytes: int) -> dict[str, Any]:
@@ -1054,13 +1187,6 @@ def estimate(cfg, opts: EstimateOptions | None = None, choices: dict[str, str] |
             except ConfigErrors:
                 pass
         return out
-    if hasattr(ctx.method, "rollout") and getattr(ctx.method, "generates", lambda: True)():
-        out["status"] = "invalid"
-        out["error"] = (f"method={choices.get('method', '?') if choices else '?'} generates its "
-                        "training batches (sampling reads token values, which fake tensors do "
-                        "not have); memlab estimate does not model generation yet: measure a "
-                        "short real run instead (python -m memlab ... train.steps=2)")
-        return out
     procs = ctx.world_size
     if procs > 1:  # one rank of a multi-process run: estimate it as one process, then shard
         from memlab.distributed.single import Single
@@ -1110,6 +1236,9 @@ def estimate(cfg, opts: EstimateOptions | None = None, choices: dict[str, str] |
         overhead = CUDA_CONTEXT_BYTES
         notes.append(f"verdict counts ~{fmt_bytes(CUDA_CONTEXT_BYTES)} of CUDA context outside "
                      "the allocator")
+    mask_note = _padding_mask_note(ctx, res["batch"])
+    if mask_note:
+        notes.append(mask_note)
     offload = res["offload"]
     if offload is not None:
         notes.append(f"activation offload: {fmt_bytes(offload.get('offloaded_bytes', 0))} moved "
@@ -1180,13 +1309,14 @@ def format_table(est: dict[str, Any]) -> str:
     lines.append(f"model: {m.get('total', 0) / 1e6:.1f}M params ({m.get('trainable', 0) / 1e6:.2f}M "
                  f"trainable)  batch: {b.get('rows')}; tensors "
                  + ", ".join(f"{k}{v}" for k, v in (b.get("shapes") or {}).items()))
-    head = ["", *PHASES, "peak"]
-    body = []
     phc = est.get("by_phase_category") or {}
+    phases = [ph for ph in ALL_PHASES if ph in PHASES or ph in phc]
+    head = ["", *phases, "peak"]
+    body = []
     for cat in CATEGORIES:
         body.append([cat, *(fmt_bytes(phc.get(ph, {}).get(cat)) if ph in phc else "-"
-                            for ph in PHASES), fmt_bytes(est["by_category"].get(cat, 0))])
-    body.append(["total", *(fmt_bytes(est["by_phase"].get(ph)) for ph in PHASES),
+                            for ph in phases), fmt_bytes(est["by_category"].get(cat, 0))])
+    body.append(["total", *(fmt_bytes(est["by_phase"].get(ph)) for ph in phases),
                  fmt_bytes(est["peak_bytes"])])
     widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
     for r in [head, *body]:

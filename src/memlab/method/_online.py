@@ -153,13 +153,21 @@ class Online:
         g = self.num_generations
         prompt = batch.tensors["prompt_ids"].repeat_interleave(g, 0)
         pmask = batch.tensors["prompt_mask"].repeat_interleave(g, 0)
-        eos, pad = batch.meta["eos"], batch.meta["pad"]
         comp, cmask, finished = sample(
             models["policy"], prompt, pmask, max_new_tokens=self.max_completion_length,
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, eos=eos, pad=pad)
-        lengths = cmask.sum(1)
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            eos=batch.meta["eos"], pad=batch.meta["pad"])
+        rewards, metrics = self.score(batch, comp, cmask, finished)
+        return self.training_batch(models, batch, prompt, pmask, comp, cmask, finished,
+                                   rewards, metrics)
 
-        comp_ids = [comp[i, : int(lengths[i])].tolist() for i in range(comp.shape[0])]
+    def score(self, batch: Batch, comp: torch.Tensor, cmask: torch.Tensor,
+              finished: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        """The weighted sum of the reward functions for each completion ``[N]`` (float32, on
+        the host) and one metric per reward. Reads the sampled tokens (decodes them to text)."""
+        g = self.num_generations
+        lengths = cmask.sum(1).tolist()
+        comp_ids = [comp[i, :n].tolist() for i, n in enumerate(lengths)]
         texts = batch.meta["decode"](comp_ids, skip_special_tokens=True)
         refs = [r for r in batch.meta["references"] for _ in range(g)]
         prompts = [p for p in batch.meta["prompts"] for _ in range(g)]
@@ -176,26 +184,33 @@ class Online:
                                  f"{total.numel()} completions")
             metrics[f"rewards/{name.split(':')[-1]}"] = float(r.mean())
             total += w * r
+        return total, metrics
 
+    def training_batch(self, models: dict, batch: Batch, prompt: torch.Tensor,
+                       pmask: torch.Tensor, comp: torch.Tensor, cmask: torch.Tensor,
+                       finished: torch.Tensor, rewards: torch.Tensor,
+                       metrics: dict[str, float]) -> Batch:
+        """Prompt + completion rows with labels on the completion tokens, the loss mask and the
+        method's advantages (``advantages_for``, which may run the reference / value model)."""
+        g = self.num_generations
         t = join(prompt, pmask, comp, cmask)
         ids, attn, labels = t["input_ids"], t["attention_mask"], t["labels"]
-        loss_mask = torch.ones(comp.shape[0], dtype=torch.bool)
+        loss_mask = torch.ones(comp.shape[0], dtype=torch.bool, device=finished.device)
         if self.mask_truncated_completions:
-            loss_mask = finished.cpu()
+            loss_mask = finished.clone()
             labels[~loss_mask.to(labels.device)] = IGNORE
-        n_tokens = int((labels != IGNORE).sum())
-        n_seq = int(loss_mask.sum())
+        n_tokens = count(cmask * loss_mask[:, None].to(cmask.device, cmask.dtype))
+        n_seq = count(loss_mask)
         items = self.num_items(n_tokens, n_seq)
         metrics.update({
-            "reward": float(total.mean()),
-            "reward_std": float(total.view(-1, g).std(1).mean()) if g > 1 else 0.0,
-            "completions/mean_length": float(lengths.float().mean()),
+            "reward": float(rewards.mean()),
+            "reward_std": float(rewards.view(-1, g).std(1).mean()) if g > 1 else 0.0,
+            "completions/mean_length": float(cmask.sum(1).float().mean()),
             "completions/finished": float(finished.float().mean()),
         })
         t.update(seq_valid=loss_mask.to(ids.device), finished=finished.to(ids.device))
-        t["advantages"] = self.advantages_for(models, total, t, metrics).to(ids.device)
-        real = int(attn.sum())
-        return Batch(t, num_items=items, real_tokens=real, total_tokens=ids.numel(),
+        t["advantages"] = self.advantages_for(models, rewards, t, metrics).to(ids.device)
+        return Batch(t, num_items=items, real_tokens=count(attn), total_tokens=ids.numel(),
                      size_key=tuple(ids.shape), meta={**batch.meta, "rollout": metrics})
 
     # ------------------------------------------------------------------ per method
@@ -208,6 +223,12 @@ class Online:
     def num_items(self, completion_tokens: int, completions: int) -> int:
         """The rollout's share of the step's loss normaliser."""
         raise NotImplementedError
+
+
+def count(mask: torch.Tensor) -> int:
+    """The number of set entries of a 0/1 mask (a host read; ``memlab estimate`` answers it
+    with the worst case, every entry set)."""
+    return int(mask.sum())
 
 
 def _generate(model, **kwargs: Any) -> torch.Tensor:

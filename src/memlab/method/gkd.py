@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from memlab.data.base import DataError
 from memlab.method import _preference as P
-from memlab.method._online import _prompt_and_reference, join, sample
+from memlab.method._online import _prompt_and_reference, count, join, sample
 from memlab.method.base import IGNORE, Batch, DataStats
 from memlab.registry import register
 
@@ -142,7 +142,7 @@ class GKD:
         t = join(prompt, pmask, comp, cmask)
         t.update(prompt_ids=prompt, prompt_mask=pmask)
         return _batch(t, {"samples": len(rows), "eos": tokenizer.eos_token_id, "pad": pad,
-                          "source": "dataset"})
+                          "source": "dataset", "completion_width": cw})
 
     # ------------------------------------------------------------------ models
     def extra_models(self, policy, ctx, build) -> dict[str, Any]:
@@ -174,23 +174,32 @@ class GKD:
                                 temperature=self.temperature, eos=batch.meta["eos"],
                                 pad=batch.meta["pad"])
         new = join(t["prompt_ids"], t["prompt_mask"], comp, cmask)
-        return _batch(new, {**batch.meta, "source": who})
+        return _batch(new, {**batch.meta, "source": who, "completion_width": comp.shape[1]},
+                      items=count(cmask))
 
     # ------------------------------------------------------------------ loss
     def loss(self, models: dict, batch: Batch, ctx) -> tuple[torch.Tensor, dict[str, float]]:
+        """Logits only for the completion block (the last ``completion_width + 1`` positions,
+        ``logits_to_keep``): the prompt positions never get a [tokens, vocab] row."""
         t = batch.tensors
         inputs = {k: t[k] for k in ("input_ids", "attention_mask", "position_ids")}
-        mask = t["labels"] != IGNORE
-        student = models["policy"](**inputs, use_cache=False).logits[mask]
+        cw = batch.meta["completion_width"]
+        mask = t["labels"][:, -cw - 1:-1] != IGNORE
+        student = models["policy"](**inputs, use_cache=False,
+                                   logits_to_keep=cw + 1).logits[:, :-1][mask]
         with P.frozen_forward(models["teacher"]) as teacher_model:
-            teacher = teacher_model(**inputs, use_cache=False).logits[mask]
+            teacher = teacher_model(**inputs, use_cache=False,
+                                    logits_to_keep=cw + 1).logits[:, :-1][mask]
         loss_sum = generalized_jsd(student, teacher, self.beta, self.temperature).sum()
         return loss_sum, {"on_policy": 1.0 if batch.meta.get("source") == "student" else 0.0}
 
 
-def _batch(t: dict[str, torch.Tensor], meta: dict[str, Any]) -> Batch:
-    items = int((t["labels"] != IGNORE).sum())
-    return Batch(t, num_items=items, real_tokens=int(t["attention_mask"].sum()),
+def _batch(t: dict[str, torch.Tensor], meta: dict[str, Any], items: int | None = None) -> Batch:
+    """The training batch of ``t``; ``items`` (completion tokens) is counted from the labels
+    unless given."""
+    if items is None:
+        items = count(t["labels"] != IGNORE)
+    return Batch(t, num_items=items, real_tokens=count(t["attention_mask"]),
                  total_tokens=t["input_ids"].numel(), size_key=tuple(t["input_ids"].shape),
                  meta=meta)
 
