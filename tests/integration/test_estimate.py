@@ -1,7 +1,7 @@
 """`memlab estimate` against real measurements: on tiny models the fake-tensor estimate's peak
 and categories agree with the CPU tracker of a real run of the same batch shape (within 3%),
 estimates move the right way when a technique is switched on, verdicts, sweeps, the CLI, and a
-1B-parameter estimate in under a minute with under 1 GiB of real memory (slow).
+1B-parameter estimate with under 1 GiB of real memory (slow; its time is in benchmarks/estimate.py).
 
 Real runs use long documents (median 3,000 tokens) truncated at max_length, so every row has
 exactly max_length tokens: padded batches are [batch_size, max_length] without padding, packed
@@ -253,7 +253,7 @@ LLAMA_1B = ["model.hidden_size=2048", "model.num_layers=16", "model.num_heads=32
 
 
 @pytest.mark.slow
-def test_1b_model_estimates_in_under_a_minute_and_1gib(tmp_path):
+def test_1b_model_estimates_with_under_1gib_of_real_memory(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     t0 = time.perf_counter()
     r = subprocess.run([sys.executable, "-m", "memlab.cli.estimate", *LLAMA_1B,
@@ -269,5 +269,6 @@ def test_1b_model_estimates_in_under_a_minute_and_1gib(tmp_path):
     assert est["by_category"]["parameters"] == 4 * est["model"]["total"]  # fp32
     assert est["by_phase_category"]["optimizer"]["optimizer"] >= 8 * est["model"]["total"]
     assert est["batch"]["shapes"]["input_ids"] == [4, 2048]
-    assert wall < 60
+    # the issue's "under a minute" is a wall-clock target: benchmarks/estimate.py measures it
+    # (tests never assert times); real memory is repeatable, so it is asserted here
     assert est["estimator"]["max_rss_bytes"] < 2**30
