@@ -44,6 +44,14 @@ Data-dependent decisions
     step takes the same branches as the real one. ``exact_masks=False`` measures what the
     discrepancy would be (a materialised [B, 1, L, L] mask for unpadded batches).
 
+Online methods (generation)
+    A method that samples its training batches (``rollout``) runs its ``generate`` phase on
+    fake tensors too: the model's own ``generate`` for exactly the maximum number of new tokens
+    on every row (its stop check reads a value; here it reads the length), then the method's
+    own ``training_batch`` (reference / value passes, advantages) and loss. Reward functions,
+    which read decoded text, are not run (zero rewards change no shape), and host-side counts
+    of valid tokens answer "all" (:func:`worst_case_generation`).
+
 Devices
     torch's CPU build has no fake CUDA tensors, so the step runs CPU kernels' shape functions
     (e.g. CPU sdpa = flash-attention-style, no [L, L] scores). ``device='cuda'`` is a *model*,
