@@ -550,6 +550,29 @@ def _same(values: list[Any]) -> bool:
     return True
 
 
+_MISSING = object()
+
+
+@contextlib.contextmanager
+def _patching():
+    """``with _patching() as patch: patch(obj, name, value)``: set attributes for the block;
+    each is restored on exit (removed where ``obj`` itself had none)."""
+    saved: list[tuple[Any, str, Any]] = []
+
+    def patch(obj, name, value):
+        saved.append((obj, name, vars(obj).get(name, _MISSING)))
+        setattr(obj, name, value)
+
+    try:
+        yield patch
+    finally:
+        for obj, name, old in reversed(saved):
+            if old is _MISSING:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, old)
+
+
 @contextlib.contextmanager
 def exact_value_hooks(real: dict[str, torch.Tensor], fake_mode, notes: list[str]):
     """Evaluate the forward's few value-dependent decisions on the real batch tensors (see the
@@ -560,12 +583,6 @@ def exact_value_hooks(real: dict[str, torch.Tensor], fake_mode, notes: list[str]
     Scoped: everything is restored on exit."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from transformers import masking_utils as mu
-
-    saved: list[tuple[Any, str, Any]] = []
-
-    def patch(obj, name, fn):
-        saved.append((obj, name, getattr(obj, name)))
-        setattr(obj, name, fn)
 
     def decide(orig, suffix, fake, *args, convert=None, **kwargs):
         """orig(real, ...) if every real candidate gives the same answer, else orig(fake)."""
@@ -591,8 +608,17 @@ def exact_value_hooks(real: dict[str, torch.Tensor], fake_mode, notes: list[str]
         return decide(orig_skip, "attention_mask", padding_mask, *args,
                       convert=lambda t: t.bool(), **kwargs)
 
-    patch(mu, "find_packed_sequence_indices", find_packed)
-    patch(mu, "_ignore_causal_mask_sdpa", ignore_causal)
+    with _patching() as patch:
+        patch(mu, "find_packed_sequence_indices", find_packed)
+        patch(mu, "_ignore_causal_mask_sdpa", ignore_causal)
+        _patch_segments(real, patch)
+        yield
+
+
+def _patch_segments(real: dict[str, torch.Tensor], patch) -> None:
+    """memlab's per-document attention split, decided on the real batch's position_ids."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
     try:
         from memlab.attention import _varlen
     except ImportError:
@@ -613,11 +639,6 @@ def exact_value_hooks(real: dict[str, torch.Tensor], fake_mode, notes: list[str]
             return answers[0]
 
         patch(_varlen, "_segments", segments)
-    try:
-        yield
-    finally:
-        for obj, name, fn in reversed(saved):
-            setattr(obj, name, fn)
 
 
 @contextlib.contextmanager
@@ -708,12 +729,6 @@ def worst_case_generation(method, notes: list[str]):
 
     from memlab.method import _online
 
-    saved: list[tuple[Any, str, Any]] = []
-
-    def patch(obj, name, fn):
-        saved.append((obj, name, obj.__dict__.get(name, _MISSING)))
-        setattr(obj, name, fn)
-
     state = {"stop_at": 0}
     orig_generate = _online._generate
 
@@ -727,15 +742,6 @@ def worst_case_generation(method, notes: list[str]):
     def score(self, batch, comp, cmask, finished):
         return torch.zeros(comp.shape[0], dtype=torch.float32), {}
 
-    patch(_online, "_generate", generate)
-    patch(gen_utils.StopCheck, "__call__", stop)
-    patch(_online.Online, "score", score)
-    orig_count = _online.count
-    for mod in [m for n, m in list(sys.modules.items()) if n.startswith("memlab.method")]:
-        if getattr(mod, "count", None) is orig_count:
-            patch(mod, "count", lambda mask: mask.numel())
-    if hasattr(method, "lmbda"):  # GKD: on-policy (the student samples) when lmbda > 0
-        patch(method, "_rng", _NoDraw())
     n = _new_tokens(method)
     notes.append(f"generation: every completion runs to {n} new tokens (no early EOS), with "
                  "the model's own generate (KV cache, sampling); the training batch is the "
@@ -748,17 +754,20 @@ def worst_case_generation(method, notes: list[str]):
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
-        yield
+        with _patching() as patch:
+            patch(_online, "_generate", generate)
+            patch(gen_utils.StopCheck, "__call__", stop)
+            patch(_online.Online, "score", score)
+            orig_count = _online.count
+            for mod in [m for n, m in list(sys.modules.items())
+                        if n.startswith("memlab.method")]:
+                if getattr(mod, "count", None) is orig_count:
+                    patch(mod, "count", lambda mask: mask.numel())
+            if hasattr(method, "lmbda"):  # GKD: on-policy (the student samples) if lmbda > 0
+                patch(method, "_rng", _NoDraw())
+            yield
     finally:
         hf_logging.set_verbosity(verbosity)
-        for obj, name, old in reversed(saved):
-            if old is _MISSING:
-                delattr(obj, name)
-            else:
-                setattr(obj, name, old)
-
-
-_MISSING = object()
 
 
 # ----------------------------------------------------------------------------- the tracker
