@@ -501,9 +501,11 @@ def _generic_rows(ctx, tokenizer, length: int) -> list[dict]:
     if not parts:
         raise EstimateError(f"method={ctx.method.name} kept none of the generated rows at "
                             f"length {length}; pass --length")
+    from memlab.method.base import generates
+
     ds = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
     ids = [c for c in ds.column_names if c.endswith("_ids") or c == "input_ids"]
-    if _generates(ctx.method) and "prompt_ids" in ids:  # completions come from generation
+    if generates(ctx.method) and "prompt_ids" in ids:  # completions come from generation
         ids = ["prompt_ids"]
     size = [sum(len(ds[i][c]) for c in ids) for i in range(len(ds))]
     order = sorted(range(len(ds)), key=lambda i: -size[i])[:bs]
@@ -677,13 +679,6 @@ class _HostStandin:
 # ----------------------------------------------------------------------------- generation
 
 
-def _generates(method) -> bool:
-    """Whether the method builds its training batches by sampling (online methods; GKD with
-    on-policy or teacher samples)."""
-    return callable(getattr(method, "rollout", None)) and \
-        getattr(method, "generates", lambda: True)()
-
-
 def _new_tokens(method) -> int:
     return int(getattr(method, "max_completion_length", None)
                or getattr(method, "max_new_tokens", 0))
@@ -722,8 +717,6 @@ def worst_case_generation(method, notes: list[str]):
     Everything after - the reference / value passes of ``advantages_for``, the join into
     ``[prompts x generations, prompt + completion]`` rows, the losses - is the method's own code.
     Scoped: everything is restored on exit."""
-    import sys
-
     from transformers.generation import utils as gen_utils
     from transformers.utils import logging as hf_logging
 
@@ -758,11 +751,7 @@ def worst_case_generation(method, notes: list[str]):
             patch(_online, "_generate", generate)
             patch(gen_utils.StopCheck, "__call__", stop)
             patch(_online.Online, "score", score)
-            orig_count = _online.count
-            for mod in [m for n, m in list(sys.modules.items())
-                        if n.startswith("memlab.method")]:
-                if getattr(mod, "count", None) is orig_count:
-                    patch(mod, "count", lambda mask: mask.numel())
+            patch(_online, "count", lambda mask: mask.numel())
             if hasattr(method, "lmbda"):  # GKD: on-policy (the student samples) if lmbda > 0
                 patch(method, "_rng", _NoDraw())
             yield
@@ -903,6 +892,7 @@ def run_fake_step(ctx, opts: EstimateOptions, notes: list[str]) -> dict[str, Any
     batch descriptions. ``ctx`` is the validated context (its device is replaced by cpu)."""
     import datasets
 
+    from memlab.method.base import generates
     from memlab.pipeline import load_model
     from memlab.trainer.loop import Trainer
 
@@ -923,7 +913,7 @@ def run_fake_step(ctx, opts: EstimateOptions, notes: list[str]) -> dict[str, Any
     bctx = dataclasses.replace(ctx, device="cpu", **groups)
     tokenizer = model_standin.load_tokenizer(bctx)
 
-    online = _generates(ctx.method)
+    online = generates(ctx.method)
     length = opts.length or getattr(ctx.method, "max_length", None)
     if online and not opts.length and getattr(ctx.method, "max_prompt_length", None):
         length = ctx.method.max_prompt_length  # the prompts; completions come from generation

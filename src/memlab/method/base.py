@@ -65,6 +65,14 @@ class Batch:
         return self
 
 
+def generates(method) -> bool:
+    """Whether ``method`` builds its training batches by sampling in a ``generate`` phase: it
+    has a ``rollout`` (online methods), unless its ``generates()`` says not for this config
+    (GKD without on-policy or teacher samples)."""
+    return callable(getattr(method, "rollout", None)) and \
+        getattr(method, "generates", lambda: True)()
+
+
 def decoder_hidden(model, **inputs: torch.Tensor) -> torch.Tensor:
     """Final hidden states of a causal LM's decoder, no logits (for chunked / fused losses).
     Methods run it through ``memlab.distributed.base.call_inside`` so that it stays inside a

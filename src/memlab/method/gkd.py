@@ -30,8 +30,9 @@ import torch
 import torch.nn.functional as F
 
 from memlab.data.base import DataError
+from memlab.method import _online
 from memlab.method import _preference as P
-from memlab.method._online import _prompt_and_reference, count, join, sample
+from memlab.method._online import _prompt_and_reference, join, sample
 from memlab.method.base import IGNORE, Batch, DataStats
 from memlab.registry import register
 
@@ -175,7 +176,7 @@ class GKD:
                                 pad=batch.meta["pad"])
         new = join(t["prompt_ids"], t["prompt_mask"], comp, cmask)
         return _batch(new, {**batch.meta, "source": who, "completion_width": comp.shape[1]},
-                      items=count(cmask))
+                      items=_online.count(cmask))
 
     # ------------------------------------------------------------------ loss
     def loss(self, models: dict, batch: Batch, ctx) -> tuple[torch.Tensor, dict[str, float]]:
@@ -198,8 +199,8 @@ def _batch(t: dict[str, torch.Tensor], meta: dict[str, Any], items: int | None =
     """The training batch of ``t``; ``items`` (completion tokens) is counted from the labels
     unless given."""
     if items is None:
-        items = count(t["labels"] != IGNORE)
-    return Batch(t, num_items=items, real_tokens=count(t["attention_mask"]),
+        items = _online.count(t["labels"] != IGNORE)
+    return Batch(t, num_items=items, real_tokens=_online.count(t["attention_mask"]),
                  total_tokens=t["input_ids"].numel(), size_key=tuple(t["input_ids"].shape),
                  meta=meta)
 

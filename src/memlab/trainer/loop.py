@@ -25,7 +25,7 @@ from torch import nn
 
 from memlab.distributed.base import unwrap
 from memlab.measure.memory import MemoryProbe
-from memlab.method.base import Batch
+from memlab.method.base import Batch, generates
 
 
 def _scalar(x: Any) -> float:
@@ -192,12 +192,11 @@ class Trainer:
         sums: dict[str, float] = {}
         loss_total = 0.0
         with self.probe.step(self.step_idx, tracked, inputs):
-            rollout = getattr(self.method, "rollout", None)
-            if rollout is not None and getattr(self.method, "generates", lambda: True)():
-                # online methods: generate the step's training batches
+            if generates(self.method):  # online methods: generate the step's training batches
                 with self.probe.phase("generate"):
                     with ctx.precision.autocast(device):
-                        batches[:] = [rollout(self.models, b, ctx) for b in batches]
+                        batches[:] = [self.method.rollout(self.models, b, ctx)
+                                      for b in batches]
             total_items = sum(b.num_items for b in batches)
             if world > 1:  # normalise by the items of the whole step on every rank
                 total_items = int(self.dist.all_reduce_sum([total_items], device)[0])
