@@ -15,6 +15,18 @@ An option (``distributed=<name>``) is a registered dataclass with:
 - ``describe(model) -> dict``: the wrapper's own buffers for the summary (DDP's buckets);
 - ``shards_states() -> bool``.
 
+Optional hooks, for a wrapper that owns more of the step (``deepspeed``'s engine):
+
+- ``optimizer(model) -> (engine, torch optimizer)``, ``backward(model, loss)``,
+  ``step(model) -> grad norm``: the trainer then calls these instead of its own optimizer,
+  ``loss.backward()`` and clipping (its LR schedule drives the returned torch optimizer);
+- ``memory_roles(model) -> {category: [tensors]}``: the wrapper's own buffers (partitions,
+  master weights), categorised for the memory tracker at every tracked step and phase;
+- ``generation(model) -> context``: around an online method's ``generate`` (gather the
+  partitioned weights once);
+- ``save_states(model, dir)`` / ``load_states(model, dir)`` / ``full_weights(model)``:
+  checkpoints in the wrapper's own sharded format, plus the whole trainable weights.
+
 Methods call the policy as ``model(**inputs)``. When they need only part of it (the decoder's
 hidden states for a chunked / fused loss, a reward head on packed rows), they go through
 ``call_inside``, so the part still runs inside the wrapper's forward: DDP prepares its gradient

@@ -1035,6 +1035,27 @@ def run_fake_step(ctx, opts: EstimateOptions, notes: list[str]) -> dict[str, Any
 # ----------------------------------------------------------------------------- post-processing
 
 
+def _deepspeed_info(ctx, stage: int):
+    """``model info -> {master_bytes, bucket_bytes, state_factor}`` for
+    :func:`apply_sharding`, from the run's ``distributed=deepspeed`` settings."""
+    ds = ctx.distributed
+    bf16 = getattr(ctx.precision, "name", "") == "bf16"
+
+    def info(model: dict[str, Any]) -> dict[str, int]:
+        hidden = int(model.get("config", {}).get("hidden_size") or 4096)
+        elems = ds.reduce_bucket_size if ds.reduce_bucket_size is not None else hidden * hidden
+        width = 2 if bf16 else 4  # bytes per weight / gradient element
+        trainable = int(model["trainable"])
+        return {"master_bytes": 4 * trainable if stage >= 1 else 0,
+                "weight_bytes": width * trainable, "grad_bytes": width * trainable,
+                "bucket_bytes": (int(elems) * width
+                                 if ds.contiguous_gradients and stage >= 1 else 0),
+                "state_factor": 2 if bf16 else 1,
+                "reuse_bytes": int(ds.stage3_max_reuse_distance) * width}
+
+    return info
+
+
 def shard_units(model: nn.Module) -> dict[str, int]:
     """FSDP / ZeRO-3 wrapping units: each decoder layer (the model's ``_no_split_modules``) and
     the rest (embeddings, head, final norm) as the root unit. Returns the largest unit's
@@ -1063,14 +1084,21 @@ def shard_units(model: nn.Module) -> dict[str, int]:
 def apply_sharding(mem: dict[str, Any], world: int, stage: int,
                    units: dict[str, int] | None = None,
                    notes: list[str] | None = None,
-                   bucket_view: bool = False) -> dict[str, Any]:
+                   bucket_view: bool = False,
+                   deepspeed: dict[str, int] | None = None) -> dict[str, Any]:
     """Divide what ZeRO / FSDP shard by the world size, per phase; the peak is then the largest
     phase. Stage 3 adds the gathered parameters of the two largest units in forward and backward
     (the current one and the prefetched next); stages 2-3 add one unit of unsharded gradients in
     backward (before its reduce-scatter). Stage 0 with world > 1 is DDP: its gradient buckets
     (allocated when the model is wrapped, resident for the whole run) add one gradient-sized
     buffer; with ``bucket_view`` (``gradient_as_bucket_view=True``) the gradients live inside
-    them instead, so gradient memory is the full gradient size in every phase."""
+    them instead, so gradient memory is the full gradient size in every phase.
+
+    ``deepspeed`` (``distributed=deepspeed``: ``master_bytes``, ``bucket_bytes``,
+    ``state_factor``): stages >= 1 add DeepSpeed's fp32 master copy of the rank's slice of the
+    trainable weights to the optimizer state and multiply the state by ``state_factor`` (2 when
+    bf16 weights get fp32 moments); backward holds its contiguous reduce bucket; stage 0 is
+    DeepSpeed's own all-reduce at the boundary, without DDP's resident buckets."""
     notes = notes if notes is not None else []
     if world <= 1:
         return mem
@@ -1080,6 +1108,24 @@ def apply_sharding(mem: dict[str, Any], world: int, stage: int,
     phases = {}
     for ph, snap in (mem.get("by_phase_category") or {}).items():
         new = {k: (math.ceil(v / world) if div.get(k) else v) for k, v in snap.items()}
+        if deepspeed is not None:
+            if stage >= 3 and ph in ("generate", "forward", "backward"):
+                # gathered: two units in flight, or - kept for reuse - up to the reuse distance
+                full = snap.get("parameters", 0)
+                new["parameters"] += min(full, max(2 * unit_p, deepspeed["reuse_bytes"]))
+            if stage >= 1:
+                master = math.ceil(deepspeed["master_bytes"] / world)
+                new["optimizer"] = new.get("optimizer", 0) * deepspeed["state_factor"] + master
+                if ph == "backward":
+                    new["gradients"] += deepspeed["bucket_bytes"]
+                if ph == "optimizer":  # the step's fp32 gradient slice, then the all-gather
+                    new["optimizer"] += master  # of the updated weights
+                    new["activations"] += math.ceil(deepspeed["weight_bytes"] / world)
+            if stage >= 3:  # one flat gradient partition, allocated once, resident
+                new["gradients"] = max(new["gradients"],
+                                       math.ceil(deepspeed["grad_bytes"] / world))
+            phases[ph] = new
+            continue
         if stage == 0:
             full = (mem.get("by_phase_category") or {}).get("optimizer", {}).get("gradients", 0)
             g = snap.get("gradients", 0)
@@ -1089,7 +1135,22 @@ def apply_sharding(mem: dict[str, Any], world: int, stage: int,
         if stage >= 2 and ph == "backward":
             new["gradients"] += unit_g
         phases[ph] = new
-    if stage == 0:
+    if deepspeed is not None:
+        notes.append(f"world_size={world}, distributed=deepspeed zero_stage={stage}: "
+                     + ("nothing sharded" if stage == 0 else
+                        f"{', '.join(k for k in ('optimizer', 'gradients', 'parameters') if div[k])}"
+                        f" divided by {world} per rank, plus DeepSpeed's fp32 master copy of the "
+                        f"rank's slice ({fmt_bytes(math.ceil(deepspeed['master_bytes'] / world))})"
+                        f" in optimizer (and an fp32 gradient slice of that size in the "
+                        f"step), its reduce bucket ({fmt_bytes(deepspeed['bucket_bytes'])}) in "
+                        f"backward, the all-gather of the updated slice after the step"
+                        + ("; stage 3 keeps gathered in forward/backward the parameters "
+                           "reused within stage3_max_reuse_distance elements (at least two "
+                           "units; at most all of them) and one flat gradient partition for "
+                           "the whole run"
+                           if stage >= 3 else ""))
+                     + "; other communication buffers are not modelled")
+    elif stage == 0:
         notes.append(f"world_size={world}, zero_stage=0 (DDP): nothing sharded; DDP's gradient "
                      "buckets hold one gradient-sized buffer for the whole run ("
                      + ("gradient_as_bucket_view=True: the gradients live in it)" if bucket_view
@@ -1195,13 +1256,19 @@ def estimate(cfg, opts: EstimateOptions | None = None, choices: dict[str, str] |
                 pass
         return out
     procs = ctx.world_size
+    ds_info = None
     if procs > 1:  # one rank of a multi-process run: estimate it as one process, then shard
         from memlab.distributed.single import Single
 
         if opts.world_size == 1:
             opts = dataclasses.replace(opts, world_size=procs)
-        if ctx.distributed.shards_states() and not opts.zero_stage:  # fsdp2: full shard
+        stage = getattr(ctx.distributed, "zero_stage", None)  # distributed=deepspeed
+        if stage is not None and not opts.zero_stage:
+            opts = dataclasses.replace(opts, zero_stage=stage)
+        elif ctx.distributed.shards_states() and not opts.zero_stage:  # fsdp2: full shard
             opts = dataclasses.replace(opts, zero_stage=3)
+        if stage is not None:
+            ds_info = _deepspeed_info(ctx, opts.zero_stage)
         notes.append(f"distributed={choices.get('distributed', '?') if choices else '?'}: one "
                      f"rank of {procs}, train.batch_size rows per rank")
         ctx = dataclasses.replace(ctx, distributed=Single(), world_size=1, rank=0)
@@ -1234,8 +1301,10 @@ def estimate(cfg, opts: EstimateOptions | None = None, choices: dict[str, str] |
         dist_cfg = getattr(cfg, "distributed", None) or {}
         bucket_view = bool(dist_cfg.get("gradient_as_bucket_view", False)) if hasattr(
             dist_cfg, "get") else False
+        if ds_info is not None:
+            ds_info = ds_info(res["model"])
         mem = apply_sharding(mem, opts.world_size, opts.zero_stage, res["model"]["shard_units"],
-                             notes, bucket_view=bucket_view)
+                             notes, bucket_view=bucket_view, deepspeed=ds_info)
     budget = opts.budget_bytes
     overhead = 0
     if opts.card:

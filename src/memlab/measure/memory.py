@@ -128,6 +128,9 @@ class MemoryProbe:
         self.tracker = _tracker_class()() if enabled else None
         self._active = False
         self._external: list[Any] = []
+        self.roles: Any = None
+        """Optional ``() -> {category: [tensors]}``: buffers a wrapper owns (DeepSpeed's
+        partitions), categorised at the start of every tracked step and phase."""
         self.peak = 0
         self.peak_snap: dict[str, int] = {}
         self.peak_where: tuple[int, str] | None = None
@@ -155,6 +158,7 @@ class MemoryProbe:
         if use:
             self.tracked_steps.append(index)
             self.tracker.track_external(*self._external, *inputs)
+            self._apply_roles()
             self.tracker.__enter__()
             self._active = True
         try:
@@ -164,6 +168,18 @@ class MemoryProbe:
                 self._active = False
                 self.tracker.reset_mod_stats()
                 self.tracker.__exit__(None, None, None)
+
+    def _apply_roles(self) -> None:
+        if self.roles is None or self.tracker is None:
+            return
+        from torch.distributed._tools.mem_tracker import _MemRefType
+
+        kind = {"parameters": _MemRefType.PARAM, "gradients": _MemRefType.GRAD,
+                "optimizer": _MemRefType.OPT, "other": _MemRefType.OTH}
+        for role, tensors in self.roles().items():
+            for t in tensors:
+                if t.untyped_storage().nbytes():
+                    self.tracker._update_and_maybe_create_winfos(t, kind[role])
 
     def micro_end(self) -> None:
         """After each micro-batch's backward: module stats are per iteration."""
@@ -181,6 +197,7 @@ class MemoryProbe:
         t = self.tracker if self._active else None
         dev = self.device
         if t is not None:
+            self._apply_roles()
             cur = t.get_tracker_snapshot("current").get(dev, {})
             t._peak_mem[dev] = int(cur.get("Total", 0))
             t._peak_mem_snap[dev] = dict(cur)

@@ -16,6 +16,7 @@ value and carries the policy gradient).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -156,7 +157,7 @@ class Online:
         comp, cmask, finished = sample(
             models["policy"], prompt, pmask, max_new_tokens=self.max_completion_length,
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-            eos=batch.meta["eos"], pad=batch.meta["pad"])
+            eos=batch.meta["eos"], pad=batch.meta["pad"], dist=ctx.distributed)
         rewards, metrics = self.score(batch, comp, cmask, finished)
         return self.training_batch(models, batch, prompt, pmask, comp, cmask, finished,
                                    rewards, metrics)
@@ -238,16 +239,18 @@ def _generate(model, **kwargs: Any) -> torch.Tensor:
 
 def sample(model, prompt: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens: int,
            temperature: float, top_p: float = 1.0, top_k: int | None = None, eos: int,
-           pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+           pad: int, dist: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample one completion per row of the left-padded ``prompt`` with ``model`` (eval mode, no
     gradient, KV cache, inside its distributed wrapper). Returns ``(completion [N, L],
     completion mask [N, L] up to and including the first EOS, finished [N])``; tokens after the
-    first EOS are set to ``pad``."""
+    first EOS are set to ``pad``. ``dist`` (the run's distributed option) may wrap the call,
+    e.g. gather ZeRO-3's partitioned weights once for the whole of it."""
     inner = unwrap(model)
     was_training = inner.training
     inner.eval()
+    around = getattr(dist, "generation", None)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), (around(model) if around else contextlib.nullcontext()):
             seqs = call_inside(model, _generate, input_ids=prompt, attention_mask=prompt_mask,
                                max_new_tokens=max_new_tokens, do_sample=True,
                                temperature=temperature, top_p=top_p, top_k=top_k or None,

@@ -310,6 +310,19 @@ def check_same_weights(policy: nn.Module, reference: nn.Module) -> int:
     name: a DPO / KTO reference is the policy *before* training. Returns the number compared;
     raises ValueError naming the first mismatch."""
     ours = {_base_name(n): p for n, p in unwrap(policy).named_parameters() if "lora_" not in n}
+    gather = contextlib.nullcontext()
+    if any(hasattr(p, "ds_id") for p in ours.values()):  # DeepSpeed ZeRO-3 partitions
+        import deepspeed
+
+        gather = deepspeed.zero.GatheredParameters(list(ours.values()))
+    with gather:
+        compared = _compare_weights(ours, reference)
+    if compared == 0:
+        raise ValueError("could not match any reference parameter to the policy's by name")
+    return compared
+
+
+def _compare_weights(ours: dict[str, nn.Parameter], reference: nn.Module) -> int:
     compared = 0
     for name, ref in reference.named_parameters():
         mine = ours.get(_base_name(name))
@@ -326,8 +339,6 @@ def check_same_weights(policy: nn.Module, reference: nn.Module) -> int:
                 "method.reference=adapter_disabled (with peft=lora) or fix the loader"
             )
         compared += 1
-    if compared == 0:
-        raise ValueError("could not match any reference parameter to the policy's by name")
     return compared
 
 

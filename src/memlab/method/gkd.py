@@ -173,7 +173,7 @@ class GKD:
         comp, cmask, _ = sample(model, t["prompt_ids"], t["prompt_mask"],
                                 max_new_tokens=self.max_new_tokens,
                                 temperature=self.temperature, eos=batch.meta["eos"],
-                                pad=batch.meta["pad"])
+                                pad=batch.meta["pad"], dist=ctx.distributed)
         new = join(t["prompt_ids"], t["prompt_mask"], comp, cmask)
         return _batch(new, {**batch.meta, "source": who, "completion_width": comp.shape[1]},
                       items=_online.count(cmask))

@@ -161,13 +161,22 @@ class Trainer:
                     self.params.append(p)
         if not any(p.requires_grad for p in self.policy.parameters()):
             raise ValueError("the policy has no trainable parameters")
-        self.opt = build_optimizer(self.params, ctx.train)
+        # a wrapper that owns backward and the optimizer step (DeepSpeed's engine) built the
+        # optimizer with build_optimizer; memlab's schedule drives the torch optimizer inside it
+        self.engine_steps = hasattr(self.dist, "step")
+        if self.engine_steps:
+            _, self.opt = self.dist.optimizer(self.policy)
+            self.scaler = None
+        else:
+            self.opt = build_optimizer(self.params, ctx.train)
+            self.scaler = ctx.precision.grad_scaler(ctx.device)
         self.sched = build_scheduler(self.opt, ctx.train)
-        self.scaler = ctx.precision.grad_scaler(ctx.device)
         self.step_idx = 0
         self.result = TrainResult()
         self.probe = MemoryProbe(ctx.device, enabled=ctx.measure.memory)
         self.probe.watch(*models.values(), self.opt)
+        if hasattr(self.dist, "memory_roles"):  # the wrapper's own buffers, by category
+            self.probe.roles = lambda: self.dist.memory_roles(self.policy)
         self._max_key: tuple[int, ...] = ()
 
     # ---------------------------------------------------------------- one step
@@ -210,7 +219,10 @@ class Trainer:
                             loss_sum, metrics = self.method.loss(self.models, b, ctx)
                         loss = loss_sum * scale
                     with self.probe.phase("backward"):
-                        (self.scaler.scale(loss) if self.scaler else loss).backward()
+                        if self.engine_steps:
+                            self.dist.backward(self.policy, loss)
+                        else:
+                            (self.scaler.scale(loss) if self.scaler else loss).backward()
                 del loss_sum
                 self.probe.micro_end()
                 loss_total += _scalar(loss.detach()) / world
@@ -220,19 +232,7 @@ class Trainer:
                 if self.offload is not None and hasattr(self.offload, "reset"):
                     self.offload.reset()
             with self.probe.phase("optimizer"):
-                if self.scaler:
-                    self.scaler.unscale_(self.opt)
-                gnorm = None
-                if ctx.train.max_grad_norm is not None:
-                    gnorm = _scalar(torch.nn.utils.clip_grad_norm_(self.params,
-                                                                 ctx.train.max_grad_norm))
-                if self.scaler:
-                    self.scaler.step(self.opt)
-                    self.scaler.update()
-                else:
-                    self.opt.step()
-                self.sched.step()
-                self.opt.zero_grad(set_to_none=True)
+                gnorm = self._optimizer_step()
         if world > 1:  # the step's loss and metrics over every rank's items
             keys = sorted(sums)
             reduced = self.dist.all_reduce_sum([loss_total, *(sums[k] for k in keys)], device)
@@ -243,6 +243,28 @@ class Trainer:
         for k, v in sums.items():
             out[k] = v / max(1, total_items)
         return out
+
+    def _optimizer_step(self) -> float | None:
+        """Unscale, clip, step, schedule, zero the gradients; the gradient norm before clipping
+        (None without ``train.max_grad_norm``)."""
+        max_norm = self.ctx.train.max_grad_norm
+        if self.engine_steps:  # the engine reduces at the boundary, clips, steps, zeroes
+            norm = self.dist.step(self.policy)
+            self.sched.step()
+            return None if max_norm is None else norm
+        if self.scaler:
+            self.scaler.unscale_(self.opt)
+        gnorm = None
+        if max_norm is not None:
+            gnorm = _scalar(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        if self.scaler:
+            self.scaler.step(self.opt)
+            self.scaler.update()
+        else:
+            self.opt.step()
+        self.sched.step()
+        self.opt.zero_grad(set_to_none=True)
+        return gnorm
 
     def _offload_ctx(self):
         return self.ctx.offload.forward_context(self.offload)
@@ -340,20 +362,27 @@ class Trainer:
         Replicated ranks (DDP) hold the same state: rank 0 writes it, every rank can load it."""
         root = Path(self.ctx.run_dir) / "checkpoints"
         final = root / f"step_{self.step_idx:06d}"
-        sharded = self.dist.shards_states()
-        if sharded:  # gathered by every rank (a collective), written by rank 0
+        tmp = root / f".tmp_step_{self.step_idx:06d}"
+        fmt = self._checkpoint_format()
+        weights = optim = None
+        if fmt == "native":  # every rank writes its own shards (DeepSpeed), then meets;
+            # the whole weights go in state.pt too, readable without DeepSpeed
+            self.dist.save_states(self.policy, tmp)
+            weights = self.dist.full_weights(self.policy)
+            if self.ctx.world_size > 1:
+                torch.distributed.barrier()
+        elif fmt == "by_name":  # gathered by every rank (a collective), written by rank 0
             weights, optim = self.dist.full_state(self.policy, self.opt)
         if self.ctx.rank != 0:
             return final
-        if not sharded:
+        if fmt == "torch":
             weights, optim = self._trainable_state(), self.opt.state_dict()
-        tmp = root / f".tmp_step_{self.step_idx:06d}"
         tmp.mkdir(parents=True, exist_ok=True)
         state = {
             "step": self.step_idx,
             "weights": weights,
             "optimizer": optim,
-            "optimizer_format": "by_name" if sharded else "torch",
+            "optimizer_format": fmt,
             "scheduler": self.sched.state_dict(),
             "scaler": self.scaler.state_dict() if self.scaler else None,
             "stream": self.stream.state(),
@@ -370,6 +399,13 @@ class Trainer:
         tmp.rename(final)
         return final
 
+    def _checkpoint_format(self) -> str:
+        """native: the wrapper writes its own shards (DeepSpeed); by_name: gathered from
+        FSDP2's shards; torch: one replica's state dicts."""
+        if hasattr(self.dist, "save_states"):
+            return "native"
+        return "by_name" if self.dist.shards_states() else "torch"
+
     def _resolve_resume(self, where: str) -> Path:
         if where == "latest":
             found = sorted((Path(self.ctx.run_dir) / "checkpoints").glob("step_*"))
@@ -381,13 +417,16 @@ class Trainer:
 
     def load_checkpoint(self, path: Path) -> None:
         state = torch.load(Path(path) / "state.pt", map_location="cpu", weights_only=False)
-        by_name = state.get("optimizer_format") == "by_name"
-        if by_name != self.dist.shards_states():
-            raise ValueError(
-                f"checkpoint {path} was written by a {'sharded' if by_name else 'replicated'} "
-                "run; resume it with the same kind of setup (distributed=fsdp2 for sharded "
-                "checkpoints; single or ddp for the others)")
-        if by_name:
+        fmt, want = state.get("optimizer_format", "torch"), self._checkpoint_format()
+        if fmt != want:
+            kinds = {"torch": "a replicated run (single or ddp)",
+                     "by_name": "a sharded run (distributed=fsdp2)",
+                     "native": "distributed=deepspeed"}
+            raise ValueError(f"checkpoint {path} was written by {kinds.get(fmt, fmt)}; resume "
+                             f"it with the same kind of setup (this run is {kinds[want]})")
+        if fmt == "native":
+            self.dist.load_states(self.policy, path)
+        elif fmt == "by_name":
             self.dist.load_full_state(self.policy, self.opt, state["weights"],
                                       state["optimizer"])
         else:

@@ -1,0 +1,333 @@
+"""`distributed=deepspeed`: DeepSpeed ZeRO stages 0-3 over N processes on this machine (started
+like ``ddp`` by ``memlab.distributed.launch``, or by torchrun / the ``deepspeed`` launcher across
+nodes). Needs the ``deepspeed`` extra (``pip install 'memlab[deepspeed]'``).
+
+What each stage shards over the N ranks, per rank (Psi = parameter count, trainable):
+
+- stage 0: nothing (data parallel like DDP: full parameters, gradients, optimizer state);
+- stage 1: the optimizer state - Adam's two moments *and* a master copy of the rank's slice of
+  the weights (DeepSpeed keeps one even for fp32 weights), 1/N each;
+- stage 2: + the gradients (reduce-scattered into each rank's slice as backward produces them);
+- stage 3: + the parameters: each rank keeps 1/N of every weight, and a layer's full weights are
+  all-gathered just before its forward (and again before its backward), then freed.
+
+memlab keeps its own loop, optimizer and schedule: the engine is built with memlab's optimizer
+(``train.optimizer``, ``lr``, ``betas``, ``weight_decay``) and memlab's LR schedule drives it;
+the loss is normalised over the whole step exactly as under DDP (so N ranks x B == 1 x N*B),
+gradient accumulation uses the engine's boundary (``set_gradient_accumulation_boundary``) and
+gradient clipping is DeepSpeed's (``train.max_grad_norm`` -> ``gradient_clipping``).
+
+Precision: ``fp32`` and ``bf16_mixed`` run an fp32 engine (autocast is memlab's); ``bf16`` turns
+on DeepSpeed's bf16 mode, which - unlike memlab's single-process ``bf16`` - keeps fp32 master
+weights and fp32 optimizer state in the (sharded) optimizer. ``fp16_mixed`` is not wired to
+DeepSpeed's loss scaler and is rejected.
+
+Generation (online methods) under ZeRO-3: with ``gather_for_generation: true`` (the default, TRL's
+``ds3_gather_for_generation``) the full weights are gathered once for the whole ``generate``
+call - fast, but every rank then briefly holds all parameters; with ``false`` each layer is
+gathered on every decoding step - slow, but the peak stays that of one layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from memlab._guards import missing
+from memlab.distributed.base import Ranks, Routed, env_rank, unwrap
+from memlab.registry import register
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    """``base`` with ``extra`` merged in, nested dicts key by key."""
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _rank_env(rank: int, local: int, world: int) -> None:
+    """The variables DeepSpeed reads (its own launcher and torchrun set them; memlab's launcher
+    passes ranks under its own names)."""
+    os.environ.setdefault("RANK", str(rank))
+    os.environ.setdefault("LOCAL_RANK", str(local))
+    os.environ.setdefault("WORLD_SIZE", str(world))
+
+
+def _engine(model: nn.Module):
+    """The DeepSpeed engine around ``model`` (the wrapped policy)."""
+    from deepspeed import DeepSpeedEngine
+
+    if not isinstance(model, DeepSpeedEngine):
+        raise TypeError(f"expected the DeepSpeed engine, got {type(model).__name__}")
+    return model
+
+
+@register("distributed", "deepspeed")
+@dataclass(kw_only=True)
+class DeepSpeed(Ranks):
+    """ZeRO data parallelism through a DeepSpeed engine."""
+
+    zero_stage: int = 2
+    """0: replicate everything; 1: shard optimizer state; 2: + gradients; 3: + parameters."""
+    offload_optimizer: Literal["none", "cpu"] = "none"
+    """ZeRO-Offload: optimizer state and the optimizer step on the host (CUDA runs, stage >= 1)."""
+    offload_param: Literal["none", "cpu"] = "none"
+    """ZeRO-Infinity: the parameter shards live on the host (CUDA runs, stage 3)."""
+    gather_for_generation: bool = True
+    """ZeRO-3 and online methods: gather the full weights once for a ``generate`` call."""
+    overlap_comm: bool = False
+    """Overlap gradient reduction with backward (more bucket memory in flight)."""
+    contiguous_gradients: bool = True
+    """Copy gradients into one contiguous buffer as they are produced (less fragmentation)."""
+    reduce_bucket_size: int | None = None
+    """Elements reduced at a time. With ``contiguous_gradients`` DeepSpeed allocates a buffer of
+    this many gradient elements up front (its own default, 5e8, is 2 GB in fp32 whatever the
+    model). None: hidden_size^2, like the Hugging Face integration's "auto"."""
+    allgather_bucket_size: int | None = None
+    """Elements all-gathered at a time after the step (stages 1-2). None: hidden_size^2."""
+    stage3_prefetch_bucket_size: int | None = None
+    """Elements of upcoming layers gathered ahead (stage 3). None: 0.9 x hidden_size^2."""
+    stage3_param_persistence_threshold: int | None = None
+    """Parameters smaller than this stay gathered on every rank (stage 3: norms, biases).
+    None: 10 x hidden_size."""
+    stage3_max_live_parameters: int = 1_000_000_000
+    """Most gathered elements alive at once (stage 3)."""
+    stage3_max_reuse_distance: int = 1_000_000_000
+    """A gathered parameter used again within this many gathered elements is kept (stage 3):
+    at DeepSpeed's default (1e9) the last layers of the forward - all of a model under ~1B
+    weights - stay gathered into the backward. Lower it to trade all-gathers for memory."""
+    config: dict[str, Any] = field(default_factory=dict)
+    """Merged over the generated DeepSpeed config (any other DeepSpeed key)."""
+
+    # ---------------------------------------------------------------- checks
+    def validate(self, ctx) -> list[str]:
+        errors = super().validate(ctx)
+        if (err := missing("deepspeed", "distributed=deepspeed")) is not None:
+            errors.append(err)
+        if self.zero_stage not in (0, 1, 2, 3):
+            errors.append(f"distributed.zero_stage must be 0, 1, 2 or 3 (got {self.zero_stage})")
+        if self.offload_optimizer != "none" and not ctx.is_cuda:
+            errors.append("distributed.offload_optimizer=cpu moves optimizer state off a GPU; "
+                          "this run is on cpu, where it is already there: set "
+                          "distributed.offload_optimizer=none")
+        if self.offload_optimizer != "none" and self.zero_stage == 0:
+            errors.append("distributed.offload_optimizer needs distributed.zero_stage>=1")
+        if self.offload_param != "none" and (self.zero_stage != 3 or not ctx.is_cuda):
+            errors.append("distributed.offload_param=cpu needs distributed.zero_stage=3 on a "
+                          "CUDA run; set distributed.offload_param=none")
+        precision = getattr(ctx.precision, "name", "")
+        if precision == "fp16_mixed":
+            errors.append("distributed=deepspeed with precision=fp16_mixed is not supported "
+                          "(memlab's GradScaler and DeepSpeed's loss scaler would both scale); "
+                          "use precision=bf16_mixed or precision=bf16")
+        if getattr(ctx.method, "name", "") == "ppo":
+            errors.append("distributed=deepspeed with method=ppo is not supported (the value "
+                          "model is a second trainable network outside the engine); use "
+                          "distributed=single")
+        if getattr(ctx.method, "use_liger_kernel", False) and self.zero_stage == 3:
+            errors.append("distributed=deepspeed zero_stage=3 with method.use_liger_kernel=true "
+                          "is not supported (Liger reads the partitioned output head); use "
+                          "method.loss_impl=chunked or zero_stage<=2")
+        return errors
+
+    # ---------------------------------------------------------------- the engine
+    def ds_config(self, ctx, hidden_size: int) -> dict[str, Any]:
+        """The DeepSpeed config this option generates (then ``config`` merged over it); bucket
+        sizes left at None follow the model's ``hidden_size``."""
+        square = hidden_size * hidden_size
+
+        def pick(value: int | None, auto: float) -> int:
+            return int(auto) if value is None else int(value)
+
+        zero: dict[str, Any] = {
+            "stage": self.zero_stage,
+            "overlap_comm": self.overlap_comm,
+            "contiguous_gradients": self.contiguous_gradients,
+            "reduce_bucket_size": pick(self.reduce_bucket_size, square),
+            "allgather_bucket_size": pick(self.allgather_bucket_size, square),
+        }
+        if self.zero_stage == 3:
+            zero.update(
+                stage3_prefetch_bucket_size=pick(self.stage3_prefetch_bucket_size, 0.9 * square),
+                stage3_param_persistence_threshold=pick(self.stage3_param_persistence_threshold,
+                                                        10 * hidden_size),
+                stage3_max_live_parameters=self.stage3_max_live_parameters,
+                stage3_max_reuse_distance=self.stage3_max_reuse_distance)
+        if self.offload_optimizer != "none":
+            zero["offload_optimizer"] = {"device": self.offload_optimizer, "pin_memory": True}
+        if self.offload_param != "none":
+            zero["offload_param"] = {"device": self.offload_param, "pin_memory": True}
+        train = ctx.train
+        cfg: dict[str, Any] = {
+            # DeepSpeed checks batch x accumulation x ranks; memlab feeds the batches itself
+            "train_micro_batch_size_per_gpu": train.batch_size,
+            "gradient_accumulation_steps": train.grad_accum,
+            "train_batch_size": train.batch_size * train.grad_accum * ctx.world_size,
+            "gradient_clipping": float(train.max_grad_norm or 0.0),
+            "zero_optimization": zero,
+            "zero_allow_untested_optimizer": True,  # memlab's torch AdamW / SGD
+            "zero_force_ds_cpu_optimizer": False,
+            "steps_per_print": 2**31 - 1,
+            "wall_clock_breakdown": False,
+        }
+        if getattr(ctx.precision, "name", "") == "bf16":
+            cfg["bf16"] = {"enabled": True}
+        return _merge(cfg, self.config)
+
+    def setup(self, ctx) -> None:
+        import deepspeed
+        import torch.distributed as dist
+
+        super().setup(ctx)  # the process group; DeepSpeed's comm layer adopts it
+        _rank_env(ctx.rank, env_rank()[1], ctx.world_size)
+        if ctx.is_cuda is False:
+            # DeepSpeed picks its accelerator at import; on a CPU run make sure it is the CPU one
+            from deepspeed.accelerator import get_accelerator
+
+            if get_accelerator().device_name() != "cpu":
+                raise RuntimeError("DeepSpeed selected a GPU accelerator for a CPU run; set "
+                                   "DS_ACCELERATOR=cpu")
+        deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
+
+    def wrap(self, model: nn.Module, ctx) -> nn.Module:
+        import deepspeed
+        import torch.distributed as dist
+
+        from memlab.trainer.loop import build_optimizer
+
+        if not dist.is_initialized():  # one rank (ZeRO-Offload on one GPU): a local group
+            _rank_env(0, 0, 1)
+            dist.init_process_group(self.backend_for(ctx.device), store=dist.HashStore(),
+                                    rank=0, world_size=1)
+            deepspeed.init_distributed(dist_backend=dist.get_backend(),
+                                       auto_mpi_discovery=False)
+        root = Routed(model)
+        params = [p for p in root.parameters() if p.requires_grad]
+        config = getattr(unwrap(model), "config", None)
+        hidden = int(getattr(config, "hidden_size", 0) or 4096)
+        engine, *_ = deepspeed.initialize(
+            model=root, model_parameters=params, config=self.ds_config(ctx, hidden),
+            optimizer=lambda ps: build_optimizer(list(ps), ctx.train),
+            dist_init_required=False)
+        reads_head = (getattr(ctx.method, "loss_impl", "standard") != "standard"
+                      or getattr(ctx.method, "use_liger_kernel", False))
+        if self.zero_stage == 3 and reads_head:
+            # a chunked / fused loss reads the output head's weight directly, inside the root's
+            # forward (call_inside): gather it (and the tied input embedding) for that forward.
+            # The cost: the head stays gathered for the whole forward and backward.
+            from deepspeed.runtime.zero import register_external_parameter
+
+            inner = unwrap(model)
+            base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+            for get in ("get_output_embeddings", "get_input_embeddings"):
+                mod = getattr(base, get, lambda: None)()
+                if mod is not None and getattr(mod, "weight", None) is not None:
+                    register_external_parameter(root, mod.weight)
+        return engine
+
+    # ---------------------------------------------------------------- the trainer's hooks
+    def optimizer(self, model: nn.Module) -> tuple[Any, torch.optim.Optimizer]:
+        """(what the trainer steps: the engine, the torch optimizer inside it whose param
+        groups the LR schedule sets)."""
+        engine = _engine(model)
+        opt = engine.optimizer
+        while not isinstance(opt, torch.optim.Optimizer) and hasattr(opt, "optimizer"):
+            opt = opt.optimizer
+        return engine, opt
+
+    @contextlib.contextmanager
+    def sync(self, model: nn.Module, last: bool) -> Iterator[None]:
+        """Reduce gradients (and step) only at the step's last micro-batch."""
+        _engine(model).set_gradient_accumulation_boundary(last)
+        yield
+
+    def backward(self, model: nn.Module, loss: torch.Tensor) -> None:
+        # memlab already normalised the loss over the whole step
+        _engine(model).backward(loss, scale_wrt_gas=False)
+
+    def step(self, model: nn.Module) -> float | None:
+        """The optimizer step (clipping included); returns the gradient norm before clipping."""
+        engine = _engine(model)
+        engine.set_gradient_accumulation_boundary(True)
+        engine.step()
+        norm = engine.get_global_grad_norm()
+        return None if norm is None else float(norm)
+
+    def generation(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        """Around an online method's ``generate``: under ZeRO-3 with ``gather_for_generation``,
+        the full weights gathered once for the whole call."""
+        if self.zero_stage != 3 or not self.gather_for_generation:
+            return contextlib.nullcontext()
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(list(_engine(model).module.parameters()))
+
+    def memory_roles(self, model: nn.Module) -> dict[str, list[torch.Tensor]]:
+        """DeepSpeed's own persistent buffers, by memlab category, for the tracker: the rank's
+        parameter partitions (stage 3), the fp32 master partitions (optimizer state, as the ZeRO
+        paper counts them) and the partitioned gradient buffers."""
+        opt = _engine(model).optimizer
+        roles: dict[str, list[torch.Tensor]] = {"parameters": [], "gradients": [],
+                                                "optimizer": []}
+
+        def add(role: str, obj: Any) -> None:
+            if isinstance(obj, torch.Tensor):
+                roles[role].append(obj)
+            elif isinstance(obj, dict):
+                for v in obj.values():
+                    add(role, v)
+            elif isinstance(obj, (list, tuple)):
+                for v in obj:
+                    add(role, v)
+
+        if self.zero_stage == 3:
+            add("parameters", getattr(opt, "fp16_partitioned_groups_flat", None))
+            for p in _engine(model).module.parameters():
+                add("parameters", getattr(p, "ds_tensor", None))
+            add("optimizer", getattr(opt, "fp32_partitioned_groups_flat", None))
+            add("gradients", getattr(opt, "grad_partitions_flat_buffer", None))
+        else:
+            add("optimizer", getattr(opt, "single_partition_of_fp32_groups", None))
+            add("optimizer", getattr(opt, "fp32_groups_flat_partition", None))  # bf16, stage 0
+            add("gradients", getattr(opt, "averaged_gradients", None))
+            add("gradients", getattr(opt, "all_grad_tensors", None))  # between micro-batches
+            add("gradients", getattr(opt, "grads_in_partition", None))
+        return roles
+
+    def full_weights(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The trainable weights, whole (gathered under ZeRO-3), named as in the unwrapped model,
+        on CPU. A collective under ZeRO-3: every rank calls it."""
+        inner = unwrap(model)
+        named = [(n, p) for n, p in inner.named_parameters() if p.requires_grad]
+        gather = contextlib.nullcontext()
+        if self.zero_stage == 3:
+            import deepspeed
+
+            gather = deepspeed.zero.GatheredParameters([p for _, p in named])
+        with gather:
+            return {n: p.detach().to("cpu", copy=True) for n, p in named}
+
+    def save_states(self, model: nn.Module, path) -> None:
+        """Every rank writes its shards of weights and optimizer state (DeepSpeed's format)."""
+        _engine(model).save_checkpoint(str(path), tag="deepspeed",
+                                       exclude_frozen_parameters=True)
+
+    def load_states(self, model: nn.Module, path) -> None:
+        engine = _engine(model)
+        engine.load_checkpoint(str(path), tag="deepspeed", load_module_strict=False,
+                               load_optimizer_states=True, load_lr_scheduler_states=False)
+
+    def describe(self, model: nn.Module) -> dict:
+        return {"zero_stage": self.zero_stage, "offload_optimizer": self.offload_optimizer,
+                "offload_param": self.offload_param,
+                "gather_for_generation": self.gather_for_generation}
+
+    def shards_states(self) -> bool:
+        return self.zero_stage >= 1

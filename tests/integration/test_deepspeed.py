@@ -1,0 +1,161 @@
+"""`distributed=deepspeed` on CPU with real DeepSpeed (its CPU accelerator, gloo, 2 worker
+processes started by memlab's launcher): every ZeRO stage trains exactly like one process with
+the whole batch, each stage shards what it should (measured by each rank's tracker), generation
+under ZeRO-3 gives the same samples with or without gathering the weights once, and checkpoints
+resume to the same run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from memlab._guards import has
+
+pytestmark = [pytest.mark.integration,
+              pytest.mark.skipif(not has("deepspeed"), reason="needs the deepspeed extra")]
+
+
+def DS(stage: int) -> list[str]:
+    return ["distributed=deepspeed", "distributed.nproc=2", f"distributed.zero_stage={stage}"]
+
+
+def _ok(*summaries):
+    for s in summaries:
+        assert s["status"] == "ok", s["error"]
+
+
+def _weights(summary) -> dict[str, torch.Tensor]:
+    step = summary["train"]["steps"]
+    path = f"{summary['run_dir']}/checkpoints/step_{step:06d}/state.pt"
+    return torch.load(path, weights_only=False)["weights"]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_every_zero_stage_trains_like_one_process(job, stage):
+    """2 ranks x 1 row x 2 micro-batches (DeepSpeed's accumulation boundary) == 1 process x 4
+    rows: the same loss curve, tokens and final weights (gathered from the shards)."""
+    o = ["train.steps=3", "train.save_final=true", "measure.memory_steps=0"]
+    single = job(o + ["train.batch_size=4"])
+    ds = job(o + DS(stage) + ["train.batch_size=1", "train.grad_accum=2"])
+    _ok(single, ds)
+    assert ds["train"]["loss_curve"] == pytest.approx(single["train"]["loss_curve"], rel=2e-5)
+    assert ds["data"]["tokens_trained"] == single["data"]["tokens_trained"]
+    w1, w2 = _weights(single), _weights(ds)
+    assert w1.keys() == w2.keys()
+    for k in w1:
+        torch.testing.assert_close(w2[k], w1[k], rtol=1e-4, atol=1e-5)
+    assert ds["memory"]["distributed"]["zero_stage"] == stage
+
+
+def test_each_stage_shards_what_it_should(job):
+    """Per rank, 2 ranks, 2 micro-batches per step, measured in the second micro-batch's
+    forward (state of the previous step and gradients of the first micro-batch alive):
+    stage 0 holds full gradients and Adam's two moments; stage 1 half of the moments plus a
+    half-size fp32 master copy, still full gradients; stage 2 also half of the gradients;
+    stage 3 also half of the parameters."""
+    o = ["train.steps=2", "train.batch_size=1", "train.grad_accum=2", "measure.memory_steps=2"]
+    runs = {s: job(o + DS(s)) for s in (0, 1, 2, 3)}
+    _ok(*runs.values())
+    fwd = {s: r["memory"]["by_phase_category"]["forward"] for s, r in runs.items()}
+    step = {s: r["memory"]["by_phase_category"]["optimizer"] for s, r in runs.items()}
+    P = step[0]["parameters"]  # fp32, every weight trainable: 4 bytes per weight
+    assert P > 0
+    expect = {  # (optimizer state, gradients) in units of P
+        0: (2.0, 1.0), 1: (1.5, 1.0), 2: (1.5, 0.5), 3: (1.5, 0.5)}
+    for s, (opt, grads) in expect.items():
+        assert fwd[s]["optimizer"] == pytest.approx(opt * P, rel=0.02), s
+        assert fwd[s]["gradients"] == pytest.approx(grads * P, rel=0.02), s
+    for s in (0, 1, 2):
+        assert step[s]["parameters"] == P
+    assert step[3]["parameters"] == pytest.approx(P / 2, rel=0.02)
+    peaks = {s: r["memory"]["peak_bytes_max_rank"] for s, r in runs.items()}
+    assert peaks[1] < peaks[0] and peaks[2] < peaks[1], peaks
+
+
+def test_lora_chunked_loss_and_dpo_under_zero3(job):
+    """Paths that read a weight outside its module's forward (the chunked loss reads the output
+    head) or hold a second model (DPO's reference copy) under ZeRO-3."""
+    for extra in (["peft=lora", "method.loss_impl=chunked", "method.chunk_size=64"],
+                  ["method=dpo", "method.max_length=96"]):
+        o = ["train.steps=2", "measure.memory_steps=0"] + extra
+        single = job(o + ["train.batch_size=4"])
+        ds = job(o + DS(3) + ["train.batch_size=2"])
+        _ok(single, ds)
+        assert ds["train"]["loss_curve"] == pytest.approx(single["train"]["loss_curve"],
+                                                          rel=1e-4)
+
+
+def test_generation_gathered_once_or_per_layer_samples_the_same(job):
+    """GRPO under ZeRO-3: gathering the weights once for generate (TRL's
+    ds3_gather_for_generation) or layer by layer per token gives the same completions and so
+    the same run; gathering once holds the whole weights during generation."""
+    o = ["method=grpo", "method.num_generations=2", "method.max_completion_length=8",
+         "train.batch_size=2", "train.steps=2", "measure.memory_steps=2",
+         "method.rewards=[length]"] + DS(3)
+    once = job(o + ["distributed.gather_for_generation=true"])
+    layered = job(o + ["distributed.gather_for_generation=false"])
+    _ok(once, layered)
+    assert once["train"]["loss_curve"] == pytest.approx(layered["train"]["loss_curve"],
+                                                        rel=1e-5)
+    assert once["train"]["curves"]["completions/mean_length"] == \
+        layered["train"]["curves"]["completions/mean_length"]
+    gen = {k: r["memory"]["by_phase"]["generate"] for k, r in
+           (("once", once), ("layered", layered))}
+    assert gen["once"] > gen["layered"], gen
+
+
+def test_resume_from_a_deepspeed_checkpoint(job):
+    """Save at step 2 (each rank its shards, DeepSpeed's format), resume to step 4: the same
+    loss curve and final weights as the straight run; a replicated run refuses it."""
+    o = DS(2) + ["train.steps=4", "train.batch_size=2", "measure.memory_steps=0"]
+    straight = job(o + ["train.save_every=2"])
+    _ok(straight)
+    ckpt = f"{straight['run_dir']}/checkpoints/step_000002"
+    resumed = job(o + [f"train.resume_from={ckpt}", "train.save_final=true"])
+    _ok(resumed)
+    assert resumed["train"]["loss_curve"] == pytest.approx(straight["train"]["loss_curve"],
+                                                           rel=1e-5)
+    w1, w2 = _weights(straight), _weights(resumed)
+    for k in w1:
+        torch.testing.assert_close(w2[k], w1[k], rtol=1e-5, atol=1e-7)
+    bad = job(["train.steps=4", f"train.resume_from={ckpt}"])
+    assert bad["status"] == "failed" and "distributed=deepspeed" in bad["error"]
+
+
+def test_invalid_deepspeed_setups_are_rejected_before_loading(job):
+    bad = job(["distributed=deepspeed", "distributed.zero_stage=4",
+               "distributed.offload_optimizer=cpu", "precision=fp16_mixed"])
+    assert bad["status"] == "invalid"
+    for needle in ("zero_stage must be 0, 1, 2 or 3", "offload_optimizer=cpu",
+                   "precision=fp16_mixed"):
+        assert needle in bad["error"], bad["error"]
+    ppo = job(["distributed=deepspeed", "method=ppo"])
+    assert ppo["status"] == "invalid" and "method=ppo" in ppo["error"]
+
+
+ESTIMATE_SHAPE = ["model.hidden_size=128", "model.intermediate_size=384", "model.num_layers=2",
+                  "train.batch_size=2", "data.n_examples=32", "data.median_tokens=3000",
+                  "train.device=cpu", "train.progress=false", "packing=bfd",
+                  "method.max_length=256"]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_estimate_of_each_stage_matches_the_busiest_rank(job, tmp_path, stage):
+    """``memlab estimate distributed=deepspeed`` (one rank on fake tensors, then DeepSpeed's
+    sharding, master copy, buckets and gathered layers) against the real 2-rank run's largest
+    per-rank peak, within 3%."""
+    import json
+
+    from memlab.cli.estimate import main as estimate_main
+
+    o = ESTIMATE_SHAPE + DS(stage)
+    out = tmp_path / f"est{stage}"
+    assert estimate_main([*o, "--out", str(out)]) == 0
+    est = json.loads((out / "estimate.json").read_text())
+    assert est["status"] == "ok", est["error"]
+    real = job(o + ["measure.memory_steps=all", "train.steps=2"], fast=False)
+    _ok(real)
+    ep, rp = est["peak_bytes"], real["memory"]["peak_bytes_max_rank"]
+    print(f"\n[zero {stage}] estimate {ep} real {rp} {100 * (ep - rp) / rp:+.2f}%")
+    assert abs(ep - rp) <= 0.03 * rp, (ep, rp)
+    assert est["options"]["zero_stage"] == stage
