@@ -85,25 +85,6 @@ def test_lora_chunked_loss_and_dpo_under_zero3(job):
                                                           rel=1e-4)
 
 
-def test_generation_gathered_once_or_per_layer_samples_the_same(job):
-    """GRPO under ZeRO-3: gathering the weights once for generate (TRL's
-    ds3_gather_for_generation) or layer by layer per token gives the same completions and so
-    the same run; gathering once holds the whole weights during generation."""
-    o = ["method=grpo", "method.num_generations=2", "method.max_completion_length=8",
-         "train.batch_size=2", "train.steps=2", "measure.memory_steps=2",
-         "method.rewards=[length]"] + DS(3)
-    once = job(o + ["distributed.gather_for_generation=true"])
-    layered = job(o + ["distributed.gather_for_generation=false"])
-    _ok(once, layered)
-    assert once["train"]["loss_curve"] == pytest.approx(layered["train"]["loss_curve"],
-                                                        rel=1e-5)
-    assert once["train"]["curves"]["completions/mean_length"] == \
-        layered["train"]["curves"]["completions/mean_length"]
-    gen = {k: r["memory"]["by_phase"]["generate"] for k, r in
-           (("once", once), ("layered", layered))}
-    assert gen["once"] > gen["layered"], gen
-
-
 def test_resume_from_a_deepspeed_checkpoint(job):
     """Save at step 2 (each rank its shards, DeepSpeed's format), resume to step 4: the same
     loss curve and final weights as the straight run; a replicated run refuses it."""

@@ -253,3 +253,45 @@ def test_torchrun_launch_meets_in_rank0_dir(job, tmp_path):
     assert bad.returncode != 0
     s = json.loads((tmp_path / "bad" / "summary.json").read_text())
     assert s["status"] == "invalid" and "use distributed=ddp or distributed=fsdp2" in s["error"]
+
+
+FSDP2_GENERATION = r"""
+import sys, torch, torch.distributed as dist
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+from transformers import LlamaConfig, LlamaForCausalLM
+from memlab.distributed.base import call_inside
+from memlab.distributed.fsdp2 import FSDP2
+torch.manual_seed(0)
+m = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, vocab_size=128))
+class Ctx:
+    is_cuda, world_size = False, 1
+opt = FSDP2(gather_for_generation=sys.argv[1] == "1")
+w = opt.wrap(m, Ctx)
+kinds = lambda: sorted({type(p).__name__ for p in m.model.layers[0].parameters()})
+with torch.no_grad(), opt.generation(w):
+    out = call_inside(w, lambda mm, **kw: mm.generate(**kw), input_ids=torch.arange(10).view(2, 5),
+                      max_new_tokens=6, do_sample=False, pad_token_id=0)
+    inside = kinds()
+print(inside, kinds(), out.tolist())
+"""
+
+
+def test_fsdp2_gather_for_generation_keeps_units_gathered_for_the_whole_call():
+    """With the toggle a decoder layer stays gathered (plain parameters) after the decoding
+    steps until the call ends, then is sharded again (DTensor); without it, every forward
+    reshards it. The tokens are the same either way (one rank, its own process group)."""
+    import subprocess
+    import sys
+
+    from memlab_testing import REPO
+
+    got = {}
+    for flag in ("1", "0"):
+        proc = subprocess.run([sys.executable, "-c", FSDP2_GENERATION, flag], cwd=REPO,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        got[flag] = proc.stdout.strip().splitlines()[-1]
+    assert got["1"].startswith("['Parameter'] ['DTensor']"), got["1"]
+    assert got["0"].startswith("['DTensor'] ['DTensor']"), got["0"]
+    assert got["1"].split("]", 2)[2] == got["0"].split("]", 2)[2]  # the same tokens

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from memlab._guards import has
+
 pytestmark = pytest.mark.integration
 
 LEARN = ["method=grpo", "method.rewards=[memlab_testing:reward_low_ids]",
@@ -47,6 +49,34 @@ def test_grpo_generates_through_distributed_wrappers(job, dist):
     assert len(s["distributed"]["ranks"]) == 2
     assert len(s["train"]["curves"]["reward"]) == 2
     assert s["memory"]["by_phase"]["generate"] > 0
+
+
+@pytest.mark.parametrize("dist", [
+    ["distributed=fsdp2"],
+    pytest.param(["distributed=deepspeed", "distributed.zero_stage=3"],
+                 marks=pytest.mark.skipif(not has("deepspeed"), reason="deepspeed extra")),
+], ids=["fsdp2", "deepspeed-zero3"])
+def test_generation_gathered_once_or_per_layer_samples_the_same(job, dist):
+    """Sharded weights (FSDP2, ZeRO-3): gathering them once for the whole generate call (TRL's
+    ds3_gather_for_generation) or layer by layer at every decoding step gives the same
+    completions and so the same run; gathering once holds the whole weights while sampling."""
+    o = ["method=grpo", "method.num_generations=2", "method.max_completion_length=8",
+         "train.batch_size=2", "train.steps=2", "measure.memory_steps=2",
+         "distributed.nproc=2", *dist]
+    once = job(o + ["distributed.gather_for_generation=true"])
+    layered = job(o + ["distributed.gather_for_generation=false"])
+    for s in (once, layered):
+        assert s["status"] == "ok", s["error"]
+    assert once["train"]["loss_curve"] == pytest.approx(layered["train"]["loss_curve"],
+                                                        rel=1e-5)
+    assert once["train"]["curves"]["completions/mean_length"] == \
+        layered["train"]["curves"]["completions/mean_length"]
+    if dist[0] == "distributed=deepspeed":  # the tracker sees ZeRO-3's gathered weights
+        gen = {k: r["memory"]["by_phase"]["generate"] for k, r in
+               (("once", once), ("layered", layered))}
+        assert gen["once"] > gen["layered"], gen
+    # (FSDP2 gathers into storage it resizes in place, which the CPU tracker does not see; the
+    # toggle's effect on FSDP2 units is asserted in test_distributed.py)
 
 
 def test_bad_grpo_settings_are_rejected_together(job):

@@ -45,6 +45,9 @@ class FSDP2(Ranks):
     reshard_after_forward: bool = True
     """true: free a layer's gathered parameters after its forward (ZeRO-3); false: keep them
     until its backward (ZeRO-2-like)."""
+    gather_for_generation: bool = True
+    """Online methods: all-gather every unit once for a whole ``generate`` call (fast; every
+    rank briefly holds the whole weights) instead of once per unit per decoding step."""
 
     def validate(self, ctx) -> list[str]:
         errors = super().validate(ctx)
@@ -77,6 +80,29 @@ class FSDP2(Ranks):
         if hasattr(model, "set_requires_gradient_sync"):
             model.set_requires_gradient_sync(last)
         yield
+
+    @contextlib.contextmanager
+    def generation(self, model: nn.Module) -> Iterator[None]:
+        """Around an online method's ``generate``: with ``gather_for_generation`` every unit is
+        gathered once and kept gathered until the call ends, then resharded."""
+        if not self.gather_for_generation:
+            yield
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        layers = [m for m in units if m is not model]  # the root never reshards after forward
+        for m in layers:
+            m.set_reshard_after_forward(False, recurse=False)
+        for m in units:
+            m.unshard()
+        try:
+            yield
+        finally:
+            for m in units:
+                m.reshard()
+            for m in layers:
+                m.set_reshard_after_forward(self.reshard_after_forward, recurse=False)
 
     def full_state(self, model: nn.Module, optimizer) -> tuple[dict, dict]:
         """The gathered (unsharded) trainable weights, named as in the unwrapped model, and the

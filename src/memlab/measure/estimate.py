@@ -1085,7 +1085,8 @@ def apply_sharding(mem: dict[str, Any], world: int, stage: int,
                    units: dict[str, int] | None = None,
                    notes: list[str] | None = None,
                    bucket_view: bool = False,
-                   deepspeed: dict[str, int] | None = None) -> dict[str, Any]:
+                   deepspeed: dict[str, int] | None = None,
+                   gather_generation: bool = False) -> dict[str, Any]:
     """Divide what ZeRO / FSDP shard by the world size, per phase; the peak is then the largest
     phase. Stage 3 adds the gathered parameters of the two largest units in forward and backward
     (the current one and the prefetched next); stages 2-3 add one unit of unsharded gradients in
@@ -1098,7 +1099,10 @@ def apply_sharding(mem: dict[str, Any], world: int, stage: int,
     ``state_factor``): stages >= 1 add DeepSpeed's fp32 master copy of the rank's slice of the
     trainable weights to the optimizer state and multiply the state by ``state_factor`` (2 when
     bf16 weights get fp32 moments); backward holds its contiguous reduce bucket; stage 0 is
-    DeepSpeed's own all-reduce at the boundary, without DDP's resident buckets."""
+    DeepSpeed's own all-reduce at the boundary, without DDP's resident buckets.
+
+    ``gather_generation`` (stage 3, ``gather_for_generation``): the generate phase holds the
+    whole weights gathered beside the rank's shards."""
     notes = notes if notes is not None else []
     if world <= 1:
         return mem
@@ -1109,10 +1113,12 @@ def apply_sharding(mem: dict[str, Any], world: int, stage: int,
     for ph, snap in (mem.get("by_phase_category") or {}).items():
         new = {k: (math.ceil(v / world) if div.get(k) else v) for k, v in snap.items()}
         if deepspeed is not None:
-            if stage >= 3 and ph in ("generate", "forward", "backward"):
+            if stage >= 3 and ph in ("forward", "backward"):
                 # gathered: two units in flight, or - kept for reuse - up to the reuse distance
                 full = snap.get("parameters", 0)
                 new["parameters"] += min(full, max(2 * unit_p, deepspeed["reuse_bytes"]))
+            elif stage >= 3 and ph == "generate":  # no backward to reuse them for
+                new["parameters"] += min(snap.get("parameters", 0), 2 * unit_p)
             if stage >= 1:
                 master = math.ceil(deepspeed["master_bytes"] / world)
                 new["optimizer"] = new.get("optimizer", 0) * deepspeed["state_factor"] + master
@@ -1124,6 +1130,9 @@ def apply_sharding(mem: dict[str, Any], world: int, stage: int,
             if stage >= 3:  # one flat gradient partition, allocated once, resident
                 new["gradients"] = max(new["gradients"],
                                        math.ceil(deepspeed["grad_bytes"] / world))
+            if stage >= 3 and ph == "generate" and gather_generation:
+                full = snap.get("parameters", 0)
+                new["parameters"] = math.ceil(full / world) + full
             phases[ph] = new
             continue
         if stage == 0:
@@ -1134,6 +1143,9 @@ def apply_sharding(mem: dict[str, Any], world: int, stage: int,
             new["parameters"] += 2 * unit_p
         if stage >= 2 and ph == "backward":
             new["gradients"] += unit_g
+        if stage >= 3 and ph == "generate" and gather_generation:
+            full = snap.get("parameters", 0)
+            new["parameters"] = math.ceil(full / world) + full
         phases[ph] = new
     if deepspeed is not None:
         notes.append(f"world_size={world}, distributed=deepspeed zero_stage={stage}: "
@@ -1303,8 +1315,14 @@ def estimate(cfg, opts: EstimateOptions | None = None, choices: dict[str, str] |
             dist_cfg, "get") else False
         if ds_info is not None:
             ds_info = ds_info(res["model"])
+        gather = bool(getattr(dist_cfg, "get", lambda *_: False)("gather_for_generation",
+                                                                 False))
+        if gather and opts.zero_stage >= 3 and "generate" in mem.get("by_phase", {}):
+            notes.append("gather_for_generation: the generate phase holds the whole weights "
+                         "beside the rank's shards")
         mem = apply_sharding(mem, opts.world_size, opts.zero_stage, res["model"]["shard_units"],
-                             notes, bucket_view=bucket_view, deepspeed=ds_info)
+                             notes, bucket_view=bucket_view, deepspeed=ds_info,
+                             gather_generation=gather)
     budget = opts.budget_bytes
     overhead = 0
     if opts.card:
