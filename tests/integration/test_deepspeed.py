@@ -85,6 +85,24 @@ def test_lora_chunked_loss_and_dpo_under_zero3(job):
                                                           rel=1e-4)
 
 
+def test_bf16_keeps_fp32_master_weights_and_moments(job):
+    """precision=bf16 under DeepSpeed is its bf16 mode: bf16 weights, and per rank an fp32
+    master slice plus fp32 Adam moments of the slice (at 2 ranks and stage 1: (4 + 8) / 2 = 6
+    bytes per weight = 3x the bf16 parameter bytes); it trains (the loss falls) and
+    bf16_mixed (fp32 engine under autocast) runs too."""
+    o = ["train.steps=4", "train.batch_size=2", "measure.memory_steps=2", "train.lr=3e-3"]
+    bf16 = job(o + DS(1) + ["precision=bf16"])
+    mixed = job(o + DS(1) + ["precision=bf16_mixed"])
+    _ok(bf16, mixed)
+    fwd = bf16["memory"]["by_phase_category"]["forward"]
+    assert fwd["optimizer"] == pytest.approx(3 * fwd["parameters"], rel=0.02), fwd
+    mixed_fwd = mixed["memory"]["by_phase_category"]["forward"]
+    assert mixed_fwd["parameters"] == pytest.approx(2 * fwd["parameters"], rel=0.01)
+    for s in (bf16, mixed):
+        curve = s["train"]["loss_curve"]
+        assert curve[-1] < curve[0], curve
+
+
 def test_resume_from_a_deepspeed_checkpoint(job):
     """Save at step 2 (each rank its shards, DeepSpeed's format), resume to step 4: the same
     loss curve and final weights as the straight run; a replicated run refuses it."""

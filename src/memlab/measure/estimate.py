@@ -1051,7 +1051,7 @@ def _deepspeed_info(ctx, stage: int):
                 "bucket_bytes": (int(elems) * width
                                  if ds.contiguous_gradients and stage >= 1 else 0),
                 "state_factor": 2 if bf16 else 1,
-                "reuse_bytes": int(ds.stage3_max_reuse_distance) * width}
+                "live_bytes": int(ds.stage3_max_live_parameters) * width}
 
     return info
 
@@ -1114,9 +1114,10 @@ def apply_sharding(mem: dict[str, Any], world: int, stage: int,
         new = {k: (math.ceil(v / world) if div.get(k) else v) for k, v in snap.items()}
         if deepspeed is not None:
             if stage >= 3 and ph in ("forward", "backward"):
-                # gathered: two units in flight, or - kept for reuse - up to the reuse distance
+                # gathered: at least two units in flight, at most stage3_max_live_parameters
+                # (all of a model below it: measured, whatever stage3_max_reuse_distance)
                 full = snap.get("parameters", 0)
-                new["parameters"] += min(full, max(2 * unit_p, deepspeed["reuse_bytes"]))
+                new["parameters"] += min(full, max(2 * unit_p, deepspeed["live_bytes"]))
             elif stage >= 3 and ph == "generate":  # no backward to reuse them for
                 new["parameters"] += min(snap.get("parameters", 0), 2 * unit_p)
             if stage >= 1:
@@ -1156,10 +1157,9 @@ def apply_sharding(mem: dict[str, Any], world: int, stage: int,
                         f" in optimizer (and an fp32 gradient slice of that size in the "
                         f"step), its reduce bucket ({fmt_bytes(deepspeed['bucket_bytes'])}) in "
                         f"backward, the all-gather of the updated slice after the step"
-                        + ("; stage 3 keeps gathered in forward/backward the parameters "
-                           "reused within stage3_max_reuse_distance elements (at least two "
-                           "units; at most all of them) and one flat gradient partition for "
-                           "the whole run"
+                        + ("; stage 3 keeps up to stage3_max_live_parameters gathered in "
+                           "forward/backward (at least two units, at most all of them) and one "
+                           "flat gradient partition for the whole run"
                            if stage >= 3 else ""))
                      + "; other communication buffers are not modelled")
     elif stage == 0:
