@@ -186,11 +186,20 @@ def guarded(body, summary: dict[str, Any], out: Path) -> dict[str, Any]:
 
 def _execute(ctx: BuildContext, summary: dict[str, Any], logger_box: list) -> None:
     from memlab.measure.summary import device_info
-    from memlab.pipeline import build
-    from memlab.trainer.loop import Trainer
 
     summary["device"] = device_info(ctx.device)
     seed_everything(ctx.train.seed)
+    try:
+        _train(ctx, summary, logger_box)
+    finally:  # a one-rank wrapper that made its own process group (deepspeed) releases it
+        if ctx.world_size == 1:
+            ctx.distributed.teardown()
+
+
+def _train(ctx: BuildContext, summary: dict[str, Any], logger_box: list) -> None:
+    from memlab.pipeline import build
+    from memlab.trainer.loop import Trainer
+
     pipe = build(ctx)
     ctx.logger.start(ctx, {**summary.get("config", {}), "_sweep_dir": summary["job"].get(
         "sweep_dir")})

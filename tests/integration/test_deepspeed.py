@@ -158,3 +158,24 @@ def test_estimate_of_each_stage_matches_the_busiest_rank(job, tmp_path, stage):
     print(f"\n[zero {stage}] estimate {ep} real {rp} {100 * (ep - rp) / rp:+.2f}%")
     assert abs(ep - rp) <= 0.03 * rp, (ep, rp)
     assert est["options"]["zero_stage"] == stage
+
+
+def test_one_rank_zero_offload_shape_runs_and_estimates(job, tmp_path):
+    """nproc=1 (ZeRO-Offload on one GPU is the real use): the run makes and releases its own
+    one-rank process group, and the estimate (master copy at world 1) matches its peak."""
+    import json
+
+    import torch.distributed as dist
+
+    from memlab.cli.estimate import main as estimate_main
+
+    o = ESTIMATE_SHAPE + ["distributed=deepspeed", "distributed.nproc=1",
+                          "distributed.zero_stage=2"]
+    real = job(o + ["measure.memory_steps=all", "train.steps=2"], fast=False)
+    _ok(real)
+    assert not dist.is_initialized()
+    out = tmp_path / "est"
+    assert estimate_main([*o, "--out", str(out)]) == 0
+    est = json.loads((out / "estimate.json").read_text())
+    ep, rp = est["peak_bytes"], real["memory"]["peak_bytes"]
+    assert abs(ep - rp) <= 0.03 * rp, (ep, rp)

@@ -1104,7 +1104,7 @@ def apply_sharding(mem: dict[str, Any], world: int, stage: int,
     ``gather_generation`` (stage 3, ``gather_for_generation``): the generate phase holds the
     whole weights gathered beside the rank's shards."""
     notes = notes if notes is not None else []
-    if world <= 1:
+    if world <= 1 and deepspeed is None:
         return mem
     units = units or {}
     unit_p, unit_g = units.get("largest_bytes", 0), units.get("largest_grad_bytes", 0)
@@ -1267,11 +1267,13 @@ def estimate(cfg, opts: EstimateOptions | None = None, choices: dict[str, str] |
             except ConfigErrors:
                 pass
         return out
+    from memlab.distributed.single import Single
+
     procs = ctx.world_size
     ds_info = None
-    if procs > 1:  # one rank of a multi-process run: estimate it as one process, then shard
-        from memlab.distributed.single import Single
-
+    if procs > 1 or not isinstance(ctx.distributed, Single):
+        # one rank of a multi-process run (or a one-rank wrapper): estimate it as one plain
+        # process, then shard
         if opts.world_size == 1:
             opts = dataclasses.replace(opts, world_size=procs)
         stage = getattr(ctx.distributed, "zero_stage", None)  # distributed=deepspeed
@@ -1309,7 +1311,7 @@ def estimate(cfg, opts: EstimateOptions | None = None, choices: dict[str, str] |
                      "fragmentation (reserved > allocated) is not included")
     else:
         notes.append("device=cpu: byte-exact for a CPU run of the same shapes")
-    if opts.world_size > 1:
+    if opts.world_size > 1 or ds_info is not None:
         dist_cfg = getattr(cfg, "distributed", None) or {}
         bucket_view = bool(dist_cfg.get("gradient_as_bucket_view", False)) if hasattr(
             dist_cfg, "get") else False
