@@ -89,6 +89,8 @@ ONLINE_CASES = {
                                       "method.reference=adapter_disabled"],
     "rloo reference copy": ["method=rloo", *ONLINE],
     "online_dpo": ["method=online_dpo", *ONLINE],
+    "grpo reward model": ["method=grpo", *ONLINE, "method.rewards=[]",
+                          "method.reward_models=[{hidden_size: 256, num_layers: 2, seed: 3}]"],
     "ppo value model": ["method=ppo", *ONLINE],
     "gkd on-policy": ["method=gkd", "method.lmbda=1.0", "method.max_prompt_length=64",
                       "method.max_new_tokens=16"],

@@ -31,6 +31,23 @@ def test_grpo_learns_a_reward_and_measures_generation(job):
     assert s["data"]["tokens_trained"] > 0
 
 
+def test_grpo_with_a_reward_model(job):
+    """A reward *model* (a tiny random sequence classifier, model-group overrides) scores the
+    completions in the generate phase: it is one more frozen model in memory, its score is
+    logged per step, and GRPO raises it."""
+    o = [x for x in LEARN if not x.startswith("method.rewards")]
+    s = job(o + ["method.rewards=[]", "train.steps=8", "train.lr=5e-2",
+                 "method.reward_models=[{hidden_size: 32, num_layers: 1, seed: 3}]"])
+    assert s["status"] == "ok", s["error"]
+    models = s["memory"]["models"]
+    assert models["reward_model_0"]["trainable"] == 0 and models["reward_model_0"]["bytes"] > 0
+    score = s["train"]["curves"]["rewards/model_0"]
+    assert score == s["train"]["curves"]["reward"]  # the only reward, weight 1
+    assert sum(score[-3:]) / 3 > sum(score[:3]) / 3, score
+    bad = job(o + ["method.reward_models=[{hidden_size: 32, nonsense: 1}]"])
+    assert bad["status"] == "invalid" and "reward_models[0].nonsense" in bad["error"]
+
+
 def test_kl_to_a_reference_copy_starts_at_zero(job):
     s = job(LEARN + ["train.steps=3", "train.lr=5e-2", "method.beta=0.1"])
     assert s["status"] == "ok", s["error"]

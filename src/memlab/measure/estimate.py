@@ -732,14 +732,22 @@ def worst_case_generation(method, notes: list[str]):
     def stop(self, unfinished, tokens, length):
         return length >= state["stop_at"]
 
-    def score(self, batch, comp, cmask, finished):
-        return torch.zeros(comp.shape[0], dtype=torch.float32), {}
+    def score(self, batch, comp, cmask, finished, models=None, ctx=None):
+        # reward models read re-tokenized text: run them on prompt + completion tokens
+        n = comp.shape[0]
+        width = batch.tensors["prompt_ids"].shape[1] + comp.shape[1]
+        for i in range(len(getattr(self, "reward_models", ()) or ())):
+            ids = torch.zeros(n, width, dtype=torch.long, device=comp.device)
+            with torch.no_grad():
+                models[f"reward_model_{i}"](input_ids=ids, attention_mask=torch.ones_like(ids))
+        return torch.zeros(n, dtype=torch.float32), {}
 
     n = _new_tokens(method)
     notes.append(f"generation: every completion runs to {n} new tokens (no early EOS), with "
                  "the model's own generate (KV cache, sampling); the training batch is the "
                  "prompts x completions it makes; reward functions are not run (they read "
-                 "text and allocate no device memory)")
+                 "text and allocate no device memory); reward models score prompt + completion "
+                 "tokens (the real run re-tokenizes the text, which may differ in length)")
     if getattr(method, "lmbda", 0) > 0:
         notes.append("gkd: the on-policy path (the student samples); a step on the dataset's "
                      "own completions is estimated with method.lmbda=0")

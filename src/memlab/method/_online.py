@@ -43,7 +43,14 @@ class Online:
     top_k: int | None = None
     rewards: list[str] = field(default_factory=lambda: ["length"])
     """Built-in reward names (length, finished, reference_f1) or 'package.module:function'."""
+    reward_models: list[dict[str, Any]] = field(default_factory=list)
+    """Reward *models*: each entry is model-group overrides (like GKD's teacher), loaded with a
+    one-output sequence-classification head, frozen, e.g. ``{name_or_path: Skywork/...}`` for
+    model=hf (its own tokenizer) or ``{hidden_size: 64, seed: 3}`` for model=tiny. A model
+    scores the prompt text + the completion text (its tokenizer, no extra special tokens), in
+    the generate phase; each is one more model in memory."""
     reward_weights: list[float] | None = None
+    """One weight per reward function, then one per reward model (default 1 each)."""
     target_length: int = 24
     """Completion length (tokens) the built-in 'length' reward peaks at."""
     beta: float = 0.0
@@ -72,16 +79,20 @@ class Online:
             errors.append(f"method.top_p must be in (0, 1] (got {self.top_p})")
         if self.beta < 0:
             errors.append(f"method.beta must be >= 0 (got {self.beta})")
-        if not self.rewards:
-            errors.append("method.rewards is empty; e.g. method.rewards=[length]")
+        if not self.rewards and not self.reward_models:
+            errors.append("method.rewards and method.reward_models are empty; e.g. "
+                          "method.rewards=[length]")
         for name in self.rewards:
             try:
                 _rewards.resolve(name, self)
             except ValueError as e:
                 errors.append(str(e))
-        if self.reward_weights is not None and len(self.reward_weights) != len(self.rewards):
+        errors += self._reward_model_errors(ctx)
+        n_rewards = len(self.rewards) + len(self.reward_models)
+        if self.reward_weights is not None and len(self.reward_weights) != n_rewards:
             errors.append(f"method.reward_weights has {len(self.reward_weights)} values for "
-                          f"{len(self.rewards)} rewards; give one weight per reward or null")
+                          f"{n_rewards} rewards (functions, then models); give one weight per "
+                          "reward or null")
         if self.target_length < 1:
             errors.append("method.target_length must be >= 1")
         if ctx.packing.name != "none":
@@ -89,6 +100,27 @@ class Online:
                           "trains on its own generated completions); use packing=none")
         if self.beta > 0:
             errors += P.reference_errors(self, ctx)
+        return errors
+
+    def _reward_model_errors(self, ctx) -> list[str]:
+        import dataclasses
+
+        errors: list[str] = []
+        fields_ = ({f.name for f in dataclasses.fields(ctx.model)}
+                   if dataclasses.is_dataclass(ctx.model) else set())
+        for i, entry in enumerate(self.reward_models):
+            if not isinstance(entry, dict):
+                errors.append(f"method.reward_models[{i}] must be a mapping of model-group "
+                              f"overrides, e.g. {{name_or_path: my/reward-model}} (got "
+                              f"{entry!r})")
+                continue
+            unknown = sorted(k for k in entry if fields_ and k not in fields_)
+            for key in unknown:
+                errors.append(f"method.reward_models[{i}].{key}: not an option of "
+                              f"model={ctx.model.name} (options: {', '.join(sorted(fields_))})")
+            if fields_ and not unknown and entry:
+                rm = dataclasses.replace(ctx.model, **entry)
+                errors += [f"method.reward_models[{i}]: {e}" for e in rm.validate(ctx)]
         return errors
 
     # ------------------------------------------------------------------ data
@@ -142,7 +174,44 @@ class Online:
 
     # ------------------------------------------------------------------ models
     def extra_models(self, policy, ctx, build) -> dict[str, Any]:
-        return P.reference_models(self, policy, ctx, build) if self.beta > 0 else {}
+        models = P.reference_models(self, policy, ctx, build) if self.beta > 0 else {}
+        return {**models, **self.reward_model_instances(build)}
+
+    def reward_model_instances(self, build) -> dict[str, Any]:
+        """``reward_model_<i>``: each entry of ``reward_models`` loaded frozen, one-output
+        sequence-classification head."""
+        return {f"reward_model_{i}": build(entry or None, head="seq_cls")
+                for i, entry in enumerate(self.reward_models)}
+
+    def _reward_tokenizer(self, i: int, ctx):
+        """Reward model ``i``'s own tokenizer (that of its model-group overrides), loaded once."""
+        from memlab.pipeline import with_model_overrides
+
+        cache = self.__dict__.setdefault("_reward_tokenizers", {})
+        if i not in cache:
+            sub = with_model_overrides(ctx, self.reward_models[i] or None)
+            tok = sub.model.load_tokenizer(sub)
+            if tok.pad_token_id is None:
+                tok.pad_token = tok.eos_token
+            tok.padding_side = "right"
+            cache[i] = tok
+        return cache[i]
+
+    def model_rewards(self, models: dict, ctx, texts: list[str]) -> list[torch.Tensor]:
+        """Each reward model's score ``[N]`` (float32, host) of ``texts`` (prompt text +
+        completion text): its head's output at the last real token, no gradient, eval mode."""
+        out = []
+        for i in range(len(self.reward_models)):
+            rm = models[f"reward_model_{i}"]
+            tok = self._reward_tokenizer(i, ctx)
+            rm.config.pad_token_id = tok.pad_token_id  # its tokenizer's, not the policy's
+            enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+            device = next(rm.parameters()).device
+            with torch.no_grad():
+                logits = rm(input_ids=enc["input_ids"].to(device),
+                            attention_mask=enc["attention_mask"].to(device)).logits
+            out.append(logits[:, 0].float().cpu())
+        return out
 
     def before_training(self, models, ds, ctx):
         return None
@@ -158,14 +227,16 @@ class Online:
             models["policy"], prompt, pmask, max_new_tokens=self.max_completion_length,
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             eos=batch.meta["eos"], pad=batch.meta["pad"], dist=ctx.distributed)
-        rewards, metrics = self.score(batch, comp, cmask, finished)
+        rewards, metrics = self.score(batch, comp, cmask, finished, models=models, ctx=ctx)
         return self.training_batch(models, batch, prompt, pmask, comp, cmask, finished,
                                    rewards, metrics)
 
     def score(self, batch: Batch, comp: torch.Tensor, cmask: torch.Tensor,
-              finished: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-        """The weighted sum of the reward functions for each completion ``[N]`` (float32, on
-        the host) and one metric per reward. Reads the sampled tokens (decodes them to text)."""
+              finished: torch.Tensor, models: dict | None = None,
+              ctx: Any = None) -> tuple[torch.Tensor, dict[str, float]]:
+        """The weighted sum of the reward functions and reward models for each completion
+        ``[N]`` (float32, on the host) and one metric per reward. Reads the sampled tokens
+        (decodes them to text)."""
         g = self.num_generations
         lengths = cmask.sum(1).tolist()
         comp_ids = [comp[i, :n].tolist() for i, n in enumerate(lengths)]
@@ -173,10 +244,15 @@ class Online:
         refs = [r for r in batch.meta["references"] for _ in range(g)]
         prompts = [p for p in batch.meta["prompts"] for _ in range(g)]
         fin = finished.tolist()
-        weights = self.reward_weights or [1.0] * len(self.rewards)
+        weights = self.reward_weights or [1.0] * (len(self.rewards) + len(self.reward_models))
         total = torch.zeros(comp.shape[0], dtype=torch.float32)
         metrics: dict[str, float] = {}
-        for name, w in zip(self.rewards, weights, strict=True):
+        if self.reward_models:
+            full = [p + c for p, c in zip(prompts, texts, strict=True)]
+            for i, r in enumerate(self.model_rewards(models or {}, ctx, full)):
+                metrics[f"rewards/model_{i}"] = float(r.mean())
+                total += weights[len(self.rewards) + i] * r
+        for name, w in zip(self.rewards, weights, strict=False):
             fn = _rewards.resolve(name, self)
             r = torch.tensor(fn(texts, prompts=prompts, references=refs, completion_ids=comp_ids,
                                 finished=fin), dtype=torch.float32)

@@ -46,7 +46,8 @@ class OnlineDPO(Online):
         return errors
 
     def extra_models(self, policy, ctx, build):
-        return P.reference_models(self, policy, ctx, build)
+        return {**P.reference_models(self, policy, ctx, build),
+                **self.reward_model_instances(build)}
 
     def advantages_for(self, models, rewards, t, metrics) -> torch.Tensor:
         """+1 for the chosen completion of each pair, -1 for the rejected one."""

@@ -75,7 +75,7 @@ class PPO(Online):
         group with a one-output head, trainable, no PEFT)."""
         models = P.reference_models(self, policy, ctx, build)
         models["value"] = build(head="seq_cls", trainable=True)
-        return models
+        return {**models, **self.reward_model_instances(build)}
 
     # ------------------------------------------------------------------ rollout
     def advantages_for(self, models, rewards, t, metrics) -> torch.Tensor:

@@ -201,3 +201,36 @@ def test_gae_matches_the_recursion_by_hand():
     a3 = d3 + g * lam * a4
     a2 = d2 + g * lam * a3
     torch.testing.assert_close(gae(r, v, m, g, lam), torch.tensor([[0, 0, a2, a3, a4]]))
+
+
+def test_reward_model_scores_are_padding_invariant_and_last_token():
+    """A reward model scores each text at its last real token: scoring texts of different
+    lengths in one right-padded batch gives each text's score alone, which is the head's output
+    at the last position of an unpadded forward."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer, LlamaForSequenceClassification
+
+    import memlab
+
+    tok = AutoTokenizer.from_pretrained(Path(memlab.__file__).parent / "assets" / "tokenizer")
+    torch.manual_seed(0)
+    rm = LlamaForSequenceClassification(LlamaConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_labels=1)).eval()
+    m = GRPO(reward_models=[{}], rewards=[])
+    m.__dict__["_reward_tokenizers"] = {}
+    tok.padding_side = "right"
+    m.__dict__["_reward_tokenizers"][0] = tok
+    texts = ["a short answer", "a much longer answer with many more words in it, and more",
+             "mid length text here"]
+    batch = m.model_rewards({"reward_model_0": rm}, None, texts)[0]
+    assert batch.shape == (3,)
+    for i, text in enumerate(texts):
+        alone = m.model_rewards({"reward_model_0": rm}, None, [text])[0]
+        ids = tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            direct = rm.model(input_ids=ids).last_hidden_state[:, -1] @ rm.score.weight.T
+        torch.testing.assert_close(batch[i], alone[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(alone[0], direct[0, 0], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(batch[0], batch[1])  # the texts are scored, not a constant
