@@ -48,6 +48,31 @@ def test_grpo_with_a_reward_model(job):
     assert bad["status"] == "invalid" and "reward_models[0].nonsense" in bad["error"]
 
 
+@pytest.mark.parametrize("method", ["grpo", "rloo"])
+def test_num_iterations_trains_each_rollout_several_times(job, method):
+    """num_iterations=2: one generation batch per two optimizer steps (the same completions
+    and rewards on both, half the prompts drawn); the generation-time log-probs make the
+    first step's ratio exactly 1 (nothing clipped); the second step trains the moved policy
+    against them."""
+    o = [x.replace("method=grpo", f"method={method}") for x in LEARN] + [
+        "train.steps=4", "train.lr=5e-2", "method.num_iterations=2"]
+    s = job(o)
+    assert s["status"] == "ok", s["error"]
+    c = s["train"]["curves"]
+    for key in ("reward", "completions/mean_length"):
+        assert c[key][0] == c[key][1] and c[key][2] == c[key][3], (key, c[key])
+        assert c[key][1] != c[key][2] or c["reward"][0] != c["reward"][2]
+    assert c["clip_ratio"][0] == 0.0 and c["clip_ratio"][2] == 0.0
+    loss = s["train"]["loss_curve"]
+    assert loss[1] != loss[0]  # the same rollouts, a moved policy
+    once = job([x.replace("method.num_iterations=2", "method.num_iterations=1") for x in o])
+    assert once["status"] == "ok", once["error"]
+    assert once["train"]["curves"]["reward"][0] == c["reward"][0]  # the same first rollout
+    assert once["train"]["curves"]["reward"][1] != c["reward"][1]  # a new one every step
+    bad = job(o + ["train.save_every=3"])
+    assert bad["status"] == "invalid" and "multiple of method.num_iterations" in bad["error"]
+
+
 def test_kl_to_a_reference_copy_starts_at_zero(job):
     s = job(LEARN + ["train.steps=3", "train.lr=5e-2", "method.beta=0.1"])
     assert s["status"] == "ok", s["error"]

@@ -24,6 +24,7 @@ import torch
 
 from memlab.data.base import DataError, check_messages, check_text
 from memlab.distributed.base import call_inside, unwrap
+from memlab.losses import token_logps
 from memlab.method import _preference as P
 from memlab.method import _rewards
 from memlab.method.base import IGNORE, Batch, DataStats
@@ -59,12 +60,20 @@ class Online:
     """With beta > 0: a frozen copy, or the LoRA policy with its adapter off."""
     mask_truncated_completions: bool = False
     """Leave completions that hit max_completion_length without EOS out of the loss."""
+    num_iterations: int = 1
+    """Optimizer steps per generation batch (TRL's num_iterations, PPO's num_ppo_epochs): the
+    step's rollouts are generated once and trained on this many times; from the second
+    step on the policy has moved, so the probability ratio to the log-probs recorded at
+    generation time differs from 1 and the clip acts. Those log-probs cost one more no-grad
+    forward in the generate phase."""
 
     data_kinds: ClassVar[tuple[str, ...]] = ("chat", "preference")
     head: ClassVar[str] = "causal_lm"
     supports_packing: ClassVar[bool] = False
     items_name: ClassVar[str] = "completion tokens"
     min_generations: ClassVar[int] = 2
+    reuses_rollouts: ClassVar[bool] = True
+    """Whether the loss has a probability ratio to old log-probs (num_iterations > 1 allowed)."""
 
     # ------------------------------------------------------------------ validation
     def validate(self, ctx) -> list[str]:
@@ -95,6 +104,15 @@ class Online:
                           "reward or null")
         if self.target_length < 1:
             errors.append("method.target_length must be >= 1")
+        if self.num_iterations < 1:
+            errors.append(f"method.num_iterations must be >= 1 (got {self.num_iterations})")
+        elif self.num_iterations > 1 and not self.reuses_rollouts:
+            errors.append(f"method.num_iterations={self.num_iterations}: method={self.name} has "
+                          "no probability ratio to reuse its rollouts with; keep 1")
+        elif self.num_iterations > 1 and ctx.train.save_every % self.num_iterations:
+            errors.append(f"train.save_every={ctx.train.save_every} must be a multiple of "
+                          f"method.num_iterations={self.num_iterations} (checkpoints are taken "
+                          "between generation batches)")
         if ctx.packing.name != "none":
             errors.append(f"packing={ctx.packing.name} does not apply to method=grpo (it "
                           "trains on its own generated completions); use packing=none")
@@ -396,3 +414,31 @@ class Clipped(Online):
 
     def clip_high(self) -> float:
         return self.epsilon_high if self.epsilon_high is not None else self.epsilon
+
+    def training_batch(self, models: dict, batch: Batch, *args: Any) -> Batch:
+        """The rollout's training batch; with ``num_iterations > 1`` also the policy's
+        per-token log-probs at generation time (``old_logps``, no gradient)."""
+        out = super().training_batch(models, batch, *args)
+        if self.num_iterations > 1:
+            t = out.tensors
+            inputs = {k: t[k] for k in ("input_ids", "attention_mask", "position_ids")}
+            with torch.no_grad():
+                logits = models["policy"](**inputs, use_cache=False).logits[:, :-1]
+                t["old_logps"] = token_logps(logits, t["labels"][:, :-1], IGNORE)
+            del logits
+        return out
+
+    @staticmethod
+    def ratio(logps: torch.Tensor, old: torch.Tensor | None) -> torch.Tensor:
+        """``exp(logps - old)``; on-policy (``old`` None) ``old = logps.detach()``: 1 in value,
+        the policy gradient in gradient."""
+        return torch.exp(logps - (logps.detach() if old is None else old.to(logps.dtype)))
+
+    def clipped(self, ratio: torch.Tensor, adv: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The per-element surrogate ``-min(ratio A, clip(ratio) A)`` and where the clip is
+        active (no gradient through the ratio there)."""
+        lo, hi = 1 - self.epsilon, 1 + self.clip_high()
+        loss = -torch.min(ratio * adv, torch.clamp(ratio, lo, hi) * adv)
+        active = ((ratio < lo) & (adv < 0)) | ((ratio > hi) & (adv > 0))
+        return loss, active

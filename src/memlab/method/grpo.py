@@ -51,11 +51,11 @@ class GRPO(Clipped):
         logits = models["policy"](**inputs, use_cache=False).logits[:, :-1]
         logps = token_logps(logits, labels, IGNORE)
         mask = (labels != IGNORE).to(logps.dtype)
-        ratio = torch.exp(logps - logps.detach())
+        ratio = self.ratio(logps, t.get("old_logps"))
         adv = t["advantages"].to(logps.dtype)[:, None]
-        hi = self.clip_high()
-        per_token = -torch.min(ratio * adv, torch.clamp(ratio, 1 - self.epsilon, 1 + hi) * adv)
+        per_token, active = self.clipped(ratio, adv)
         metrics: dict[str, float] = dict(batch.meta.get("rollout", {}))
+        metrics["clip_ratio"] = float((active * mask).sum() / mask.sum().clamp(min=1))
         if self.beta > 0:
             with P.reference_forward(self, models) as ref:
                 ref_logits = ref(**inputs, use_cache=False).logits[:, :-1]

@@ -11,7 +11,7 @@ the number of pairs (prompts).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 
@@ -26,6 +26,8 @@ from memlab.registry import register
 @dataclass(kw_only=True)
 class OnlineDPO(Online):
     """Online DPO knobs, named as in TRL's OnlineDPOConfig."""
+
+    reuses_rollouts: ClassVar[bool] = False
 
     num_generations: int = 2
     """Two completions per prompt: the pair."""

@@ -65,12 +65,15 @@ class RLOO(Clipped):
         labels = t["labels"][:, :-1]
         logits = models["policy"](**inputs, use_cache=False).logits[:, :-1]
         logps = token_logps(logits, labels, IGNORE).sum(1)
-        ratio = torch.exp(logps - logps.detach())
+        old = t.get("old_logps")
+        ratio = self.ratio(logps, None if old is None else old.sum(1))
         adv = t["advantages"].to(logps.dtype)
-        hi = self.clip_high()
-        per_seq = -torch.min(ratio * adv, torch.clamp(ratio, 1 - self.epsilon, 1 + hi) * adv)
-        per_seq = per_seq * t["seq_valid"].to(per_seq.dtype)
-        return per_seq.sum(), dict(batch.meta.get("rollout", {}))
+        per_seq, active = self.clipped(ratio, adv)
+        valid = t["seq_valid"].to(per_seq.dtype)
+        per_seq = per_seq * valid
+        metrics = dict(batch.meta.get("rollout", {}))
+        metrics["clip_ratio"] = float((active * valid).sum() / valid.sum().clamp(min=1))
+        return per_seq.sum(), metrics
 
 
 def leave_one_out(rewards: torch.Tensor, group: int) -> torch.Tensor:

@@ -178,6 +178,7 @@ class Trainer:
         if hasattr(self.dist, "memory_roles"):  # the wrapper's own buffers, by category
             self.probe.roles = lambda: self.dist.memory_roles(self.policy)
         self._max_key: tuple[int, ...] = ()
+        self._rollouts: list[Batch] | None = None
 
     # ---------------------------------------------------------------- one step
     def _tracked(self, step: int, key: tuple[int, ...]) -> bool:
@@ -191,21 +192,24 @@ class Trainer:
             k > m for k, m in zip(key, self._max_key, strict=False))
         return first or bigger
 
-    def run_step(self, batches: list[Batch], tracked: bool) -> dict[str, float]:
+    def run_step(self, batches: list[Batch], tracked: bool,
+                 reuse: bool = False) -> dict[str, float]:
         """[generate,] forward + backward over the micro-batches, then one optimizer step. An
         online method's ``rollout`` replaces each prompt batch in ``batches`` by its generated
-        training batch (so the caller counts the tokens actually trained on)."""
+        training batch (so the caller counts the tokens actually trained on); with ``reuse``
+        the batches are the last rollouts, trained on again (``method.num_iterations``)."""
         ctx, device = self.ctx, self.ctx.device
         world = ctx.world_size
         inputs = [t for b in batches for t in b.tensors.values()]
         sums: dict[str, float] = {}
         loss_total = 0.0
         with self.probe.step(self.step_idx, tracked, inputs):
-            if generates(self.method):  # online methods: generate the step's training batches
+            if generates(self.method) and not reuse:  # online: generate the training batches
                 with self.probe.phase("generate"):
                     with ctx.precision.autocast(device):
                         batches[:] = [self.method.rollout(self.models, b, ctx)
                                       for b in batches]
+                self._rollouts = list(batches)
             total_items = sum(b.num_items for b in batches)
             if world > 1:  # normalise by the items of the whole step on every rank
                 total_items = int(self.dist.all_reduce_sum([total_items], device)[0])
@@ -277,8 +281,16 @@ class Trainer:
         for m in self.models.values():
             m.train(m is self.policy)
         bar = self._progress()
+        every = getattr(self.method, "num_iterations", 1) if generates(self.method) else 1
+        self._rollouts = None
         while self.step_idx < ctx.train.steps:
-            batches = [next(self.stream).to(ctx.device) for _ in range(ctx.train.grad_accum)]
+            # online methods with num_iterations > 1 generate on every num_iterations-th step
+            # and train on those rollouts again in between (no new prompts drawn)
+            reuse = every > 1 and self.step_idx % every != 0 and self._rollouts is not None
+            if reuse:
+                batches = list(self._rollouts)
+            else:
+                batches = [next(self.stream).to(ctx.device) for _ in range(ctx.train.grad_accum)]
             key = tuple(max(col) for col in zip(*(b.size_key for b in batches), strict=False))
             tracked = ctx.measure.memory and self._tracked(self.step_idx, key)
             if tracked and self.step_idx >= 1:
@@ -289,7 +301,7 @@ class Trainer:
             if self.probe.is_cuda:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            metrics = self.run_step(batches, tracked)
+            metrics = self.run_step(batches, tracked, reuse=reuse)
             if self.probe.is_cuda:
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t0

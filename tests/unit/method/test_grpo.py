@@ -234,3 +234,35 @@ def test_reward_model_scores_are_padding_invariant_and_last_token():
         torch.testing.assert_close(batch[i], alone[0], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(alone[0], direct[0, 0], rtol=1e-5, atol=1e-5)
     assert not torch.allclose(batch[0], batch[1])  # the texts are scored, not a constant
+
+
+def test_reused_rollouts_use_the_generation_time_logps(tiny):
+    """num_iterations > 1: the ratio is to the log-probs recorded at generation time. Recorded
+    from the same weights they give exactly the on-policy loss and gradient; once the policy
+    has moved past the clip (ratio e > 1 + epsilon on every token, positive advantages) the
+    surrogate is flat: zero gradient, every token counted in clip_ratio."""
+    method = GRPO(num_generations=3, num_iterations=2)
+    batch = _rollout_batch(tiny)
+    t = batch.tensors
+    inputs = {k: t[k] for k in ("input_ids", "attention_mask", "position_ids")}
+    labels = t["labels"][:, :-1]
+    with torch.no_grad():
+        old = token_logps(tiny(**inputs).logits[:, :-1], labels, IGNORE)
+
+    def grads(tensors):
+        tiny.zero_grad()
+        loss, metrics = method.loss({"policy": tiny}, Batch(tensors, num_items=1,
+                                                           real_tokens=1, total_tokens=1), None)
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in tiny.parameters()], metrics
+
+    on_loss, on_grads, on_m = grads(dict(t))
+    re_loss, re_grads, re_m = grads({**t, "old_logps": old})
+    torch.testing.assert_close(re_loss, on_loss)
+    for a, b in zip(re_grads, on_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert on_m["clip_ratio"] == re_m["clip_ratio"] == 0.0
+    moved = {**t, "old_logps": old - 1.0, "advantages": t["advantages"].abs() + 0.1}
+    _, flat, m = grads(moved)
+    assert all(float(g.abs().max()) == 0.0 for g in flat)
+    assert m["clip_ratio"] == 1.0
