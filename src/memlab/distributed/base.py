@@ -124,10 +124,10 @@ class Ranks:
         n = self.processes(ctx.device)
         if n < 1:
             errors.append(f"distributed.nproc must be >= 1 (got {n})")
-        if ctx.is_cuda and torch.cuda.is_available() and n > torch.cuda.device_count():
-            errors.append(f"distributed.nproc={n} but {torch.cuda.device_count()} CUDA "
-                          f"device(s) are visible; set distributed.nproc<="
-                          f"{torch.cuda.device_count()} (one rank per GPU)")
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if ctx.is_cuda and visible and n > visible:  # none visible: checked for another machine
+            errors.append(f"distributed.nproc={n} but {visible} CUDA device(s) are visible; "
+                          f"set distributed.nproc<={visible} (one rank per GPU)")
         if self.backend_for(ctx.device) == "nccl" and not ctx.is_cuda:
             errors.append("distributed.backend=nccl needs CUDA devices; use "
                           "distributed.backend=gloo (or auto) on CPU")
