@@ -17,7 +17,7 @@ An option (``distributed=<name>``) is a registered dataclass with:
 
 Optional hooks, for a wrapper that owns more of the step (``deepspeed``'s engine):
 
-- ``optimizer(model) -> (engine, torch optimizer)``, ``backward(model, loss)``,
+- ``optimizer(model) -> torch optimizer``, ``backward(model, loss)``,
   ``step(model) -> grad norm``: the trainer then calls these instead of its own optimizer,
   ``loss.backward()`` and clipping (its LR schedule drives the returned torch optimizer);
 - ``memory_roles(model) -> {category: [tensors]}``: the wrapper's own buffers (partitions,

@@ -183,12 +183,17 @@ class DeepSpeed(Ranks):
         return _merge(cfg, self.config)
 
     def setup(self, ctx) -> None:
+        super().setup(ctx)  # the process group; DeepSpeed's comm layer adopts it
+        self._adopt_group(ctx, env_rank()[1])
+
+    def _adopt_group(self, ctx, local_rank: int) -> None:
+        """DeepSpeed's comm layer on the existing process group (with the rank variables it
+        reads), after checking that it picked the accelerator this run is on."""
         import deepspeed
         import torch.distributed as dist
 
-        super().setup(ctx)  # the process group; DeepSpeed's comm layer adopts it
-        _rank_env(ctx.rank, env_rank()[1], ctx.world_size)
-        if ctx.is_cuda is False:
+        _rank_env(ctx.rank, local_rank, ctx.world_size)
+        if not ctx.is_cuda:
             # DeepSpeed picks its accelerator at import; on a CPU run make sure it is the CPU one
             from deepspeed.accelerator import get_accelerator
 
@@ -204,11 +209,9 @@ class DeepSpeed(Ranks):
         from memlab.trainer.loop import build_optimizer
 
         if not dist.is_initialized():  # one rank (ZeRO-Offload on one GPU): a local group
-            _rank_env(0, 0, 1)
             dist.init_process_group(self.backend_for(ctx.device), store=dist.HashStore(),
                                     rank=0, world_size=1)
-            deepspeed.init_distributed(dist_backend=dist.get_backend(),
-                                       auto_mpi_discovery=False)
+            self._adopt_group(ctx, 0)
         root = Routed(model)
         params = [p for p in root.parameters() if p.requires_grad]
         config = getattr(unwrap(model), "config", None)
@@ -234,14 +237,13 @@ class DeepSpeed(Ranks):
         return engine
 
     # ---------------------------------------------------------------- the trainer's hooks
-    def optimizer(self, model: nn.Module) -> tuple[Any, torch.optim.Optimizer]:
-        """(what the trainer steps: the engine, the torch optimizer inside it whose param
-        groups the LR schedule sets)."""
-        engine = _engine(model)
-        opt = engine.optimizer
+    def optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        """The torch optimizer inside the engine's (ZeRO / bf16) wrapper: its param groups
+        are what the LR schedule sets."""
+        opt = _engine(model).optimizer
         while not isinstance(opt, torch.optim.Optimizer) and hasattr(opt, "optimizer"):
             opt = opt.optimizer
-        return engine, opt
+        return opt
 
     @contextlib.contextmanager
     def sync(self, model: nn.Module, last: bool) -> Iterator[None]:
@@ -254,9 +256,9 @@ class DeepSpeed(Ranks):
         _engine(model).backward(loss, scale_wrt_gas=False)
 
     def step(self, model: nn.Module) -> float | None:
-        """The optimizer step (clipping included); returns the gradient norm before clipping."""
+        """The optimizer step (clipping included; the last micro-batch's ``sync`` set the
+        boundary); returns the gradient norm before clipping."""
         engine = _engine(model)
-        engine.set_gradient_accumulation_boundary(True)
         engine.step()
         norm = engine.get_global_grad_norm()
         return None if norm is None else float(norm)

@@ -1043,25 +1043,20 @@ def run_fake_step(ctx, opts: EstimateOptions, notes: list[str]) -> dict[str, Any
 # ----------------------------------------------------------------------------- post-processing
 
 
-def _deepspeed_info(ctx, stage: int):
-    """``model info -> {master_bytes, bucket_bytes, state_factor}`` for
-    :func:`apply_sharding`, from the run's ``distributed=deepspeed`` settings."""
-    ds = ctx.distributed
+def _deepspeed_info(ds, ctx, stage: int, model: dict[str, Any]) -> dict[str, int]:
+    """What :func:`apply_sharding` adds for ``distributed=deepspeed`` (``ds``, the run's option):
+    master copy, bucket, weight / gradient bytes, state factor and the live-parameter cap, from
+    the model's trainable count and hidden size."""
     bf16 = getattr(ctx.precision, "name", "") == "bf16"
-
-    def info(model: dict[str, Any]) -> dict[str, int]:
-        hidden = int(model.get("config", {}).get("hidden_size") or 4096)
-        elems = ds.reduce_bucket_size if ds.reduce_bucket_size is not None else hidden * hidden
-        width = 2 if bf16 else 4  # bytes per weight / gradient element
-        trainable = int(model["trainable"])
-        return {"master_bytes": 4 * trainable if stage >= 1 else 0,
-                "weight_bytes": width * trainable, "grad_bytes": width * trainable,
-                "bucket_bytes": (int(elems) * width
-                                 if ds.contiguous_gradients and stage >= 1 else 0),
-                "state_factor": 2 if bf16 else 1,
-                "live_bytes": int(ds.stage3_max_live_parameters) * width}
-
-    return info
+    hidden = int(model.get("config", {}).get("hidden_size") or 4096)
+    elems = ds.reduce_bucket_size if ds.reduce_bucket_size is not None else hidden * hidden
+    width = 2 if bf16 else 4  # bytes per weight / gradient element
+    trainable = int(model["trainable"])
+    return {"master_bytes": 4 * trainable if stage >= 1 else 0,
+            "weight_bytes": width * trainable, "grad_bytes": width * trainable,
+            "bucket_bytes": int(elems) * width if ds.contiguous_gradients and stage >= 1 else 0,
+            "state_factor": 2 if bf16 else 1,
+            "live_bytes": int(ds.stage3_max_live_parameters) * width}
 
 
 def shard_units(model: nn.Module) -> dict[str, int]:
@@ -1139,19 +1134,16 @@ def apply_sharding(mem: dict[str, Any], world: int, stage: int,
             if stage >= 3:  # one flat gradient partition, allocated once, resident
                 new["gradients"] = max(new["gradients"],
                                        math.ceil(deepspeed["grad_bytes"] / world))
-            if stage >= 3 and ph == "generate" and gather_generation:
-                full = snap.get("parameters", 0)
-                new["parameters"] = math.ceil(full / world) + full
-            phases[ph] = new
-            continue
-        if stage == 0:
-            full = (mem.get("by_phase_category") or {}).get("optimizer", {}).get("gradients", 0)
-            g = snap.get("gradients", 0)
-            new["gradients"] = max(g, full) if bucket_view else g + full
-        if stage >= 3 and ph in ("generate", "forward", "backward"):
-            new["parameters"] += 2 * unit_p
-        if stage >= 2 and ph == "backward":
-            new["gradients"] += unit_g
+        else:
+            if stage == 0:
+                full = (mem.get("by_phase_category") or {}).get("optimizer", {}).get(
+                    "gradients", 0)
+                g = snap.get("gradients", 0)
+                new["gradients"] = max(g, full) if bucket_view else g + full
+            if stage >= 3 and ph in ("generate", "forward", "backward"):
+                new["parameters"] += 2 * unit_p
+            if stage >= 2 and ph == "backward":
+                new["gradients"] += unit_g
         if stage >= 3 and ph == "generate" and gather_generation:
             full = snap.get("parameters", 0)
             new["parameters"] = math.ceil(full / world) + full
@@ -1278,19 +1270,17 @@ def estimate(cfg, opts: EstimateOptions | None = None, choices: dict[str, str] |
     from memlab.distributed.single import Single
 
     procs = ctx.world_size
-    ds_info = None
+    wrapper = ctx.distributed  # the run's option, kept: the estimate runs a plain process
+    deepspeed = getattr(wrapper, "zero_stage", None) is not None
     if procs > 1 or not isinstance(ctx.distributed, Single):
         # one rank of a multi-process run (or a one-rank wrapper): estimate it as one plain
         # process, then shard
         if opts.world_size == 1:
             opts = dataclasses.replace(opts, world_size=procs)
-        stage = getattr(ctx.distributed, "zero_stage", None)  # distributed=deepspeed
-        if stage is not None and not opts.zero_stage:
-            opts = dataclasses.replace(opts, zero_stage=stage)
+        if deepspeed and not opts.zero_stage:
+            opts = dataclasses.replace(opts, zero_stage=wrapper.zero_stage)
         elif ctx.distributed.shards_states() and not opts.zero_stage:  # fsdp2: full shard
             opts = dataclasses.replace(opts, zero_stage=3)
-        if stage is not None:
-            ds_info = _deepspeed_info(ctx, opts.zero_stage)
         notes.append(f"distributed={choices.get('distributed', '?') if choices else '?'}: one "
                      f"rank of {procs}, train.batch_size rows per rank")
         ctx = dataclasses.replace(ctx, distributed=Single(), world_size=1, rank=0)
@@ -1319,14 +1309,11 @@ def estimate(cfg, opts: EstimateOptions | None = None, choices: dict[str, str] |
                      "fragmentation (reserved > allocated) is not included")
     else:
         notes.append("device=cpu: byte-exact for a CPU run of the same shapes")
-    if opts.world_size > 1 or ds_info is not None:
-        dist_cfg = getattr(cfg, "distributed", None) or {}
-        bucket_view = bool(dist_cfg.get("gradient_as_bucket_view", False)) if hasattr(
-            dist_cfg, "get") else False
-        if ds_info is not None:
-            ds_info = ds_info(res["model"])
-        gather = bool(getattr(dist_cfg, "get", lambda *_: False)("gather_for_generation",
-                                                                 False))
+    if opts.world_size > 1 or deepspeed:
+        bucket_view = bool(getattr(wrapper, "gradient_as_bucket_view", False))
+        ds_info = (_deepspeed_info(wrapper, ctx, opts.zero_stage, res["model"]) if deepspeed
+                   else None)
+        gather = bool(getattr(wrapper, "gather_for_generation", False))
         if gather and opts.zero_stage >= 3 and "generate" in mem.get("by_phase", {}):
             notes.append("gather_for_generation: the generate phase holds the whole weights "
                          "beside the rank's shards")

@@ -121,24 +121,17 @@ class Online:
         return errors
 
     def _reward_model_errors(self, ctx) -> list[str]:
-        import dataclasses
-
         errors: list[str] = []
-        fields_ = ({f.name for f in dataclasses.fields(ctx.model)}
-                   if dataclasses.is_dataclass(ctx.model) else set())
         for i, entry in enumerate(self.reward_models):
+            where = f"method.reward_models[{i}]"
             if not isinstance(entry, dict):
-                errors.append(f"method.reward_models[{i}] must be a mapping of model-group "
-                              f"overrides, e.g. {{name_or_path: my/reward-model}} (got "
-                              f"{entry!r})")
+                errors.append(f"{where} must be a mapping of model-group overrides, e.g. "
+                              f"{{name_or_path: my/reward-model}} (got {entry!r})")
                 continue
-            unknown = sorted(k for k in entry if fields_ and k not in fields_)
-            for key in unknown:
-                errors.append(f"method.reward_models[{i}].{key}: not an option of "
-                              f"model={ctx.model.name} (options: {', '.join(sorted(fields_))})")
-            if fields_ and not unknown and entry:
-                rm = dataclasses.replace(ctx.model, **entry)
-                errors += [f"method.reward_models[{i}]: {e}" for e in rm.validate(ctx)]
+            unknown = P.override_key_errors(ctx, entry, where)
+            errors += unknown
+            if not unknown and entry:
+                errors += P.overridden_model_errors(ctx, entry, where)
         return errors
 
     # ------------------------------------------------------------------ data

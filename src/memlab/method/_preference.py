@@ -305,6 +305,28 @@ def _base_name(name: str) -> str:
     return name.replace(".base_layer.", ".").replace(".original_module.", ".")
 
 
+def override_key_errors(ctx, overrides: dict[str, Any], where: str) -> list[str]:
+    """Keys of ``overrides`` (model-group overrides: a teacher, a reward model) that the run's
+    model group does not have, one error each, named ``<where>.<key>``."""
+    import dataclasses
+
+    if not dataclasses.is_dataclass(ctx.model):
+        return []
+    fields_ = {f.name for f in dataclasses.fields(ctx.model)}
+    return [f"{where}.{key}: not an option of model={ctx.model.name} (options: "
+            f"{', '.join(sorted(fields_))})" for key in overrides if key not in fields_]
+
+
+def overridden_model_errors(ctx, overrides: dict[str, Any], where: str) -> list[str]:
+    """The model group's own validation of itself with ``overrides`` applied (keys known)."""
+    import dataclasses
+
+    if not dataclasses.is_dataclass(ctx.model):
+        return []
+    model = dataclasses.replace(ctx.model, **overrides)
+    return [f"{where}: {e}" for e in model.validate(ctx)]
+
+
 def check_same_weights(policy: nn.Module, reference: nn.Module) -> int:
     """Every reference parameter must equal the policy's (frozen base) parameter of the same
     name: a DPO / KTO reference is the policy *before* training. Returns the number compared;

@@ -20,7 +20,6 @@ during the loss: that is the memory cost this method adds over SFT.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import random
 from dataclasses import dataclass
@@ -75,19 +74,13 @@ class GKD:
         if ctx.packing.name != "none":
             errors.append(f"packing={ctx.packing.name} does not apply to method=gkd; use "
                           "packing=none")
-        fields_ = {f.name for f in dataclasses.fields(ctx.model)} if dataclasses.is_dataclass(
-            ctx.model) else set()
         teacher_cfg = self.teacher or {}
-        for key in teacher_cfg:
-            if fields_ and key not in fields_:
-                errors.append(f"method.teacher.{key}: not an option of model={ctx.model.name} "
-                              f"(options: {', '.join(sorted(fields_))})")
+        errors += P.override_key_errors(ctx, teacher_cfg, "method.teacher")
         if "vocab_size" in teacher_cfg or "tokenizer" in teacher_cfg:
             errors.append("method.teacher must share the student's tokenizer and vocabulary; "
                           "drop vocab_size / tokenizer from method.teacher")
-        if fields_ and not errors and teacher_cfg:
-            teacher = dataclasses.replace(ctx.model, **teacher_cfg)
-            errors += [f"method.teacher: {e}" for e in teacher.validate(ctx)]
+        if not errors and teacher_cfg:
+            errors += P.overridden_model_errors(ctx, teacher_cfg, "method.teacher")
         return errors
 
     # ------------------------------------------------------------------ data

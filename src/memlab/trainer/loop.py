@@ -165,7 +165,7 @@ class Trainer:
         # optimizer with build_optimizer; memlab's schedule drives the torch optimizer inside it
         self.engine_steps = hasattr(self.dist, "step")
         if self.engine_steps:
-            _, self.opt = self.dist.optimizer(self.policy)
+            self.opt = self.dist.optimizer(self.policy)
             self.scaler = None
         else:
             self.opt = build_optimizer(self.params, ctx.train)
