@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import time
 
@@ -40,6 +42,44 @@ def test_deterministic(gen):
     assert a == gen(50, seed=3)
     assert a != gen(50, seed=4)
     assert gen(20, seed=3) == a[:20]  # a prefix of a longer run
+
+
+# The first 16 hex digits of the sha256 of each generator's rows (as JSON, key order kept) for a
+# few seeds, sizes and length settings. They pin the exact data the code has generated since it
+# was written: a refactor must keep every byte, so the shipped tokenizer (trained on this text)
+# and every recorded measurement stay valid. ``median_tokens=32, max_tokens=64`` makes chat and
+# preference rows overshoot and take the shorter-retry path.
+FINGERPRINTS = [
+    ("chat", 0, 60, {}, "11e51c396a244bae"),
+    ("chat", 7, 25, {}, "9beb779901f52495"),
+    ("chat", 1, 60, {"median_tokens": 64, "max_tokens": 256}, "f7eaeb8278dff142"),
+    ("chat", 1, 60, {"median_tokens": 32, "max_tokens": 64}, "26d9f1dd73132a4e"),
+    ("chat", 2, 30, {"median_tokens": 1000, "max_tokens": 3000, "sigma": 0.5}, "52945001cce5f886"),
+    ("text", 0, 60, {}, "1757216a836f71eb"),
+    ("text", 7, 25, {}, "469fb2f94c1fe151"),
+    ("text", 1, 60, {"median_tokens": 64, "max_tokens": 256}, "e5085c5f457f4185"),
+    ("text", 1, 60, {"median_tokens": 32, "max_tokens": 64}, "261dfc58859b0342"),
+    ("preference", 0, 60, {}, "dda5905e8a3999c9"),
+    ("preference", 7, 25, {}, "838d1f03a2b3d627"),
+    ("preference", 1, 60, {"median_tokens": 64, "max_tokens": 256}, "7fa3d46c8e05e551"),
+    ("preference", 1, 60, {"median_tokens": 32, "max_tokens": 64}, "34c844826c0b2b19"),
+    (
+        "preference",
+        2,
+        30,
+        {"median_tokens": 1000, "max_tokens": 3000, "sigma": 0.5},
+        "7aecebf3bcdc1f3b",
+    ),
+]
+
+
+@pytest.mark.parametrize("kind,seed,n,kwargs,want", FINGERPRINTS)
+def test_output_is_byte_identical_to_the_recorded_fingerprint(kind, seed, n, kwargs, want):
+    rows = getattr(synthetic, f"generate_{kind}")(n, seed=seed, **kwargs)
+    blob = json.dumps(rows, ensure_ascii=False).encode()
+    assert hashlib.sha256(blob).hexdigest()[:16] == want, (
+        f"generate_{kind}({n}, seed={seed}, **{kwargs}) no longer gives the recorded rows"
+    )
 
 
 # -- schema ------------------------------------------------------------------------------------
