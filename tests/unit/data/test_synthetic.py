@@ -14,6 +14,11 @@ import pytest  # noqa: E402
 
 from memlab.data import synthetic  # noqa: E402
 from memlab.data.assets import load_tokenizer, tokenizer_path  # noqa: E402
+from memlab.data.synthetic._qa import answer  # noqa: E402
+from memlab.data.synthetic._random import Sampler  # noqa: E402
+from memlab.data.synthetic._tokens import est  # noqa: E402
+from memlab.data.synthetic._words import BAD_OPENERS, GOOD_OPENERS  # noqa: E402
+from memlab.data.synthetic.chat import conversation  # noqa: E402
 
 SPECIALS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>"]
 
@@ -141,8 +146,8 @@ def test_preference_pairs_differ_learnably():
         assert chosen != rejected
         different_length += len(chosen.split()) != len(rejected.split())
         # The rule: chosen opens politely and stays on the question's key noun.
-        assert any(chosen.startswith(o) for o in synthetic._GOOD_OPENERS)
-        assert any(rejected.startswith(o) for o in synthetic._BAD_OPENERS)
+        assert any(chosen.startswith(o) for o in GOOD_OPENERS)
+        assert any(rejected.startswith(o) for o in BAD_OPENERS)
     assert different_length > 0.8 * len(rows)
 
 
@@ -151,19 +156,19 @@ def _words(text: str) -> set[str]:
 
 
 def test_chosen_names_the_key_noun_and_rejected_does_not():
-    g = synthetic._Gen(0, 300, 6000, 1.1)
+    g = Sampler(0, 300, 6000, 1.1)
     for _ in range(200):
-        _, q = g.conversation(g.length(), final_answer=False)
+        _, q = conversation(g, g.length(), final_answer=False)
         key = q["key"]
-        assert key in _words(g.answer(q, 200, good=True))
-        assert key not in _words(g.answer(q, 200, good=False))
+        assert key in _words(answer(g, q, 200, good=True))
+        assert key not in _words(answer(g, q, 200, good=False))
 
 
 def test_small_caps_and_medians():
     rows = synthetic.generate_chat(200, seed=0, median_tokens=64, max_tokens=400)
-    est = [sum(synthetic._est(m["content"]) + 5 for m in r["messages"]) for r in rows]
-    assert max(est) <= 400
-    assert 40 <= _pct(est, 0.5) <= 110
+    lengths = [sum(est(m["content"]) + 5 for m in r["messages"]) for r in rows]
+    assert max(lengths) <= 400
+    assert 40 <= _pct(lengths, 0.5) <= 110
     with pytest.raises(ValueError):
         synthetic.generate_chat(1, max_tokens=0)
 
@@ -251,7 +256,7 @@ def test_tokenizer_is_compact_on_its_corpus(tok):
     for r in rows[:50]:
         text = " ".join(m["content"] for m in r["messages"])
         n_tok = len(tok(text, add_special_tokens=False)["input_ids"])
-        assert n_tok <= 1.25 * synthetic._est(text) + 5
+        assert n_tok <= 1.25 * est(text) + 5
 
 
 def test_assistant_mask_covers_exactly_the_assistant_turns(tok):
