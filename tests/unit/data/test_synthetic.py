@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import time
 
@@ -12,6 +14,11 @@ import pytest  # noqa: E402
 
 from memlab.data import synthetic  # noqa: E402
 from memlab.data.assets import load_tokenizer, tokenizer_path  # noqa: E402
+from memlab.data.synthetic._qa import answer  # noqa: E402
+from memlab.data.synthetic._random import Sampler  # noqa: E402
+from memlab.data.synthetic._tokens import est  # noqa: E402
+from memlab.data.synthetic._words import BAD_OPENERS, GOOD_OPENERS  # noqa: E402
+from memlab.data.synthetic.chat import conversation  # noqa: E402
 
 SPECIALS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>"]
 
@@ -40,6 +47,44 @@ def test_deterministic(gen):
     assert a == gen(50, seed=3)
     assert a != gen(50, seed=4)
     assert gen(20, seed=3) == a[:20]  # a prefix of a longer run
+
+
+# The first 16 hex digits of the sha256 of each generator's rows (as JSON, key order kept) for a
+# few seeds, sizes and length settings. They pin the exact data the code has generated since it
+# was written: a refactor must keep every byte, so the shipped tokenizer (trained on this text)
+# and every recorded measurement stay valid. ``median_tokens=32, max_tokens=64`` makes chat and
+# preference rows overshoot and take the shorter-retry path.
+FINGERPRINTS = [
+    ("chat", 0, 60, {}, "11e51c396a244bae"),
+    ("chat", 7, 25, {}, "9beb779901f52495"),
+    ("chat", 1, 60, {"median_tokens": 64, "max_tokens": 256}, "f7eaeb8278dff142"),
+    ("chat", 1, 60, {"median_tokens": 32, "max_tokens": 64}, "26d9f1dd73132a4e"),
+    ("chat", 2, 30, {"median_tokens": 1000, "max_tokens": 3000, "sigma": 0.5}, "52945001cce5f886"),
+    ("text", 0, 60, {}, "1757216a836f71eb"),
+    ("text", 7, 25, {}, "469fb2f94c1fe151"),
+    ("text", 1, 60, {"median_tokens": 64, "max_tokens": 256}, "e5085c5f457f4185"),
+    ("text", 1, 60, {"median_tokens": 32, "max_tokens": 64}, "261dfc58859b0342"),
+    ("preference", 0, 60, {}, "dda5905e8a3999c9"),
+    ("preference", 7, 25, {}, "838d1f03a2b3d627"),
+    ("preference", 1, 60, {"median_tokens": 64, "max_tokens": 256}, "7fa3d46c8e05e551"),
+    ("preference", 1, 60, {"median_tokens": 32, "max_tokens": 64}, "34c844826c0b2b19"),
+    (
+        "preference",
+        2,
+        30,
+        {"median_tokens": 1000, "max_tokens": 3000, "sigma": 0.5},
+        "7aecebf3bcdc1f3b",
+    ),
+]
+
+
+@pytest.mark.parametrize("kind,seed,n,kwargs,want", FINGERPRINTS)
+def test_output_is_byte_identical_to_the_recorded_fingerprint(kind, seed, n, kwargs, want):
+    rows = getattr(synthetic, f"generate_{kind}")(n, seed=seed, **kwargs)
+    blob = json.dumps(rows, ensure_ascii=False).encode()
+    assert hashlib.sha256(blob).hexdigest()[:16] == want, (
+        f"generate_{kind}({n}, seed={seed}, **{kwargs}) no longer gives the recorded rows"
+    )
 
 
 # -- schema ------------------------------------------------------------------------------------
@@ -101,8 +146,8 @@ def test_preference_pairs_differ_learnably():
         assert chosen != rejected
         different_length += len(chosen.split()) != len(rejected.split())
         # The rule: chosen opens politely and stays on the question's key noun.
-        assert any(chosen.startswith(o) for o in synthetic._GOOD_OPENERS)
-        assert any(rejected.startswith(o) for o in synthetic._BAD_OPENERS)
+        assert any(chosen.startswith(o) for o in GOOD_OPENERS)
+        assert any(rejected.startswith(o) for o in BAD_OPENERS)
     assert different_length > 0.8 * len(rows)
 
 
@@ -111,19 +156,19 @@ def _words(text: str) -> set[str]:
 
 
 def test_chosen_names_the_key_noun_and_rejected_does_not():
-    g = synthetic._Gen(0, 300, 6000, 1.1)
+    g = Sampler(0, 300, 6000, 1.1)
     for _ in range(200):
-        _, q = g.conversation(g.length(), final_answer=False)
+        _, q = conversation(g, g.length(), final_answer=False)
         key = q["key"]
-        assert key in _words(g.answer(q, 200, good=True))
-        assert key not in _words(g.answer(q, 200, good=False))
+        assert key in _words(answer(g, q, 200, good=True))
+        assert key not in _words(answer(g, q, 200, good=False))
 
 
 def test_small_caps_and_medians():
     rows = synthetic.generate_chat(200, seed=0, median_tokens=64, max_tokens=400)
-    est = [sum(synthetic._est(m["content"]) + 5 for m in r["messages"]) for r in rows]
-    assert max(est) <= 400
-    assert 40 <= _pct(est, 0.5) <= 110
+    lengths = [sum(est(m["content"]) + 5 for m in r["messages"]) for r in rows]
+    assert max(lengths) <= 400
+    assert 40 <= _pct(lengths, 0.5) <= 110
     with pytest.raises(ValueError):
         synthetic.generate_chat(1, max_tokens=0)
 
@@ -211,7 +256,7 @@ def test_tokenizer_is_compact_on_its_corpus(tok):
     for r in rows[:50]:
         text = " ".join(m["content"] for m in r["messages"])
         n_tok = len(tok(text, add_special_tokens=False)["input_ids"])
-        assert n_tok <= 1.25 * synthetic._est(text) + 5
+        assert n_tok <= 1.25 * est(text) + 5
 
 
 def test_assistant_mask_covers_exactly_the_assistant_turns(tok):
