@@ -185,7 +185,7 @@ def prepare_data(s: Settings, workdir: Path) -> dict[str, Any]:
     from memlab.data.assets import load_tokenizer
     from memlab.data.synthetic import generate_chat
     from memlab.packing import core
-    from memlab.trainer.loop import BatchStream
+    from memlab.trainer.batch import BatchStream
 
     tok = load_tokenizer()
     need_rows = s.steps * s.batch_size
@@ -341,7 +341,7 @@ def trl_job(req: dict[str, Any]) -> dict[str, Any]:
         def _get_train_sampler(self, train_dataset=None):
             # memlab's BatchStream permutation of the prepared rows (examples, or packed rows:
             # with n <= 1000 TRL's BFD is global like memlab's and gives the same rows)
-            from memlab.trainer.loop import BatchStream
+            from memlab.trainer.batch import BatchStream
 
             n = len(train_dataset if train_dataset is not None else self.train_dataset)
             rec["order_rows"] = n

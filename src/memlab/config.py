@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from memlab import _guards
+
 
 @dataclass(kw_only=True)
 class TrainConfig:
@@ -55,8 +57,43 @@ class MeasureConfig:
     fast), 'all', or the first N."""
     warmup_steps: int = 1
     """Steps excluded from throughput (compilation, allocator warm-up, lazy init)."""
-    fail_on_oom: bool = False
-    """Re-raise OOM instead of recording it (for debugging)."""
+
+
+@dataclass(frozen=True)
+class Platform:
+    """What the machine a run is validated for can do: CUDA devices, bf16, installed packages.
+    A run validates against :meth:`detect` (this machine); ``memlab estimate --device cuda``
+    validates against :meth:`cuda_machine` (a GPU machine with the GPU extras installed), so
+    no check reads ``torch.cuda`` or the installed packages itself."""
+
+    cuda: bool = False
+    gpus: int = 0
+    bf16: bool = False
+    """bf16 kernels on the CUDA device (every CPU build has them)."""
+    assume_installed: frozenset[str] = frozenset()
+    """Packages counted as installed whether or not they are (a hypothetical machine)."""
+
+    @classmethod
+    def detect(cls) -> Platform:
+        import torch
+
+        cuda = torch.cuda.is_available()
+        return cls(cuda=cuda, gpus=torch.cuda.device_count() if cuda else 0,
+                   bf16=bool(cuda and torch.cuda.is_bf16_supported()))
+
+    @classmethod
+    def cuda_machine(cls, gpus: int = 0) -> Platform:
+        """A CUDA machine with bf16 and the ``gpu`` extra installed; ``gpus`` 0 = unknown."""
+        gpu_only = frozenset(m for m, extra in _guards.EXTRAS.items() if extra.startswith("gpu"))
+        return cls(cuda=True, gpus=gpus, bf16=True, assume_installed=gpu_only)
+
+    def has(self, module: str) -> bool:
+        """Whether ``module`` can be imported here (checked without importing it)."""
+        return module in self.assume_installed or _guards.has(module)
+
+    def missing(self, module: str, what: str) -> str | None:
+        """None if ``module`` is installed, else an error naming the extra that provides it."""
+        return None if module in self.assume_installed else _guards.missing(module, what)
 
 
 @dataclass(frozen=True)
@@ -65,6 +102,7 @@ class BuildContext:
     device and the world size. Frozen: builders read it, never change it."""
 
     method: Any
+    generation: Any
     packing: Any
     attention: Any
     precision: Any
@@ -81,6 +119,8 @@ class BuildContext:
     rank: int = 0
     choices: dict[str, str] = field(default_factory=dict)
     run_dir: Path = Path(".")
+    platform: Platform = field(default_factory=Platform)
+    """The machine the run is validated for (:meth:`Platform.detect` in a run)."""
 
     @property
     def is_cuda(self) -> bool:

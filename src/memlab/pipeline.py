@@ -1,4 +1,4 @@
-"""The one assembly function.
+"""The one assembly function, for a training run and for ``memlab estimate`` alike.
 
 Order, and why:
 
@@ -8,7 +8,8 @@ Order, and why:
    the first token of the next document in a packed row. Truncation happens before packing
    except for strategies that keep overflow tokens themselves (bfd_split, wrapped).
 3. collator: the method's, told by packing / padding_free / pad_to_multiple_of how to shape
-   rows (padded with an attention mask, or flat with restarting position_ids).
+   rows (padded with an attention mask, or flat with restarting position_ids and the rows'
+   document segments).
 4. model: attention backend and parameter dtype are chosen at load (transformers builds
    its attention modules from them; quantization too, for qlora).
 5. peft: adapters on the loaded model (before checkpointing, which must see the final modules).
@@ -21,18 +22,66 @@ Order, and why:
    loader (optionally with model-group overrides: a teacher of another size), then
    the method's one-off pass (``before_training``), which may return the dataset with added
    columns (DPO's precomputed reference log-probs) and drop a model it no longer needs.
+9. online methods: the generation engine (``generation=``) and the run's random draws.
+10. the trainer: optimizer, schedule, memory probe, loop.
+
+What differs between a run and an estimate is passed in as :class:`Seams` (the estimator's
+model loader builds fake weights, its rows are the worst-case batch, its engine decodes to the
+full length, ...). Nothing else differs; nothing here is patched.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
+import dataclasses
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 from torch import nn
 
-from memlab.method.base import DataStats
-from memlab.trainer.loop import BatchStream
+from memlab.generation.base import Engine, GenerationEnv, run_rng
+from memlab.generation.hf import HFEngine
+from memlab.measure.data import DataStats
+from memlab.model._liger import apply_liger
+from memlab.offload.base import Placement
+from memlab.trainer.batch import BatchStream
+from memlab.trainer.loop import LoopOptions, Trainer
+from memlab.trainer.routing import base_model
+
+
+@dataclass(frozen=True)
+class Seams:
+    """The explicit injection points of :func:`build` (defaults: a training run).
+
+    Each is None / its default in a run; ``memlab estimate`` passes its own."""
+
+    load_tokenizer: Callable[[Any], Any] | None = None
+    """``ctx -> tokenizer`` (default: the model group's ``load_tokenizer``)."""
+    load_model: Callable[..., nn.Module] | None = None
+    """``(ctx, tokenizer, head, extra) -> model`` for ``ctx.model`` (default: the model group's
+    ``load``); ``extra`` holds the PEFT option's load arguments."""
+    build_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    """Entered while a model is built (loaded, PEFT, checkpointing)."""
+    place_model: Callable[[nn.Module], nn.Module] | None = None
+    """Applied to every built model before it is used (default: none; models load on the
+    run's device)."""
+    prepare_data: Callable[[Any, Any], tuple[Any, DataStats]] | None = None
+    """``(ctx, tokenizer) -> (prepared dataset, stats)`` (default: :func:`prepare_data`)."""
+    offload: Placement | None = None
+    """Where the offload option puts activations and which tensors it handles."""
+    engine: Callable[[Any, Any, nn.Module], Engine] | None = None
+    """``(ctx, tokenizer, policy) -> engine`` for every model an online method samples from
+    (default: the generation option's engine for the policy, transformers' for others)."""
+    rng: random.Random | None = None
+    """The rollouts' random draws (default: seeded by ``train.seed`` and the rank)."""
+    exact_weights: bool = True
+    """Whether models hold real values (checks that compare weights run only then)."""
+    model_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    """Entered around the method's one-off pass over the models (``before_training``)."""
+    loop: LoopOptions = field(default_factory=LoopOptions)
 
 
 @dataclass
@@ -42,7 +91,9 @@ class Pipeline:
     stats: DataStats
     models: dict[str, nn.Module]
     stream: BatchStream
-    offload_handle: Any
+    offload: Any
+    generation: GenerationEnv | None
+    trainer: Trainer
 
 
 def prepare_data(ctx, tokenizer) -> tuple[Any, DataStats]:
@@ -58,51 +109,18 @@ def prepare_data(ctx, tokenizer) -> tuple[Any, DataStats]:
     return ds, stats
 
 
-def load_model(ctx, tokenizer, *, trainable: bool = True, head: str | None = None,
-               peft: bool = True) -> nn.Module:
-    """Model with attention + dtype at load, then PEFT (``peft``) and checkpointing when
-    trainable. ``head`` defaults to the method's."""
-    head = head or ctx.method.head
-    model = ctx.model.load(ctx, tokenizer, head, ctx.peft.load_kwargs(ctx))
-    if getattr(ctx.method, "use_liger_kernel", False):
-        from memlab.model._liger import apply_liger
-
-        apply_liger(model)
-    if not trainable:
-        model.requires_grad_(False)
-        return model.eval()
-    if peft:
-        model = ctx.peft.apply(model, ctx, head)
-    if ctx.train.gradient_checkpointing:
-        enable_checkpointing(model, ctx.train.checkpoint_every)
-    return model
-
-
 def with_model_overrides(ctx, overrides: dict[str, Any] | None):
     """``ctx`` whose model group has ``overrides`` applied (a teacher of another size / seed /
-    checkpoint); the model group may define ``with_overrides`` (estimate's stand-in does)."""
+    checkpoint)."""
     if not overrides:
         return ctx
-    import dataclasses
-
-    m = ctx.model
-    new = m.with_overrides(overrides) if hasattr(m, "with_overrides") else dataclasses.replace(
-        m, **overrides)
-    return dataclasses.replace(ctx, model=new)
-
-
-def load_extra(ctx, tokenizer, model_overrides: dict[str, Any] | None = None, *,
-               head: str | None = None, trainable: bool = False) -> nn.Module:
-    """An extra model: the run's model (or the model group with ``model_overrides``), frozen
-    (reference, teacher) or ``trainable`` without PEFT (a PPO value model), with ``head``."""
-    return load_model(with_model_overrides(ctx, model_overrides), tokenizer,
-                      trainable=trainable, head=head, peft=False)
+    return dataclasses.replace(ctx, model=dataclasses.replace(ctx.model, **overrides))
 
 
 def enable_checkpointing(model: nn.Module, every: int = 1) -> None:
     """Non-reentrant activation checkpointing on every ``every``-th decoder layer."""
     kwargs = {"use_reentrant": False}
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     if hasattr(base, "activation_checkpointing_enable"):
         base.activation_checkpointing_enable(kwargs, every_n_layers=every)
     else:  # transformers < 5
@@ -110,21 +128,81 @@ def enable_checkpointing(model: nn.Module, every: int = 1) -> None:
     base.config.use_cache = False
 
 
-def build(ctx) -> Pipeline:
+class Loader:
+    """Loads the run's models (the policy, and the method's extra models as its
+    :class:`memlab.method.base.ModelFactory`) and tokenizers, through the seams."""
+
+    def __init__(self, ctx, tokenizer, seams: Seams):
+        self.ctx, self.tok, self.seams = ctx, tokenizer, seams
+        self.exact_weights = seams.exact_weights
+
+    def model(self, ctx, *, trainable: bool = True, head: str | None = None,
+              peft: bool = True) -> nn.Module:
+        """Model with attention + dtype at load, then PEFT (``peft``) and checkpointing when
+        trainable. ``head`` defaults to the method's."""
+        head = head or ctx.method.head
+        with self.seams.build_context():
+            model = self._build(ctx, head, trainable, peft)
+        return self.seams.place_model(model) if self.seams.place_model else model
+
+    def _build(self, ctx, head: str, trainable: bool, peft: bool) -> nn.Module:
+        extra = ctx.peft.load_kwargs(ctx) if peft else {}
+        if self.seams.load_model is not None:
+            model = self.seams.load_model(ctx, self.tok, head, extra)
+        else:
+            model = ctx.model.load(ctx, self.tok, head, extra)
+        if ctx.method.uses_liger():
+            apply_liger(model)
+        if not trainable:
+            model.requires_grad_(False)
+            return model.eval()
+        if peft:
+            model = ctx.peft.apply(model, ctx, head)
+        if ctx.train.gradient_checkpointing:
+            enable_checkpointing(model, ctx.train.checkpoint_every)
+        return model
+
+    def __call__(self, overrides: dict[str, Any] | None = None, *, head: str | None = None,
+                 trainable: bool = False) -> nn.Module:
+        """An extra model: the run's model (or the model group with ``overrides``), frozen
+        (reference, teacher) or ``trainable`` without PEFT (a PPO value model)."""
+        return self.model(with_model_overrides(self.ctx, overrides), trainable=trainable,
+                          head=head, peft=False)
+
+    def tokenizer(self, overrides: dict[str, Any] | None = None) -> Any:
+        """A fresh tokenizer of the model group with ``overrides``."""
+        ctx = with_model_overrides(self.ctx, overrides)
+        load = self.seams.load_tokenizer or ctx.model.load_tokenizer
+        return load(ctx)
+
+
+def build(ctx, seams: Seams | None = None, logger: Any = None) -> Pipeline:
     """Assemble everything a training run needs, in the order documented above."""
-    tokenizer = ctx.model.load_tokenizer(ctx)
-    ds, stats = prepare_data(ctx, tokenizer)
+    seams = seams or Seams()
+    tokenizer = (seams.load_tokenizer or ctx.model.load_tokenizer)(ctx)
+    ds, stats = (seams.prepare_data or prepare_data)(ctx, tokenizer)
     collate = partial(ctx.method.collate, tokenizer=tokenizer, ctx=ctx)
-    policy = load_model(ctx, tokenizer)
-    offload_handle = ctx.offload.build(policy, ctx)
+    loader = Loader(ctx, tokenizer, seams)
+    policy = loader.model(ctx)
+    offload = ctx.offload.build(policy, ctx, seams.offload)
     policy = ctx.distributed.wrap(policy, ctx)
     # no local name keeps the extra models alive: before_training may drop one (and free it)
-    models = {"policy": policy, **ctx.method.extra_models(
-        policy, ctx, partial(load_extra, ctx, tokenizer)
-    )}
-    prepared = ctx.method.before_training(models, ds, ctx)
+    models = {"policy": policy, **ctx.method.extra_models(policy, ctx, loader)}
+    with seams.model_context():  # the first pass that runs the models
+        prepared = ctx.method.before_training(models, ds, ctx)
     if prepared is not None:  # the dataset with columns the method added (e.g. reference logps)
         ds = prepared
     stream = BatchStream(ds, ctx.train.batch_size, ctx.train.seed, collate,
                          shard=(ctx.rank, ctx.world_size))
-    return Pipeline(tokenizer, ds, stats, models, stream, offload_handle)
+    generation = None
+    if ctx.method.generates():
+        rng = seams.rng or run_rng(ctx.train.seed, ctx.rank)
+        if seams.engine is not None:
+            engine = seams.engine(ctx, tokenizer, policy)
+            generation = GenerationEnv(engine, rng)
+        else:
+            generation = GenerationEnv(ctx.generation.build(ctx, tokenizer, policy), rng,
+                                       local=HFEngine(ctx.distributed))
+    trainer = Trainer(ctx, ctx.method, models, stream, logger=logger, offload=offload,
+                      generation=generation, options=seams.loop)
+    return Pipeline(tokenizer, ds, stats, models, stream, offload, generation, trainer)

@@ -17,6 +17,7 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 
 GROUPS = (
     "method",
+    "generation",
     "packing",
     "attention",
     "precision",

@@ -1,17 +1,30 @@
 """validate -> pipeline -> train -> summary. Every outcome (ok, invalid, failed, oom) ends in an
-atomically written summary.json in the run dir; nothing is lost when a sweep job fails."""
+atomically written summary.json in the run dir; nothing is lost when a sweep job fails.
+
+A run of several processes is started here too: with ``world_size > 1`` this process starts
+the ranks (``memlab.distributed.launch``; each rank is ``python -m memlab.rank``) and merges
+their records; under an external launcher (torchrun) every process is a rank already
+(:func:`run_external`).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
+import shutil
 import time
 import traceback
 from pathlib import Path
 from typing import Any
 
-from memlab.config import BuildContext, MeasureConfig, TrainConfig
+from memlab.config import BuildContext, MeasureConfig, Platform, TrainConfig
+from memlab.distributed import launch
+from memlab.measure.summary import device_info, format_table, versions, write_atomic
 from memlab.registry import GROUPS, ConfigErrors, build, from_mapping
+
+# torch-heavy modules (memlab.pipeline, memlab.distributed.base, memlab.measure.memory) are
+# imported where they are used, so that `memlab --help` and tab completion start fast.
 
 TOP_LEVEL = set(GROUPS) | {"train", "measure"}
 
@@ -24,19 +37,18 @@ def _plain(cfg) -> dict[str, Any]:
     return dict(cfg)
 
 
-def resolve_device(requested: str) -> str:
-    import torch
-
+def resolve_device(requested: str, platform: Platform) -> str:
     if requested == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        return "cuda" if platform.cuda else "cpu"
     return requested
 
 
 def validate(cfg, run_dir: Path | str = ".", choices: dict[str, str] | None = None,
-             world_size: int | None = None, rank: int = 0) -> BuildContext:
+             world_size: int | None = None, rank: int = 0,
+             platform: Platform | None = None) -> BuildContext:
     """Every group node -> typed config, then every cross-group rule. Raises ConfigErrors with
     all problems at once. Loads no model and no data. ``world_size`` None: the processes the
-    distributed option asks for."""
+    distributed option asks for; ``platform`` None: this machine."""
     data = _plain(cfg)
     errors: list[str] = []
     typed: dict[str, Any] = {}
@@ -57,10 +69,9 @@ def validate(cfg, run_dir: Path | str = ".", choices: dict[str, str] | None = No
     if errors:
         raise ConfigErrors(errors)
     assert train is not None and measure is not None
-    import torch
-
-    device = resolve_device(train.device)
-    if device == "cuda" and not torch.cuda.is_available():
+    platform = platform or Platform.detect()
+    device = resolve_device(train.device, platform)
+    if device == "cuda" and not platform.cuda:
         errors.append("train.device=cuda but no CUDA device is visible; use train.device=auto")
     for name, value in (("steps", train.steps), ("batch_size", train.batch_size),
                         ("grad_accum", train.grad_accum), ("checkpoint_every",
@@ -70,10 +81,10 @@ def validate(cfg, run_dir: Path | str = ".", choices: dict[str, str] | None = No
     if isinstance(measure.memory_steps, int) and measure.memory_steps < 0:
         errors.append("measure.memory_steps must be 'auto', 'all' or >= 0")
     if world_size is None:
-        world_size = typed["distributed"].processes(device)
+        world_size = typed["distributed"].processes(device, platform.gpus)
     ctx = BuildContext(
         **typed, train=train, measure=measure, device=device, world_size=world_size,
-        rank=rank, choices=dict(choices or {}), run_dir=Path(run_dir),
+        rank=rank, choices=dict(choices or {}), run_dir=Path(run_dir), platform=platform,
     )
     for group in GROUPS:
         errors += typed[group].validate(ctx)
@@ -116,11 +127,8 @@ def run(cfg, run_dir: Path | str, choices: dict[str, str] | None = None,
     """Run one job and write ``run_dir/summary.json``; returns the summary. Never raises for
     a failing job (the status says what happened)."""
     from memlab.distributed.base import external_launch
-    from memlab.measure.summary import format_table
 
     if external_launch():  # one rank of a torchrun launch: the ranks meet in rank 0's run dir
-        from memlab.distributed.launch import run_external
-
         return run_external(cfg, Path(run_dir), dict(choices or {}), list(overrides or []),
                             job or {}, print_table)
     run_dir = Path(run_dir)
@@ -131,11 +139,9 @@ def run(cfg, run_dir: Path | str, choices: dict[str, str] | None = None,
         ctx = validate(cfg, run_dir, choices)
         summary["config"] = _plain(cfg)
         if ctx.world_size > 1:  # one worker process per rank; their summaries merged here
-            from memlab.distributed.launch import launch
-
-            launch(ctx, summary)
+            launch.launch(ctx, summary, worker="memlab.rank")
         else:
-            _execute(ctx, summary, logger_box)
+            execute(ctx, summary, logger_box)
 
     guarded(body, summary, run_dir / "summary.json")
     if print_table:
@@ -147,8 +153,6 @@ def guarded(body, summary: dict[str, Any], out: Path) -> dict[str, Any]:
     """Run ``body(logger_box)`` and record its outcome in ``summary`` (ok / invalid / oom /
     failed, with the error), then write it atomically to ``out``; never raises for a failing
     job (except KeyboardInterrupt, and anything under ``MEMLAB_RAISE=1``)."""
-    from memlab.measure.summary import versions, write_atomic
-
     t0 = time.perf_counter()
     run_dir = out.parent
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -184,9 +188,8 @@ def guarded(body, summary: dict[str, Any], out: Path) -> dict[str, Any]:
     return summary
 
 
-def _execute(ctx: BuildContext, summary: dict[str, Any], logger_box: list) -> None:
-    from memlab.measure.summary import device_info
-
+def execute(ctx: BuildContext, summary: dict[str, Any], logger_box: list) -> None:
+    """Train in this process (one rank, or the only process) and fill ``summary``."""
     summary["device"] = device_info(ctx.device)
     seed_everything(ctx.train.seed)
     try:
@@ -197,22 +200,22 @@ def _execute(ctx: BuildContext, summary: dict[str, Any], logger_box: list) -> No
 
 
 def _train(ctx: BuildContext, summary: dict[str, Any], logger_box: list) -> None:
-    from memlab.pipeline import build
-    from memlab.trainer.loop import Trainer
+    from memlab import pipeline
 
-    pipe = build(ctx)
-    ctx.logger.start(ctx, {**summary.get("config", {}), "_sweep_dir": summary["job"].get(
+    logger = ctx.logger.start(ctx, {**summary.get("config", {}), "_sweep_dir": summary["job"].get(
         "sweep_dir")})
-    logger_box.append(ctx.logger)
-    trainer = Trainer(ctx, ctx.method, pipe.models, pipe.stream, logger=ctx.logger,
-                      offload_handle=pipe.offload_handle)
+    logger_box.append(logger)
+    pipe = pipeline.build(ctx, logger=logger)
+    trainer = pipe.trainer
     summary["data"] = pipe.stats.as_dict()
     try:
         result = trainer.train()
     finally:
+        if pipe.generation is not None:
+            pipe.generation.close()
         summary["memory"] = trainer.probe.result()
-        if pipe.offload_handle is not None and hasattr(pipe.offload_handle, "stats"):
-            summary["memory"]["offload"] = pipe.offload_handle.stats()
+        if pipe.offload is not None:
+            summary["memory"]["offload"] = pipe.offload.stats()
         summary["memory"]["params"] = _param_counts(pipe.models["policy"])
         summary["memory"]["models"] = {role: _param_counts(m) for role, m in
                                        pipe.models.items()}
@@ -258,3 +261,66 @@ def hydra_task(cfg) -> dict[str, Any]:
     if not multirun and summary["status"] != "ok":
         raise SystemExit(1 if summary["status"] != "invalid" else 2)
     return summary
+
+
+def run_external(cfg, run_dir: Path, choices: dict[str, str], overrides: list[str],
+                 job: dict[str, Any], print_table: bool) -> dict[str, Any]:
+    """One rank of a torchrun launch (e.g. across nodes: ``torchrun --nnodes 2
+    --nproc_per_node 8 ... -m memlab distributed=fsdp2``). Once the process group is up, rank 0
+    tells the others its run dir (each rank's Hydra resolves ``${now:}`` itself, so their own
+    dirs may differ), every rank writes its ``ranks/rank<r>.json`` there, and rank 0 merges them
+    into ``summary.json``. A failing rank exits at once with status 1, so torchrun stops the
+    others. Returns the merged summary on rank 0 and this rank's summary elsewhere."""
+    import torch.distributed as dist
+
+    from memlab.distributed.base import Ranks, env_rank
+
+    rank, _, world = env_rank()
+    summary = base_summary(run_dir, choices, overrides, job)
+    holder: list = []
+
+    def check(_: list) -> None:
+        ctx = validate(cfg, run_dir, choices, world_size=world, rank=rank)
+        if not isinstance(ctx.distributed, Ranks):
+            raise ConfigErrors([f"started by an external launcher with WORLD_SIZE={world}, "
+                                f"but distributed={ctx.distributed.name} runs one process; use "
+                                "distributed=ddp or distributed=fsdp2"])
+        if job.get("num") is not None:
+            raise ConfigErrors(["a Hydra sweep (-m) under torchrun would start every job in "
+                                "every rank; run the sweep without torchrun: memlab starts the "
+                                "ranks of each job itself (distributed.nproc)"])
+        summary["config"] = _plain(cfg)
+        holder.append(ctx)
+
+    scratch = run_dir / f".rank{rank}.check.json"
+    guarded(check, summary, run_dir / "summary.json" if rank == 0 else scratch)
+    scratch.unlink(missing_ok=True)  # every rank finds the same problems; rank 0 records them
+    if not holder:
+        return summary
+    ctx = holder[0]
+    ctx.distributed.setup(ctx)
+    shared = [str(Path(run_dir).resolve())]
+    dist.broadcast_object_list(shared, src=0)
+    root = Path(shared[0])
+    ctx = dataclasses.replace(ctx, run_dir=root)
+    mine = base_summary(root, choices, overrides, job)
+    mine["rank"] = rank
+    guarded(lambda box: execute(ctx, mine, box), mine, root / "ranks" / f"rank{rank}.json")
+    if mine["status"] != "ok":
+        ctx.distributed.teardown()
+        raise SystemExit(1)  # torchrun stops the other ranks
+    dist.barrier()
+    if rank == 0:
+        summary.update(run_dir=str(root))
+        guarded(lambda _: launch.merge(summary, root / "ranks", world, [0] * world), summary,
+                root / "summary.json")
+        if print_table:
+            print(format_table(summary), flush=True)
+    ctx.distributed.teardown()
+    if rank and Path(run_dir).resolve() != root:
+        own = Path(run_dir)
+        if own.is_dir() and all(p.name == ".hydra" or p.suffix == ".log"
+                                for p in own.iterdir()):
+            shutil.rmtree(own, ignore_errors=True)  # this rank's empty Hydra dir
+        return mine
+    return summary if rank == 0 else mine

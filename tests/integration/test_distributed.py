@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from memlab.distributed.base import Routed, call_inside, unwrap
-from memlab.trainer.loop import BatchStream
+from memlab.trainer.batch import BatchStream
+from memlab.trainer.routing import Routed, call_inside, unwrap
 
 pytestmark = pytest.mark.integration
 
@@ -259,7 +259,7 @@ FSDP2_GENERATION = r"""
 import sys, torch, torch.distributed as dist
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 from transformers import LlamaConfig, LlamaForCausalLM
-from memlab.distributed.base import call_inside
+from memlab.trainer.routing import call_inside
 from memlab.distributed.fsdp2 import FSDP2
 torch.manual_seed(0)
 m = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,

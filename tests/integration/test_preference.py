@@ -53,8 +53,9 @@ def _rows(ds, idx: list[int]) -> list[dict]:
 def test_padded_and_padding_free_give_the_same_loss(attention, method):
     ctx, tok, ds = _context([f"method={method}", f"attention={attention}",
                              "method.max_length=256", "method.max_prompt_length=128"])
-    policy = pipeline.load_model(ctx, tok)
-    reference = pipeline.load_model(ctx, tok, trainable=False)
+    loader = pipeline.Loader(ctx, tok, pipeline.Seams())
+    policy = loader.model(ctx)
+    reference = loader()
     models = {"policy": policy, "reference": reference}
     length = [len(p) + len(c) for p, c in zip(ds["prompt_ids"], ds[ds.column_names[1]])]
     order = sorted(range(len(ds)), key=length.__getitem__)
@@ -129,11 +130,8 @@ def test_reference_modes_same_loss_and_their_memory_cost(job):
 
 def test_precomputed_reference_logps_equal_on_the_fly_and_the_copy_is_freed():
     ctx, tok, ds = _context(DPO + ["method.reference=precomputed"])
-    policy = pipeline.load_model(ctx, tok)
-
-    def build():
-        return pipeline.load_model(ctx, tok, trainable=False)
-
+    build = pipeline.Loader(ctx, tok, pipeline.Seams())
+    policy = build.model(ctx)
     models = {"policy": policy, **ctx.method.extra_models(policy, ctx, build)}
     gone = weakref.ref(models["reference"])
     ds2 = ctx.method.before_training(models, ds, ctx)
@@ -156,11 +154,8 @@ def test_precomputed_reference_logps_equal_on_the_fly_and_the_copy_is_freed():
 def test_kto_precomputed_matches_on_the_fly_loss():
     ctx, tok, ds = _context(["method=kto", "method.max_length=256", "method.max_prompt_length=128",
                              "method.reference=precomputed", "method.padding_free=true"])
-    policy = pipeline.load_model(ctx, tok)
-
-    def build():
-        return pipeline.load_model(ctx, tok, trainable=False)
-
+    build = pipeline.Loader(ctx, tok, pipeline.Seams())
+    policy = build.model(ctx)
     models = {"policy": policy, **ctx.method.extra_models(policy, ctx, build)}
     ds2 = ctx.method.before_training(models, ds, ctx)
     rows = _rows(ds2, [4, 1, 9, 2])

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from memlab.method.base import IGNORE
+from memlab.method.base import IGNORE, Segments, model_inputs
 
 BACKENDS = ["eager", "sdpa", "memlab_eager_varlen", "memlab_sdpa_varlen"]
 
@@ -42,12 +42,15 @@ def _docs(lengths, seed=0):
     return [torch.randint(5, 300, (n,), generator=g) for n in lengths]
 
 
-def _packed_logits(model, docs, mask=None):
+def _packed_logits(model, docs, mask=None, segments=True):
+    """Logits of ``docs`` packed in one row, with the row's document segments as memlab's
+    collators pass them (transformers' own backends ignore them)."""
     ids = torch.cat(docs)[None]
     pos = torch.cat([torch.arange(len(d)) for d in docs])[None]
+    extra = {"memlab_segments": Segments.from_positions(pos.tolist())} if segments else {}
     with torch.no_grad():
         return model(input_ids=ids, position_ids=pos, attention_mask=mask,
-                     use_cache=False).logits[0]
+                     use_cache=False, **extra).logits[0]
 
 
 @pytest.mark.parametrize("attn", BACKENDS)
@@ -79,6 +82,10 @@ def test_contamination_is_detected(attn):
         mixed = _packed_logits(model, [a, b], ones)[len(a):]
         mixed2 = _packed_logits(model, [a2, b], ones)[len(a):]
         assert (mixed - mixed2).abs().max() > 1e-3
+    else:  # memlab's per-document attention isolates what the collator's segments name
+        mixed = _packed_logits(model, [a, b], segments=False)[len(a):]
+        mixed2 = _packed_logits(model, [a2, b], segments=False)[len(a):]
+        assert (mixed - mixed2).abs().max() > 1e-3
 
 
 def _ctx(packing: str, padding_free=None, max_length=96, attn="sdpa"):
@@ -97,9 +104,8 @@ def _ctx(packing: str, padding_free=None, max_length=96, attn="sdpa"):
 
 def _loss_sum(model, batch):
     t = batch.tensors
-    inputs = {k: t[k] for k in ("input_ids", "attention_mask", "position_ids") if k in t}
     with torch.no_grad():
-        logits = model(**inputs, use_cache=False).logits
+        logits = model(**model_inputs(t), use_cache=False).logits
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
                            t["labels"].reshape(-1), ignore_index=IGNORE, reduction="sum")
 

@@ -5,8 +5,12 @@ block-diagonal [N, N] mask over the whole row: attention then costs N^2 over the
 length N, more than the padding it removed (a padded batch pays B * L_max^2). Flash attention's
 varlen kernel avoids that by running attention per document; this module does the same with
 the eager / sdpa kernels: when a layer gets no padding mask, the row is cut where position_ids
-restart and each document runs causal attention alone (cost sum(L_i^2)). Rows that carry a
-padding mask (ordinary padded batches) go through transformers' own functions unchanged.
+restart and each document runs causal attention alone (cost sum(L_i^2)). Where the documents
+are comes from the batch: memlab's collators compute the rows' ``Segments`` once on the host and
+the methods pass them as ``memlab_segments`` (transformers forwards extra keyword arguments down
+to the attention function), so no layer reads position_ids back from the device. A call
+without ``memlab_segments`` is one document per row; rows that carry a padding mask (ordinary
+padded batches) go through transformers' own functions unchanged.
 
 Registered with transformers' AttentionInterface / AttentionMaskInterface under
 ``memlab_eager_varlen`` and ``memlab_sdpa_varlen``.
@@ -17,20 +21,6 @@ from __future__ import annotations
 import torch
 
 _REGISTERED = False
-
-
-def _segments(position_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
-    """Per row, (start, end) of each document: a document starts where positions do not
-    continue (diff != 1), as in transformers' packed-sequence detection."""
-    pos = position_ids.detach()
-    starts = torch.ones_like(pos, dtype=torch.bool)
-    starts[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1
-    out = []
-    n = pos.shape[1]
-    for row in starts.cpu():
-        idx = row.nonzero().flatten().tolist()
-        out.append([(s, e) for s, e in zip(idx, idx[1:] + [n], strict=False)])
-    return out
 
 
 def _causal_mask(n: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -45,12 +35,20 @@ def _make(kind: str):
     base = sdpa_attention_forward if kind == "sdpa" else eager_attention_forward
 
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                  position_ids=None, **kwargs):
+                  position_ids=None, memlab_segments=None, **kwargs):
         q_len, k_len = query.shape[2], key.shape[2]
-        if attention_mask is not None or position_ids is None or q_len != k_len:
+        if attention_mask is not None or q_len != k_len:  # padded rows, decoding steps
             return base(module, query, key, value, attention_mask, dropout=dropout,
                         scaling=scaling, **kwargs)
-        segs = _segments(position_ids.expand(query.shape[0], -1))
+        if memlab_segments is None:  # one document per row: plain causal attention
+            mask = None if kind == "sdpa" else _causal_mask(q_len, query.dtype, query.device)
+            return base(module, query, key, value, mask, dropout=dropout, scaling=scaling,
+                        **kwargs)
+        if len(memlab_segments) != query.shape[0]:
+            raise ValueError(f"memlab_segments describes {len(memlab_segments)} rows, the batch "
+                             f"has {query.shape[0]}")
+        # decided once per batch by the collator: no device read here
+        segs = [memlab_segments.bounds(r) for r in range(query.shape[0])]
         outs = []
         for b, row in enumerate(segs):
             parts = []

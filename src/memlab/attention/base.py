@@ -22,8 +22,6 @@ class Attention:
         return self.name  # type: ignore[attr-defined]
 
     def validate(self, ctx) -> list[str]:
-        from memlab._guards import missing
-
         errors = []
         name = self.name  # type: ignore[attr-defined]
         dev = "cuda" if ctx.is_cuda else "cpu"
@@ -44,9 +42,16 @@ class Attention:
                 f"{ctx.precision.name} computes in {dtype}; use precision=bf16 or bf16_mixed"
             )
         if self.package and dev in self.devices:
-            err = missing(self.package, f"attention={name}")
+            err = ctx.platform.missing(self.package, f"attention={name}")
             if err:
                 errors.append(err)
+        if ctx.method.packs_rows(ctx) and not self.isolates_packed:
+            why = (f"packing={ctx.packing.name}" if ctx.packing.packs
+                   else "method.padding_free=true")
+            errors.append(
+                f"{why} puts several sequences in one row, which attention={name} cannot keep "
+                "apart; use attention=sdpa, eager or flash_attention_2"
+                + ("" if ctx.packing.packs else ", or set method.padding_free=false"))
         return errors
 
 

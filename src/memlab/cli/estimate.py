@@ -13,7 +13,7 @@ Usage::
 Every ``key=value`` is a Hydra override, exactly as a training run takes it (composed over the
 repository's ``conf/`` and validated like a run, as a CUDA run with ``--device cuda``); options
 (``--...``) are this command's. The estimate runs one training step of the configured model and
-method on fake tensors under the run's memory tracker (see :mod:`memlab.measure.estimate`) and
+method on fake tensors under the run's memory tracker (see :mod:`memlab.estimate`) and
 prints categories x phases, the peak and, with ``--budget`` or ``--card``, a verdict. It writes
 ``estimate.json`` (atomically) to ``--out`` (default ``outputs/estimate/<date>/<time>/``); a
 sweep (``-m``: every comma list is expanded, all combinations, in this process) writes one
@@ -76,7 +76,7 @@ def expand_sweep(overrides: Sequence[str]) -> list[list[str]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from memlab.measure.estimate import CARDS
+    from memlab.estimate import CARDS
 
     p = argparse.ArgumentParser(
         prog="memlab estimate",
@@ -110,8 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="change a field of the model's HF config (repeatable), e.g. "
                         "--set num_hidden_layers=8")
     p.add_argument("--inexact-masks", action="store_true",
-                   help="keep transformers' fake-tensor mask behaviour (measures the "
-                        "discrepancy the exact hooks remove)")
+                   help="keep transformers' fake-tensor mask decisions (measures the "
+                        "discrepancy the exact answers remove)")
     p.add_argument("--run-first-step", action="store_true",
                    help="track step 0 too instead of creating the optimizer state directly")
     p.add_argument("--out", type=Path, default=None, metavar="DIR",
@@ -129,7 +129,7 @@ def _value(text: str) -> Any:
 
 
 def options_from(args) -> Any:
-    from memlab.measure.estimate import EstimateOptions, parse_bytes
+    from memlab.estimate import EstimateOptions, parse_bytes
 
     stage = args.zero_stage
     if args.shard is not None:
@@ -159,7 +159,7 @@ def options_from(args) -> Any:
 
 
 def _cards_table() -> str:
-    from memlab.measure.estimate import CARDS, CUDA_CONTEXT_BYTES, cublas_workspace_bytes, fmt_bytes
+    from memlab.estimate import CARDS, CUDA_CONTEXT_BYTES, cublas_workspace_bytes, fmt_bytes
 
     lines = [f"{'card':<11}{'memory':>11}  {'cuBLAS ws':>9}  name"]
     for key, c in CARDS.items():
@@ -176,7 +176,7 @@ def _default_out() -> Path:
 
 def estimate_one(overrides: list[str], opts) -> dict[str, Any]:
     """Compose + estimate one point; never raises for a bad configuration."""
-    from memlab.measure.estimate import estimate
+    from memlab.estimate import estimate
 
     try:
         cfg, choices = compose(overrides)
@@ -209,7 +209,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"memlab estimate: {e}", file=sys.stderr)
         return 2
 
-    from memlab.measure.estimate import format_sweep, format_table
     from memlab.measure.summary import write_atomic
 
     out = args.out or _default_out()
@@ -238,6 +237,83 @@ def main(argv: list[str] | None = None) -> int:
         print(format_sweep(rows))
     print(f"\nwrote {out}/<n>/estimate.json and {out / 'sweep.json'}", file=sys.stderr)
     return 0 if any(r["status"] == "ok" for r in rows) else 1
+
+
+def format_table(est: dict[str, Any]) -> str:
+    """Categories x phases, the peak, the verdict and the assumptions."""
+    from memlab.estimate import ALL_PHASES, PHASES, fmt_bytes
+    from memlab.measure.memory import CATEGORIES
+
+    lines = []
+    ch = est.get("choices") or {}
+    lines.append("memlab estimate: " + " ".join(f"{k}={v}" for k, v in ch.items()))
+    if est.get("overrides"):
+        lines.append("overrides: " + " ".join(est["overrides"]))
+    if est.get("status") != "ok":
+        lines.append(f"status: {est.get('status')}  {est.get('error') or ''}")
+        return "\n".join(lines)
+    m, b = est.get("model") or {}, est.get("batch") or {}
+    lines.append(f"model: {m.get('total', 0) / 1e6:.1f}M params ({m.get('trainable', 0) / 1e6:.2f}M "
+                 f"trainable)  batch: {b.get('rows')}; tensors "
+                 + ", ".join(f"{k}{v}" for k, v in (b.get("shapes") or {}).items()))
+    phc = est.get("by_phase_category") or {}
+    phases = [ph for ph in ALL_PHASES if ph in PHASES or ph in phc]
+    head = ["", *phases, "peak"]
+    body = []
+    for cat in CATEGORIES:
+        body.append([cat, *(fmt_bytes(phc.get(ph, {}).get(cat)) if ph in phc else "-"
+                            for ph in phases), fmt_bytes(est["by_category"].get(cat, 0))])
+    body.append(["total", *(fmt_bytes(est["by_phase"].get(ph)) for ph in phases),
+                 fmt_bytes(est["peak_bytes"])])
+    widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
+    for r in [head, *body]:
+        lines.append("  ".join(c.ljust(widths[0]) if i == 0 else c.rjust(widths[i])
+                               for i, c in enumerate(r)))
+    pa = est.get("peak_at") or {}
+    lines.append(f"estimated peak: {fmt_bytes(est['peak_bytes'])} (device={est['device']}, "
+                 f"{pa.get('phase')} of step {pa.get('step')})")
+    if est.get("offload"):
+        lines.append(f"host memory for offloaded activations: "
+                     f"{fmt_bytes(est['offload'].get('host_peak_bytes'))}")
+    v = est.get("verdict")
+    if v:
+        where = est["card"]["key"] if est.get("card") else fmt_bytes(v["budget_bytes"])
+        lines.append(f"verdict vs {where}: {v['text']}")
+    lines.append("assumptions:")
+    lines += [f"  - {a}" for a in est.get("assumptions", [])]
+    e = est.get("estimator") or {}
+    if e:
+        lines.append(f"(estimated in {e.get('wall_s', 0):.1f} s, max RSS "
+                     f"{fmt_bytes(e.get('max_rss_bytes'))})")
+    return "\n".join(lines)
+
+
+def format_sweep(rows: list[dict[str, Any]]) -> str:
+    """One line per estimate of a sweep: what was varied, the peak, the verdict."""
+    from memlab.estimate import fmt_bytes
+
+    varied: list[str] = []
+    for est in rows:
+        for o in est.get("sweep_point", []):
+            k = o.split("=", 1)[0]
+            if k not in varied:
+                varied.append(k)
+    head = [*varied, "peak", "dominant", "verdict"]
+    body = []
+    for est in rows:
+        point = dict(o.split("=", 1) for o in est.get("sweep_point", []))
+        if est.get("status") != "ok":
+            body.append([*(point.get(k, "") for k in varied), "-", "-",
+                         f"{est.get('status')}: {(est.get('error') or '').splitlines()[-1][:60]}"])
+            continue
+        cats = est["by_category"]
+        top = max(cats, key=cats.get)
+        v = est.get("verdict")
+        body.append([*(point.get(k, "") for k in varied), fmt_bytes(est["peak_bytes"]), top,
+                     v["text"] if v else "-"])
+    widths = [max(len(str(r[i])) for r in [head, *body]) for i in range(len(head))]
+    return "\n".join("  ".join(str(c).ljust(widths[i]) for i, c in enumerate(r))
+                     for r in [head, *body])
 
 
 def _varied(points: list[list[str]]) -> set[str]:

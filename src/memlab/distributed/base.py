@@ -1,5 +1,5 @@
-"""What every distributed option shares, and the two helpers methods use to stay correct under
-any wrapper.
+"""What every distributed option shares (:class:`Distributed`), and the process-group plumbing
+of the multi-process ones (:class:`Ranks`).
 
 An option (``distributed=<name>``) is a registered dataclass with:
 
@@ -12,69 +12,58 @@ An option (``distributed=<name>``) is a registered dataclass with:
   on all but the last micro-batch of a step);
 - ``all_reduce_sum(values, device) -> list[float]``: sums numbers over the ranks (loss items,
   logged metrics);
+- ``generation(model) -> context``: around an online method's ``generate`` (ZeRO-3 / FSDP2
+  gather the partitioned weights once);
+- ``memory_roles(model) -> {category: [tensors]}``: the wrapper's own buffers (DeepSpeed's
+  partitions, master weights), categorised for the memory tracker;
 - ``describe(model) -> dict``: the wrapper's own buffers for the summary (DDP's buckets);
 - ``shards_states() -> bool``.
 
-Optional hooks, for a wrapper that owns more of the step (``deepspeed``'s engine):
+Declared capabilities (class variables):
 
-- ``optimizer(model) -> torch optimizer``, ``backward(model, loss)``,
-  ``step(model) -> grad norm``: the trainer then calls these instead of its own optimizer,
-  ``loss.backward()`` and clipping (its LR schedule drives the returned torch optimizer);
-- ``memory_roles(model) -> {category: [tensors]}``: the wrapper's own buffers (partitions,
-  master weights), categorised for the memory tracker at every tracked step and phase;
-- ``generation(model) -> context``: around an online method's ``generate`` (gather the
-  partitioned weights once);
-- ``save_states(model, dir)`` / ``load_states(model, dir)`` / ``full_weights(model)``:
-  checkpoints in the wrapper's own sharded format, plus the whole trainable weights.
+- ``owns_step``: the wrapper owns backward and the optimizer step (DeepSpeed's engine): the
+  trainer calls its ``optimizer(model)``, ``backward(model, loss)`` and ``step(model) -> grad
+  norm`` instead of its own optimizer, ``loss.backward()`` and clipping;
+- ``checkpoint_format``: ``torch`` (one replica's state dicts), ``by_name`` (gathered from
+  shards: ``full_state`` / ``load_full_state``) or ``native`` (the wrapper's own sharded format:
+  ``save_states`` / ``load_states`` / ``full_weights``), see :mod:`memlab.trainer.checkpoint`;
+- ``wraps_fake_tensors``: its ``wrap`` works on fake weights over a fake process group, so
+  ``memlab estimate`` measures a rank (FSDP2) instead of modelling the sharding.
 
-Methods call the policy as ``model(**inputs)``. When they need only part of it (the decoder's
-hidden states for a chunked / fused loss, a reward head on packed rows), they go through
-``call_inside``, so the part still runs inside the wrapper's forward: DDP prepares its gradient
-reduction in its forward, and a forward that bypasses it would break or skip the all-reduce.
+Methods call the policy through :mod:`memlab.trainer.routing` (``call_inside``) when they need
+only part of it, so the part still runs inside the wrapper's forward.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Literal
+from typing import ClassVar, Literal, Protocol
 
 import torch
 from torch import nn
 
 
-class Routed(nn.Module):
-    """The module a distributed wrapper wraps: calls the model, or - with ``memlab_call`` -
-    runs ``memlab_call(model, *args, **kwargs)`` instead, inside the wrapper's forward."""
+class Distributed(Protocol):
+    """What every ``distributed=`` option provides (module docstring)."""
 
-    memlab_routed = True
+    owns_step: ClassVar[bool]
+    checkpoint_format: ClassVar[str]
+    wraps_fake_tensors: ClassVar[bool]
 
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.module = model  # ``.module`` like DDP's, so ``unwrap`` goes through both
-
-    def forward(self, *args: Any, memlab_call: Callable | None = None, **kwargs: Any) -> Any:
-        if memlab_call is not None:
-            return memlab_call(self.module, *args, **kwargs)
-        return self.module(*args, **kwargs)
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """Through distributed wrappers (``.module``) to the model (PeftModel or plain)."""
-    while isinstance(getattr(model, "module", None), nn.Module):
-        model = model.module
-    return model
-
-
-def call_inside(model: nn.Module, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """``fn(unwrapped_model, *args, **kwargs)``, run inside the distributed wrapper's forward
-    when there is one (DDP around a Routed, or a Routed that FSDP2 made its root)."""
-    if isinstance(model, Routed) or isinstance(getattr(model, "module", None), Routed):
-        return model(*args, memlab_call=fn, **kwargs)
-    return fn(unwrap(model), *args, **kwargs)
+    def processes(self, device: str) -> int: ...
+    def validate(self, ctx) -> list[str]: ...
+    def setup(self, ctx) -> None: ...
+    def teardown(self) -> None: ...
+    def wrap(self, model: nn.Module, ctx) -> nn.Module: ...
+    def sync(self, model: nn.Module, last: bool) -> contextlib.AbstractContextManager: ...
+    def all_reduce_sum(self, values: list[float], device: str) -> list[float]: ...
+    def generation(self, model: nn.Module) -> contextlib.AbstractContextManager: ...
+    def memory_roles(self, model: nn.Module) -> dict[str, list[torch.Tensor]]: ...
+    def describe(self, model: nn.Module) -> dict: ...
+    def shards_states(self) -> bool: ...
 
 
 def env_rank() -> tuple[int, int, int]:
@@ -107,11 +96,16 @@ class Ranks:
     master_port: int = 0
     """Rendezvous port on 127.0.0.1; 0 picks a free one."""
 
-    def processes(self, device: str) -> int:
+    owns_step: ClassVar[bool] = False
+    checkpoint_format: ClassVar[str] = "torch"
+    wraps_fake_tensors: ClassVar[bool] = False
+
+    def processes(self, device: str, gpus: int = 0) -> int:
+        """``nproc``, or one rank per visible GPU (``gpus``) on CUDA, 2 on CPU."""
         if self.nproc is not None:
             return self.nproc
-        if device.startswith("cuda") and torch.cuda.is_available():
-            return max(1, torch.cuda.device_count())
+        if device.startswith("cuda") and gpus:
+            return gpus
         return 2
 
     def backend_for(self, device: str) -> str:
@@ -121,10 +115,10 @@ class Ranks:
 
     def validate(self, ctx) -> list[str]:
         errors = []
-        n = self.processes(ctx.device)
+        n = self.processes(ctx.device, ctx.platform.gpus)
         if n < 1:
             errors.append(f"distributed.nproc must be >= 1 (got {n})")
-        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        visible = ctx.platform.gpus
         if ctx.is_cuda and visible and n > visible:  # none visible: checked for another machine
             errors.append(f"distributed.nproc={n} but {visible} CUDA device(s) are visible; "
                           f"set distributed.nproc<={visible} (one rank per GPU)")
@@ -133,6 +127,10 @@ class Ranks:
                           "distributed.backend=gloo (or auto) on CPU")
         if not torch.distributed.is_available():
             errors.append("this torch build has no torch.distributed; use distributed=single")
+        if ctx.method.trains_extra_models:
+            errors.append(f"distributed={self.name} wraps the policy only, and method="
+                          f"{ctx.method.name} also trains another model (PPO's value model); "
+                          "use distributed=single")
         return errors
 
     def setup(self, ctx) -> None:
@@ -161,6 +159,11 @@ class Ranks:
         dist.all_reduce(t)
         return t.tolist()
 
+    def generation(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        """Nothing to gather for a replicated model."""
+        return contextlib.nullcontext()
 
-def no_context(*_: Any, **__: Any) -> contextlib.AbstractContextManager:
-    return contextlib.nullcontext()
+    def memory_roles(self, model: nn.Module) -> dict[str, list[torch.Tensor]]:
+        """No buffers of the wrapper's own to categorise."""
+        return {}
+

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from memlab.distributed.base import Ranks, Routed
+from memlab.distributed.base import Ranks
 from memlab.registry import register
+from memlab.trainer.routing import Routed
 
 
 @register("distributed", "ddp")

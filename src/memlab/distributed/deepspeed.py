@@ -34,14 +34,15 @@ import contextlib
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import nn
 
-from memlab._guards import missing
-from memlab.distributed.base import Ranks, Routed, env_rank, unwrap
+from memlab.distributed.base import Ranks, env_rank
 from memlab.registry import register
+from memlab.trainer.optim import build_optimizer
+from memlab.trainer.routing import Routed, unwrap
 
 
 def _merge(base: dict, extra: dict) -> dict:
@@ -73,6 +74,9 @@ def _engine(model: nn.Module):
 @dataclass(kw_only=True)
 class DeepSpeed(Ranks):
     """ZeRO data parallelism through a DeepSpeed engine."""
+
+    owns_step: ClassVar[bool] = True
+    checkpoint_format: ClassVar[str] = "native"
 
     zero_stage: int = 2
     """0: replicate everything; 1: shard optimizer state; 2: + gradients; 3: + parameters."""
@@ -110,7 +114,7 @@ class DeepSpeed(Ranks):
     # ---------------------------------------------------------------- checks
     def validate(self, ctx) -> list[str]:
         errors = super().validate(ctx)
-        if (err := missing("deepspeed", "distributed=deepspeed")) is not None:
+        if (err := ctx.platform.missing("deepspeed", "distributed=deepspeed")) is not None:
             errors.append(err)
         if self.zero_stage not in (0, 1, 2, 3):
             errors.append(f"distributed.zero_stage must be 0, 1, 2 or 3 (got {self.zero_stage})")
@@ -123,16 +127,11 @@ class DeepSpeed(Ranks):
         if self.offload_param != "none" and (self.zero_stage != 3 or not ctx.is_cuda):
             errors.append("distributed.offload_param=cpu needs distributed.zero_stage=3 on a "
                           "CUDA run; set distributed.offload_param=none")
-        precision = getattr(ctx.precision, "name", "")
-        if precision == "fp16_mixed":
-            errors.append("distributed=deepspeed with precision=fp16_mixed is not supported "
-                          "(memlab's GradScaler and DeepSpeed's loss scaler would both scale); "
-                          "use precision=bf16_mixed or precision=bf16")
-        if getattr(ctx.method, "name", "") == "ppo":
-            errors.append("distributed=deepspeed with method=ppo is not supported (the value "
-                          "model is a second trainable network outside the engine); use "
-                          "distributed=single")
-        if getattr(ctx.method, "use_liger_kernel", False) and self.zero_stage == 3:
+        if ctx.precision.needs_scaler:
+            errors.append(f"distributed=deepspeed with precision={ctx.precision.name} is not "
+                          "supported (memlab's GradScaler and DeepSpeed's loss scaler would both "
+                          "scale); use precision=bf16_mixed or precision=bf16")
+        if ctx.method.uses_liger() and self.zero_stage == 3:
             errors.append("distributed=deepspeed zero_stage=3 with method.use_liger_kernel=true "
                           "is not supported (Liger reads the partitioned output head); use "
                           "method.loss_impl=chunked or zero_stage<=2")
@@ -178,7 +177,7 @@ class DeepSpeed(Ranks):
             "steps_per_print": 2**31 - 1,
             "wall_clock_breakdown": False,
         }
-        if getattr(ctx.precision, "name", "") == "bf16":
+        if ctx.precision.param_dtype == "bfloat16":  # bf16 weights: DeepSpeed's bf16 mode
             cfg["bf16"] = {"enabled": True}
         return _merge(cfg, self.config)
 
@@ -206,8 +205,6 @@ class DeepSpeed(Ranks):
         import deepspeed
         import torch.distributed as dist
 
-        from memlab.trainer.loop import build_optimizer
-
         if not dist.is_initialized():  # one rank (ZeRO-Offload on one GPU): a local group
             dist.init_process_group(self.backend_for(ctx.device), store=dist.HashStore(),
                                     rank=0, world_size=1)
@@ -220,9 +217,7 @@ class DeepSpeed(Ranks):
             model=root, model_parameters=params, config=self.ds_config(ctx, hidden),
             optimizer=lambda ps: build_optimizer(list(ps), ctx.train),
             dist_init_required=False)
-        reads_head = (getattr(ctx.method, "loss_impl", "standard") != "standard"
-                      or getattr(ctx.method, "use_liger_kernel", False))
-        if self.zero_stage == 3 and reads_head:
+        if self.zero_stage == 3 and ctx.method.reads_head_weight():
             # a chunked / fused loss reads the output head's weight directly, inside the root's
             # forward (call_inside): gather it (and the tied input embedding) for that forward.
             # The cost: the head stays gathered for the whole forward and backward.

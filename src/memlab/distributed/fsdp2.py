@@ -18,11 +18,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import ClassVar
 
 from torch import nn
 
-from memlab.distributed.base import Ranks, Routed, unwrap
+from memlab.distributed.base import Ranks
 from memlab.registry import register
+from memlab.trainer.routing import Routed, unwrap
 
 _ROOT = "module."  # the Routed root's prefix in state-dict names
 
@@ -42,6 +44,9 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 class FSDP2(Ranks):
     """Fully sharded data parallel: parameters, gradients and optimizer state split over ranks."""
 
+    checkpoint_format: ClassVar[str] = "by_name"
+    wraps_fake_tensors: ClassVar[bool] = True
+
     reshard_after_forward: bool = True
     """true: free a layer's gathered parameters after its forward (ZeRO-3); false: keep them
     until its backward (ZeRO-2-like)."""
@@ -51,7 +56,7 @@ class FSDP2(Ranks):
 
     def validate(self, ctx) -> list[str]:
         errors = super().validate(ctx)
-        if getattr(ctx.method, "use_liger_kernel", False):
+        if ctx.method.uses_liger():
             errors.append("distributed=fsdp2 with method.use_liger_kernel=true is not supported "
                           "yet (Liger reads the sharded output head outside the forward); use "
                           "method.loss_impl=chunked or distributed=ddp")

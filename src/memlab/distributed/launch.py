@@ -14,12 +14,8 @@ their own; sweeps would also need one torchrun per job. Here the Hydra job stays
 A rank that fails (an OOM on one GPU included) fails the run with that rank's error; the other
 ranks, stuck in a collective, are stopped after ``GRACE_S`` seconds.
 
-Under an external launcher (``torchrun``, e.g. across nodes: ``torchrun --nnodes 2
---nproc_per_node 8 ... -m memlab distributed=fsdp2``) every process is a rank already
-(:func:`run_external`): once the process group is up, rank 0 tells the others its run dir (each
-rank's Hydra resolves ``${now:}`` itself, so their own dirs may differ), every rank writes its
-``ranks/rank<r>.json`` there, and rank 0 merges them into ``summary.json``. A failing rank exits
-at once with status 1, so torchrun stops the others.
+Under an external launcher (``torchrun``) every process is a rank already
+(``memlab.run.run_external``); :func:`merge` combines their records the same way.
 """
 
 from __future__ import annotations
@@ -47,9 +43,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(ctx, summary: dict[str, Any]) -> None:
-    """Start ``ctx.world_size`` ranks of the job in ``summary`` and merge their results into it.
-    Raises RankFailed when a rank failed."""
+def launch(ctx, summary: dict[str, Any], worker: str) -> None:
+    """Start ``ctx.world_size`` ranks of the job in ``summary`` (each ``python -m <worker>
+    RUN_DIR``) and merge their results into it. Raises RankFailed when a rank failed."""
     from memlab.measure.summary import write_atomic
 
     n = ctx.world_size
@@ -77,7 +73,7 @@ def launch(ctx, summary: dict[str, Any]) -> None:
                 out = open(ranks / f"rank{r}.log", "w")  # noqa: SIM115 - closed below
                 logs.append(out)
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "memlab.distributed.launch", str(run_dir)], env=env,
+                [sys.executable, "-m", worker, str(run_dir)], env=env,
                 stdout=out, stderr=subprocess.STDOUT if out else None))
         codes = _wait(procs)
     except BaseException:
@@ -162,105 +158,3 @@ def merge(summary: dict[str, Any], ranks: Path, n: int, codes: list[int | None])
             raise RankFailed(f"rank {r} exited with code {codes[r]} and wrote no summary "
                              f"(killed? see {ranks}/rank{r}.log)")
         raise RankFailed(f"rank {r} {rec['status']}: {rec.get('error')}")
-
-
-def _interrupt(*_: Any) -> None:
-    raise KeyboardInterrupt
-
-
-def worker(run_dir: Path) -> int:
-    """One rank: train the job in ``run_dir/ranks/job.json`` and write ``rank<r>.json``."""
-    from memlab.distributed.base import env_rank
-    from memlab.run import _execute, base_summary, guarded, validate
-
-    rank, _, world = env_rank()
-    job = json.loads((run_dir / "ranks" / "job.json").read_text())
-    summary = base_summary(run_dir, job["choices"], job["overrides"], job["job"])
-    summary["rank"] = rank
-    holder: list = []
-
-    def body(logger_box: list) -> None:
-        ctx = validate(job["config"], run_dir, job["choices"], world_size=world, rank=rank)
-        holder.append(ctx)
-        ctx.distributed.setup(ctx)
-        _execute(ctx, summary, logger_box)
-
-    signal.signal(signal.SIGTERM, _interrupt)  # stopped by the launcher: record, then exit
-    try:
-        guarded(body, summary, run_dir / "ranks" / f"rank{rank}.json")
-    except KeyboardInterrupt:
-        return 130
-    finally:
-        if holder:
-            holder[0].distributed.teardown()
-    return 0 if summary["status"] == "ok" else 1
-
-
-if __name__ == "__main__":
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    sys.exit(worker(Path(sys.argv[1])))
-
-
-def run_external(cfg, run_dir: Path, choices: dict[str, str], overrides: list[str],
-                 job: dict[str, Any], print_table: bool) -> dict[str, Any]:
-    """One rank of a torchrun launch (module docstring). Returns the merged summary on rank 0
-    and this rank's summary elsewhere."""
-    import dataclasses
-    import shutil
-
-    import torch.distributed as dist
-
-    from memlab.distributed.base import Ranks, env_rank
-    from memlab.measure.summary import format_table
-    from memlab.registry import ConfigErrors
-    from memlab.run import _execute, _plain, base_summary, guarded, validate
-
-    rank, _, world = env_rank()
-    summary = base_summary(run_dir, choices, overrides, job)
-    holder: list = []
-
-    def check(_: list) -> None:
-        ctx = validate(cfg, run_dir, choices, world_size=world, rank=rank)
-        if not isinstance(ctx.distributed, Ranks):
-            raise ConfigErrors([f"started by an external launcher with WORLD_SIZE={world}, "
-                                f"but distributed={ctx.distributed.name} runs one process; use "
-                                "distributed=ddp or distributed=fsdp2"])
-        if job.get("num") is not None:
-            raise ConfigErrors(["a Hydra sweep (-m) under torchrun would start every job in "
-                                "every rank; run the sweep without torchrun: memlab starts the "
-                                "ranks of each job itself (distributed.nproc)"])
-        summary["config"] = _plain(cfg)
-        holder.append(ctx)
-
-    scratch = run_dir / f".rank{rank}.check.json"
-    guarded(check, summary, run_dir / "summary.json" if rank == 0 else scratch)
-    scratch.unlink(missing_ok=True)  # every rank finds the same problems; rank 0 records them
-    if not holder:
-        return summary
-    ctx = holder[0]
-    ctx.distributed.setup(ctx)
-    shared = [str(Path(run_dir).resolve())]
-    dist.broadcast_object_list(shared, src=0)
-    root = Path(shared[0])
-    ctx = dataclasses.replace(ctx, run_dir=root)
-    mine = base_summary(root, choices, overrides, job)
-    mine["rank"] = rank
-    guarded(lambda box: _execute(ctx, mine, box), mine, root / "ranks" / f"rank{rank}.json")
-    if mine["status"] != "ok":
-        ctx.distributed.teardown()
-        raise SystemExit(1)  # torchrun stops the other ranks
-    dist.barrier()
-    if rank == 0:
-        summary.update(run_dir=str(root))
-        guarded(lambda _: merge(summary, root / "ranks", world, [0] * world), summary,
-                root / "summary.json")
-        if print_table:
-            print(format_table(summary), flush=True)
-    ctx.distributed.teardown()
-    if rank and Path(run_dir).resolve() != root:
-        own = Path(run_dir)
-        if own.is_dir() and all(p.name == ".hydra" or p.suffix == ".log"
-                                for p in own.iterdir()):
-            shutil.rmtree(own, ignore_errors=True)  # this rank's empty Hydra dir
-        return mine
-    return summary if rank == 0 else mine

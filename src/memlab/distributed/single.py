@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import ClassVar
 
+import torch
 from torch import nn
 
 from memlab.registry import register
@@ -16,7 +18,11 @@ from memlab.registry import register
 class Single:
     """No knobs."""
 
-    def processes(self, device: str) -> int:
+    owns_step: ClassVar[bool] = False
+    checkpoint_format: ClassVar[str] = "torch"
+    wraps_fake_tensors: ClassVar[bool] = True
+
+    def processes(self, device: str, gpus: int = 0) -> int:
         return 1
 
     def validate(self, ctx) -> list[str]:
@@ -36,6 +42,12 @@ class Single:
 
     def all_reduce_sum(self, values: list[float], device: str) -> list[float]:
         return list(values)
+
+    def generation(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def memory_roles(self, model: nn.Module) -> dict[str, list[torch.Tensor]]:
+        return {}
 
     def describe(self, model: nn.Module) -> dict:
         """Buffers the wrapper itself holds (none here)."""

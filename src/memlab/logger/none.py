@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from memlab.logger.base import NullRun
 from memlab.registry import register
 
 
@@ -16,11 +17,5 @@ class NoLogger:
     def validate(self, ctx) -> list[str]:
         return []
 
-    def start(self, ctx, config: dict[str, Any]) -> None:
-        pass
-
-    def log(self, metrics: dict[str, float], step: int) -> None:
-        pass
-
-    def finish(self, summary: dict[str, Any]) -> None:
-        pass
+    def start(self, ctx, config: dict[str, Any]) -> NullRun:
+        return NullRun()

@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from memlab.logger.base import LoggerRun, NullRun
+from memlab.measure.summary import flatten
 from memlab.registry import register
 
 
@@ -31,25 +33,20 @@ class WandbLogger:
     dir: str | None = None
     """Where W&B writes its files; defaults to the run dir."""
 
-    def __post_init__(self) -> None:
-        self._run = None
-
     def validate(self, ctx) -> list[str]:
-        from memlab._guards import missing
-
-        err = missing("wandb", "logger=wandb")
+        err = ctx.platform.missing("wandb", "logger=wandb")
         return [err] if err else []
 
-    def start(self, ctx, config: dict[str, Any]) -> None:
+    def start(self, ctx, config: dict[str, Any]) -> LoggerRun:
         if ctx.rank != 0:
-            return
+            return NullRun()
         import wandb
 
         choices = ctx.choices
         group = self.group or config.get("_sweep_dir") or ctx.run_dir.name
         tags = [f"{k}:{v}" for k, v in sorted(choices.items())] + list(self.tags)
         os.environ.setdefault("WANDB_SILENT", "true")
-        self._run = wandb.init(
+        return WandbRun(wandb.init(
             project=self.project,
             entity=self.entity,
             mode=self.mode,
@@ -59,19 +56,20 @@ class WandbLogger:
             dir=self.dir or str(ctx.run_dir),
             config={k: v for k, v in config.items() if not k.startswith("_")},
             reinit="finish_previous",
-        )
+        ))
+
+
+class WandbRun:
+    """A started W&B run (rank 0)."""
+
+    def __init__(self, run: Any):
+        self.run = run
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        if self._run is not None:
-            self._run.log(metrics, step=step)
+        self.run.log(metrics, step=step)
 
     def finish(self, summary: dict[str, Any]) -> None:
-        if self._run is None:
-            return
-        from memlab.measure.summary import flatten
-
         for key, value in flatten(summary).items():
             if isinstance(value, (int, float, str, bool)) or value is None:
-                self._run.summary[key] = value
-        self._run.finish(exit_code=0 if summary.get("status") == "ok" else 1)
-        self._run = None
+                self.run.summary[key] = value
+        self.run.finish(exit_code=0 if summary.get("status") == "ok" else 1)

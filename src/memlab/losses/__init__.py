@@ -13,8 +13,16 @@ Preference / reward (:mod:`memlab.losses.preference`):
   :func:`bradley_terry_loss`.
 """
 
-from memlab.losses.preference import bradley_terry_loss, dpo_loss, kto_kl_estimate, kto_loss
-from memlab.losses.token import (
+IGNORE = -100
+"""Label value that no loss counts (the ``ignore_index`` of every token loss here)."""
+
+from memlab.losses.preference import (  # noqa: E402
+    bradley_terry_loss,
+    dpo_loss,
+    kto_kl_estimate,
+    kto_loss,
+)
+from memlab.losses.token import (  # noqa: E402
     ChunkedCrossEntropy,
     LinearCrossEntropyFunction,
     chunked_linear_cross_entropy,
@@ -24,6 +32,7 @@ from memlab.losses.token import (
 )
 
 __all__ = [
+    "IGNORE",
     "ChunkedCrossEntropy",
     "LinearCrossEntropyFunction",
     "bradley_terry_loss",

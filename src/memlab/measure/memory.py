@@ -24,10 +24,9 @@ from torch import nn
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "other")
 
 
-def _tracker_class():
+def tracker_class():
     from copy import deepcopy
 
-    from torch.distributed._tools import mod_tracker
     from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType, _ModState
 
     class Tracker(MemTracker):
@@ -45,23 +44,22 @@ def _tracker_class():
         hooks are recorded while tracking and removed when the step ends."""
 
         def __enter__(self):
-            self._grad_hook_handles = []
-            real = mod_tracker.register_multi_grad_hook
+            from memlab.measure.patches import recording_multi_grad_hooks
 
-            def recording(*args, **kwargs):
-                handle = real(*args, **kwargs)
-                self._grad_hook_handles.append(handle)
-                return handle
-
-            self._real_register_multi_grad_hook = real
-            mod_tracker.register_multi_grad_hook = recording
-            return super().__enter__()
+            self._hook_recording = contextlib.ExitStack()
+            self._grad_hook_handles = self._hook_recording.enter_context(
+                recording_multi_grad_hooks())
+            try:
+                return super().__enter__()
+            except BaseException:
+                self._hook_recording.close()
+                raise
 
         def __exit__(self, *args):
             try:
                 super().__exit__(*args)
             finally:
-                mod_tracker.register_multi_grad_hook = self._real_register_multi_grad_hook
+                self._hook_recording.close()
                 for handle in self._grad_hook_handles:
                     handle.remove()
                 self._grad_hook_handles = []
@@ -121,11 +119,11 @@ def categorize(raw: dict[Any, int]) -> dict[str, int]:
 class MemoryProbe:
     """Wraps training steps; ``phase()`` wraps forward / backward / optimizer inside a step."""
 
-    def __init__(self, device: str, enabled: bool = True):
+    def __init__(self, device: str, enabled: bool = True, tracker: Any = None):
         self.device = torch.device(device)
         self.enabled = enabled
         self.is_cuda = self.device.type == "cuda"
-        self.tracker = _tracker_class()() if enabled else None
+        self.tracker = (tracker or tracker_class()()) if enabled else None
         self._active = False
         self._external: list[Any] = []
         self.roles: Any = None

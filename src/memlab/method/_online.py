@@ -1,14 +1,16 @@
-"""What the online methods (``grpo``, ``rloo``) share: prompts from conversations or preference
-rows, sampling ``num_generations`` completions per prompt with transformers' ``generate``,
-scoring them with reward functions, and building the training batch.
+"""What the online methods (``grpo``, ``rloo``, ``online_dpo``, ``ppo``) share: prompts from
+conversations or preference rows, sampling ``num_generations`` completions per prompt with the
+run's generation engine (``generation=``), scoring them with reward functions and reward models,
+and building the training batch.
 
 Not an option of its own (the registry skips modules whose name starts with ``_``). A method
 subclasses :class:`Online` and supplies ``advantages_for`` (rewards -> one advantage per
 completion), ``num_items`` (the loss normaliser of a rollout) and ``loss``.
 
-Generation runs in the trainer's ``generate`` phase (measured like forward and backward), with
-the KV cache, in eval mode and without gradients, inside the distributed wrapper's forward
-(``call_inside``), so DDP and FSDP2 runs generate with their own replica / gathered shards.
+Generation runs in the trainer's ``generate`` phase (measured like forward and backward)
+through the engine the run's ``generation`` option built (``memlab.generation``: transformers'
+``generate`` on the policy by default, inside its distributed wrapper). The engine returns host
+copies of the completions' tokens, so scoring and counting read no device tensor.
 ``train.batch_size`` counts prompts (each becomes ``num_generations`` sequences). Every method
 here takes one optimisation pass per generation batch (on-policy: the probability ratio is 1 in
 value and carries the policy gradient).
@@ -16,18 +18,18 @@ value and carries the policy gradient).
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 import torch
+from torch import nn
 
 from memlab.data.base import DataError, check_messages, check_text
-from memlab.distributed.base import call_inside, unwrap
+from memlab.generation.base import GenerationEnv, Samples, SamplingParams
 from memlab.losses import token_logps
 from memlab.method import _preference as P
 from memlab.method import _rewards
-from memlab.method.base import IGNORE, Batch, DataStats
+from memlab.method.base import IGNORE, Batch, DataStats, ModelFactory, model_inputs
 
 
 @dataclass(kw_only=True)
@@ -70,6 +72,8 @@ class Online:
     data_kinds: ClassVar[tuple[str, ...]] = ("chat", "preference")
     head: ClassVar[str] = "causal_lm"
     supports_packing: ClassVar[bool] = False
+    supports_padding_free: ClassVar[bool] = False
+    trains_extra_models: ClassVar[bool] = False
     items_name: ClassVar[str] = "completion tokens"
     min_generations: ClassVar[int] = 2
     reuses_rollouts: ClassVar[bool] = True
@@ -113,9 +117,6 @@ class Online:
             errors.append(f"train.save_every={ctx.train.save_every} must be a multiple of "
                           f"method.num_iterations={self.num_iterations} (checkpoints are taken "
                           "between generation batches)")
-        if ctx.packing.name != "none":
-            errors.append(f"packing={ctx.packing.name} does not apply to method=grpo (it "
-                          "trains on its own generated completions); use packing=none")
         if self.beta > 0:
             errors += P.reference_errors(self, ctx)
         return errors
@@ -184,89 +185,82 @@ class Online:
                            "decode": tokenizer.batch_decode})
 
     # ------------------------------------------------------------------ models
-    def extra_models(self, policy, ctx, build) -> dict[str, Any]:
+    def extra_models(self, policy, ctx, build: ModelFactory) -> dict[str, nn.Module]:
         models = P.reference_models(self, policy, ctx, build) if self.beta > 0 else {}
         return {**models, **self.reward_model_instances(build)}
 
-    def reward_model_instances(self, build) -> dict[str, Any]:
-        """``reward_model_<i>``: each entry of ``reward_models`` loaded frozen, one-output
-        sequence-classification head."""
-        return {f"reward_model_{i}": build(entry or None, head="seq_cls")
+    def reward_model_instances(self, build: ModelFactory) -> dict[str, nn.Module]:
+        """``reward_model_<i>``: each entry of ``reward_models`` loaded frozen with a
+        one-output sequence-classification head and its own tokenizer."""
+        return {f"reward_model_{i}": RewardModel(build(entry or None, head="seq_cls"),
+                                                 build.tokenizer(entry or None))
                 for i, entry in enumerate(self.reward_models)}
-
-    def _reward_tokenizer(self, i: int, ctx):
-        """Reward model ``i``'s own tokenizer (that of its model-group overrides), loaded once."""
-        from memlab.pipeline import with_model_overrides
-
-        cache = self.__dict__.setdefault("_reward_tokenizers", {})
-        if i not in cache:
-            sub = with_model_overrides(ctx, self.reward_models[i] or None)
-            tok = sub.model.load_tokenizer(sub)
-            if tok.pad_token_id is None:
-                tok.pad_token = tok.eos_token
-            tok.padding_side = "right"
-            cache[i] = tok
-        return cache[i]
-
-    def model_rewards(self, models: dict, ctx, texts: list[str]) -> list[torch.Tensor]:
-        """Each reward model's score ``[N]`` (float32, host) of ``texts`` (prompt text +
-        completion text): its head's output at the last real token, no gradient, eval mode."""
-        out = []
-        for i in range(len(self.reward_models)):
-            rm = models[f"reward_model_{i}"]
-            tok = self._reward_tokenizer(i, ctx)
-            rm.config.pad_token_id = tok.pad_token_id  # its tokenizer's, not the policy's
-            enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-            device = next(rm.parameters()).device
-            with torch.no_grad():
-                logits = rm(input_ids=enc["input_ids"].to(device),
-                            attention_mask=enc["attention_mask"].to(device)).logits
-            out.append(logits[:, 0].float().cpu())
-        return out
 
     def before_training(self, models, ds, ctx):
         return None
 
+    # ------------------------------------------------------------------ capabilities
+    def generates(self) -> bool:
+        return True
+
+    def row_length(self) -> int | None:
+        return self.max_prompt_length
+
+    def packs_rows(self, ctx) -> bool:
+        return False
+
+    def uses_liger(self) -> bool:
+        return False
+
+    def reads_head_weight(self) -> bool:
+        return False
+
     # ------------------------------------------------------------------ generation
-    def rollout(self, models: dict, batch: Batch, ctx) -> Batch:
-        """Sample completions, score them, and return the training batch: prompt +
-        completion rows ``[B*G, P+L]`` with advantages and the completion-token mask."""
+    def sampling_length(self) -> int:
+        return self.max_completion_length
+
+    def rows_per_prompt(self) -> int:
+        return self.num_generations
+
+    def sampling(self, batch: Batch) -> SamplingParams:
+        """The sampling request of this method for ``batch``'s prompts."""
+        return SamplingParams(max_new_tokens=self.max_completion_length,
+                              temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                              eos=batch.meta["eos"], pad=batch.meta["pad"])
+
+    def rollout(self, models: dict, batch: Batch, ctx, env: GenerationEnv) -> Batch:
+        """Sample completions with the run's engine, score them, and return the training
+        batch: prompt + completion rows ``[B*G, P+L]`` with advantages and the
+        completion-token mask."""
         g = self.num_generations
         prompt = batch.tensors["prompt_ids"].repeat_interleave(g, 0)
         pmask = batch.tensors["prompt_mask"].repeat_interleave(g, 0)
-        comp, cmask, finished = sample(
-            models["policy"], prompt, pmask, max_new_tokens=self.max_completion_length,
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-            eos=batch.meta["eos"], pad=batch.meta["pad"], dist=ctx.distributed)
-        rewards, metrics = self.score(batch, comp, cmask, finished, models=models, ctx=ctx)
-        return self.training_batch(models, batch, prompt, pmask, comp, cmask, finished,
-                                   rewards, metrics)
+        samples = env.engine.generate(models["policy"], prompt, pmask, self.sampling(batch))
+        rewards, metrics = self.score(batch, samples, models)
+        return self.training_batch(models, batch, prompt, pmask, samples, rewards, metrics)
 
-    def score(self, batch: Batch, comp: torch.Tensor, cmask: torch.Tensor,
-              finished: torch.Tensor, models: dict | None = None,
-              ctx: Any = None) -> tuple[torch.Tensor, dict[str, float]]:
+    def score(self, batch: Batch, samples: Samples, models: dict
+              ) -> tuple[torch.Tensor, dict[str, float]]:
         """The weighted sum of the reward functions and reward models for each completion
-        ``[N]`` (float32, on the host) and one metric per reward. Reads the sampled tokens
-        (decodes them to text)."""
+        ``[N]`` (float32, on the host) and one metric per reward. Reads the completions' text
+        (decoded from the samples' host token ids)."""
         g = self.num_generations
-        lengths = cmask.sum(1).tolist()
-        comp_ids = [comp[i, :n].tolist() for i, n in enumerate(lengths)]
+        comp_ids = samples.token_ids
         texts = batch.meta["decode"](comp_ids, skip_special_tokens=True)
         refs = [r for r in batch.meta["references"] for _ in range(g)]
         prompts = [p for p in batch.meta["prompts"] for _ in range(g)]
-        fin = finished.tolist()
         weights = self.reward_weights or [1.0] * (len(self.rewards) + len(self.reward_models))
-        total = torch.zeros(comp.shape[0], dtype=torch.float32)
+        total = torch.zeros(len(comp_ids), dtype=torch.float32)
         metrics: dict[str, float] = {}
-        if self.reward_models:
-            full = [p + c for p, c in zip(prompts, texts, strict=True)]
-            for i, r in enumerate(self.model_rewards(models or {}, ctx, full)):
-                metrics[f"rewards/model_{i}"] = float(r.mean())
-                total += weights[len(self.rewards) + i] * r
+        full = [p + c for p, c in zip(prompts, texts, strict=True)]
+        for i in range(len(self.reward_models)):
+            r = models[f"reward_model_{i}"].score(full)
+            metrics[f"rewards/model_{i}"] = float(r.mean())
+            total += weights[len(self.rewards) + i] * r
         for name, w in zip(self.rewards, weights, strict=False):
             fn = _rewards.resolve(name, self)
             r = torch.tensor(fn(texts, prompts=prompts, references=refs, completion_ids=comp_ids,
-                                finished=fin), dtype=torch.float32)
+                                finished=list(samples.finished_list)), dtype=torch.float32)
             if r.shape != total.shape:
                 raise ValueError(f"reward {name!r} returned {r.numel()} values for "
                                  f"{total.numel()} completions")
@@ -275,31 +269,35 @@ class Online:
         return total, metrics
 
     def training_batch(self, models: dict, batch: Batch, prompt: torch.Tensor,
-                       pmask: torch.Tensor, comp: torch.Tensor, cmask: torch.Tensor,
-                       finished: torch.Tensor, rewards: torch.Tensor,
+                       pmask: torch.Tensor, samples: Samples, rewards: torch.Tensor,
                        metrics: dict[str, float]) -> Batch:
         """Prompt + completion rows with labels on the completion tokens, the loss mask and the
-        method's advantages (``advantages_for``, which may run the reference / value model)."""
+        method's advantages (``advantages_for``, which may run the reference / value model).
+        Token counts come from the samples' host copies (no device read)."""
         g = self.num_generations
+        comp, cmask, finished = samples.completion, samples.mask, samples.finished
         t = join(prompt, pmask, comp, cmask)
-        ids, attn, labels = t["input_ids"], t["attention_mask"], t["labels"]
+        ids, labels = t["input_ids"], t["labels"]
+        valid = [True] * len(samples.token_ids)
         loss_mask = torch.ones(comp.shape[0], dtype=torch.bool, device=finished.device)
         if self.mask_truncated_completions:
+            valid = list(samples.finished_list)
             loss_mask = finished.clone()
             labels[~loss_mask.to(labels.device)] = IGNORE
-        n_tokens = count(cmask * loss_mask[:, None].to(cmask.device, cmask.dtype))
-        n_seq = count(loss_mask)
-        items = self.num_items(n_tokens, n_seq)
+        lengths = samples.lengths
+        n_tokens = sum(n for n, v in zip(lengths, valid, strict=True) if v)
+        items = self.num_items(n_tokens, sum(valid))
         metrics.update({
             "reward": float(rewards.mean()),
             "reward_std": float(rewards.view(-1, g).std(1).mean()) if g > 1 else 0.0,
-            "completions/mean_length": float(cmask.sum(1).float().mean()),
-            "completions/finished": float(finished.float().mean()),
+            "completions/mean_length": sum(lengths) / max(1, len(lengths)),
+            "completions/finished": sum(samples.finished_list) / max(1, len(lengths)),
         })
         t.update(seq_valid=loss_mask.to(ids.device), finished=finished.to(ids.device))
         t["advantages"] = self.advantages_for(models, rewards, t, metrics).to(ids.device)
-        return Batch(t, num_items=items, real_tokens=count(attn), total_tokens=ids.numel(),
-                     size_key=tuple(ids.shape), meta={**batch.meta, "rollout": metrics})
+        return Batch(t, num_items=items, real_tokens=batch.real_tokens * g + sum(lengths),
+                     total_tokens=ids.numel(), size_key=tuple(ids.shape),
+                     meta={**batch.meta, "rollout": metrics})
 
     # ------------------------------------------------------------------ per method
     def advantages_for(self, models: dict, rewards: torch.Tensor, t: dict[str, torch.Tensor],
@@ -313,43 +311,31 @@ class Online:
         raise NotImplementedError
 
 
-def count(mask: torch.Tensor) -> int:
-    """The number of set entries of a 0/1 mask (a host read; ``memlab estimate`` answers it
-    with the worst case, every entry set)."""
-    return int(mask.sum())
+class RewardModel(nn.Module):
+    """A frozen reward model with its own tokenizer: :meth:`score` reads texts (the prompt's
+    rendering + the completion's text, no extra special tokens) and returns the head's output at
+    each text's last real token."""
 
+    def __init__(self, model: nn.Module, tokenizer):
+        super().__init__()
+        self.model = model
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        tokenizer.padding_side = "right"
+        self.tokenizer = tokenizer
+        model.config.pad_token_id = tokenizer.pad_token_id  # its tokenizer's, not the policy's
 
-def _generate(model, **kwargs: Any) -> torch.Tensor:
-    """``model.generate`` (run inside the distributed wrapper's forward by call_inside)."""
-    return model.generate(**kwargs)
+    def forward(self, **inputs: torch.Tensor) -> Any:
+        return self.model(**inputs)
 
-
-def sample(model, prompt: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens: int,
-           temperature: float, top_p: float = 1.0, top_k: int | None = None, eos: int,
-           pad: int, dist: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sample one completion per row of the left-padded ``prompt`` with ``model`` (eval mode, no
-    gradient, KV cache, inside its distributed wrapper). Returns ``(completion [N, L],
-    completion mask [N, L] up to and including the first EOS, finished [N])``; tokens after the
-    first EOS are set to ``pad``. ``dist`` (the run's distributed option) may wrap the call,
-    e.g. gather ZeRO-3's partitioned weights once for the whole of it."""
-    inner = unwrap(model)
-    was_training = inner.training
-    inner.eval()
-    around = getattr(dist, "generation", None)
-    try:
-        with torch.no_grad(), (around(model) if around else contextlib.nullcontext()):
-            seqs = call_inside(model, _generate, input_ids=prompt, attention_mask=prompt_mask,
-                               max_new_tokens=max_new_tokens, do_sample=True,
-                               temperature=temperature, top_p=top_p, top_k=top_k or None,
-                               pad_token_id=pad, eos_token_id=eos, use_cache=True)
-    finally:
-        inner.train(was_training)
-    comp = seqs[:, prompt.shape[1]:]
-    is_eos = comp == eos
-    finished = is_eos.any(1)
-    first = torch.where(finished, is_eos.int().argmax(1), comp.shape[1])
-    cmask = (torch.arange(comp.shape[1], device=comp.device)[None, :] <= first[:, None]).long()
-    return comp.masked_fill(cmask == 0, pad), cmask, finished
+    def score(self, texts: list[str]) -> torch.Tensor:
+        """Scores ``[N]`` (float32, host), no gradient, eval mode."""
+        enc = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        device = next(self.model.parameters()).device
+        with torch.no_grad():
+            logits = self.model(input_ids=enc["input_ids"].to(device),
+                                attention_mask=enc["attention_mask"].to(device)).logits
+        return logits[:, 0].float().cpu()
 
 
 def join(prompt: torch.Tensor, prompt_mask: torch.Tensor, completion: torch.Tensor,
@@ -414,9 +400,8 @@ class Clipped(Online):
         out = super().training_batch(models, batch, *args)
         if self.num_iterations > 1:
             t = out.tensors
-            inputs = {k: t[k] for k in ("input_ids", "attention_mask", "position_ids")}
             with torch.no_grad():
-                logits = models["policy"](**inputs, use_cache=False).logits[:, :-1]
+                logits = models["policy"](**model_inputs(t), use_cache=False).logits[:, :-1]
                 t["old_logps"] = token_logps(logits, t["labels"][:, :-1], IGNORE)
             del logits
         return out

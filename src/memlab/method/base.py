@@ -1,6 +1,6 @@
-"""The shape of a method and the batch helpers methods share.
+"""The shape of a method (:class:`Method`) and the batch helpers methods share.
 
-A method is a registered dataclass with:
+A method is a registered dataclass (configuration only: no run-time state) with:
 
 - ``data_kinds``: the row kinds it trains on ('chat', 'text', 'preference'), first = default;
 - ``head``: 'causal_lm' or 'seq_cls';
@@ -8,76 +8,138 @@ A method is a registered dataclass with:
 - ``prepare(ds, tokenizer, ctx) -> (ds, DataStats)``: format -> tokenize -> truncate -> labels
   (packing is applied after this by the pipeline, when the method allows it);
 - ``collate(rows, tokenizer, ctx) -> Batch``;
-- ``extra_models(policy, ctx, build) -> dict``: other models it needs (e.g. a DPO reference);
+- ``extra_models(policy, ctx, build) -> dict``: other models it needs (e.g. a DPO reference),
+  built by ``build`` (:class:`ModelFactory`);
 - ``before_training(models, ds, ctx) -> ds | None``: optional one-off pass (e.g. cache reference
   log-probs); returns the dataset with the columns it added, or None to keep ``ds``;
 - ``loss(models, batch, ctx) -> (loss_sum, metrics)``: the loss *summed* over the batch's
   ``num_items`` (tokens for SFT, pairs for DPO); the trainer divides by the items of the whole
-  optimizer step, so gradient accumulation does not change the gradient.
+  optimizer step, so gradient accumulation does not change the gradient;
+- ``generates() -> bool``: whether it samples its training batches (online methods), which then
+  also have ``rollout(models, batch, ctx, env)`` and ``num_iterations`` (:class:`Generating`);
+- ``packs_rows(ctx) -> bool``: whether its collated rows hold several sequences (packing,
+  padding-free); the attention option checks that it can keep them apart.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar, Protocol
 
 import torch
+from torch import nn
 
-IGNORE = -100
+from memlab.losses import IGNORE
+from memlab.measure.data import DataStats
+from memlab.trainer.batch import Batch, Segments
 
-
-@dataclass
-class DataStats:
-    """What dataset preparation did to the tokens."""
-
-    examples: int = 0
-    rows: int = 0
-    tokens_in: int = 0
-    tokens_dropped: int = 0
-    examples_dropped: int = 0
-    fill_ratio: float | None = None
-    packing_seconds: float | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def as_dict(self) -> dict[str, Any]:
-        d = {k: v for k, v in self.__dict__.items() if k != "extra"}
-        d.update(self.extra)
-        return d
+__all__ = ["IGNORE", "Batch", "DataStats", "Generating", "Method", "ModelFactory", "Segments",
+           "decoder_hidden", "flatten_batch", "model_inputs", "pad_batch", "round_up",
+           "shifted_labels"]
 
 
-@dataclass
-class Batch:
-    """Tensors for one micro-batch plus what the trainer needs to normalise and measure."""
+class ModelFactory(Protocol):
+    """Builds the extra models a method needs (the pipeline's loader, same attention / dtype /
+    device as the policy). ``overrides``: model-group overrides (a teacher of another size);
+    ``head``: 'causal_lm' | 'seq_cls'; ``trainable``: a trained extra model (PPO's value model)
+    instead of a frozen one."""
 
-    tensors: dict[str, torch.Tensor]
-    num_items: int
-    """Loss normaliser contributed by this micro-batch (loss tokens, pairs, examples)."""
-    real_tokens: int
-    """Tokens that are not padding (what tokens/s counts)."""
-    total_tokens: int
-    """Token slots including padding."""
-    size_key: tuple[int, ...] = ()
-    """Shape signature; a batch with a larger key may reach a higher memory peak."""
-    meta: dict[str, Any] = field(default_factory=dict)
+    exact_weights: bool
+    """Whether the models hold real weight values (False while estimating on fake tensors):
+    checks that compare weights run only when True."""
 
-    def to(self, device: str) -> Batch:
-        self.tensors = {k: v.to(device, non_blocking=True) for k, v in self.tensors.items()}
-        return self
+    def __call__(self, overrides: dict[str, Any] | None = None, *, head: str | None = None,
+                 trainable: bool = False) -> nn.Module: ...
+
+    def tokenizer(self, overrides: dict[str, Any] | None = None) -> Any:
+        """The tokenizer of the model group with ``overrides`` (a reward model's own)."""
+        ...
 
 
-def generates(method) -> bool:
-    """Whether ``method`` builds its training batches by sampling in a ``generate`` phase: it
-    has a ``rollout`` (online methods), unless its ``generates()`` says not for this config
-    (GKD without on-policy or teacher samples)."""
-    return callable(getattr(method, "rollout", None)) and \
-        getattr(method, "generates", lambda: True)()
+class Method(Protocol):
+    """What every ``method=`` option provides (module docstring)."""
+
+    data_kinds: ClassVar[tuple[str, ...]]
+    head: ClassVar[str]
+    items_name: ClassVar[str]
+    supports_packing: ClassVar[bool]
+
+    def validate(self, ctx) -> list[str]: ...
+    def prepare(self, ds, tokenizer, ctx) -> tuple[Any, DataStats]: ...
+    def collate(self, rows: list[dict], tokenizer, ctx) -> Batch: ...
+    def extra_models(self, policy: nn.Module, ctx, build: ModelFactory) -> dict[str, nn.Module]:
+        ...
+    def before_training(self, models: dict[str, nn.Module], ds, ctx) -> Any: ...
+    def loss(self, models: dict, batch: Batch, ctx) -> tuple[torch.Tensor, dict[str, float]]:
+        ...
+    def generates(self) -> bool: ...
+    def packs_rows(self, ctx) -> bool: ...
+    def uses_liger(self) -> bool:
+        """Liger's fused kernels (they read the output head's weight directly)."""
+        ...
+    def reads_head_weight(self) -> bool:
+        """The loss reads the output head's weight directly (chunked / fused losses)."""
+        ...
+    def row_length(self) -> int | None:
+        """The longest prepared row it keeps (an online method: its prompts), or None."""
+        ...
 
 
-def decoder_hidden(model, **inputs: torch.Tensor) -> torch.Tensor:
+class Generating(Method, Protocol):
+    """An online method: its training batches are sampled in the trainer's generate phase."""
+
+    num_iterations: int
+    """Optimizer steps per generation batch."""
+
+    def sampling_length(self) -> int:
+        """New tokens per completion (at most)."""
+        ...
+
+    def rows_per_prompt(self) -> int:
+        """Completions sampled per prompt."""
+        ...
+
+    def rollout(self, models: dict, batch: Batch, ctx, env) -> Batch:
+        """The training batch generated from the prompt batch ``batch``; ``env`` is the run's
+        :class:`memlab.generation.base.GenerationEnv` (engine, random draws)."""
+        ...
+
+
+class Offline:
+    """Defaults of the methods that train on a fixed dataset (mixed into their dataclasses)."""
+
+    trains_extra_models: ClassVar[bool] = False
+
+    def generates(self) -> bool:
+        return False
+
+    def row_length(self) -> int | None:
+        return self.max_length  # type: ignore[attr-defined]
+
+    def extra_models(self, policy, ctx, build) -> dict[str, nn.Module]:
+        return {}
+
+    def before_training(self, models, ds, ctx) -> Any:
+        return None
+
+
+def decoder_hidden(model, **inputs: Any) -> torch.Tensor:
     """Final hidden states of a causal LM's decoder, no logits (for chunked / fused losses).
-    Methods run it through ``memlab.distributed.base.call_inside`` so that it stays inside a
+    Methods run it through ``memlab.trainer.routing.call_inside`` so that it stays inside a
     distributed wrapper's forward."""
     return model.get_decoder()(**inputs, use_cache=False).last_hidden_state
+
+
+MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
+
+
+def model_inputs(t: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """The model's keyword arguments from batch tensors ``t`` (those named ``prefix`` + input_ids
+    / attention_mask / position_ids, and the rows' document ``segments`` as
+    ``memlab_segments``, which memlab's per-document attention reads)."""
+    out = {k: t[prefix + k] for k in MODEL_INPUTS if prefix + k in t}
+    if prefix + "segments" in t:
+        out["memlab_segments"] = t[prefix + "segments"]
+    return out
 
 
 def round_up(n: int, multiple: int | None) -> int:
@@ -103,28 +165,28 @@ def pad_batch(
     multiple: int | None,
     columns: dict[str, int],
     with_positions: bool = False,
-) -> tuple[dict[str, torch.Tensor], int, int]:
+) -> tuple[dict[str, Any], int, int]:
     """Right-pad ``rows`` to the longest row (rounded up to ``multiple``).
 
     ``columns`` maps per-token column -> pad value. Without ``with_positions`` an
     attention_mask is returned; with it (packed rows), ``position_ids`` restart in the padding
-    tail and no attention_mask is given, so transformers isolates each document.
+    tail, no attention_mask is given (each document is isolated by its positions) and the rows'
+    document ``segments`` are computed here, once.
     Returns (tensors, real tokens, total slots).
     """
     lengths = [len(r["input_ids"]) for r in rows]
     width = round_up(max(lengths), multiple)
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, Any] = {}
     for col, pad in columns.items():
         t = torch.full((len(rows), width), pad, dtype=torch.long)
         for i, r in enumerate(rows):
             t[i, : lengths[i]] = torch.tensor(r[col], dtype=torch.long)
         out[col] = t
     if with_positions:
-        pos = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, r in enumerate(rows):
-            pos[i, : lengths[i]] = torch.tensor(r["position_ids"], dtype=torch.long)
-            pos[i, lengths[i] :] = torch.arange(width - lengths[i])
-        out["position_ids"] = pos
+        positions = [list(r["position_ids"]) + list(range(width - n))
+                     for r, n in zip(rows, lengths, strict=True)]
+        out["position_ids"] = torch.tensor(positions, dtype=torch.long)
+        out["segments"] = Segments.from_positions(positions)
     else:
         mask = torch.zeros((len(rows), width), dtype=torch.long)
         for i, n in enumerate(lengths):
@@ -138,10 +200,11 @@ def flatten_batch(
     pad_id: int,
     multiple: int | None,
     columns: dict[str, int],
-) -> tuple[dict[str, torch.Tensor], int, int]:
+) -> tuple[dict[str, Any], int, int]:
     """Padding-free: every row of the batch concatenated into one [1, N] row, position_ids
-    restarting at each document (rows' own ``position_ids`` when packed), no attention mask.
-    A pad tail (for ``multiple``) gets its own restarting positions and ignored labels."""
+    restarting at each document (rows' own ``position_ids`` when packed), no attention mask,
+    and the row's document ``segments``. A pad tail (for ``multiple``) gets its own restarting
+    positions and ignored labels."""
     cols: dict[str, list[int]] = {c: [] for c in columns}
     pos: list[int] = []
     for r in rows:
@@ -155,6 +218,8 @@ def flatten_batch(
     for c, pad in columns.items():
         cols[c].extend([pad] * tail)
     pos.extend(range(tail))
-    out = {c: torch.tensor([v], dtype=torch.long) for c, v in cols.items()}
+    out: dict[str, Any] = {c: torch.tensor([v], dtype=torch.long) for c, v in cols.items()}
     out["position_ids"] = torch.tensor([pos], dtype=torch.long)
+    out["segments"] = Segments.from_positions(pos)
     return out, real, width
+

@@ -21,7 +21,6 @@ during the loss: that is the memory cost this method adds over SFT.
 from __future__ import annotations
 
 import math
-import random
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -29,10 +28,10 @@ import torch
 import torch.nn.functional as F
 
 from memlab.data.base import DataError
-from memlab.method import _online
+from memlab.generation.base import GenerationEnv, SamplingParams
 from memlab.method import _preference as P
-from memlab.method._online import _prompt_and_reference, join, sample
-from memlab.method.base import IGNORE, Batch, DataStats
+from memlab.method._online import _prompt_and_reference, join
+from memlab.method.base import IGNORE, Batch, DataStats, model_inputs
 from memlab.registry import register
 
 
@@ -60,7 +59,35 @@ class GKD:
     data_kinds: ClassVar[tuple[str, ...]] = ("chat",)
     head: ClassVar[str] = "causal_lm"
     supports_packing: ClassVar[bool] = False
+    supports_padding_free: ClassVar[bool] = False
+    trains_extra_models: ClassVar[bool] = False
     items_name: ClassVar[str] = "completion tokens"
+    num_iterations: ClassVar[int] = 1
+    """One optimizer step per generated batch."""
+
+    # ------------------------------------------------------------------ capabilities
+    def generates(self) -> bool:
+        """Samples in the generate phase when some micro-batches are on-policy or the
+        teacher's (``lmbda > 0`` or ``seq_kd``)."""
+        return self.lmbda > 0 or self.seq_kd
+
+    def packs_rows(self, ctx) -> bool:
+        return False
+
+    def row_length(self) -> int | None:
+        return self.max_prompt_length if self.generates() else self.max_length
+
+    def sampling_length(self) -> int:
+        return self.max_new_tokens
+
+    def rows_per_prompt(self) -> int:
+        return 1
+
+    def uses_liger(self) -> bool:
+        return False
+
+    def reads_head_weight(self) -> bool:
+        return False
 
     # ------------------------------------------------------------------ validation
     def validate(self, ctx) -> list[str]:
@@ -71,9 +98,6 @@ class GKD:
             errors.append(f"method.beta must be in [0, 1] (got {self.beta})")
         if self.temperature <= 0:
             errors.append(f"method.temperature must be > 0 (got {self.temperature})")
-        if ctx.packing.name != "none":
-            errors.append(f"packing={ctx.packing.name} does not apply to method=gkd; use "
-                          "packing=none")
         teacher_cfg = self.teacher or {}
         errors += P.override_key_errors(ctx, teacher_cfg, "method.teacher")
         if "vocab_size" in teacher_cfg or "tokenizer" in teacher_cfg:
@@ -135,8 +159,13 @@ class GKD:
             cmask[i, :m] = 1
         t = join(prompt, pmask, comp, cmask)
         t.update(prompt_ids=prompt, prompt_mask=pmask)
-        return _batch(t, {"samples": len(rows), "eos": tokenizer.eos_token_id, "pad": pad,
-                          "source": "dataset", "completion_width": cw})
+        return Batch(t, num_items=int((t["labels"] != IGNORE).sum()),
+                     real_tokens=int(t["attention_mask"].sum()),
+                     total_tokens=t["input_ids"].numel(),
+                     size_key=tuple(t["input_ids"].shape),
+                     meta={"samples": len(rows), "eos": tokenizer.eos_token_id, "pad": pad,
+                           "source": "dataset", "completion_width": cw,
+                           "prompt_tokens": int(pmask.sum())})
 
     # ------------------------------------------------------------------ models
     def extra_models(self, policy, ctx, build) -> dict[str, Any]:
@@ -145,16 +174,10 @@ class GKD:
     def before_training(self, models, ds, ctx):
         return None
 
-    def generates(self) -> bool:
-        return self.lmbda > 0 or self.seq_kd
-
-    def rollout(self, models: dict, batch: Batch, ctx) -> Batch:
-        """On-policy (probability lmbda): the student's samples; else with seq_kd the teacher's;
-        else the dataset's completion."""
-        rng = getattr(self, "_rng", None)
-        if rng is None:
-            rng = self._rng = random.Random(ctx.train.seed * 7919 + ctx.rank)
-        u = rng.random()
+    def rollout(self, models: dict, batch: Batch, ctx, env: GenerationEnv) -> Batch:
+        """On-policy (probability lmbda, the run's random draw): the student's samples; else
+        with seq_kd the teacher's; else the dataset's completion."""
+        u = env.rng.random()
         if u < self.lmbda:
             who = "student"
         elif self.seq_kd:
@@ -162,21 +185,28 @@ class GKD:
         else:
             return batch
         t = batch.tensors
-        model = models["policy"] if who == "student" else models["teacher"]
-        comp, cmask, _ = sample(model, t["prompt_ids"], t["prompt_mask"],
-                                max_new_tokens=self.max_new_tokens,
+        # the student samples through the run's engine; the teacher with its own generate
+        model, engine = ((models["policy"], env.engine) if who == "student"
+                         else (models["teacher"], env.local))
+        params = SamplingParams(max_new_tokens=self.max_new_tokens,
                                 temperature=self.temperature, eos=batch.meta["eos"],
-                                pad=batch.meta["pad"], dist=ctx.distributed)
-        new = join(t["prompt_ids"], t["prompt_mask"], comp, cmask)
-        return _batch(new, {**batch.meta, "source": who, "completion_width": comp.shape[1]},
-                      items=_online.count(cmask))
+                                pad=batch.meta["pad"])
+        samples = engine.generate(model, t["prompt_ids"], t["prompt_mask"], params)
+        new = join(t["prompt_ids"], t["prompt_mask"], samples.completion, samples.mask)
+        prompt_tokens = batch.meta["prompt_tokens"]
+        return Batch(new, num_items=sum(samples.lengths),
+                     real_tokens=prompt_tokens + sum(samples.lengths),
+                     total_tokens=new["input_ids"].numel(),
+                     size_key=tuple(new["input_ids"].shape),
+                     meta={**batch.meta, "source": who,
+                           "completion_width": samples.completion.shape[1]})
 
     # ------------------------------------------------------------------ loss
     def loss(self, models: dict, batch: Batch, ctx) -> tuple[torch.Tensor, dict[str, float]]:
         """Logits only for the completion block (the last ``completion_width + 1`` positions,
         ``logits_to_keep``): the prompt positions never get a [tokens, vocab] row."""
         t = batch.tensors
-        inputs = {k: t[k] for k in ("input_ids", "attention_mask", "position_ids")}
+        inputs = model_inputs(t)
         cw = batch.meta["completion_width"]
         mask = t["labels"][:, -cw - 1:-1] != IGNORE
         student = models["policy"](**inputs, use_cache=False,
@@ -186,16 +216,6 @@ class GKD:
                                     logits_to_keep=cw + 1).logits[:, :-1][mask]
         loss_sum = generalized_jsd(student, teacher, self.beta, self.temperature).sum()
         return loss_sum, {"on_policy": 1.0 if batch.meta.get("source") == "student" else 0.0}
-
-
-def _batch(t: dict[str, torch.Tensor], meta: dict[str, Any], items: int | None = None) -> Batch:
-    """The training batch of ``t``; ``items`` (completion tokens) is counted from the labels
-    unless given."""
-    if items is None:
-        items = _online.count(t["labels"] != IGNORE)
-    return Batch(t, num_items=items, real_tokens=_online.count(t["attention_mask"]),
-                 total_tokens=t["input_ids"].numel(), size_key=tuple(t["input_ids"].shape),
-                 meta=meta)
 
 
 def generalized_jsd(student_logits: torch.Tensor, teacher_logits: torch.Tensor, beta: float,

@@ -25,7 +25,7 @@ import torch
 from memlab.losses import token_logps
 from memlab.method import _preference as P
 from memlab.method._online import Clipped
-from memlab.method.base import IGNORE, Batch
+from memlab.method.base import IGNORE, Batch, model_inputs
 from memlab.registry import register
 
 
@@ -46,7 +46,7 @@ class GRPO(Clipped):
 
     def loss(self, models: dict, batch: Batch, ctx) -> tuple[torch.Tensor, dict[str, float]]:
         t = batch.tensors
-        inputs = {k: t[k] for k in ("input_ids", "attention_mask", "position_ids")}
+        inputs = model_inputs(t)
         labels = t["labels"][:, :-1]
         logits = models["policy"](**inputs, use_cache=False).logits[:, :-1]
         logps = token_logps(logits, labels, IGNORE)

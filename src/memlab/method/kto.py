@@ -77,7 +77,25 @@ class KTO:
     data_kinds: ClassVar[tuple[str, ...]] = ("preference",)
     head: ClassVar[str] = "causal_lm"
     supports_packing: ClassVar[bool] = False
+    supports_padding_free: ClassVar[bool] = True
+    trains_extra_models: ClassVar[bool] = False
     items_name: ClassVar[str] = "examples"
+
+    # ------------------------------------------------------------------ capabilities
+    def generates(self) -> bool:
+        return False
+
+    def row_length(self) -> int | None:
+        return self.max_length
+
+    def packs_rows(self, ctx) -> bool:
+        return self.padding_free
+
+    def uses_liger(self) -> bool:
+        return self.use_liger_kernel
+
+    def reads_head_weight(self) -> bool:
+        return self.use_liger_kernel
 
     # ------------------------------------------------------------------ validation
     def validate(self, ctx) -> list[str]:
@@ -91,7 +109,6 @@ class KTO:
                                          "max_completion_length"))
         if self.pad_to_multiple_of is not None and self.pad_to_multiple_of <= 0:
             errors.append("method.pad_to_multiple_of must be a positive integer or null")
-        errors += P.padding_free_errors(self, ctx)
         errors += P.reference_errors(self, ctx)
         errors += P.liger_errors(self, ctx, "KTO")
         if self.use_liger_kernel and (self.desirable_weight != 1 or self.undesirable_weight != 1):

@@ -18,7 +18,7 @@ import torch
 from memlab.losses import dpo_loss, token_logps
 from memlab.method import _preference as P
 from memlab.method._online import Online
-from memlab.method.base import IGNORE, Batch
+from memlab.method.base import IGNORE, Batch, model_inputs
 from memlab.registry import register
 
 
@@ -67,7 +67,7 @@ class OnlineDPO(Online):
 
     def loss(self, models: dict, batch: Batch, ctx) -> tuple[torch.Tensor, dict[str, float]]:
         t = batch.tensors
-        inputs = {k: t[k] for k in ("input_ids", "attention_mask", "position_ids")}
+        inputs = model_inputs(t)
         labels = t["labels"][:, :-1]
         n = (labels != IGNORE).sum(1).clamp(min=1)
         logits = models["policy"](**inputs, use_cache=False).logits[:, :-1]

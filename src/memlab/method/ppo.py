@@ -28,12 +28,12 @@ from typing import Any, ClassVar
 
 import torch
 
-from memlab.distributed.base import call_inside
 from memlab.losses import token_logps
 from memlab.method import _preference as P
 from memlab.method._online import Online
-from memlab.method.base import IGNORE, Batch
+from memlab.method.base import IGNORE, Batch, model_inputs
 from memlab.registry import register
+from memlab.trainer.routing import base_model, call_inside
 
 
 @register("method", "ppo")
@@ -54,12 +54,10 @@ class PPO(Online):
     missing_eos_penalty: float | None = None
 
     min_generations: ClassVar[int] = 1
+    trains_extra_models: ClassVar[bool] = True
 
     def validate(self, ctx) -> list[str]:
         errors = super().validate(ctx)
-        if ctx.world_size > 1:
-            errors.append("method=ppo runs in one process for now (its value model is not "
-                          "wrapped for data parallelism); use distributed=single")
         if self.cliprange <= 0 or self.cliprange_value <= 0:
             errors.append("method.cliprange and method.cliprange_value must be > 0")
         if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
@@ -81,7 +79,7 @@ class PPO(Online):
     def advantages_for(self, models, rewards, t, metrics) -> torch.Tensor:
         """Fills ``t`` with old log-probs, values, per-token advantages and returns; returns
         the per-sequence score (kept for the batch layout; PPO's advantages are per token)."""
-        inputs = {k: t[k] for k in ("input_ids", "attention_mask", "position_ids")}
+        inputs = model_inputs(t)
         labels = t["labels"][:, :-1]
         mask = (labels != IGNORE).float()
         with torch.no_grad():
@@ -118,7 +116,7 @@ class PPO(Online):
     # ------------------------------------------------------------------ loss
     def loss(self, models: dict, batch: Batch, ctx) -> tuple[torch.Tensor, dict[str, float]]:
         t = batch.tensors
-        inputs = {k: t[k] for k in ("input_ids", "attention_mask", "position_ids")}
+        inputs = model_inputs(t)
         labels = t["labels"][:, :-1]
         mask = (labels != IGNORE).float()
         logits = models["policy"](**inputs, use_cache=False).logits[:, :-1]
@@ -140,7 +138,7 @@ class PPO(Online):
 
 
 def _values(model, **inputs: torch.Tensor) -> torch.Tensor:
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     decoder = getattr(base, base.base_model_prefix)
     hidden = decoder(**inputs, use_cache=False).last_hidden_state
     return base.score(hidden).squeeze(-1).float()

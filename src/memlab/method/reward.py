@@ -28,10 +28,10 @@ import torch
 from torch import nn
 
 from memlab.data.base import DataError
-from memlab.distributed.base import call_inside
 from memlab.method import _preference as P
 from memlab.method.base import Batch, DataStats
 from memlab.registry import register
+from memlab.trainer.routing import base_model, call_inside
 
 
 @register("method", "reward")
@@ -55,7 +55,25 @@ class Reward:
     data_kinds: ClassVar[tuple[str, ...]] = ("preference",)
     head: ClassVar[str] = "seq_cls"
     supports_packing: ClassVar[bool] = False
+    supports_padding_free: ClassVar[bool] = True
+    trains_extra_models: ClassVar[bool] = False
     items_name: ClassVar[str] = "pairs"
+
+    # ------------------------------------------------------------------ capabilities
+    def generates(self) -> bool:
+        return False
+
+    def row_length(self) -> int | None:
+        return self.max_length
+
+    def packs_rows(self, ctx) -> bool:
+        return self.padding_free
+
+    def uses_liger(self) -> bool:
+        return False
+
+    def reads_head_weight(self) -> bool:
+        return False
 
     # ------------------------------------------------------------------ validation
     def validate(self, ctx) -> list[str]:
@@ -64,7 +82,6 @@ class Reward:
             errors.append("method.center_rewards_coefficient must be >= 0 or null")
         if self.pad_to_multiple_of is not None and self.pad_to_multiple_of <= 0:
             errors.append("method.pad_to_multiple_of must be a positive integer or null")
-        errors += P.padding_free_errors(self, ctx)
         return errors
 
     # ------------------------------------------------------------------ data
@@ -177,7 +194,7 @@ def _packed_scores(model: nn.Module, last_index: torch.Tensor, **inputs: torch.T
                    ) -> torch.Tensor:
     """Scores of a padding-free row: the decoder once, the score head only at each sequence's
     last token (run inside a distributed wrapper by ``call_inside``)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     decoder = getattr(base, base.base_model_prefix)
     score = getattr(base, "score", None)
     if score is None:

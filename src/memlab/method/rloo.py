@@ -20,7 +20,7 @@ import torch
 from memlab.losses import token_logps
 from memlab.method import _preference as P
 from memlab.method._online import Clipped
-from memlab.method.base import IGNORE, Batch
+from memlab.method.base import IGNORE, Batch, model_inputs
 from memlab.registry import register
 
 
@@ -47,7 +47,7 @@ class RLOO(Clipped):
 
     def _sequence_kl(self, models, t) -> torch.Tensor:
         """Sum over completion tokens of log pi(token) - log pi_ref(token), no gradient."""
-        inputs = {k: t[k] for k in ("input_ids", "attention_mask", "position_ids")}
+        inputs = model_inputs(t)
         labels = t["labels"][:, :-1]
         with torch.no_grad():
             with P.frozen_forward(models["policy"]) as m:
@@ -61,7 +61,7 @@ class RLOO(Clipped):
 
     def loss(self, models: dict, batch: Batch, ctx) -> tuple[torch.Tensor, dict[str, float]]:
         t = batch.tensors
-        inputs = {k: t[k] for k in ("input_ids", "attention_mask", "position_ids")}
+        inputs = model_inputs(t)
         labels = t["labels"][:, :-1]
         logits = models["policy"](**inputs, use_cache=False).logits[:, :-1]
         logps = token_logps(logits, labels, IGNORE).sum(1)

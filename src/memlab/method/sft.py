@@ -18,22 +18,26 @@ import torch
 import torch.nn.functional as F
 
 from memlab.data.base import DataError, check_messages, check_text
-from memlab.distributed.base import call_inside
+from memlab.losses import chunked_linear_cross_entropy
 from memlab.method.base import (
     IGNORE,
     Batch,
     DataStats,
+    Offline,
     decoder_hidden,
     flatten_batch,
+    model_inputs,
     pad_batch,
     shifted_labels,
 )
+from memlab.model._liger import liger_errors
 from memlab.registry import register
+from memlab.trainer.routing import call_inside
 
 
 @register("method", "sft")
 @dataclass(kw_only=True)
-class SFT:
+class SFT(Offline):
     """SFT knobs, named as in TRL's SFTConfig where one exists."""
 
     max_length: int | None = 1024
@@ -59,35 +63,40 @@ class SFT:
     data_kinds: ClassVar[tuple[str, ...]] = ("chat", "text")
     head: ClassVar[str] = "causal_lm"
     supports_packing: ClassVar[bool] = True
+    supports_padding_free: ClassVar[bool] = True
+    trains_extra_models: ClassVar[bool] = False
     items_name: ClassVar[str] = "loss tokens"
 
-    # ------------------------------------------------------------------ validation
+    # ------------------------------------------------------------------ capabilities
     def flat(self, ctx) -> bool:
         """Whether batches are collated padding-free."""
         if self.padding_free is None:
-            return ctx.packing.name != "none"
+            return ctx.packing.packs
         return self.padding_free
+
+    def packs_rows(self, ctx) -> bool:
+        return self.flat(ctx) or ctx.packing.packs
+
+    def uses_liger(self) -> bool:
+        return self.use_liger_kernel
+
+    def reads_head_weight(self) -> bool:
+        return self.use_liger_kernel or self.loss_impl == "chunked"
+
+    # ------------------------------------------------------------------ validation
 
     def validate(self, ctx) -> list[str]:
         errors = []
         if self.max_length is not None and self.max_length < 2:
             errors.append(f"method.max_length must be >= 2 or null (got {self.max_length})")
-        if ctx.packing.name != "none" and self.max_length is None:
+        if ctx.packing.packs and self.max_length is None:
             errors.append(
                 f"packing={ctx.packing.name} needs a row capacity: set method.max_length "
                 "(e.g. method.max_length=2048)"
             )
-        if self.flat(ctx) and not ctx.attention.isolates_packed:
-            errors.append(
-                f"method.padding_free=true puts several sequences in one row, which "
-                f"attention={ctx.attention.name} cannot keep apart; use attention=sdpa, eager "
-                "or flash_attention_2, or set method.padding_free=false"
-            )
         if self.pad_to_multiple_of is not None and self.pad_to_multiple_of <= 0:
             errors.append("method.pad_to_multiple_of must be a positive integer or null")
         if self.use_liger_kernel:
-            from memlab.model._liger import liger_errors
-
             errors += liger_errors(ctx, "method")
         if self.loss_impl == "chunked":
             if self.chunk_size <= 0:
@@ -205,16 +214,10 @@ class SFT:
                      meta={"samples": len(rows)})
 
     # ------------------------------------------------------------------ model
-    def extra_models(self, policy, ctx, build) -> dict[str, Any]:
-        return {}
-
-    def before_training(self, models, ds, ctx) -> None:
-        return None
-
     def loss(self, models: dict, batch: Batch, ctx) -> tuple[torch.Tensor, dict[str, float]]:
         model = models["policy"]
         t = batch.tensors
-        inputs = {k: t[k] for k in ("input_ids", "attention_mask", "position_ids") if k in t}
+        inputs = model_inputs(t)
         labels = t["labels"]
         if self.use_liger_kernel or self.loss_impl == "chunked":
             # decoder + head + loss in one call inside the wrapper's forward: under FSDP2 the
@@ -228,8 +231,7 @@ class SFT:
             )
         return loss_sum, {}
 
-    def _fused_head_loss(self, model, labels: torch.Tensor, **inputs: torch.Tensor
-                         ) -> torch.Tensor:
+    def _fused_head_loss(self, model, labels: torch.Tensor, **inputs: Any) -> torch.Tensor:
         """Summed token loss from the decoder's hidden states and the output head, never
         building the [tokens, vocab] logits (Liger's fused kernel, or memlab's chunked one)."""
         hidden = decoder_hidden(model, **inputs)
@@ -241,7 +243,5 @@ class SFT:
 
             loss_fn = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE, reduction="sum")
             return loss_fn(head.weight, hidden, labels.reshape(-1), bias)
-        from memlab.losses import chunked_linear_cross_entropy
-
         return chunked_linear_cross_entropy(hidden, head.weight, labels.reshape(-1), bias=bias,
                                             chunk_size=self.chunk_size, reduction="sum")

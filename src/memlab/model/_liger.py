@@ -8,14 +8,12 @@ from torch import nn
 
 def liger_errors(ctx, what: str) -> list[str]:
     """Validation shared by every method's ``use_liger_kernel``."""
-    from memlab._guards import missing
-
     if not ctx.is_cuda:
         return [f"{what}.use_liger_kernel=true needs a CUDA device (Liger's kernels are Triton "
                 "GPU kernels) and the gpu extra: pip install 'memlab[gpu]'; on CPU set "
                 f"{what}.use_liger_kernel=false (method.loss_impl=chunked gives the fused-loss "
                 "memory saving on any device)"]
-    err = missing("liger_kernel", f"{what}.use_liger_kernel=true")
+    err = ctx.platform.missing("liger_kernel", f"{what}.use_liger_kernel=true")
     return [err] if err else []
 
 

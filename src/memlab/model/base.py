@@ -1,13 +1,31 @@
-"""Shared loading steps: attention + dtype at load time, the right head, use_cache off."""
+"""What a model option provides (:class:`Model`) and the loading steps every option shares:
+attention + dtype at load time, the right head, use_cache off."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import nn
 
 Head = Literal["causal_lm", "seq_cls"]
+
+
+class Model(Protocol):
+    """A ``model=`` option: where the tokenizer, the architecture and the weights come from."""
+
+    def validate(self, ctx) -> list[str]: ...
+
+    def load_tokenizer(self, ctx) -> Any: ...
+
+    def hf_config(self, tokenizer) -> Any:
+        """The transformers config of the architecture (no weights read)."""
+        ...
+
+    def load(self, ctx, tokenizer, head: Head, extra: dict[str, Any]) -> nn.Module:
+        """The model with the run's attention backend and dtype (``load_kwargs``), on the
+        run's device; ``extra``: the PEFT option's load arguments (a quantization config)."""
+        ...
 
 
 def auto_class(head: Head):

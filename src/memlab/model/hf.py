@@ -44,6 +44,14 @@ class HubModel:
             tok.pad_token = tok.eos_token
         return tok
 
+    def hf_config(self, tokenizer):
+        """The model's transformers config (no weights)."""
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(self.name_or_path, revision=self.revision,
+                                          trust_remote_code=self.trust_remote_code,
+                                          local_files_only=self.local_files_only)
+
     def load(self, ctx, tokenizer, head: Head, extra: dict[str, Any]) -> nn.Module:
         kw = load_kwargs(ctx, extra)
         if head == "seq_cls":

@@ -7,9 +7,12 @@ inputs) is offloaded. See memlab/offload/hooks.py for the mechanics."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
+from memlab.offload.base import Placement
+from memlab.offload.hooks import ActivationOffloader
 from memlab.registry import register
 
 
@@ -43,15 +46,19 @@ class Activations:
             errors.append("offload.min_bytes and offload.prefetch must be >= 0")
         return errors
 
-    def build(self, model: nn.Module, ctx):
+    def build(self, model: nn.Module, ctx, placement: Placement | None = None
+              ) -> ActivationOffloader:
         """The offloader for ``model`` (one per run; the trainer resets it every micro-batch)."""
-        from memlab.offload.hooks import ActivationOffloader
-
+        placement = placement or Placement()
+        extra: dict[str, Any] = {k: v for k, v in (("storage", placement.storage),
+                                                   ("key", placement.key),
+                                                   ("tensor_types", placement.tensor_types))
+                                 if v is not None}
         off = ActivationOffloader.for_model(
             model, device=ctx.device, min_bytes=self.min_bytes, use_streams=self.use_streams,
-            pin_memory=self.pin_memory, prefetch=self.prefetch,
+            pin_memory=self.pin_memory, prefetch=self.prefetch, **extra,
         )
-        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        head = model.get_output_embeddings()
         if head is not None:
             off.exclude_outputs_of(head)
         return off

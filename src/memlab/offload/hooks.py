@@ -72,65 +72,20 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Iterable, Iterator
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
+from memlab.offload.storage import HostStorage, OffloadStorage, storage_key
+
 __all__ = ["ActivationOffloader", "HostStorage", "OffloadStorage"]
 
 _MiB = 1 << 20
 _KEEP_REASONS = ("small", "param", "non_float", "excluded", "disabled", "other_device",
                  "unsupported")
-
-
-@runtime_checkable
-class OffloadStorage(Protocol):
-    """Where offloaded activations live between forward and backward.
-
-    ``offload`` gets a detached tensor and returns any handle; ``reload`` turns that handle back
-    into a tensor on ``device`` with the same shape, dtype and values. When the offloader uses
-    CUDA streams it calls both inside a ``torch.cuda.stream`` context, so copies should be
-    enqueued on the current stream (``non_blocking``) rather than synchronising.
-    """
-
-    def offload(self, tensor: Tensor) -> Any:
-        """Copy ``tensor`` out; the returned handle must own the copy."""
-        ...
-
-    def reload(self, handle: Any, device: torch.device) -> Tensor:
-        """Return the tensor held by ``handle`` on ``device``."""
-        ...
-
-
-class HostStorage:
-    """Default storage: a host (CPU) copy, pinned when the source is on CUDA and ``pin_memory``.
-
-    The host buffer keeps the source's strides when the source is dense (so backward kernels see
-    the same layout and gradients stay bit-identical); otherwise it is contiguous. A CPU source is
-    copied into a separate CPU buffer (the CPU stand-in: no memory is saved), and reloading to
-    the CPU returns that buffer itself without a second copy.
-    """
-
-    def __init__(self, pin_memory: bool = True, non_blocking: bool = False) -> None:
-        self.pin_memory = pin_memory
-        self.non_blocking = non_blocking
-
-    def offload(self, tensor: Tensor) -> Tensor:
-        """Copy ``tensor`` into a new host buffer (pinned for CUDA sources if enabled)."""
-        pin = self.pin_memory and tensor.is_cuda
-        buf = torch.empty_like(tensor, device="cpu", pin_memory=pin)
-        buf.copy_(tensor, non_blocking=self.non_blocking and pin)
-        return buf
-
-    def reload(self, handle: Tensor, device: torch.device) -> Tensor:
-        """The host buffer on ``device`` (the buffer itself when ``device`` is the CPU)."""
-        if handle.device == device:
-            return handle
-        non_blocking = self.non_blocking and handle.is_pinned()
-        return handle.to(device, non_blocking=non_blocking)
 
 
 class _Entry:
@@ -172,11 +127,6 @@ class _Packed:
         self.entry = entry
 
 
-def _storage_key(t: Tensor) -> tuple[str, int]:
-    st = t.untyped_storage()
-    return (str(st.device), st.data_ptr())
-
-
 class ActivationOffloader:
     """Context manager that offloads activations saved for backward (see the module docstring).
 
@@ -205,6 +155,10 @@ class ActivationOffloader:
         prefetch: how many tensors to reload ahead in backward (streams only).
         max_inflight: how many device-to-host copies may be outstanding before the compute
             stream waits for the oldest (streams only).
+        key: ``tensor -> hashable``, which storage a tensor views (default :func:`storage_key`:
+            device and data pointer; fake tensors, whose storages have no data, need another).
+        tensor_types: the tensor classes handled (others, e.g. DTensor or quantized subclasses,
+            are kept where they are).
     """
 
     def __init__(
@@ -220,6 +174,8 @@ class ActivationOffloader:
         dedup: bool = True,
         prefetch: int = 2,
         max_inflight: int = 4,
+        key: Any = storage_key,
+        tensor_types: tuple[type, ...] = (Tensor, nn.Parameter),
     ) -> None:
         if min_bytes < 0:
             raise ValueError(f"min_bytes must be >= 0, got {min_bytes}")
@@ -237,6 +193,8 @@ class ActivationOffloader:
         self.dedup = dedup
         self.prefetch = int(prefetch)
         self.max_inflight = max(1, int(max_inflight))
+        self._key = key
+        self.tensor_types = tensor_types
 
         self._lock = threading.RLock()  # backward (and entry release) may run on another thread
         self._excluded: dict[tuple[str, int], weakref.ref] = {}
@@ -269,7 +227,7 @@ class ActivationOffloader:
         for t in tensors:
             if isinstance(t, Tensor) and t.layout == torch.strided:
                 st = t.untyped_storage()
-                self._excluded[_storage_key(t)] = weakref.ref(st)
+                self._excluded[self._key(t)] = weakref.ref(st)
 
     def exclude_outputs_of(self, module: nn.Module) -> RemovableHandle:
         """Keep the tensors ``module`` returns on the device when they are saved for backward.
@@ -282,7 +240,7 @@ class ActivationOffloader:
         def hook(_mod: nn.Module, _args: Any, output: Any) -> None:
             for t in tree_leaves(output):
                 if isinstance(t, Tensor) and t.layout == torch.strided:
-                    self._marked[_storage_key(t)] = weakref.ref(t.untyped_storage())
+                    self._marked[self._key(t)] = weakref.ref(t.untyped_storage())
 
         return module.register_forward_hook(hook)
 
@@ -326,7 +284,7 @@ class ActivationOffloader:
         """Why ``t`` stays where it is, or ``None`` if it should be offloaded."""
         if self._disabled:
             return "disabled"
-        if type(t) is not Tensor and type(t) is not nn.Parameter:
+        if type(t) not in self.tensor_types:
             return "unsupported"  # tensor subclasses (DTensor, quantized, fake, ...)
         if t.layout != torch.strided or t.device.type == "meta":
             return "unsupported"
@@ -338,7 +296,7 @@ class ActivationOffloader:
             return "non_float"
         if t.numel() * t.element_size() < self.min_bytes:
             return "small"
-        key = _storage_key(t)
+        key = self._key(t)
         ref = self._excluded.get(key)
         if ref is not None and ref() is not None:
             return "param"
@@ -364,7 +322,7 @@ class ActivationOffloader:
             src = tensor.detach()
             key: tuple | None = None
             if self.dedup:
-                key = (*_storage_key(src), src.storage_offset(), tuple(src.shape),
+                key = (*self._key(src), src.storage_offset(), tuple(src.shape),
                        src.stride(), src.dtype, src._version)
                 hit = self._seen.get(key)
                 if hit is not None:

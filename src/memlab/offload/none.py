@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from memlab.offload.base import Placement
 from memlab.registry import register
 
 
@@ -18,8 +19,8 @@ class NoOffload:
     def validate(self, ctx) -> list[str]:
         return []
 
-    def build(self, model: nn.Module, ctx):
-        """Returns the per-forward context factory (here: nothing to do)."""
+    def build(self, model: nn.Module, ctx, placement: Placement | None = None) -> None:
+        """Nothing is offloaded: no handle."""
         return None
 
     @staticmethod

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from memlab.method.base import DataStats
+from memlab.measure.data import DataStats
 from memlab.registry import register
 
 
@@ -14,6 +14,7 @@ from memlab.registry import register
 class NoPacking:
     """No knobs."""
 
+    packs: ClassVar[bool] = False
     keeps_overflow: ClassVar[bool] = False
 
     def validate(self, ctx) -> list[str]:

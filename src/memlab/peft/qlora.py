@@ -23,8 +23,6 @@ class QLora(Lora):
     extra: dict[str, Any] = field(default_factory=dict)
 
     def validate(self, ctx) -> list[str]:
-        from memlab._guards import missing
-
         errors = super().validate(ctx)
         if not ctx.is_cuda:
             errors.append(
@@ -32,7 +30,7 @@ class QLora(Lora):
                 "on CPU use peft=lora"
             )
         else:
-            err = missing("bitsandbytes", "peft=qlora")
+            err = ctx.platform.missing("bitsandbytes", "peft=qlora")
             if err:
                 errors.append(err)
         return errors

@@ -47,6 +47,6 @@ class Precision:
                 "supported for CPU training); on CPU use precision=fp32, bf16 or bf16_mixed"
             ]
         if ctx.is_cuda and "bfloat16" in (self.param_dtype, self.autocast_dtype):
-            if not torch.cuda.is_bf16_supported():
+            if not ctx.platform.bf16:
                 return [f"precision={name}: this GPU has no bf16 support; use fp16_mixed"]
         return []

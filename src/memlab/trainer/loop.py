@@ -1,89 +1,56 @@
 """A readable training loop: deterministic batches, gradient accumulation normalised over the
-whole step, autocast / loss scaling, activation offload, per-phase memory, throughput,
-progress bar, logging, resumable checkpoints.
+whole step, autocast / loss scaling, activation offload, online generation, per-phase memory,
+throughput, progress bar, logging, resumable checkpoints.
 
 One optimizer step = ``grad_accum`` micro-batches. The micro-batches of a step are collated
 first so that (a) the loss is divided by the number of loss items of the *whole* step (then
 1x8 and 8x1 give the same gradient) and (b) the probe knows the step's batch shapes before it
 decides whether to run the step under the memory tracker.
+
+The loop talks to the run's options through what they declare: the method (``loss``,
+``generates()``; an online method's ``rollout`` and ``num_iterations``), the distributed
+option (``sync``, ``all_reduce_sum``, ``memory_roles``; with ``owns_step`` its ``optimizer`` /
+``backward`` / ``step``), the precision (autocast, loss scaler) and the offload handle. What
+differs between a real run and ``memlab estimate`` comes in as :class:`LoopOptions`.
 """
 
 from __future__ import annotations
 
 import math
-import random
 import sys
 import time
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
-from memlab.distributed.base import unwrap
 from memlab.measure.memory import MemoryProbe
-from memlab.method.base import Batch, generates
+from memlab.trainer import checkpoint
+from memlab.trainer.batch import Batch, BatchStream
+from memlab.trainer.optim import build_optimizer, build_scheduler
 
 
 def _scalar(x: Any) -> float:
-    """``float(x)``; NaN for a fake tensor (``memlab estimate`` runs this loop on
-    FakeTensorMode, where tensors have shapes but no values)."""
+    """``float(x)`` of a metric (a DTensor, e.g. FSDP2's gradient norm, is gathered first)."""
     if isinstance(x, torch.Tensor):
-        from torch._subclasses.fake_tensor import is_fake
+        from torch.distributed.tensor import DTensor
 
-        if is_fake(x):
-            return float("nan")
-        if hasattr(x, "full_tensor"):  # a DTensor (FSDP2's gradient norm)
+        if isinstance(x, DTensor):
             x = x.full_tensor()
     return float(x)
 
 
-class BatchStream:
-    """Deterministic, resumable stream of micro-batches: a seeded permutation per epoch.
+@dataclass
+class LoopOptions:
+    """What a caller other than a training run changes in the loop (``memlab estimate``)."""
 
-    With ``shard=(rank, world_size)`` every rank walks the same permutation in global batches
-    of ``batch_size * world_size`` rows and collates its own slice of each, so N ranks x batch
-    B see exactly the rows one process sees with batch N*B."""
-
-    def __init__(self, ds, batch_size: int, seed: int, collate: Callable[[list[dict]], Batch],
-                 shard: tuple[int, int] = (0, 1)):
-        if len(ds) == 0:
-            raise ValueError("the prepared dataset is empty (every example was dropped?)")
-        self.ds, self.batch_size, self.seed, self.collate = ds, batch_size, seed, collate
-        self.rank, self.world = shard
-        self.epoch, self.pos = 0, 0
-        self._perm = self._permutation(0)
-
-    def _permutation(self, epoch: int) -> list[int]:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        return torch.randperm(len(self.ds), generator=g).tolist()
-
-    def state(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "pos": self.pos}
-
-    def load_state(self, state: dict[str, int]) -> None:
-        self.epoch, self.pos = state["epoch"], state["pos"]
-        self._perm = self._permutation(self.epoch)
-
-    def __iter__(self) -> Iterator[Batch]:
-        return self
-
-    def __next__(self) -> Batch:
-        if self.pos >= len(self._perm):
-            self.epoch += 1
-            self.pos = 0
-            self._perm = self._permutation(self.epoch)
-        idx = self._perm[self.pos : self.pos + self.batch_size * self.world]
-        self.pos += len(idx)
-        if self.world > 1:  # this rank's slice; a short last batch is split as evenly
-            per = -(-len(idx) // self.world)
-            idx = idx[self.rank * per : (self.rank + 1) * per] or idx[-1:]
-        cols = self.ds[idx]
-        rows = [{k: cols[k][i] for k in cols} for i in range(len(idx))]
-        return self.collate(rows)
+    tracker: Any = None
+    """The memory tracker the probe runs tracked steps under (None: the run's own)."""
+    grad_scaler: bool = True
+    """Use the precision's loss scaler when it has one (fp16)."""
+    foreach: bool | None = None
+    """The optimizer's multi-tensor implementation (None: torch's default for the device)."""
 
 
 @dataclass
@@ -118,37 +85,20 @@ class TrainResult:
         return 1.0 - self.real_tokens / self.total_tokens if self.total_tokens else 0.0
 
 
-def build_optimizer(params: list[nn.Parameter], cfg) -> torch.optim.Optimizer:
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas),
-                             weight_decay=cfg.weight_decay)
-
-
-def build_scheduler(opt: torch.optim.Optimizer, cfg) -> torch.optim.lr_scheduler.LambdaLR:
-    total, warm = max(1, cfg.steps), cfg.warmup_steps
-
-    def factor(step: int) -> float:
-        if warm and step < warm:
-            return (step + 1) / warm
-        if cfg.scheduler == "constant":
-            return 1.0
-        progress = min(1.0, (step - warm) / max(1, total - warm))
-        if cfg.scheduler == "linear":
-            return 1.0 - progress
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    return torch.optim.lr_scheduler.LambdaLR(opt, factor)
-
-
 class Trainer:
-    """Runs ``ctx.train.steps`` optimizer steps of ``method`` on ``models['policy']``."""
+    """Runs ``ctx.train.steps`` optimizer steps of ``method`` on ``models['policy']``.
 
-    def __init__(self, ctx, method, models: dict[str, nn.Module], stream: BatchStream,
-                 logger=None, offload_handle=None):
+    ``offload``: the offload option's handle (None: nothing offloaded); ``generation``: the
+    run's generation environment (engine, random draws) for online methods."""
+
+    def __init__(self, ctx, method, models: dict[str, nn.Module], stream: BatchStream | None,
+                 *, logger=None, offload=None, generation=None,
+                 options: LoopOptions | None = None):
+        options = options or LoopOptions()
         self.ctx, self.method, self.models, self.stream = ctx, method, models, stream
         self.logger = logger
-        self.offload = offload_handle
+        self.offload = offload
+        self.generation = generation
         self.policy = models["policy"]
         self.dist = ctx.distributed
         # the policy's trainable parameters, then any other model's (a PPO value model)
@@ -161,22 +111,21 @@ class Trainer:
                     self.params.append(p)
         if not any(p.requires_grad for p in self.policy.parameters()):
             raise ValueError("the policy has no trainable parameters")
-        # a wrapper that owns backward and the optimizer step (DeepSpeed's engine) built the
-        # optimizer with build_optimizer; memlab's schedule drives the torch optimizer inside it
-        self.engine_steps = hasattr(self.dist, "step")
-        if self.engine_steps:
+        if self.dist.owns_step:
+            # a wrapper that owns backward and the optimizer step (DeepSpeed's engine) built
+            # the optimizer; memlab's schedule drives the torch optimizer inside it
             self.opt = self.dist.optimizer(self.policy)
             self.scaler = None
         else:
-            self.opt = build_optimizer(self.params, ctx.train)
-            self.scaler = ctx.precision.grad_scaler(ctx.device)
+            self.opt = build_optimizer(self.params, ctx.train, foreach=options.foreach)
+            self.scaler = ctx.precision.grad_scaler(ctx.device) if options.grad_scaler else None
         self.sched = build_scheduler(self.opt, ctx.train)
         self.step_idx = 0
         self.result = TrainResult()
-        self.probe = MemoryProbe(ctx.device, enabled=ctx.measure.memory)
+        self.probe = MemoryProbe(ctx.device, enabled=ctx.measure.memory,
+                                 tracker=options.tracker)
         self.probe.watch(*models.values(), self.opt)
-        if hasattr(self.dist, "memory_roles"):  # the wrapper's own buffers, by category
-            self.probe.roles = lambda: self.dist.memory_roles(self.policy)
+        self.probe.roles = lambda: self.dist.memory_roles(self.policy)
         self._max_key: tuple[int, ...] = ()
         self._rollouts: list[Batch] | None = None
 
@@ -192,6 +141,14 @@ class Trainer:
             k > m for k, m in zip(key, self._max_key, strict=False))
         return first or bigger
 
+    def init_optimizer_state(self) -> None:
+        """Create the optimizer's state as its first update does (on zero gradients), without a
+        forward or backward: what ``memlab estimate`` measures step 1 against."""
+        for p in self.params:
+            p.grad = torch.zeros_like(p)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
     def run_step(self, batches: list[Batch], tracked: bool,
                  reuse: bool = False) -> dict[str, float]:
         """[generate,] forward + backward over the micro-batches, then one optimizer step. An
@@ -200,19 +157,21 @@ class Trainer:
         the batches are the last rollouts, trained on again (``method.num_iterations``)."""
         ctx, device = self.ctx, self.ctx.device
         world = ctx.world_size
-        inputs = [t for b in batches for t in b.tensors.values()]
+        inputs = [t for b in batches for t in b.tensor_list()]
         sums: dict[str, float] = {}
         loss_total = 0.0
+        sync_s = None
         with self.probe.step(self.step_idx, tracked, inputs):
-            if generates(self.method) and not reuse:  # online: generate the training batches
+            if self.method.generates() and not reuse:  # online: generate the training batches
                 with self.probe.phase("generate"):
+                    sync_s = self.generation.sync(self.policy)
                     with ctx.precision.autocast(device):
-                        batches[:] = [self.method.rollout(self.models, b, ctx)
+                        batches[:] = [self.method.rollout(self.models, b, ctx, self.generation)
                                       for b in batches]
                 self._rollouts = list(batches)
             total_items = sum(b.num_items for b in batches)
             if world > 1:  # normalise by the items of the whole step on every rank
-                total_items = int(self.dist.all_reduce_sum([total_items], device)[0])
+                total_items = self.dist.all_reduce_sum([total_items], device)[0]
             # DDP averages gradients over ranks; scaling by the world size makes that average
             # the gradient of (sum of every rank's loss) / (all items): N ranks x B == 1 x N*B
             scale = world / max(1, total_items)
@@ -223,7 +182,7 @@ class Trainer:
                             loss_sum, metrics = self.method.loss(self.models, b, ctx)
                         loss = loss_sum * scale
                     with self.probe.phase("backward"):
-                        if self.engine_steps:
+                        if self.dist.owns_step:
                             self.dist.backward(self.policy, loss)
                         else:
                             (self.scaler.scale(loss) if self.scaler else loss).backward()
@@ -233,10 +192,12 @@ class Trainer:
                 for k, v in metrics.items():
                     sums[k] = sums.get(k, 0.0) + _scalar(v) * b.num_items
                 del loss
-                if self.offload is not None and hasattr(self.offload, "reset"):
+                if self.offload is not None:
                     self.offload.reset()
             with self.probe.phase("optimizer"):
                 gnorm = self._optimizer_step()
+            if self.generation is not None:
+                self.generation.weights_changed()
         if world > 1:  # the step's loss and metrics over every rank's items
             keys = sorted(sums)
             reduced = self.dist.all_reduce_sum([loss_total, *(sums[k] for k in keys)], device)
@@ -246,13 +207,15 @@ class Trainer:
             out["train/grad_norm"] = gnorm
         for k, v in sums.items():
             out[k] = v / max(1, total_items)
+        if sync_s is not None:  # this rank's time to push the weights to the generation engine
+            out["generation/weight_sync_s"] = sync_s
         return out
 
     def _optimizer_step(self) -> float | None:
         """Unscale, clip, step, schedule, zero the gradients; the gradient norm before clipping
         (None without ``train.max_grad_norm``)."""
         max_norm = self.ctx.train.max_grad_norm
-        if self.engine_steps:  # the engine reduces at the boundary, clips, steps, zeroes
+        if self.dist.owns_step:  # the engine reduces at the boundary, clips, steps, zeroes
             norm = self.dist.step(self.policy)
             self.sched.step()
             return None if max_norm is None else norm
@@ -277,11 +240,11 @@ class Trainer:
     def train(self) -> TrainResult:
         ctx, res = self.ctx, self.result
         if ctx.train.resume_from:
-            self.load_checkpoint(self._resolve_resume(ctx.train.resume_from))
+            checkpoint.load(self, checkpoint.resolve(ctx.run_dir, ctx.train.resume_from))
         for m in self.models.values():
             m.train(m is self.policy)
         bar = self._progress()
-        every = getattr(self.method, "num_iterations", 1) if generates(self.method) else 1
+        every = self.method.num_iterations if self.method.generates() else 1
         self._rollouts = None
         while self.step_idx < ctx.train.steps:
             # online methods with num_iterations > 1 generate on every num_iterations-th step
@@ -337,14 +300,14 @@ class Trainer:
         if bar is not None:
             bar.close()
         if res.timed_steps == 0:
-            self._fallback_timing()
+            res.throughput_note = (
+                "every step was warm-up or ran under the memory tracker; raise train.steps or "
+                "set measure.memory_steps=2 for a throughput number")
         return res
 
-    def _fallback_timing(self) -> None:
-        self.result.throughput_note = (
-            "every step was warm-up or ran under the memory tracker; raise train.steps or set "
-            "measure.memory_steps=2 for a throughput number"
-        )
+    def save_checkpoint(self):
+        """A resumable checkpoint of the current step (:mod:`memlab.trainer.checkpoint`)."""
+        return checkpoint.save(self)
 
     def _progress(self):
         if not self.ctx.train.progress or self.ctx.rank != 0:
@@ -353,109 +316,3 @@ class Trainer:
 
         return tqdm(total=self.ctx.train.steps, initial=self.step_idx, desc="train",
                     dynamic_ncols=True, file=sys.stderr, mininterval=0.5)
-
-    # ---------------------------------------------------------------- checkpoints
-    def _named_trainable(self) -> dict[str, nn.Parameter]:
-        """Trainable parameters by name: the policy's as named in the unwrapped model, other
-        models' prefixed with their role (``value::...``)."""
-        out: dict[str, nn.Parameter] = {}
-        for role, m in self.models.items():
-            prefix = "" if role == "policy" else f"{role}::"
-            for n, p in unwrap(m).named_parameters():
-                if p.requires_grad:
-                    out.setdefault(prefix + n, p)
-        return out
-
-    def _trainable_state(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach().cpu() for n, p in self._named_trainable().items()}
-
-    def save_checkpoint(self) -> Path:
-        """Resumable state: trainable weights, optimizer, scheduler, scaler, data position, RNG.
-        Replicated ranks (DDP) hold the same state: rank 0 writes it, every rank can load it."""
-        root = Path(self.ctx.run_dir) / "checkpoints"
-        final = root / f"step_{self.step_idx:06d}"
-        tmp = root / f".tmp_step_{self.step_idx:06d}"
-        fmt = self._checkpoint_format()
-        weights = optim = None
-        if fmt == "native":  # every rank writes its own shards (DeepSpeed), then meets;
-            # the whole weights go in state.pt too, readable without DeepSpeed
-            self.dist.save_states(self.policy, tmp)
-            weights = self.dist.full_weights(self.policy)
-            if self.ctx.world_size > 1:
-                torch.distributed.barrier()
-        elif fmt == "by_name":  # gathered by every rank (a collective), written by rank 0
-            weights, optim = self.dist.full_state(self.policy, self.opt)
-        if self.ctx.rank != 0:
-            return final
-        if fmt == "torch":
-            weights, optim = self._trainable_state(), self.opt.state_dict()
-        tmp.mkdir(parents=True, exist_ok=True)
-        state = {
-            "step": self.step_idx,
-            "weights": weights,
-            "optimizer": optim,
-            "optimizer_format": fmt,
-            "scheduler": self.sched.state_dict(),
-            "scaler": self.scaler.state_dict() if self.scaler else None,
-            "stream": self.stream.state(),
-            "losses": self.result.losses,
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
-                    "numpy": np.random.get_state(),
-                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
-        }
-        torch.save(state, tmp / "state.pt")
-        if final.exists():
-            import shutil
-
-            shutil.rmtree(final)
-        tmp.rename(final)
-        return final
-
-    def _checkpoint_format(self) -> str:
-        """native: the wrapper writes its own shards (DeepSpeed); by_name: gathered from
-        FSDP2's shards; torch: one replica's state dicts."""
-        if hasattr(self.dist, "save_states"):
-            return "native"
-        return "by_name" if self.dist.shards_states() else "torch"
-
-    def _resolve_resume(self, where: str) -> Path:
-        if where == "latest":
-            found = sorted((Path(self.ctx.run_dir) / "checkpoints").glob("step_*"))
-            if not found:
-                raise FileNotFoundError("train.resume_from=latest: no checkpoint under "
-                                        f"{self.ctx.run_dir}/checkpoints")
-            return found[-1]
-        return Path(where)
-
-    def load_checkpoint(self, path: Path) -> None:
-        state = torch.load(Path(path) / "state.pt", map_location="cpu", weights_only=False)
-        fmt, want = state.get("optimizer_format", "torch"), self._checkpoint_format()
-        if fmt != want:
-            kinds = {"torch": "a replicated run (single or ddp)",
-                     "by_name": "a sharded run (distributed=fsdp2)",
-                     "native": "distributed=deepspeed"}
-            raise ValueError(f"checkpoint {path} was written by {kinds.get(fmt, fmt)}; resume "
-                             f"it with the same kind of setup (this run is {kinds[want]})")
-        if fmt == "native":
-            self.dist.load_states(self.policy, path)
-        elif fmt == "by_name":
-            self.dist.load_full_state(self.policy, self.opt, state["weights"],
-                                      state["optimizer"])
-        else:
-            named = self._named_trainable()
-            with torch.no_grad():
-                for n, t in state["weights"].items():
-                    named[n].copy_(t.to(named[n].device, named[n].dtype))
-            self.opt.load_state_dict(state["optimizer"])
-        self.sched.load_state_dict(state["scheduler"])
-        if self.scaler and state["scaler"]:
-            self.scaler.load_state_dict(state["scaler"])
-        self.stream.load_state(state["stream"])
-        self.step_idx = state["step"]
-        self.result.losses = list(state["losses"])
-        rng = state["rng"]
-        torch.set_rng_state(rng["torch"])
-        random.setstate(rng["python"])
-        np.random.set_state(rng["numpy"])
-        if rng.get("cuda") is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])

@@ -51,7 +51,7 @@ def _brute_padding(lengths: np.ndarray, batch_size: int, seed: int, epochs: int,
     import datasets
 
     from memlab.method.base import pad_batch
-    from memlab.trainer.loop import BatchStream
+    from memlab.trainer.batch import BatchStream
 
     ds = datasets.Dataset.from_dict({"input_ids": [[7] * int(n) for n in lengths]})
     stream = BatchStream(ds, batch_size, seed, collate=lambda rows: rows)

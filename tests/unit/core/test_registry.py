@@ -110,7 +110,7 @@ def test_every_point_of_every_shipped_sweep_validates():
 
     import yaml
 
-    from memlab.measure.estimate import validate_for
+    from memlab.estimate import validate_for
 
     for path in sorted((CONF.parent / "sweeps").glob("*.yaml")):
         spec = yaml.safe_load(path.read_text())

@@ -289,17 +289,37 @@ def test_validation_messages_name_the_fix():
 
 
 def test_padding_free_needs_an_isolating_attention_backend():
-    ctx = types.SimpleNamespace(attention=types.SimpleNamespace(isolates_packed=False,
-                                                                name="fancy"))
-    assert "attention=fancy cannot keep apart" in P.padding_free_errors(
-        DPO(padding_free=True), ctx)[0]
+    """The rule lives with the attention option (it owns ``isolates_packed``) and tests the
+    method's capability (its rows hold several sequences), not an option name."""
+    from typing import ClassVar
+
+    from memlab.attention.base import Attention
+    from memlab.config import Platform
+    from memlab.packing.none import NoPacking
+    from memlab.precision.fp32 import Fp32
+
+    class Fancy(Attention):
+        isolates_packed: ClassVar[bool] = False
+        name: ClassVar[str] = "fancy"
+
+    def ctx(method):
+        return types.SimpleNamespace(is_cuda=False, platform=Platform(), precision=Fp32(),
+                                     packing=NoPacking(), method=method)
+
+    errors = Fancy().validate(ctx(DPO(padding_free=True)))
+    assert len(errors) == 1
+    assert "method.padding_free=true" in errors[0]
+    assert "attention=fancy cannot keep apart" in errors[0]
+    assert Fancy().validate(ctx(DPO(padding_free=False))) == []
 
 
 def test_liger_missing_names_the_extra(monkeypatch):
     from memlab import _guards
 
     monkeypatch.setattr(_guards, "has", lambda m: False)
-    ctx = types.SimpleNamespace(is_cuda=True, peft=types.SimpleNamespace())
+    from memlab.config import Platform
+
+    ctx = types.SimpleNamespace(is_cuda=True, peft=types.SimpleNamespace(), platform=Platform())
     errs = P.liger_errors(DPO(use_liger_kernel=True), ctx, "DPO")
     assert errs and "pip install 'memlab[gpu]'" in errs[0] and "liger_kernel" in errs[0]
 

@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from memlab.data.base import DataError
 from memlab.losses import token_logps
 from memlab.method import _rewards
-from memlab.method._online import _prompt_and_reference
+from memlab.method._online import RewardModel, _prompt_and_reference
 from memlab.method.base import IGNORE, Batch
 from memlab.method.grpo import GRPO, advantages
 
@@ -218,16 +218,13 @@ def test_reward_model_scores_are_padding_invariant_and_last_token():
     rm = LlamaForSequenceClassification(LlamaConfig(
         vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, num_labels=1)).eval()
-    m = GRPO(reward_models=[{}], rewards=[])
-    m.__dict__["_reward_tokenizers"] = {}
-    tok.padding_side = "right"
-    m.__dict__["_reward_tokenizers"][0] = tok
+    scorer = RewardModel(rm, tok)
     texts = ["a short answer", "a much longer answer with many more words in it, and more",
              "mid length text here"]
-    batch = m.model_rewards({"reward_model_0": rm}, None, texts)[0]
+    batch = scorer.score(texts)
     assert batch.shape == (3,)
     for i, text in enumerate(texts):
-        alone = m.model_rewards({"reward_model_0": rm}, None, [text])[0]
+        alone = scorer.score([text])
         ids = tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
         with torch.no_grad():
             direct = rm.model(input_ids=ids).last_hidden_state[:, -1] @ rm.score.weight.T

@@ -8,15 +8,10 @@ import torch
 from torch import nn
 
 from memlab.cli.estimate import expand_sweep, split_values
-from memlab.measure.estimate import (
-    CARDS,
-    QuantizedLinearStandin,
-    apply_sharding,
-    fakeify,
-    fmt_bytes,
-    parse_bytes,
-    verdict,
-)
+from memlab.estimate import CARDS, fmt_bytes, parse_bytes, verdict
+from memlab.estimate.fake import estimate_tracker
+from memlab.estimate.sharding import apply_sharding
+from memlab.estimate.standins import QuantizedLinearStandin, fakeify
 
 GiB, MiB = 1024**3, 1024**2
 
@@ -103,8 +98,6 @@ def test_sharding_world_one_is_identity_and_ddp_doubles_gradients():
 
 
 def test_rounding_tracker_rounds_each_storage_to_512_bytes():
-    from memlab.measure.estimate import _estimate_tracker
-
     def peak(tracker):
         with tracker:
             a = torch.empty(10)  # 40 B -> 512 B
@@ -112,8 +105,8 @@ def test_rounding_tracker_rounds_each_storage_to_512_bytes():
             del a, b
         return tracker._peak_mem[torch.device("cpu")]
 
-    assert peak(_estimate_tracker(0)) == 40 + 1200
-    assert peak(_estimate_tracker(512)) == 512 + 1536
+    assert peak(estimate_tracker(0)) == 40 + 1200
+    assert peak(estimate_tracker(512)) == 512 + 1536
 
 
 def test_fakeify_allocates_nothing_and_keeps_ties():

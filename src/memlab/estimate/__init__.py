@@ -1,0 +1,238 @@
+"""``memlab estimate``: predict the peak memory of a configuration without running it.
+
+How (and why this is not a formula): the estimate builds the configured run through the same
+:func:`memlab.pipeline.build` a run uses - data transforms, collator, model with attention +
+dtype, PEFT, checkpointing, offload hooks, the distributed wrap, the method's extra models and
+one-off pass, the trainer - with explicit seams where an estimate must differ (fake weights
+built from the model's config, the worst-case batch, generation to the full length, a fake
+process group), then runs :meth:`memlab.trainer.loop.Trainer.run_step` on fake tensors under the
+run's own memory tracker. A technique changes the estimate exactly as it changes a run, because
+it *is* the run's code. The result has the categories (parameters, gradients, optimizer,
+activations, other) and per-phase peaks of ``summary.json``'s ``memory`` section.
+
+Modules: :mod:`~memlab.estimate.options` (what is asked, cards, verdict),
+:mod:`~memlab.estimate.standins` (the seams' stand-ins), :mod:`~memlab.estimate.batch` (the
+worst-case batch), :mod:`~memlab.estimate.fake` (the fake-tensor step),
+:mod:`~memlab.estimate.sharding` (what is modelled rather than measured); the table and the CLI
+are in :mod:`memlab.cli.estimate`.
+
+Devices: torch's CPU build has no fake CUDA tensors, so the step runs CPU kernels' shape
+functions (e.g. CPU sdpa = flash-attention-style, no [L, L] scores). ``device='cuda'`` is a
+*model*, not a measurement: every tracked allocation is rounded up to 512 bytes (the CUDA caching
+allocator's block size), the cuBLAS workspace is added to "other", AdamW runs its foreach
+implementation (CUDA's default), CUDA-only attention backends run as sdpa, QLoRA's packed
+4/8-bit base weights are computed analytically, and the configuration is validated as a run on a
+CUDA machine (:meth:`memlab.config.Platform.cuda_machine`). The CUDA context and allocator
+fragmentation are not in the peak; the verdict counts the context separately.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import resource
+import time
+from typing import Any
+
+from memlab.config import Platform
+from memlab.distributed.ddp import DDP
+from memlab.distributed.deepspeed import DeepSpeed
+from memlab.distributed.single import Single
+from memlab.estimate.fake import fake_process_group, run_fake_step
+from memlab.estimate.options import (
+    ALL_PHASES,
+    CARDS,
+    CUDA_BLOCK,
+    CUDA_CONTEXT_BYTES,
+    PHASES,
+    EstimateError,
+    EstimateOptions,
+    MiB,
+    cublas_workspace_bytes,
+    fmt_bytes,
+    parse_bytes,
+    verdict,
+)
+from memlab.estimate.sharding import apply_sharding, deepspeed_info
+from memlab.registry import ConfigErrors
+
+__all__ = ["ALL_PHASES", "CARDS", "PHASES", "EstimateError", "EstimateOptions", "estimate",
+           "fmt_bytes", "parse_bytes", "validate_for", "verdict"]
+
+
+def validate_for(cfg, device: str, choices: dict[str, str] | None = None):
+    """:func:`memlab.run.validate` of ``cfg`` as a run on ``device`` (cpu | cuda)."""
+    from omegaconf import OmegaConf, open_dict
+
+    from memlab.run import validate
+
+    cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)) if OmegaConf.is_config(
+        cfg) else OmegaConf.create(dict(cfg))
+    with open_dict(cfg):
+        cfg.train.device = device
+        cfg.measure.memory = True
+    platform = Platform.detect()
+    if device == "cuda" and not platform.cuda:  # a CUDA machine with the GPU extras
+        platform = Platform.cuda_machine()
+    return validate(cfg, ".", choices, platform=platform)
+
+
+def _padding_mask_note(ctx, batch: dict[str, Any]) -> str | None:
+    """What padding would add: the estimate's padded rows are all full length, so sdpa skips
+    the attention mask (its causal kernel); a real batch whose rows differ in length also
+    materialises a boolean ``[rows, 1, T, T]`` mask (eager builds one either way: estimated)."""
+    shape = (batch.get("shapes") or {}).get("input_ids")
+    if ctx.method.packs_rows(ctx) or ctx.attention.name != "sdpa" or not shape \
+            or len(shape) != 2:
+        return None
+    rows, width = shape
+    return (f"padding: these rows are all full length; a batch whose rows differ in length "
+            f"also builds a boolean [{rows}, 1, {width}, {width}] attention mask on sdpa: "
+            f"+{fmt_bytes(rows * width * width)} while the forward's activations are alive "
+            "(not in the peak above)")
+
+
+def _add_other(mem: dict[str, Any], nbytes: int) -> dict[str, Any]:
+    out = dict(mem)
+    out["by_category"] = {**mem["by_category"], "other": mem["by_category"]["other"] + nbytes}
+    out["by_phase_category"] = {ph: {**s, "other": s.get("other", 0) + nbytes}
+                                for ph, s in (mem.get("by_phase_category") or {}).items()}
+    out["by_phase"] = {ph: v + nbytes for ph, v in mem["by_phase"].items()}
+    out["peak_bytes"] = mem["peak_bytes"] + nbytes
+    return out
+
+
+def _distributed_plan(ctx, opts: EstimateOptions, notes: list[str]):
+    """How the run's distributed option is estimated: ``(ctx, opts, modelled wrapper or None,
+    ranks of the fake process group)``. A wrapper that runs on fake tensors (FSDP2) keeps its
+    ranks and is measured on a fake process group; DDP and DeepSpeed run as one plain process
+    and are sharded by :func:`memlab.estimate.sharding.apply_sharding` (a model); a single
+    process with ``--world-size N --zero-stage S`` likewise."""
+    wrapper, procs = ctx.distributed, ctx.world_size
+    world = opts.world_size if opts.world_size > 1 else procs
+    if isinstance(wrapper, Single):
+        return ctx, opts, (wrapper if opts.world_size > 1 else None), 1
+    if wrapper.wraps_fake_tensors:  # its real wrap, on a fake process group of `world` ranks
+        if opts.zero_stage not in (0, 3):
+            raise EstimateError(f"distributed={wrapper.name} shards parameters, gradients and "
+                                f"optimizer state (ZeRO-3); --zero-stage {opts.zero_stage} does "
+                                "not apply")
+        notes.append(f"distributed={wrapper.name}: rank 0 of {world} measured: the real wrap on "
+                     "the fake weights over torch's fake process group (collectives move no "
+                     "data; each rank's memory is the same), train.batch_size rows per rank")
+        opts = dataclasses.replace(opts, world_size=world, zero_stage=3)
+        return dataclasses.replace(ctx, world_size=world, rank=0), opts, None, world
+    stage = wrapper.zero_stage if isinstance(wrapper, DeepSpeed) else 0
+    if opts.zero_stage and opts.zero_stage != stage:
+        raise EstimateError(f"--zero-stage {opts.zero_stage} disagrees with the run's "
+                            f"distributed={wrapper.name} (stage {stage})")
+    notes.append(f"distributed={wrapper.name}: one rank of {world}, estimated as one plain "
+                 f"process (its wrapper needs real storage) and sharded by the model below; "
+                 "train.batch_size rows per rank")
+    opts = dataclasses.replace(opts, world_size=world, zero_stage=stage)
+    return dataclasses.replace(ctx, distributed=Single(), world_size=1, rank=0), opts, wrapper, 1
+
+
+def estimate(cfg, opts: EstimateOptions | None = None, choices: dict[str, str] | None = None,
+             overrides: list[str] | None = None) -> dict[str, Any]:
+    """Estimate one composed configuration; returns the ``estimate.json`` dict (``status`` ok /
+    invalid / failed, ``error`` says why)."""
+    opts = opts or EstimateOptions()
+    t0 = time.perf_counter()
+    notes: list[str] = []
+    out: dict[str, Any] = {
+        "kind": "estimate", "status": "failed", "error": None,
+        "choices": dict(choices or {}), "overrides": list(overrides or []),
+        "options": {k: v for k, v in dataclasses.asdict(opts).items()},
+    }
+    if opts.card is not None and opts.card not in CARDS:
+        out["status"] = "invalid"
+        out["error"] = f"unknown card {opts.card!r}; choose one of: {', '.join(CARDS)}"
+        return out
+    try:
+        ctx = validate_for(cfg, opts.device, choices)
+    except ConfigErrors as e:
+        out["status"] = "invalid"
+        out["error"] = str(e)
+        if opts.device == "cpu":
+            try:
+                validate_for(cfg, "cuda", choices)
+                out["error"] += ("\n(valid as a CUDA run: estimate it with --device cuda or "
+                                 "--card NAME)")
+            except ConfigErrors:
+                pass
+        return out
+    ctx, opts, model, fake_world = _distributed_plan(ctx, opts, notes)
+    out["options"]["world_size"] = opts.world_size
+    out["options"]["zero_stage"] = opts.zero_stage
+    try:
+        with fake_process_group(fake_world) if fake_world > 1 else contextlib.nullcontext():
+            res = run_fake_step(ctx, opts, notes)
+    except EstimateError as e:
+        out["error"] = str(e)
+        return out
+    raw = res["raw"]
+    mem = {k: raw[k] for k in ("peak_bytes", "by_category", "by_phase", "by_phase_category",
+                                "peak_at")}
+    ran = res["timing"]["steps"]
+    notes.insert(0, "measured: training step(s) " + ", ".join(map(str, ran)) + " on fake tensors "
+                    "under the run's memory tracker (CPU kernels' shapes)"
+                    + ("; optimizer state created by the optimizer's own step 0 update"
+                       if ran == [1] else ""))
+    unsharded = mem
+    sm = CARDS[opts.card]["sm"] if opts.card else 8
+    if opts.device == "cuda":
+        ws = cublas_workspace_bytes(sm)
+        mem = _add_other(mem, ws)
+        notes.append(f"device=cuda is a model: each allocation rounded up to {CUDA_BLOCK} B, "
+                     f"cuBLAS workspace {fmt_bytes(ws)} in other, AdamW foreach; allocator "
+                     "fragmentation (reserved > allocated) is not included")
+    else:
+        notes.append("device=cpu: byte-exact for a CPU run of the same shapes")
+    if model is not None:  # sharding this estimate models instead of measuring
+        ds_info = (deepspeed_info(model, ctx, opts.zero_stage, res["model"])
+                   if isinstance(model, DeepSpeed) else None)
+        gather = isinstance(model, DeepSpeed) and model.gather_for_generation
+        if gather and opts.zero_stage >= 3 and "generate" in mem.get("by_phase", {}):
+            notes.append("gather_for_generation: the generate phase holds the whole weights "
+                         "beside the rank's shards")
+        mem = apply_sharding(mem, opts.world_size, opts.zero_stage, res["model"]["shard_units"],
+                             notes, bucket_view=isinstance(model, DDP)
+                             and model.gradient_as_bucket_view,
+                             deepspeed=ds_info, gather_generation=gather)
+    budget = opts.budget_bytes
+    overhead = 0
+    if opts.card:
+        budget = budget if budget is not None else CARDS[opts.card]["mib"] * MiB
+        overhead = CUDA_CONTEXT_BYTES
+        notes.append(f"verdict counts ~{fmt_bytes(CUDA_CONTEXT_BYTES)} of CUDA context outside "
+                     "the allocator")
+    mask_note = _padding_mask_note(ctx, res["batch"])
+    if mask_note:
+        notes.append(mask_note)
+    offload = res["offload"]
+    if offload is not None:
+        notes.append(f"activation offload: {fmt_bytes(offload.get('offloaded_bytes', 0))} moved "
+                     "to host memory per step (not in the device peak)")
+    out.update({
+        "status": "ok",
+        "device": opts.device,
+        "source": "estimate",
+        **mem,
+        "unsharded": unsharded if opts.world_size > 1 else None,
+        "verdict": verdict(mem["peak_bytes"], budget, mem["by_category"], overhead),
+        "card": {"key": opts.card, **CARDS[opts.card]} if opts.card else None,
+        "sharding": {"world_size": opts.world_size, "zero_stage": opts.zero_stage},
+        "model": res["model"],
+        "batch": res["batch"],
+        "offload": ({"host_peak_bytes": offload.get("peak_host_bytes"),
+                     "offloaded_bytes": offload.get("offloaded_bytes"), "stats": offload}
+                    if offload is not None else None),
+        "assumptions": notes,
+    })
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    out["estimator"] = {**res["timing"], "wall_s": time.perf_counter() - t0,
+                        "max_rss_bytes": int(usage.ru_maxrss) * 1024}
+    return out
+
+

@@ -1,0 +1,369 @@
+"""One training step on fake tensors, through :func:`memlab.pipeline.build` with the
+estimator's seams, measured by the run's own memory tracker.
+
+Fake tensors (``FakeTensorMode``) carry shapes, dtypes and devices but no data: a 1B model costs
+nothing to "allocate", every kernel is replaced by its shape function, and the tracker still
+sees every storage come and go. Two steps are modelled like a real run tracked with
+``measure.memory_steps=all``: the optimizer's state is created by its own first update on zero
+gradients (:meth:`memlab.trainer.loop.Trainer.init_optimizer_state`), then the steady-state
+step 1 runs under the tracker (``run_first_step`` tracks step 0 as well). With gradient
+accumulation two micro-batches are enough: from the second on, every micro-batch repeats the
+same memory.
+
+Value-dependent decisions: a forward reads a few *values* (is the padding mask all ones? is this
+row packed?). Transformers treats fake inputs as tracing and always materialises a full mask.
+Because the estimator built the batch itself it knows the real values: with ``exact_masks``
+(default) those two decisions of transformers' mask construction are evaluated on the real
+batch tensors (:func:`memlab.measure.patches.mask_decisions`), so the fake step takes the same
+branches as the real one. Where memlab itself needs a value (the documents of a packed row) the
+collator computed it on the host already. Other value reads are answered without values by
+:class:`EstimateFakeMode` and reported.
+
+Sharded runs: ``distributed=fsdp2`` runs its real wrap (``fully_shard``) on the fake weights over
+torch's fake process group (``FakeStore``, backend ``fake``) with ``nproc`` ranks, so a rank's
+peak is measured. Wrappers that need real storage (DDP's C++ reducer, DeepSpeed's engine) are
+estimated as one plain process and sharded by a stated model (:mod:`memlab.estimate.sharding`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import datasets
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+
+from memlab.estimate.batch import describe_batch, synthetic_rows, worst_case_rollout_tensors
+from memlab.estimate.options import CUDA_BLOCK, EstimateError, EstimateOptions
+from memlab.estimate.sharding import shard_units
+from memlab.estimate.standins import (
+    OFFLOAD,
+    ModelStandin,
+    NoDraw,
+    QuantizedLinearStandin,
+    WorstCaseEngine,
+    round_trip_token,
+)
+from memlab.measure import patches
+from memlab.measure.data import DataStats
+from memlab.measure.memory import tracker_class
+from memlab.pipeline import Seams, build
+from memlab.trainer.loop import LoopOptions
+
+
+def _candidates(real: dict[str, torch.Tensor], suffix: str, fake: Any) -> list[torch.Tensor]:
+    """The batch's real tensors named ``*suffix`` that ``fake`` can be (same shape, or the same
+    after ``expand``, as transformers does with position_ids)."""
+    if not isinstance(fake, torch.Tensor):
+        return []
+    out = []
+    with unset_fake_temporarily():
+        for name, r in real.items():
+            if not name.endswith(suffix):
+                continue
+            if tuple(r.shape) == tuple(fake.shape):
+                out.append(r)
+            elif r.dim() == fake.dim():
+                try:
+                    out.append(r.expand(tuple(fake.shape)))
+                except RuntimeError:
+                    pass
+    return out
+
+
+def _same(values: list[Any]) -> bool:
+    first = values[0]
+    for v in values[1:]:
+        if isinstance(first, torch.Tensor) or isinstance(v, torch.Tensor):
+            if not (isinstance(first, torch.Tensor) and isinstance(v, torch.Tensor)
+                    and first.shape == v.shape and torch.equal(first, v)):
+                return False
+        elif v != first:
+            return False
+    return True
+
+
+@contextlib.contextmanager
+def exact_value_hooks(real: dict[str, torch.Tensor], fake_mode) -> Iterator[None]:
+    """Evaluate transformers' value-dependent mask decisions (causal-mask skip, packed-sequence
+    detection) on the real batch tensors (module docstring). The fake argument is matched to the
+    batch tensors of the same kind (``*attention_mask`` / ``*position_ids``) and shape; when
+    several match and disagree, the fake-tensor behaviour (a materialised mask: the larger
+    memory) is kept. Scoped: restored on exit."""
+
+    def decide(orig, suffix, fake, *args, convert=None, **kwargs):
+        """orig(real, ...) if every real candidate gives the same answer, else orig(fake)."""
+        cands = _candidates(real, suffix, fake)
+        if not cands:
+            return orig(fake, *args, **kwargs)
+        with unset_fake_temporarily():
+            answers = [orig(convert(c) if convert else c, *args, **kwargs) for c in cands]
+            if not _same(answers):
+                return orig(fake, *args, **kwargs)
+        ans = answers[0]
+        return fake_mode.from_tensor(ans) if isinstance(ans, torch.Tensor) else ans
+
+    def find_packed(orig, position_ids):
+        return decide(orig, "position_ids", position_ids)
+
+    def ignore_causal(orig, padding_mask, *args, **kwargs):
+        if padding_mask is None:
+            return orig(padding_mask, *args, **kwargs)
+        return decide(orig, "attention_mask", padding_mask, *args,
+                      convert=lambda t: t.bool(), **kwargs)
+
+    with patches.mask_decisions(find_packed, ignore_causal):
+        yield
+
+
+def estimate_tracker(round_to: int = 0):
+    """The run's tracker class, optionally rounding each storage up to ``round_to`` bytes
+    (the CUDA caching allocator's 512-byte blocks) while the fake tensors live on the CPU."""
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, _UpdateType
+
+    base = tracker_class()
+
+    class EstimateTracker(base):  # type: ignore[misc, valid-type]
+        def _update_peak_stats(self, peak_state) -> None:
+            # Only the global peak (what MemoryProbe reads). MemTracker also keeps a per-module
+            # peak, walking every tracked module after every op: 2/3 of the time of a 1B
+            # estimate, and memlab never reads it.
+            for dev, snap in self._curr_mem_snap.items():
+                total = snap[_TOTAL_KEY]
+                if self._peak_mem.get(dev, 0) < total:
+                    self._peak_mem[dev] = total
+                    self._peak_mem_snap[dev] = dict(snap)
+
+        if round_to:
+            def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None):
+                if u_type in (_UpdateType.ADD, _UpdateType.SIZE):
+                    raw = winfo.size * winfo.element_size
+                    winfo.mem_consumed = math.ceil(raw / round_to) * round_to if raw > 0 else 0
+                return super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
+
+    return EstimateTracker()
+
+
+def _param_info(model: nn.Module) -> dict[str, Any]:
+    total = trainable = 0
+    by_dtype: dict[str, int] = {}
+    quant = 0
+    seen: set[int] = set()
+    for mod in model.modules():
+        if isinstance(mod, QuantizedLinearStandin):
+            quant += 1
+            total += mod.logical_numel
+            key = f"{'uint8(4-bit)' if mod.weight.dtype == torch.uint8 else 'int8'}"
+            by_dtype[key] = by_dtype.get(key, 0) + mod.weight.numel() * mod.weight.element_size()
+            seen.add(id(mod.weight))
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        total += p.numel()
+        if p.requires_grad:
+            trainable += p.numel()
+        key = str(p.dtype).replace("torch.", "")
+        by_dtype[key] = by_dtype.get(key, 0) + p.numel() * p.element_size()
+    out = {"total": int(total), "trainable": int(trainable), "bytes_by_dtype": by_dtype}
+    if quant:
+        out["quantized_linears"] = quant
+    return out
+
+
+def _hf_summary(cfg) -> dict[str, Any]:
+    keys = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "vocab_size", "tie_word_embeddings")
+    return {k: getattr(cfg, k) for k in keys if hasattr(cfg, k)}
+
+
+def estimate_fake_mode():
+    """A FakeTensorMode that answers the value reads a training step makes *after* the
+    decisions :func:`exact_value_hooks` resolves from the real batch - in practice loss values
+    and logging metrics: a floating scalar read (``float(t)``, ``.item()``, ``.tolist()``) gives
+    NaN, a boolean read gives True, and a data-dependent shape (``nonzero``, boolean indexing,
+    ``masked_select``) keeps every element (the upper bound). Integer reads still fail. The
+    answers are counted in ``mode.assumed`` and reported."""
+    aten = torch.ops.aten
+
+    class EstimateFakeMode(FakeTensorMode):
+        assumed: dict[str, int]
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is aten._local_scalar_dense.default:
+                x = args[0]
+                if x.is_floating_point() or x.dtype == torch.bool:
+                    kind = "float reads (NaN)" if x.is_floating_point() else \
+                        "boolean reads (True)"
+                    self.assumed[kind] = self.assumed.get(kind, 0) + 1
+                    return float("nan") if x.is_floating_point() else True
+            if func in (aten.nonzero.default, aten.masked_select.default):
+                key = "data-dependent shapes (all elements kept)"
+                self.assumed[key] = self.assumed.get(key, 0) + 1
+                x = args[0]
+                if func is aten.nonzero.default:
+                    shape, dtype = (x.numel(), x.dim()), torch.long
+                else:
+                    shape = (torch.broadcast_shapes(x.shape, args[1].shape).numel(),)
+                    dtype = x.dtype
+                return super().__torch_dispatch__(
+                    aten.empty.memory_format, types, (shape,),
+                    {"dtype": dtype, "device": x.device})
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    mode = EstimateFakeMode()
+    mode.assumed = {}
+    return mode
+
+
+
+
+@contextlib.contextmanager
+def fake_process_group(world: int) -> Iterator[None]:
+    """torch's fake process group (``FakeStore``, backend ``fake``) of ``world`` ranks, this
+    process rank 0, for the block (collectives do nothing; shapes are right)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise EstimateError("memlab estimate needs its own (fake) process group, and one is "
+                            "already initialized in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def run_fake_step(ctx, opts: EstimateOptions, notes: list[str]) -> dict[str, Any]:
+    """Build the configured run through :func:`memlab.pipeline.build` with the estimator's
+    seams and run the tracked training step(s) through
+    :meth:`memlab.trainer.loop.Trainer.run_step`; returns the raw probe result plus model /
+    batch descriptions. ``ctx`` is the validated context (run on the CPU here)."""
+    cuda = opts.device == "cuda"
+    mode = estimate_fake_mode()
+    standin = ModelStandin(opts.config_overrides, notes, mode)
+    if not (ctx.attention.trains_on_cpu and "cpu" in ctx.attention.devices):
+        from memlab.registry import lookup
+
+        ctx = dataclasses.replace(ctx, attention=lookup("attention", "sdpa")())
+        notes.append("a CUDA-only attention backend is estimated with per-document sdpa (no "
+                     "[L, L] scores, per-document in packed rows, as flash attention)")
+    if ctx.peft.has_adapter() and ctx.peft.load_kwargs(ctx).get("quantization_config"):
+        notes.append("qlora: base linear weights stored as bitsandbytes packs them (4-bit: "
+                     "n/2 bytes + absmax state; 8-bit: n bytes + row scales), computed "
+                     "analytically; dequantized weights are temporaries in forward and backward")
+    ctx = dataclasses.replace(ctx, device="cpu")
+    tokenizer = standin.load_tokenizer(ctx)
+
+    online = ctx.method.generates()
+    length = opts.length or ctx.method.row_length()  # online: the prompts (then generation)
+    if length is None:
+        raise EstimateError("method.max_length is null: give the row length with --length N "
+                            "(or set method.max_length)")
+    if opts.from_data:
+        from memlab.estimate.batch import longest_real_row
+
+        longest = longest_real_row(ctx, tokenizer)
+        if longest < length:
+            notes.append(f"from_data: the longest prepared row has {longest} tokens "
+                         f"(< {length}); estimated at {longest}")
+            length = longest
+    rows, rows_desc = synthetic_rows(ctx, tokenizer, length, opts.docs_per_row)
+    real = {k: v for k, v in ctx.method.collate(rows, tokenizer, ctx).tensors.items()
+            if isinstance(v, torch.Tensor)}
+    if online:
+        real.update(worst_case_rollout_tensors(ctx.method, real))
+        notes.append(f"generation: every completion runs to {ctx.method.sampling_length()} new "
+                     "tokens (no early EOS), with the model's own generate (KV cache, "
+                     "sampling); the training batch is the prompts x completions it makes; "
+                     "reward functions and reward models score the decoded worst-case "
+                     "completions")
+
+    def hooks() -> contextlib.AbstractContextManager:
+        return exact_value_hooks(real, mode) if opts.exact_masks else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def in_fake_mode() -> Iterator[None]:
+        with mode, hooks():
+            yield
+
+    token = round_trip_token(tokenizer)
+    seams = Seams(
+        load_tokenizer=standin.load_tokenizer,
+        load_model=standin.load,
+        build_context=standin.build_context,
+        place_model=standin.place,
+        prepare_data=lambda c, t: (datasets.Dataset.from_list(rows * c.world_size),
+                                   DataStats(rows=len(rows), examples=len(rows))),
+        offload=OFFLOAD,
+        engine=lambda c, t, p: WorstCaseEngine(c.distributed, token),
+        rng=NoDraw(),
+        exact_weights=False,
+        model_context=in_fake_mode,
+        loop=LoopOptions(tracker=estimate_tracker(CUDA_BLOCK if cuda else 0), grad_scaler=False,
+                         foreach=True if cuda and ctx.train.optimizer == "adamw" else None),
+    )
+    if ctx.precision.needs_scaler:
+        notes.append("fp16 loss scaling (GradScaler) is left out: a few scalars")
+    t0 = time.perf_counter()
+    pipe = build(ctx, seams)
+    build_s = time.perf_counter() - t0
+    trainer, models = pipe.trainer, pipe.models
+    extra = sorted(k for k in models if k != "policy")
+    added = sorted(set(pipe.dataset.column_names) - set(rows[0]))
+    if added:
+        notes.append("method.before_training ran on the synthetic rows (untracked, as before "
+                     f"step 0) and added {', '.join(added)}; models kept for training: "
+                     f"{', '.join(sorted(models))}")
+    micro = min(max(1, ctx.train.grad_accum), 2)
+    batches = [next(pipe.stream) for _ in range(micro)]
+    for b in batches:
+        b.tensors = {k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v
+                     for k, v in b.tensors.items()}
+    if ctx.train.grad_accum > 2:
+        notes.append(f"grad_accum={ctx.train.grad_accum} estimated with 2 micro-batches per "
+                     "step (from the second on, every micro-batch repeats the same memory)")
+    for m in models.values():
+        m.train(m is trainer.policy)
+
+    t1 = time.perf_counter()
+    try:
+        with in_fake_mode():
+            if ctx.train.steps == 1 or opts.run_first_step:
+                step_ids = list(range(min(2, ctx.train.steps)))
+            else:  # step 0's optimizer update, by the optimizer itself: creates its state
+                step_ids = [1]
+                trainer.init_optimizer_state()
+            for step in step_ids:
+                trainer.step_idx = step
+                trainer.run_step(batches, tracked=True)
+    except (torch._subclasses.fake_tensor.DataDependentOutputException,
+            torch._subclasses.fake_tensor.DynamicOutputShapeException) as e:
+        raise EstimateError(
+            f"the training step reads tensor values ({e}); the estimator answers only the "
+            "value-dependent decisions it knows (transformers' mask decisions): a new one needs "
+            "its value computed on the host (like the rows' document segments) or an answer "
+            "in memlab.estimate.fake") from e
+    step_s = time.perf_counter() - t1
+    if mode.assumed:
+        notes.append("value reads answered without values (metrics, logging): " + ", ".join(
+            f"{n} {k}" for k, n in sorted(mode.assumed.items())))
+    policy = trainer.policy
+    return {
+        "raw": trainer.probe.result(),
+        "offload": pipe.offload.stats() if pipe.offload is not None else None,
+        "model": {**_param_info(policy),
+                  "config": _hf_summary(standin.config(ctx.model, tokenizer)),
+                  "shard_units": shard_units(policy), "extra_models": extra,
+                  "models_in_training": sorted(models)},
+        "batch": {**describe_batch(batches[0], ctx, rows_desc, length),
+                  "micro_batches_per_step": micro, "grad_accum": ctx.train.grad_accum},
+        "timing": {"build_s": build_s, "steps_s": step_s, "steps": step_ids},
+    }

@@ -1,0 +1,120 @@
+"""What ``memlab estimate`` is asked (:class:`EstimateOptions`), the cards it knows, sizes,
+and the verdict against a budget."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+GiB = 1024**3
+MiB = 1024**2
+PHASES = ("forward", "backward", "optimizer")
+ALL_PHASES = ("generate", *PHASES)  # generate: online methods only
+
+CUDA_BLOCK = 512
+"""The CUDA caching allocator rounds every allocation up to a multiple of 512 bytes."""
+
+CARDS: dict[str, dict[str, Any]] = {
+    # total memory as nvidia-smi reports it (MiB), compute capability major version
+    "t4": {"name": "NVIDIA T4 16GB", "mib": 15360, "sm": 7},
+    "a10g": {"name": "NVIDIA A10G 24GB", "mib": 23028, "sm": 8},
+    "l4": {"name": "NVIDIA L4 24GB", "mib": 23034, "sm": 8},
+    "rtx4090": {"name": "NVIDIA GeForce RTX 4090 24GB", "mib": 24564, "sm": 8},
+    "a100-40gb": {"name": "NVIDIA A100 40GB", "mib": 40960, "sm": 8},
+    "a100-80gb": {"name": "NVIDIA A100 80GB", "mib": 81920, "sm": 8},
+    "h100-80gb": {"name": "NVIDIA H100 80GB", "mib": 81559, "sm": 9},
+    "h200": {"name": "NVIDIA H200 141GB", "mib": 143771, "sm": 9},
+}
+"""Cards ``--card`` knows: usable memory as ``nvidia-smi`` shows it."""
+
+CUDA_CONTEXT_BYTES = 512 * MiB
+"""CUDA context + loaded kernels, outside PyTorch's allocator (varies 0.3-0.6 GiB with driver,
+architecture and libraries). Counted in the verdict, not in the allocator peak."""
+
+
+def cublas_workspace_bytes(sm_major: int = 8) -> int:
+    """torch's default cuBLAS workspace: ``:4096:8`` (32 MiB) on Hopper, else ``:4096:2:16:8``."""
+    return 4096 * 1024 * 8 if sm_major == 9 else 4096 * 1024 * 2 + 16 * 1024 * 8
+
+
+class EstimateError(RuntimeError):
+    """The configuration cannot be estimated (the message says why and what to do)."""
+
+
+@dataclass(kw_only=True)
+class EstimateOptions:
+    """How to estimate (everything else comes from the composed configuration)."""
+
+    device: Literal["cpu", "cuda"] = "cpu"
+    """cpu: the tracker's byte-exact CPU peak; cuda: the CUDA model described in the module
+    docstring (validated as a CUDA run)."""
+    card: str | None = None
+    """A key of :data:`CARDS` (sets the budget and the cuBLAS workspace size)."""
+    budget_bytes: int | None = None
+    """Memory available per device; None = the card's, or no verdict."""
+    world_size: int = 1
+    zero_stage: Literal[0, 1, 2, 3] = 0
+    """ZeRO stage (3 = FSDP full shard) applied to the categories when world_size > 1."""
+    length: int | None = None
+    """Tokens per row; None = method.max_length (or the longest real row with from_data)."""
+    from_data: bool = False
+    """Load and prepare the real data and use its longest row if shorter than max_length."""
+    docs_per_row: int = 1
+    """Documents per packed row (position_ids restart at each)."""
+    exact_masks: bool = True
+    """Answer transformers' value-dependent mask decisions from the real batch (see
+    :mod:`memlab.estimate.fake`); False keeps its fake-tensor (tracing) behaviour."""
+    config_overrides: dict[str, Any] = field(default_factory=dict)
+    """HF config fields to change (``hidden_size``, ``num_hidden_layers``, ...)."""
+    run_first_step: bool = False
+    """Run (and track) step 0 as well. Default: the optimizer state is created by the
+    optimizer's own ``step`` on fake zero gradients, then only the steady-state step 1 runs
+    (half the time; step 0 never peaks higher: it has no optimizer state in forward/backward
+    and the same gradients + state + temporaries in its optimizer phase as step 1)."""
+
+
+# ----------------------------------------------------------------------------- configuration
+
+
+def verdict(peak: int, budget: int | None, by_category: dict[str, int],
+            overhead: int = 0) -> dict[str, Any] | None:
+    """Fits / does not fit ``budget`` with ``peak + overhead`` (CUDA context on a card)."""
+    if budget is None:
+        return None
+    need = peak + overhead
+    top = max(by_category, key=by_category.get) if by_category else "?"
+    fits = need <= budget
+    if fits:
+        text = f"fits with {fmt_bytes(budget - need)} headroom"
+    else:
+        text = (f"does not fit: over by {fmt_bytes(need - budget)}; dominated by {top} "
+                f"({fmt_bytes(by_category.get(top, 0))})")
+    return {"fits": fits, "budget_bytes": int(budget), "needed_bytes": int(need),
+            "overhead_bytes": int(overhead), "headroom_bytes": int(budget - need),
+            "dominant": top, "text": text}
+
+
+def fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    sign = "-" if n < 0 else ""
+    n = abs(n)
+    if n >= GiB:
+        return f"{sign}{n / GiB:.2f} GiB"
+    if n >= MiB:
+        return f"{sign}{n / MiB:.1f} MiB"
+    if n >= 1024:
+        return f"{sign}{n / 1024:.1f} KiB"
+    return f"{sign}{int(n)} B"
+
+
+def parse_bytes(text: str) -> int:
+    """'24GiB' / '24G' (GiB) / '24GB' (10^9) / '512MiB' / '1.5T' / plain bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?)(b?)\s*", text.lower())
+    if not m:
+        raise ValueError(f"cannot read {text!r} as a size (e.g. 24GiB, 80GB, 512MiB)")
+    num, unit, i, b = m.groups()
+    power = " kmgt".index(unit or " ")
+    base = 1000 if (b and not i and unit) else 1024
+    return int(float(num) * base**power)

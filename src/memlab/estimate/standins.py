@@ -1,0 +1,263 @@
+"""The stand-ins ``memlab estimate`` passes to :func:`memlab.pipeline.build` as seams.
+
+- :class:`ModelStandin` loads a model from its *config* only (``model=tiny``: its sizes;
+  ``model=hf``: ``AutoConfig``), on the ``meta`` device, with the same class, attention backend
+  and dtype as the model group's ``load``; PEFT and checkpointing are applied there by the
+  pipeline; :meth:`ModelStandin.place` then turns every parameter and buffer into a fake CPU
+  tensor (tied weights stay tied). A quantized base (``peft=qlora``) is stored as bitsandbytes
+  stores it (:class:`QuantizedLinearStandin`), computed analytically. No weight is ever read.
+- :class:`HostStandin` is where offloaded activations go (a fake tensor on another device).
+- :class:`WorstCaseEngine` generates with the model's own ``generate`` for exactly the maximum
+  number of new tokens on every row (no early EOS) and hands back host token ids of that length.
+- :class:`NoDraw` makes every random draw 0 (GKD's on-policy coin: the student samples).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+
+from memlab.data.assets import load_tokenizer as shipped_tokenizer
+from memlab.estimate.options import EstimateError
+from memlab.generation.base import Samples, SamplingParams
+from memlab.generation.hf import HFEngine
+from memlab.measure import patches
+from memlab.model.base import auto_class, finish_load, load_kwargs
+from memlab.offload.base import Placement
+
+
+class ModelStandin:
+    """The model-loading seams of an estimate (module docstring). ``overrides``: fields of the
+    HF config to change (``--set``), applied to every model built."""
+
+    def __init__(self, overrides: dict[str, Any], notes: list[str], fake_mode):
+        self.overrides = dict(overrides)
+        self.notes = notes
+        self.fake_mode = fake_mode
+
+    def load_tokenizer(self, ctx):
+        try:
+            return ctx.model.load_tokenizer(ctx)
+        except Exception as e:  # noqa: BLE001 - offline hub model: the ids do not matter
+            note = (f"tokenizer of the model unavailable ({type(e).__name__}); memlab's shipped "
+                    "tokenizer builds the synthetic batch (token ids do not change memory)")
+            if note not in self.notes:
+                self.notes.append(note)
+            return shipped_tokenizer(None)
+
+    def config(self, model_cfg, tokenizer):
+        """``model_cfg``'s transformers config with the ``--set`` overrides."""
+        cfg = model_cfg.hf_config(tokenizer)
+        for k, v in self.overrides.items():
+            if not hasattr(cfg, k):
+                raise EstimateError(f"model config has no field {k!r} (config class "
+                                    f"{type(cfg).__name__}); check --set {k}=...")
+            setattr(cfg, k, v)
+        cfg.use_cache = False
+        return cfg
+
+    def load(self, ctx, tokenizer, head: str, extra: dict[str, Any]) -> nn.Module:
+        """The seam ``load_model``: built from the config on the current (meta) device."""
+        quantized = extra.get("quantization_config") is not None
+        kw = load_kwargs(ctx, {k: v for k, v in extra.items() if k != "quantization_config"})
+        cfg = self.config(ctx.model, tokenizer)
+        if head == "seq_cls" and "num_labels" not in self.overrides:
+            cfg.num_labels = 1  # as model=hf passes num_labels=1 to from_pretrained
+        model = auto_class(head).from_config(cfg, **kw)
+        if quantized:
+            quantize_standin(model, ctx.peft)
+        return finish_load(model, tokenizer, head)
+
+    @contextlib.contextmanager
+    def build_context(self):
+        """Models are built on the meta device, outside the fake mode (PEFT cannot swap in
+        parameters created inside it)."""
+        with unset_fake_temporarily(), torch.device("meta"):
+            yield
+
+    def place(self, model: nn.Module) -> nn.Module:
+        """The seam ``place_model``: every parameter and buffer a fake CPU tensor."""
+        return fakeify(model, self.fake_mode)
+
+
+class _DequantMatmul(torch.autograd.Function):
+    """``x @ dequant(W).T`` as bitsandbytes computes it: the dequantized weight is a temporary
+    in forward and again in backward; nothing but the packed weight is kept for backward."""
+
+    @staticmethod
+    def forward(ctx, x, packed, shape, bias):  # type: ignore[override]
+        w = torch.empty(shape, dtype=x.dtype, device=x.device)
+        ctx.shape = shape
+        return nn.functional.linear(x, w, bias)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        w = torch.empty(ctx.shape, dtype=grad.dtype, device=grad.device)
+        return grad @ w, None, None, None
+
+
+class QuantizedLinearStandin(nn.Linear):
+    """A frozen linear layer whose weight is stored like bitsandbytes stores it.
+
+    4-bit (NF4/FP4): ``uint8 [ceil(out*in / 2), 1]`` (``Params4bit``), plus the quantization
+    state (absmax per 64-weight block: fp32, or with double quantization uint8 per block + fp32
+    per 256 blocks + two 256-entry code books) as a buffer. 8-bit (LLM.int8): ``int8 [out, in]``
+    plus fp32 ``SCB`` per output row. Forward casts the input to the compute dtype and
+    dequantizes the weight into a temporary, as bitsandbytes does. Values are meaningless: this
+    module exists only for fake-tensor estimates.
+    """
+
+    def __init__(self, base: nn.Linear, bits: int, double_quant: bool, compute_dtype):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = base.in_features, base.out_features
+        n = base.in_features * base.out_features
+        dev = base.weight.device
+        if bits == 4:
+            w = torch.empty(((n + 1) // 2, 1), dtype=torch.uint8, device=dev)
+            blocks = math.ceil(n / 64)
+            qbytes = (blocks + math.ceil(blocks / 256) * 4 + 2 * 256 * 4 if double_quant
+                      else blocks * 4)
+        else:
+            w = torch.empty((base.out_features, base.in_features), dtype=torch.int8, device=dev)
+            qbytes = base.out_features * 4
+        self.weight = nn.Parameter(w, requires_grad=False)
+        self.register_buffer("quant_state", torch.empty(qbytes, dtype=torch.uint8, device=dev),
+                             persistent=False)
+        self.bias = base.bias
+        self.logical_numel = n
+        self.compute_dtype = compute_dtype
+
+    def forward(self, x):
+        inp = x.dtype
+        x = x.to(self.compute_dtype)
+        bias = None if self.bias is None else self.bias.to(self.compute_dtype)
+        return _DequantMatmul.apply(x, self.weight, (self.out_features, self.in_features),
+                                    bias).to(inp)
+
+
+def quantize_standin(model: nn.Module, qcfg) -> int:
+    """Replace every linear layer bitsandbytes would quantize (all but the output head, tied
+    and last modules: transformers' ``get_keys_to_not_convert``) with
+    :class:`QuantizedLinearStandin`. Returns how many were replaced."""
+    from transformers.quantizers.base import get_keys_to_not_convert
+
+    skip = set(get_keys_to_not_convert(model))
+    bits = int(qcfg.bits)
+    compute = getattr(torch, qcfg.compute_dtype) if bits == 4 else torch.float16
+    double = bool(qcfg.double_quant)
+    todo = []
+    for name, mod in model.named_modules():
+        if type(mod) is nn.Linear and not any(
+                name == k or name.endswith("." + k) or name.startswith(k + ".") for k in skip):
+            todo.append(name)
+    for name in todo:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, QuantizedLinearStandin(getattr(parent, child), bits, double,
+                                                      compute))
+    model.is_loaded_in_4bit = bits == 4
+    model.is_loaded_in_8bit = bits == 8
+    return len(todo)
+
+
+def fakeify(model: nn.Module, fake_mode) -> nn.Module:
+    """Replace every parameter and buffer (meta or real) by a fake CPU tensor of the same
+    shape / dtype / requires_grad. Tied parameters stay tied. Allocates nothing."""
+    memo: dict[int, torch.Tensor] = {}
+
+    def fake_of(t: torch.Tensor) -> torch.Tensor:
+        with fake_mode:
+            return torch.empty(tuple(t.shape), dtype=t.dtype, device="cpu")
+
+    for mod in model.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is None:
+                continue
+            if id(p) not in memo:
+                memo[id(p)] = nn.Parameter(fake_of(p), requires_grad=p.requires_grad)
+            mod._parameters[name] = memo[id(p)]
+        for name, b in list(mod._buffers.items()):
+            if b is None:
+                continue
+            if id(b) not in memo:
+                memo[id(b)] = fake_of(b)
+            mod._buffers[name] = memo[id(b)]
+    return model
+
+
+class HostStandin:
+    """Offload storage for estimates: the host copy is a fake tensor on the ``meta`` device, so
+    the tracker books it under another device than the (cpu-standing-for-GPU) device memory."""
+
+    def offload(self, tensor):
+        return torch.empty_like(tensor, device="meta")
+
+    def reload(self, handle, device):
+        return torch.empty_like(handle, device=device)
+
+
+def fake_storage_key(t: torch.Tensor) -> tuple[str, int]:
+    """Fake storages all report data pointer 0: a fake tensor's storage is known by identity
+    (the same meaning for live objects)."""
+    st = t.untyped_storage()
+    return (str(st.device), id(st))
+
+
+OFFLOAD = Placement(storage=HostStandin(), key=fake_storage_key, tensor_types=(FakeTensor,))
+"""The offload seam of an estimate: fake tensors are offloaded to a fake host device."""
+
+
+class WorstCaseEngine(HFEngine):
+    """Generation in an estimate: the model's own ``generate`` (prefill, KV cache, sampling) for
+    exactly ``max_new_tokens`` on every row (its stop check reads a value; here it reads the
+    length), then host copies of that length (token ``token`` repeated), so that the method's
+    scoring, counting and reward models run on the worst case."""
+
+    def __init__(self, dist: Any, token: int):
+        super().__init__(dist)
+        self.token = token
+
+    def generate(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                 params: SamplingParams) -> Samples:
+        from transformers.utils import logging as hf_logging
+
+        stop_at = prompt_ids.shape[1] + params.max_new_tokens
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()  # generate's sanity warnings read token values
+        try:
+            with patches.stop_at_length(lambda: stop_at):
+                comp = self.decode(model, prompt_ids, prompt_mask, params)
+        finally:
+            hf_logging.set_verbosity(verbosity)
+        n, width = comp.shape
+        return Samples(comp, torch.ones_like(comp),
+                       torch.zeros(n, dtype=torch.bool, device=comp.device),
+                       [[self.token] * width for _ in range(n)], [False] * n)
+
+
+def round_trip_token(tokenizer, n: int = 8) -> int:
+    """A token id whose repetition decodes to text that tokenizes back to the same number of
+    tokens (a common word with its leading space), so that scoring the decoded worst-case
+    completions (reward models re-tokenize text) sees ``max_new_tokens`` tokens per
+    completion; falls back to a fixed id."""
+    for text in (" the", " a", " of", " x", "."):
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) != 1:
+            continue
+        again = tokenizer(tokenizer.decode(ids * n), add_special_tokens=False)["input_ids"]
+        if again == ids * n:
+            return ids[0]
+    return min(100, len(tokenizer) - 1)
+
+
+class NoDraw(random.Random):
+    """Random draws that are all 0.0: GKD's on-policy coin always picks the student."""
+
+    def random(self) -> float:
+        return 0.0

@@ -1,0 +1,73 @@
+"""`generation=hf` (the default): online methods sample with transformers' ``generate`` on the
+training policy itself (KV cache, eval mode, no gradient), inside its distributed wrapper's
+forward, so DDP and FSDP2 ranks generate with their replica / gathered shards. The distributed
+option may wrap the call (``generation(model)``: ZeRO-3 / FSDP2 gather the weights once for the
+whole call). Nothing to synchronise: the engine *is* the policy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from memlab.generation.base import Samples, SamplingParams, samples_from
+from memlab.registry import register
+from memlab.trainer.routing import call_inside, unwrap
+
+
+@register("generation", "hf")
+@dataclass(kw_only=True)
+class HF:
+    """No knobs: sampling settings are the method's (temperature, top_p, ...)."""
+
+    def validate(self, ctx) -> list[str]:
+        return []
+
+    def build(self, ctx, tokenizer, policy) -> HFEngine:
+        return HFEngine(ctx.distributed)
+
+
+def _generate(model, **kwargs: Any) -> torch.Tensor:
+    """``model.generate`` (run inside the distributed wrapper's forward by call_inside)."""
+    return model.generate(**kwargs)
+
+
+class HFEngine:
+    """transformers' ``generate`` on the policy (module docstring)."""
+
+    syncs_weights: ClassVar[bool] = False
+
+    def __init__(self, dist: Any):
+        self.dist = dist
+
+    def decode(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+               params: SamplingParams) -> torch.Tensor:
+        """The raw completions ``[N, L]`` (eval mode, no gradient, KV cache, inside the
+        wrapper; the distributed option's ``generation`` context around the call)."""
+        inner = unwrap(model)
+        was_training = inner.training
+        inner.eval()
+        sampling: dict[str, Any] = {"do_sample": False} if params.greedy else {
+            "do_sample": True, "temperature": params.temperature, "top_p": params.top_p,
+            "top_k": params.top_k or None}
+        try:
+            with torch.no_grad(), self.dist.generation(model):
+                seqs = call_inside(model, _generate, input_ids=prompt_ids,
+                                   attention_mask=prompt_mask,
+                                   max_new_tokens=params.max_new_tokens, pad_token_id=params.pad,
+                                   eos_token_id=params.eos, use_cache=True, **sampling)
+        finally:
+            inner.train(was_training)
+        return seqs[:, prompt_ids.shape[1]:]
+
+    def generate(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                 params: SamplingParams) -> Samples:
+        return samples_from(self.decode(model, prompt_ids, prompt_mask, params), params.eos,
+                            params.pad)
+
+    def sync_weights(self, model) -> float:
+        return 0.0
+
+    def close(self) -> None:
+        return None

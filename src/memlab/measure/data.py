@@ -1,0 +1,26 @@
+"""What dataset preparation did to the tokens (the ``data`` section of summary.json)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class DataStats:
+    """Counts of a prepared dataset: examples, rows, tokens in, tokens dropped by truncation or
+    packing overflow, examples dropped, packing fill and time, method-specific extras."""
+
+    examples: int = 0
+    rows: int = 0
+    tokens_in: int = 0
+    tokens_dropped: int = 0
+    examples_dropped: int = 0
+    fill_ratio: float | None = None
+    packing_seconds: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        d = {k: v for k, v in self.__dict__.items() if k != "extra"}
+        d.update(self.extra)
+        return d

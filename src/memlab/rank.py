@@ -1,0 +1,52 @@
+"""One rank of a run that ``memlab.distributed.launch`` started: ``python -m memlab.rank RUN_DIR``.
+
+Trains the job in ``RUN_DIR/ranks/job.json`` as rank ``MEMLAB_RANK`` of ``MEMLAB_WORLD_SIZE``
+and writes ``RUN_DIR/ranks/rank<r>.json`` (whatever happens: the status says how it ended).
+Exit status: 0 ok, 1 the rank failed, 130 stopped by the launcher (SIGTERM).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from memlab.distributed.base import env_rank
+from memlab.run import base_summary, execute, guarded, validate
+
+
+def _interrupt(*_: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def worker(run_dir: Path) -> int:
+    """Train this rank of the job in ``run_dir/ranks/job.json``; write ``rank<r>.json``."""
+    rank, _, world = env_rank()
+    job = json.loads((run_dir / "ranks" / "job.json").read_text())
+    summary = base_summary(run_dir, job["choices"], job["overrides"], job["job"])
+    summary["rank"] = rank
+    holder: list = []
+
+    def body(logger_box: list) -> None:
+        ctx = validate(job["config"], run_dir, job["choices"], world_size=world, rank=rank)
+        holder.append(ctx)
+        ctx.distributed.setup(ctx)
+        execute(ctx, summary, logger_box)
+
+    signal.signal(signal.SIGTERM, _interrupt)  # stopped by the launcher: record, then exit
+    try:
+        guarded(body, summary, run_dir / "ranks" / f"rank{rank}.json")
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        if holder:
+            holder[0].distributed.teardown()
+    return 0 if summary["status"] == "ok" else 1
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(worker(Path(sys.argv[1])))

@@ -1,0 +1,121 @@
+"""What the loop trains on: one micro-batch (:class:`Batch`) and the deterministic, resumable,
+rank-sharded stream of them (:class:`BatchStream`).
+
+Methods build batches (their ``collate``); the trainer moves, measures and steps over them.
+A batch's ``tensors`` may also carry host-side values that describe the tensors (for example
+the per-document segments of packed rows, :class:`memlab.trainer.batch.Segments`): they travel
+with the batch, are never moved to a device, and are passed to the model like keyword arguments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+class Segments(tuple):
+    """Per row, the lengths of the documents that share it (a packed / padding-free row), in
+    order, summing to the row's width. Computed once per batch by the collator on the host, so
+    attention that runs per document needs no device-to-host read at every layer."""
+
+    __slots__ = ()
+
+    @classmethod
+    def from_positions(cls, positions: list[list[int]] | list[int]) -> Segments:
+        """Split every row where its position ids do not continue (``p[t] != p[t-1] + 1``)."""
+        rows = positions if positions and isinstance(positions[0], (list, tuple)) else [positions]
+        out = []
+        for row in rows:
+            lengths: list[int] = []
+            n = 0
+            for t, p in enumerate(row):
+                if t and p != row[t - 1] + 1:
+                    lengths.append(n)
+                    n = 0
+                n += 1
+            if n:
+                lengths.append(n)
+            out.append(tuple(lengths))
+        return cls(out)
+
+    def bounds(self, row: int) -> list[tuple[int, int]]:
+        """``(start, end)`` of each document of ``row``."""
+        out, start = [], 0
+        for n in self[row]:
+            out.append((start, start + n))
+            start += n
+        return out
+
+
+@dataclass
+class Batch:
+    """Tensors for one micro-batch plus what the trainer needs to normalise and measure."""
+
+    tensors: dict[str, Any]
+    """Model inputs and targets (tensors), plus host-side descriptions of them (``Segments``)."""
+    num_items: int
+    """Loss normaliser contributed by this micro-batch (loss tokens, pairs, examples)."""
+    real_tokens: int
+    """Tokens that are not padding (what tokens/s counts)."""
+    total_tokens: int
+    """Token slots including padding."""
+    size_key: tuple[int, ...] = ()
+    """Shape signature; a batch with a larger key may reach a higher memory peak."""
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def to(self, device: str) -> Batch:
+        self.tensors = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                        for k, v in self.tensors.items()}
+        return self
+
+    def tensor_list(self) -> list[torch.Tensor]:
+        """The batch's tensors (not its host-side values)."""
+        return [v for v in self.tensors.values() if isinstance(v, torch.Tensor)]
+
+
+class BatchStream:
+    """Deterministic, resumable stream of micro-batches: a seeded permutation per epoch.
+
+    With ``shard=(rank, world_size)`` every rank walks the same permutation in global batches
+    of ``batch_size * world_size`` rows and collates its own slice of each, so N ranks x batch
+    B see exactly the rows one process sees with batch N*B."""
+
+    def __init__(self, ds, batch_size: int, seed: int, collate: Callable[[list[dict]], Batch],
+                 shard: tuple[int, int] = (0, 1)):
+        if len(ds) == 0:
+            raise ValueError("the prepared dataset is empty (every example was dropped?)")
+        self.ds, self.batch_size, self.seed, self.collate = ds, batch_size, seed, collate
+        self.rank, self.world = shard
+        self.epoch, self.pos = 0, 0
+        self._perm = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> list[int]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(len(self.ds), generator=g).tolist()
+
+    def state(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load_state(self, state: dict[str, int]) -> None:
+        self.epoch, self.pos = state["epoch"], state["pos"]
+        self._perm = self._permutation(self.epoch)
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self
+
+    def __next__(self) -> Batch:
+        if self.pos >= len(self._perm):
+            self.epoch += 1
+            self.pos = 0
+            self._perm = self._permutation(self.epoch)
+        idx = self._perm[self.pos : self.pos + self.batch_size * self.world]
+        self.pos += len(idx)
+        if self.world > 1:  # this rank's slice; a short last batch is split as evenly
+            per = -(-len(idx) // self.world)
+            idx = idx[self.rank * per : (self.rank + 1) * per] or idx[-1:]
+        cols = self.ds[idx]
+        rows = [{k: cols[k][i] for k in cols} for i in range(len(idx))]
+        return self.collate(rows)

@@ -1,0 +1,51 @@
+"""How the loop and the methods reach the model through a distributed wrapper.
+
+Methods call the policy as ``model(**inputs)``. When they need only part of it (the decoder's
+hidden states for a chunked / fused loss, a reward head on packed rows), they go through
+:func:`call_inside`, so the part still runs inside the wrapper's forward: DDP prepares its
+gradient reduction in its forward, and a forward that bypasses it would break or skip the
+all-reduce. Wrappers wrap a :class:`Routed` module for that reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+
+class Routed(nn.Module):
+    """The module a distributed wrapper wraps: calls the model, or - with ``memlab_call`` -
+    runs ``memlab_call(model, *args, **kwargs)`` instead, inside the wrapper's forward."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.module = model  # ``.module`` like DDP's, so ``unwrap`` goes through both
+
+    def forward(self, *args: Any, memlab_call: Callable | None = None, **kwargs: Any) -> Any:
+        if memlab_call is not None:
+            return memlab_call(self.module, *args, **kwargs)
+        return self.module(*args, **kwargs)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """Through distributed wrappers (``.module``) to the model (PeftModel or plain)."""
+    while isinstance(getattr(model, "module", None), nn.Module):
+        model = model.module
+    return model
+
+
+def base_model(model: nn.Module) -> nn.Module:
+    """The transformers model under a PEFT wrapper (the model itself when there is none)."""
+    from peft import PeftModel
+
+    return model.get_base_model() if isinstance(model, PeftModel) else model
+
+
+def call_inside(model: nn.Module, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(unwrapped_model, *args, **kwargs)``, run inside the distributed wrapper's forward
+    when there is one (DDP around a Routed, or a Routed that FSDP2 made its root)."""
+    if isinstance(model, Routed) or isinstance(getattr(model, "module", None), Routed):
+        return model(*args, memlab_call=fn, **kwargs)
+    return fn(unwrap(model), *args, **kwargs)

@@ -1,0 +1,209 @@
+"""memlab's imports point one way, and nothing patches a memlab module.
+
+Layers, top to bottom (DESIGN.md; issue 13):
+
+    0  entry points: memlab.__main__, memlab.cli.*, memlab.rank
+    1  memlab.run, memlab.estimate.*        (one job / one estimate)
+    2  memlab.pipeline                      (the one assembly)
+    3  technique packages: method, generation, packing, attention, precision, offload, peft,
+       distributed, model, data, logger
+    4  trainer, losses, measure, registry, config, _guards, memlab (the package)
+
+Every import of every module is read with ``ast`` (module level and inside functions); an import
+of a higher layer fails the test, and so does any import cycle (between modules, and between the
+technique packages of layer 3, which may import each other only one way).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[3] / "src" / "memlab"
+
+TECHNIQUES = ("method", "generation", "packing", "attention", "precision", "offload", "peft",
+              "distributed", "model", "data", "logger")
+BOTTOM = ("trainer", "losses", "measure", "registry", "config", "_guards")
+
+
+def layer(module: str) -> int:
+    """The layer of a memlab module name (``memlab.x.y``)."""
+    parts = module.split(".")
+    top = parts[1] if len(parts) > 1 else ""
+    if top in ("__main__", "cli", "rank"):
+        return 0
+    if top in ("run", "estimate"):
+        return 1
+    if top == "pipeline":
+        return 2
+    if top in TECHNIQUES:
+        return 3
+    if top in BOTTOM or top == "":
+        return 4
+    raise AssertionError(f"{module}: no layer assigned; add memlab.{top} to the layer map of "
+                         "tests/unit/core/test_layers.py (and to DESIGN's picture)")
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(SRC.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports(path: Path) -> list[tuple[str, int, bool]]:
+    """Every memlab module ``path`` imports: (name, line, inside a function)."""
+    tree = ast.parse(path.read_text())
+    in_function: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            in_function |= {id(n) for n in ast.walk(node) if n is not node}
+    me = module_name(path)
+    package = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    out = []
+    for node in ast.walk(tree):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative import
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            # `from memlab.x import y` may import the submodule memlab.x.y
+            for a in node.names:
+                sub = f"{base}.{a.name}"
+                names.append(sub if (SRC.parent / (sub.replace(".", "/") + ".py")).exists()
+                             or (SRC.parent / sub.replace(".", "/")).is_dir() else base)
+        for n in names:
+            if n == "memlab" or n.startswith("memlab."):
+                out.append((n, node.lineno, id(node) in in_function))
+    return out
+
+
+def graph() -> dict[str, list[tuple[str, int, bool]]]:
+    return {module_name(p): imports(p) for p in sorted(SRC.rglob("*.py"))}
+
+
+def test_no_module_imports_a_higher_layer():
+    bad = []
+    for mod, deps in graph().items():
+        for dep, line, inner in deps:
+            if layer(dep) < layer(mod):
+                bad.append(f"{mod} (layer {layer(mod)}) imports {dep} (layer {layer(dep)}) at "
+                           f"line {line}" + (" inside a function" if inner else ""))
+    assert not bad, "upward imports:\n  " + "\n  ".join(bad)
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one node (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in list(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _resolve(dep: str, modules: set[str]) -> str:
+    while dep not in modules and "." in dep:
+        dep = dep.rpartition(".")[0]
+    return dep
+
+
+def test_no_import_cycle_between_modules():
+    g = graph()
+    modules = set(g)
+    edges = {m: {_resolve(d, modules) for d, _, _ in deps} - {m} for m, deps in g.items()}
+    cycles = _cycles(edges)
+    assert not cycles, "import cycles:\n  " + "\n  ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_technique_packages_import_each_other_one_way():
+    edges: dict[str, set[str]] = {}
+    for mod, deps in graph().items():
+        src = mod.split(".")[1] if "." in mod else ""
+        if src not in TECHNIQUES:
+            continue
+        for dep, _, _ in deps:
+            dst = dep.split(".")[1] if "." in dep else ""
+            if dst in TECHNIQUES and dst != src:
+                edges.setdefault(src, set()).add(dst)
+    cycles = _cycles(edges)
+    assert not cycles, "packages importing each other:\n  " + "\n  ".join(
+        " <-> ".join(c) for c in cycles)
+
+
+def test_the_layer_test_sees_what_it_checks():
+    """Negative control: the walker finds imports inside functions and relative imports, and an
+    upward import is caught."""
+    deps = {d for d, _, inner in imports(SRC / "run.py") if inner}
+    assert "memlab.pipeline" in deps  # imported inside _train
+    assert layer("memlab.trainer.loop") > layer("memlab.pipeline") > layer("memlab.run")
+    with pytest.raises(AssertionError, match="no layer assigned"):
+        layer("memlab.somethingnew")
+
+
+def test_no_memlab_module_is_patched():
+    """memlab changes third-party code only in memlab.measure.patches; no module assigns an
+    attribute of a memlab module at run time (``setattr(memlab_module, ...)`` or
+    ``module.attr = ...`` on an imported memlab module)."""
+    bad = []
+    for path in sorted(SRC.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        memlab_aliases = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("memlab"):
+                for a in node.names:
+                    sub = f"{node.module}.{a.name}"
+                    if (SRC.parent / (sub.replace(".", "/") + ".py")).exists() or \
+                            (SRC.parent / sub.replace(".", "/")).is_dir():
+                        memlab_aliases.add(a.asname or a.name)
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name.startswith("memlab"):
+                        memlab_aliases.add(a.asname or a.name.split(".")[0])
+        for node in ast.walk(tree):
+            targets = []
+            if isinstance(node, (ast.Assign, ast.AugAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for t in targets:
+                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and \
+                        t.value.id in memlab_aliases:
+                    bad.append(f"{path.relative_to(SRC.parent)}:{node.lineno}")
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+                    node.func.id == "setattr" and node.args and \
+                    isinstance(node.args[0], ast.Name) and node.args[0].id in memlab_aliases:
+                bad.append(f"{path.relative_to(SRC.parent)}:{node.lineno}")
+    assert not bad, "memlab modules patched at:\n  " + "\n  ".join(bad)

@@ -1,0 +1,102 @@
+"""Cross-group rules are written once, by the option that owns the capability, and test a
+declared capability rather than another group's option name: each mistake gets exactly one
+message, naming the options the user chose."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from omegaconf import OmegaConf, open_dict
+
+from memlab.registry import ConfigErrors, options
+from memlab.run import validate
+from memlab_testing import FAST, compose
+
+
+def _errors(overrides: list[str]) -> list[str]:
+    switched = {o.split("=")[0] for o in overrides if "=" in o and "." not in o.split("=")[0]}
+    cfg = compose([o for o in FAST if o.split(".")[0] not in switched] + overrides)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    try:
+        validate(OmegaConf.to_container(cfg, resolve=True))
+    except ConfigErrors as e:
+        return e.errors
+    return []
+
+
+@pytest.mark.parametrize("method", ["grpo", "rloo", "online_dpo", "ppo", "gkd"])
+def test_packing_an_online_method_is_one_message_naming_it(method):
+    errors = _errors([f"method={method}", "packing=bfd"])
+    packing = [e for e in errors if "packing=bfd" in e]
+    assert len(packing) == 1, errors
+    assert f"method={method}" in packing[0]
+
+
+def test_packing_a_preference_method_points_to_padding_free():
+    errors = _errors(["method=dpo", "packing=bfd"])
+    assert len(errors) == 1 and "method.padding_free=true" in errors[0]
+
+
+def test_a_second_trained_model_is_refused_by_every_multi_rank_wrapper():
+    """PPO's value model: the rule belongs to the distributed options (they wrap the policy
+    only) and reads the method's declared ``trains_extra_models``."""
+    for dist in ("ddp", "fsdp2", "deepspeed"):
+        errors = _errors(["method=ppo", f"distributed={dist}", "distributed.nproc=2"])
+        assert len([e for e in errors if "value model" in e]) == 1, (dist, errors)
+    assert _errors(["method=ppo"]) == []
+
+
+def test_rules_read_capabilities_not_names():
+    """A method that declares ``trains_extra_models`` is refused by ddp whatever its name."""
+    from memlab.distributed.ddp import DDP
+
+    cfg = compose(FAST + ["distributed=ddp", "distributed.nproc=2"])
+    with open_dict(cfg):
+        del cfg["hydra"]
+    ctx = validate(OmegaConf.to_container(cfg, resolve=True))
+
+    @dataclasses.dataclass
+    class Renamed(type(ctx.method)):
+        trains_extra_models = True
+
+    renamed = dataclasses.replace(ctx, method=Renamed())
+    assert any("also trains another model" in e for e in DDP(nproc=2).validate(renamed))
+    assert not any("also trains another model" in e for e in DDP(nproc=2).validate(ctx))
+
+
+def test_every_method_declares_every_capability():
+    """The capabilities the loop and the rules read are declared by every method (no
+    hasattr/getattr discovery), and the registered configs hold configuration only."""
+    from memlab.registry import lookup
+
+    for name in options("method"):
+        cls = lookup("method", name)
+        for attr in ("data_kinds", "head", "items_name", "supports_packing",
+                     "supports_padding_free", "trains_extra_models"):
+            assert attr in dir(cls), (name, attr)
+        for fn in ("generates", "packs_rows", "uses_liger", "reads_head_weight",
+                   "row_length", "prepare", "collate", "extra_models", "before_training",
+                   "loss", "validate"):
+            assert callable(getattr(cls, fn, None)), (name, fn)
+        method = cls()
+        if method.generates():
+            assert callable(getattr(cls, "rollout", None)) and method.num_iterations >= 1
+    for group in ("distributed",):
+        for name in options(group):
+            cls = lookup(group, name)
+            for attr in ("owns_step", "checkpoint_format", "wraps_fake_tensors"):
+                assert attr in dir(cls), (name, attr)
+
+
+def test_option_configs_hold_no_run_time_state():
+    """A registered option's instance attributes are exactly its dataclass fields."""
+    from memlab.registry import GROUPS, lookup
+
+    for group in GROUPS:
+        for name in options(group):
+            cls = lookup(group, name)
+            obj = cls()
+            fields = {f.name for f in dataclasses.fields(cls)}
+            assert set(vars(obj)) == fields, (group, name, set(vars(obj)) - fields)

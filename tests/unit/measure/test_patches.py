@@ -1,0 +1,75 @@
+"""memlab's changes to third-party code live in one module, restore themselves, and fail loudly
+when their target is missing (an upgrade that renames a function must not turn a patch into a
+silent no-op)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from memlab.measure import patches
+
+
+def test_patched_restores_the_original_and_refuses_a_missing_target():
+    owner = types.SimpleNamespace(f=lambda: "original")
+    with patches.patched(owner, "f", lambda: "patched") as original:
+        assert owner.f() == "patched" and original() == "original"
+    assert owner.f() == "original"
+    with pytest.raises(RuntimeError):  # restored on error too
+        with patches.patched(owner, "f", lambda: "patched"):
+            raise RuntimeError("boom")
+    assert owner.f() == "original"
+    with pytest.raises(patches.PatchTargetMissing, match="renamed_away"):
+        with patches.patched(owner, "renamed_away", lambda: None):
+            pass
+
+
+def test_a_class_attribute_patch_leaves_no_instance_or_class_residue():
+    class Owner:
+        def f(self):
+            return 1
+
+    with patches.patched(Owner, "f", lambda self: 2):
+        assert Owner().f() == 2
+    assert Owner().f() == 1 and "f" in vars(Owner)
+
+
+@pytest.mark.parametrize("name, target", [
+    ("recording_multi_grad_hooks",
+     ("torch.distributed._tools.mod_tracker", "register_multi_grad_hook")),
+    ("stop_at_length", ("transformers.generation.utils", "StopCheck.__call__")),
+    ("mask_decisions", ("transformers.masking_utils", "find_packed_sequence_indices")),
+    ("mask_decisions", ("transformers.masking_utils", "_ignore_causal_mask_sdpa")),
+])
+def test_every_patch_target_exists_in_the_installed_versions(name, target):
+    """Each patch's target is where memlab expects it; entering the patch checks it too."""
+    import importlib
+
+    module, attr = target
+    obj = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    assert callable(obj)
+    args = {"recording_multi_grad_hooks": (), "stop_at_length": (lambda: 1,),
+            "mask_decisions": (lambda orig, p: orig(p), lambda orig, *a, **k: orig(*a, **k))}
+    with getattr(patches, name)(*args[name]):
+        pass
+
+
+def test_a_renamed_target_fails_the_patch_loudly(monkeypatch):
+    """Negative control: if transformers renamed StopCheck.__call__'s class, the estimator's
+    patch would raise instead of patching nothing."""
+    from transformers.generation import utils as gen_utils
+
+    monkeypatch.delattr(gen_utils, "StopCheck")
+    with pytest.raises(patches.PatchTargetMissing, match="StopCheck"):
+        with patches.stop_at_length(lambda: 1):
+            pass
+    monkeypatch.undo()
+    from transformers import masking_utils as mu
+
+    monkeypatch.delattr(mu, "_ignore_causal_mask_sdpa")
+    with pytest.raises(patches.PatchTargetMissing, match="_ignore_causal_mask_sdpa"):
+        with patches.mask_decisions(lambda o, p: o(p), lambda o, *a, **k: o(*a, **k)):
+            pass
