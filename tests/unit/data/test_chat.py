@@ -306,46 +306,74 @@ def test_completion_is_what_the_answer_adds_after_the_generation_prompt(name):
 # ------------------------------------------------------------------------------ real tokenizer
 
 
-def _mistral_common_tokenizer(tmp_path):
-    """Mistral's v3 SentencePiece tokenizer as shipped inside the mistral-common wheel, loaded
-    by transformers from a directory (no network)."""
+# Mistral's own formats, as mistral-common renders them: v3 (SentencePiece, spaces before each
+# message) and v7 / Nemo's Tekken (byte-level BPE, no spaces)
+MISTRAL_V3 = MISTRAL.replace("{%- if messages[0]['role'] == 'system' -%}", "{%- if false -%}")
+TEKKEN = (
+    "{{- '<s>' -}}"
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'user' -%}{{- '[INST]' + m['content'] + '[/INST]' -}}"
+    "{%- else -%}{{- m['content'] + '</s>' -}}{%- endif -%}"
+    "{%- endfor -%}"
+)
+REAL = {  # file in mistral_common/data, template, what one answer contributes
+    "v3": ("mistral_instruct_tokenizer_240323.model.v3", MISTRAL_V3, lambda c: " " + c + "</s>"),
+    "tekken": ("tekken_240911.json", TEKKEN, lambda c: c + "</s>"),
+}
+
+
+@pytest.fixture(scope="module",
+                params=["v3", pytest.param("tekken", marks=pytest.mark.slow)])  # Tekken: ~20 s
+def real_mistral(request, tmp_path_factory):
+    """A tokenizer file shipped inside the mistral-common wheel, loaded by transformers from a
+    directory (no network), with its reference encoder from mistral-common."""
     mc = pytest.importorskip("mistral_common")
     import shutil
     from pathlib import Path
 
-    from transformers import LlamaTokenizer
+    from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
+    from transformers import AutoTokenizer, LlamaTokenizer
 
-    model = Path(mc.__file__).parent / "data" / "mistral_instruct_tokenizer_240323.model.v3"
-    if not model.is_file():
-        pytest.skip(f"mistral-common {mc.__version__} ships no {model.name}")
-    shutil.copy(model, tmp_path / "tokenizer.model")
-    tok = LlamaTokenizer.from_pretrained(tmp_path, legacy=False)
-    tok.chat_template = MISTRAL
-    return tok
+    name, template, answer = REAL[request.param]
+    source = Path(mc.__file__).parent / "data" / name
+    if not source.is_file():
+        pytest.skip(f"mistral-common {mc.__version__} ships no {name}")
+    path = tmp_path_factory.mktemp(request.param)
+    if request.param == "v3":
+        shutil.copy(source, path / "tokenizer.model")
+        tok = LlamaTokenizer.from_pretrained(path, legacy=False)
+    else:
+        shutil.copy(source, path / "tekken.json")
+        tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template = template
+    return tok, MistralTokenizer.from_file(str(source)), answer, request.param
 
 
-def test_real_mistral_tokenizer_matches_mistral_common(tmp_path):
-    tok = _mistral_common_tokenizer(tmp_path)
+def test_real_mistral_tokenizers_match_mistral_common(real_mistral):
+    tok, reference, answer, kind = real_mistral
     from mistral_common.protocol.instruct.messages import AssistantMessage, UserMessage
     from mistral_common.protocol.instruct.request import ChatCompletionRequest
-    from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
 
-    reference = MistralTokenizer.v3()
     kinds = {"user": UserMessage, "assistant": AssistantMessage}
     convs = [c for c in _conversations("mistral") if c[0]["role"] != "system"]
     assert len(convs) >= 8
+    eos = tok.convert_tokens_to_ids("</s>")
     for i, msgs in enumerate(convs):
         ids, mask = chat.assistant_mask(tok, msgs, i)
+        assert ids == _rendered_ids(tok, msgs)
         # mistral-common encodes a conversation ending in an answer only as a prefix of the next
-        # request: compare the prompt + answer up to the last answer's </s>
+        # request: compare the prompt + answers up to the last answer's </s>
         req = ChatCompletionRequest(messages=[kinds[m["role"]](content=m["content"])
                                               for m in msgs[:-1]])
         want = reference.encode_chat_completion(req).tokens
         assert ids[: len(want)] == want
-        assert ids[-1] == tok.eos_token_id
-        pieces = [tok.convert_ids_to_tokens(ids[s:e]) for s, e in _spans(mask)]
-        got = [_sentencepiece_text(p) for p in pieces]
-        assert got == [" " + m["content"] + "</s>" for m in msgs if m["role"] == "assistant"]
+        assert ids[-1] == eos
+        if kind == "v3":
+            got = [_sentencepiece_text(tok.convert_ids_to_tokens(ids[s:e]))
+                   for s, e in _spans(mask)]
+        else:
+            got = _runs(tok, ids, mask)
+        assert got == [answer(m["content"]) for m in msgs if m["role"] == "assistant"]
 
 
 def _sentencepiece_text(pieces: list[str]) -> str:
