@@ -147,7 +147,10 @@ def test_estimate_of_a_ddp_run_is_one_rank_with_resident_buckets(tmp_path):
 
 
 def test_failing_ranks_fail_the_run_with_their_error(job, tmp_path):
-    bad = job(DDP + ["model=hf", f"model.name_or_path={tmp_path}/no-such-model"])
+    # a directory with a config.json passes validation; loading it fails in every rank
+    (tmp_path / "no-weights").mkdir()
+    (tmp_path / "no-weights" / "config.json").write_text("{}")
+    bad = job(DDP + ["model=hf", f"model.name_or_path={tmp_path}/no-weights"])
     assert bad["status"] == "failed"
     assert bad["error"].startswith("RankFailed: rank 0 failed:")
     assert [r["status"] for r in bad["distributed"]["ranks"]] == ["failed", "failed"]

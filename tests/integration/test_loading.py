@@ -40,7 +40,7 @@ def test_hf_model_from_local_directory(job, saved_model):
 
 def test_hf_model_missing_path_fails_clearly(job, tmp_path):
     s = job(["model=hf", f"model.name_or_path={tmp_path / 'nope'}", "model.local_files_only=true"])
-    assert s["status"] == "failed" and "nope" in s["error"]
+    assert s["status"] == "invalid" and "nope: no such directory" in s["error"]
 
 
 def test_hub_dataset_from_local_folder(job, tmp_path):

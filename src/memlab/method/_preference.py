@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memlab.data import chat
 from memlab.data.base import DataError, check_messages, check_text
 from memlab.losses import segment_logps, sequence_logps
 from memlab.method.base import (
@@ -105,12 +106,6 @@ def liger_errors(method, ctx, loss_name: str) -> list[str]:
 # ----------------------------------------------------------------------------------- rows
 
 
-def _chat_ids(tok, messages: list[dict], generation_prompt: bool) -> list[int]:
-    enc = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=generation_prompt,
-                                  return_dict=True)
-    return list(enc["input_ids"])
-
-
 def split_implicit_prompt(chosen: Any, rejected: Any, idx: int) -> tuple[list, list, list]:
     """Conversational chosen / rejected without a prompt column: the longest common message
     prefix is the prompt, the rest are the completions."""
@@ -130,8 +125,7 @@ def split_implicit_prompt(chosen: Any, rejected: Any, idx: int) -> tuple[list, l
 def encode_prompt(tok, prompt: Any, idx: int) -> list[int]:
     """Prompt tokens: the chat template with the generation prompt, or plain text."""
     if isinstance(prompt, list):
-        check_messages(prompt, idx, "prompt")
-        return _chat_ids(tok, prompt, generation_prompt=True)
+        return chat.prompt_ids(tok, prompt, idx, "prompt")
     check_text(prompt, idx, "prompt")
     return list(tok(prompt, add_special_tokens=False)["input_ids"])
 
@@ -140,19 +134,7 @@ def encode_completion(tok, prompt: Any, prompt_ids: list[int], completion: Any, 
                       field: str) -> list[int]:
     """Completion tokens that follow ``prompt_ids`` (see the module docstring)."""
     if isinstance(prompt, list):
-        check_messages(completion, idx, field)
-        full = _chat_ids(tok, prompt + completion, generation_prompt=False)
-        if full[: len(prompt_ids)] != prompt_ids:
-            raise DataError(
-                f"row {idx}: the chat template renders 'prompt' differently alone (with the "
-                f"generation prompt) and followed by '{field}', so the completion cannot be cut "
-                "out; check that the prompt ends with a user turn and the completion is an "
-                "assistant turn"
-            )
-        out = full[len(prompt_ids):]
-        if not out:
-            raise DataError(f"row {idx}: field '{field}' renders to no tokens")
-        return out
+        return chat.completion_ids(tok, prompt, prompt_ids, completion, idx, field)
     if isinstance(completion, list):
         raise DataError(f"row {idx}: 'prompt' is a string but '{field}' is a list of messages; "
                         "use the same format (both strings or both messages)")
@@ -165,8 +147,7 @@ def encode_full(tok, prompt: Any | None, completion: Any, idx: int, field: str) 
     is a full conversation / text."""
     if prompt is None:
         if isinstance(completion, list):
-            check_messages(completion, idx, field)
-            return _chat_ids(tok, completion, generation_prompt=False)
+            return chat.conversation_ids(tok, completion, idx, field)
         check_text(completion, idx, field)
         return list(tok(completion, add_special_tokens=False)["input_ids"]) + [tok.eos_token_id]
     p = encode_prompt(tok, prompt, idx)

@@ -17,7 +17,8 @@ from typing import Any, ClassVar, Literal
 import torch
 import torch.nn.functional as F
 
-from memlab.data.base import DataError, check_messages, check_text
+from memlab.data import chat
+from memlab.data.base import DataError, check_text
 from memlab.losses import chunked_linear_cross_entropy
 from memlab.method.base import (
     IGNORE,
@@ -161,34 +162,19 @@ class SFT(Offline):
         eos = tok.eos_token_id
         train_completion = self.loss_on == "completion"
         if fmt == "messages":
-            check_messages(row["messages"], idx, "messages")
-            enc = tok.apply_chat_template(
-                row["messages"], tokenize=True, return_dict=True,
-                return_assistant_tokens_mask=train_completion,
-            )
-            ids = list(enc["input_ids"])
-            mask = list(enc["assistant_masks"]) if train_completion else [1] * len(ids)
-            if train_completion and not any(mask):
-                raise DataError(f"row {idx}: field 'messages' has no assistant turn to train on "
-                                "(or the chat template lacks {% generation %} markers); "
-                                "set method.loss_on=all to train on every token")
-            return ids, mask
+            if not train_completion:
+                ids = chat.conversation_ids(tok, row["messages"], idx, "messages")
+                return ids, [1] * len(ids)
+            return chat.assistant_mask(tok, row["messages"], idx, "messages")
         if fmt == "text":
             check_text(row["text"], idx, "text")
             ids = tok(row["text"], add_special_tokens=False)["input_ids"] + [eos]
             return ids, [1] * len(ids)
         prompt, completion = row["prompt"], row["completion"]
         if isinstance(prompt, list):
-            check_messages(prompt, idx, "prompt")
-            check_messages(completion, idx, "completion")
-            p = tok.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True,
-                                        return_dict=True)["input_ids"]
-            full = tok.apply_chat_template(prompt + completion, tokenize=True,
-                                           return_dict=True)["input_ids"]
-            p, full = list(p), list(full)
-            if full[: len(p)] != p:
-                raise DataError(f"row {idx}: the chat template renders 'prompt' differently "
-                                "alone and with the completion; cannot find the completion")
+            p = chat.prompt_ids(tok, prompt, idx, "prompt")
+            full = p + chat.completion_ids(tok, prompt, p, completion, idx, "completion",
+                                           fix=chat.SFT_FIX)
         else:
             check_text(prompt, idx, "prompt")
             check_text(completion, idx, "completion")

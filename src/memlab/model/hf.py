@@ -1,6 +1,11 @@
 """`model=hf`: any Hugging Face model by hub name or local path (``from_pretrained``).
 
-Offline use: a local directory, or ``local_files_only: true`` with a warm HF cache.
+Offline use: a local directory, or ``local_files_only: true`` (or ``HF_HUB_OFFLINE=1``) with a
+warm HF cache. Before anything loads: a local directory that does not exist or has no
+``config.json`` is a config error (``validate``); missing weight / tokenizer files are named when
+that part loads; a hub name is checked against the cache (offline) or with one short request
+(online), so an unreachable hub fails in seconds instead of after a minute of retries
+(:mod:`memlab.model._files`).
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from typing import Any
 
 from torch import nn
 
+from memlab.model import _files
 from memlab.model.base import Head, auto_class, finish_load, load_kwargs
 from memlab.registry import register
 
@@ -23,36 +29,61 @@ class HubModel:
     revision: str | None = None
     tokenizer: str | None = None
     """Tokenizer name or path; None = same as name_or_path."""
+    chat_template: str | None = None
+    """A Jinja chat template file that replaces the tokenizer's own (e.g. one with
+    ``{% generation %}`` markers); None = the tokenizer's."""
     trust_remote_code: bool = False
     local_files_only: bool = False
+    """Never touch the network (a local directory, or a model in the HF cache)."""
 
     def validate(self, ctx) -> list[str]:
         if not self.name_or_path:
             return ["model.name_or_path must name a hub model or a local directory"]
-        return []
+        errors = []
+        if _files.looks_like_path(self.name_or_path):
+            errors += _files.path_errors("model.name_or_path", self.name_or_path, ("config",))
+        if self.tokenizer and _files.looks_like_path(self.tokenizer):
+            errors += _files.path_errors("model.tokenizer", self.tokenizer, ("tokenizer",))
+        errors += _files.chat_template_errors("model.chat_template", self.chat_template)
+        return errors
+
+    def _local_only(self, key: str, name: str, need: tuple[str, ...], probe_file: str) -> bool:
+        """Check where ``name`` loads from (module docstring); True = from files on disk only."""
+        if _files.looks_like_path(name):
+            _files.check_local(key, name, need)
+            return self.local_files_only
+        return _files.hub_local_only(key, name, self.revision, self.local_files_only,
+                                     probe_file)
 
     def load_tokenizer(self, ctx):
         from transformers import AutoTokenizer
 
+        key, name = ("model.tokenizer", self.tokenizer) if self.tokenizer else (
+            "model.name_or_path", self.name_or_path)
+        local_only = self._local_only(key, name, ("tokenizer",), "tokenizer_config.json")
         tok = AutoTokenizer.from_pretrained(
-            self.tokenizer or self.name_or_path,
+            name,
             revision=self.revision,
             trust_remote_code=self.trust_remote_code,
-            local_files_only=self.local_files_only,
+            local_files_only=local_only,
         )
         if tok.pad_token is None:
             tok.pad_token = tok.eos_token
-        return tok
+        return _files.apply_chat_template_file(tok, self.chat_template)
 
     def hf_config(self, tokenizer):
-        """The model's transformers config (no weights)."""
+        """The model's transformers config (no weights; a directory needs only config.json)."""
         from transformers import AutoConfig
 
+        local_only = self._local_only("model.name_or_path", self.name_or_path, ("config",),
+                                      "config.json")
         return AutoConfig.from_pretrained(self.name_or_path, revision=self.revision,
                                           trust_remote_code=self.trust_remote_code,
-                                          local_files_only=self.local_files_only)
+                                          local_files_only=local_only)
 
     def load(self, ctx, tokenizer, head: Head, extra: dict[str, Any]) -> nn.Module:
+        local_only = self._local_only("model.name_or_path", self.name_or_path,
+                                      ("config", "weights"), "config.json")
         kw = load_kwargs(ctx, extra)
         if head == "seq_cls":
             kw.setdefault("num_labels", 1)
@@ -60,7 +91,7 @@ class HubModel:
             self.name_or_path,
             revision=self.revision,
             trust_remote_code=self.trust_remote_code,
-            local_files_only=self.local_files_only,
+            local_files_only=local_only,
             **kw,
         )
         if "quantization_config" not in extra:

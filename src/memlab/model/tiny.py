@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from torch import nn
 
+from memlab.model import _files
 from memlab.model.base import Head, auto_class, finish_load, load_kwargs, seeded
 from memlab.registry import register
 
@@ -29,6 +30,8 @@ class Tiny:
     tie_word_embeddings: bool = False
     tokenizer: str | None = None
     """Tokenizer dir; None = the BPE tokenizer shipped in memlab/assets/tokenizer."""
+    chat_template: str | None = None
+    """A Jinja chat template file that replaces the tokenizer's own; None = the tokenizer's."""
     seed: int | None = None
     """Init seed; None = train.seed."""
 
@@ -44,12 +47,17 @@ class Tiny:
                 f"model.num_heads={self.num_heads} must be a multiple of "
                 f"model.num_kv_heads={self.num_kv_heads}"
             )
+        if self.tokenizer is not None:
+            errors += _files.path_errors("model.tokenizer", self.tokenizer, ("tokenizer",))
+        errors += _files.chat_template_errors("model.chat_template", self.chat_template)
         return errors
 
     def load_tokenizer(self, ctx):
         from memlab.data.assets import load_tokenizer
 
-        return load_tokenizer(self.tokenizer)
+        if self.tokenizer is not None:
+            _files.check_local("model.tokenizer", self.tokenizer, ("tokenizer",))
+        return _files.apply_chat_template_file(load_tokenizer(self.tokenizer), self.chat_template)
 
     def hf_config(self, tokenizer):
         from transformers import LlamaConfig, Qwen2Config

@@ -1,0 +1,215 @@
+"""Where model and tokenizer files come from, checked before anything loads.
+
+Not an option of its own (the registry skips modules whose name starts with ``_``).
+
+* **Local directories** (a name that starts with ``/ . ~``, exists, or whose first path
+  component exists): no such directory, no ``config.json``, no weight files, no tokenizer files
+  each get an error naming the directory, what is missing and how to fix it.
+* **Hub names**: with ``local_files_only`` or ``HF_HUB_OFFLINE=1`` the local Hugging Face cache
+  is checked at once (no network call). Otherwise one metadata request with a short timeout and
+  no retries (:data:`PROBE_TIMEOUT_S`) tells whether the hub answers: unreachable -> the cached
+  copy is loaded offline if there is one, else an error within seconds (huggingface_hub's own
+  retries take ~25 s per file, ~55 s for a tokenizer and its model); not found, gated or private
+  -> an error saying so. The answer is remembered for the process.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+PROBE_TIMEOUT_S = 5.0
+"""Seconds to wait for the hub's answer to the one probe request (a lower
+``HF_HUB_ETAG_TIMEOUT`` wins)."""
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json", "adapter_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model", "sentencepiece.bpe.model", "tekken.json")
+
+_PROBED: dict[tuple[str, str | None, str], bool] = {}
+
+
+class ModelFilesError(OSError):
+    """Model or tokenizer files cannot be found; the message names where and the fix."""
+
+
+def looks_like_path(name: str) -> bool:
+    """A local path rather than a hub id: starts with ``/ . ~``, exists, has more than one
+    ``/``, or its first component is an existing directory."""
+    if name.startswith(("/", ".", "~")) or os.path.exists(os.path.expanduser(name)):
+        return True
+    parts = Path(name).parts
+    return len(parts) > 2 or (len(parts) > 1 and Path(parts[0]).is_dir())
+
+
+def _nearest_parent(path: Path) -> str:
+    for parent in path.parents:
+        if parent.is_dir():
+            return str(parent)
+    return "/"
+
+
+def path_errors(key: str, name: str, need: tuple[str, ...]) -> list[str]:
+    """Problems of a local directory given as ``key=name``: it must exist and hold the files
+    ``need`` names (``"config"``, ``"weights"``, ``"tokenizer"``)."""
+    path = Path(os.path.expanduser(name)).absolute()
+    if not path.exists():
+        return [f"{key}={name}: no such directory ({path}; the nearest existing parent is "
+                f"{_nearest_parent(path)}); give the directory of a saved model "
+                "(save_pretrained) or a hub name such as Qwen/Qwen2.5-0.5B"]
+    if not path.is_dir():
+        return [f"{key}={name}: {path} is a file, not a directory; give the directory it is in"]
+    files = {p.name for p in path.iterdir()}
+    errors = []
+    if "config" in need and "config.json" not in files:
+        errors.append(f"{key}={name}: {path} has no config.json, so it is not a saved Hugging "
+                      "Face model; save one there with model.save_pretrained(dir)")
+    if "weights" in need and not _has_weights(files):
+        errors.append(f"{key}={name}: {path} has no weight files ({', '.join(WEIGHT_FILES)}, or "
+                      "shards *.safetensors); save the weights there with "
+                      "model.save_pretrained(dir)")
+    if "tokenizer" in need and not _has_tokenizer(files):
+        errors.append(f"{key}={name}: {path} has no tokenizer files "
+                      f"({', '.join(TOKENIZER_FILES)}); save the tokenizer there with "
+                      "tokenizer.save_pretrained(dir) or point model.tokenizer at one")
+    return errors
+
+
+def _has_weights(files: set[str]) -> bool:
+    return any(f in files for f in WEIGHT_FILES) or any(f.endswith(".safetensors")
+                                                       for f in files)
+
+
+def _has_tokenizer(files: set[str]) -> bool:
+    return any(f in files for f in TOKENIZER_FILES) or any(
+        f.startswith("tokenizer.model.") or f.endswith(".tiktoken") for f in files)
+
+
+def check_local(key: str, name: str, need: tuple[str, ...]) -> None:
+    """Raise :class:`ModelFilesError` with every problem of :func:`path_errors`."""
+    errors = path_errors(key, name, need)
+    if errors:
+        raise ModelFilesError("; ".join(errors))
+
+
+def chat_template_errors(key: str, path: str | None) -> list[str]:
+    """``model.chat_template`` must be a readable Jinja file that compiles."""
+    if path is None:
+        return []
+    file = Path(os.path.expanduser(path))
+    if not file.is_file():
+        return [f"{key}={path}: no such file; give a Jinja chat template file (e.g. one with "
+                "{% generation %} markers around each assistant answer)"]
+    try:
+        import jinja2
+
+        text = re.sub(r"\{%-?\s*(end)?generation\s*-?%\}", "", file.read_text())  # HF's own tag
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        return [f"{key}={path}: not a valid Jinja template (line {e.lineno}: {e.message})"]
+    except (OSError, UnicodeDecodeError) as e:
+        return [f"{key}={path}: cannot be read ({e})"]
+    return []
+
+
+def apply_chat_template_file(tok, path: str | None):
+    """Replace the tokenizer's chat template with the file's text (``model.chat_template``)."""
+    if path is not None:
+        tok.chat_template = Path(os.path.expanduser(path)).read_text()
+    return tok
+
+
+def offline(local_files_only: bool) -> bool:
+    from huggingface_hub import constants
+
+    return local_files_only or constants.is_offline_mode() or os.environ.get(
+        "HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+
+
+def hub_local_only(key: str, repo: str, revision: str | None, local_files_only: bool,
+                   filename: str = "config.json") -> bool:
+    """Whether ``repo`` (a hub name) must be loaded from the local cache only (``filename``: a
+    file every such repo has, config.json for a model). Raises
+    :class:`ModelFilesError` at once when it cannot be loaded at all: offline and not cached,
+    or the hub unreachable (probed once, :data:`PROBE_TIMEOUT_S`) and not cached, or the hub
+    answering that the repo does not exist / is gated."""
+    cached = _cached(repo, revision, filename)
+    if offline(local_files_only):
+        if not cached:
+            why = ("model.local_files_only=true" if local_files_only else "HF_HUB_OFFLINE=1")
+            raise ModelFilesError(
+                f"{key}={repo}: not in the local Hugging Face cache ({_cache_dir()}), and {why} "
+                "forbids downloading it; download it where the hub can be reached "
+                f"(`hf download {repo}`) and pass that directory, or unset {why}")
+        return True
+    reachable = _probe(key, repo, revision, filename)
+    if not reachable and not cached:
+        raise ModelFilesError(
+            f"{key}={repo}: the Hugging Face hub ({_endpoint()}) cannot be reached and the model "
+            f"is not in the local cache ({_cache_dir()}); download it where the hub can be "
+            f"reached (`hf download {repo} --local-dir DIR`) and set {key}=DIR, or check the "
+            "network / HF_ENDPOINT")
+    return not reachable
+
+
+def _probe(key: str, repo: str, revision: str | None, filename: str) -> bool:
+    """One HEAD request for ``filename`` without retries; True when the hub answered that the
+    file exists. Raises for a repo the hub says is missing, gated or private."""
+    if (repo, revision, filename) in _PROBED:
+        return _PROBED[(repo, revision, filename)]
+    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        GatedRepoError,
+        HfHubHTTPError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    timeout = min(PROBE_TIMEOUT_S, float(constants.HF_HUB_ETAG_TIMEOUT))
+    url = hf_hub_url(repo, filename, revision=revision)
+    try:
+        get_hf_file_metadata(url, timeout=timeout)
+        ok = True
+    except GatedRepoError as e:
+        raise ModelFilesError(f"{key}={repo}: a gated model; accept its license on the hub and "
+                              f"log in (`hf auth login` or HF_TOKEN) ({e})") from e
+    except RepositoryNotFoundError as e:
+        raise ModelFilesError(f"{key}={repo}: no such model on the hub (or it is private: log "
+                              "in with `hf auth login` or HF_TOKEN); check the name, or give a "
+                              "local directory") from e
+    except RevisionNotFoundError as e:
+        raise ModelFilesError(f"{key}={repo}: the hub has no revision {revision!r}; check "
+                              "model.revision") from e
+    except EntryNotFoundError as e:
+        raise ModelFilesError(f"{key}={repo}: the hub repo has no {filename}, so it is not a "
+                              "transformers model / tokenizer") from e
+    except HfHubHTTPError:
+        ok = False  # a server error: treat as unreachable (cached copy, or the error below)
+    except Exception:  # noqa: BLE001 - connection refused, DNS failure, timeout, proxy errors
+        ok = False
+    _PROBED[(repo, revision, filename)] = ok
+    return ok
+
+
+def _cached(repo: str, revision: str | None, filename: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        return isinstance(try_to_load_from_cache(repo, filename, revision=revision), str)
+    except Exception:  # noqa: BLE001 - an invalid repo id is simply not cached
+        return False
+
+
+def _cache_dir() -> str:
+    from huggingface_hub import constants
+
+    return str(constants.HF_HUB_CACHE)
+
+
+def _endpoint() -> str:
+    from huggingface_hub import constants
+
+    return constants.ENDPOINT
