@@ -53,6 +53,18 @@ def dispatch(argv: Sequence[str]) -> tuple[str | None, list[str]]:
     return MODES[mode], rest
 
 
+def single_run_of_a_sweep(argv: Sequence[str]) -> str | None:
+    """The error for ``memlab sweep=<name>`` without ``-m`` (it would train one job of the
+    sweep's base config, not the sweep); None when ``argv`` sweeps or only inspects."""
+    sweeps = [a for a in argv if a.split("=", 1)[0].lstrip("+") == "sweep" and "=" in a]
+    inspect = {"-m", "--multirun", "--cfg", "-c", "--info", "-i", "--help", "-h",
+               "--hydra-help", *COMPLETION_FLAGS}
+    if not sweeps or any(a in inspect or a.startswith("--cfg=") for a in argv):
+        return None
+    return (f"{sweeps[-1]} is a sweep: run it with -m (memlab -m {' '.join(argv)}), or see "
+            f"its config with --cfg job")
+
+
 def completion_request(argv: Sequence[str]) -> tuple[str, str] | None:
     """``("install" | "uninstall", shell)`` when ``argv`` asks to install or remove tab
     completion for bash or zsh; None otherwise (queries and other shells go to Hydra)."""
@@ -139,6 +151,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "memlab") -> int:
         return 2
     if module is not None:
         return int(importlib.import_module(module).main(rest) or 0)
+    err = single_run_of_a_sweep(rest)
+    if err:
+        print(f"memlab: {err}", file=sys.stderr)
+        return 2
     from memlab.__main__ import main as app
 
     sys.argv = [prog if sys.argv[0] in ("", "-c") else sys.argv[0], *rest]

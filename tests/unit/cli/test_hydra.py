@@ -77,7 +77,7 @@ def test_version_and_dispatch(capsys):
     from importlib.metadata import version
 
     import memlab
-    from memlab.cli.main import completion_request, dispatch, main
+    from memlab.cli.main import completion_request, dispatch, main, single_run_of_a_sweep
 
     assert main(["--version"]) == 0
     out = capsys.readouterr().out
@@ -89,6 +89,10 @@ def test_version_and_dispatch(capsys):
     assert completion_request(["-sc", "install=bash"]) == ("install", "bash")
     assert completion_request(["--shell-completion", "uninstall=zsh"]) == ("uninstall", "zsh")
     assert completion_request(["-sc", "query=bash"]) is None  # Hydra answers queries
+    assert main(["sweep=packing", "debug=smoke"]) == 2
+    assert "run it with -m (memlab -m sweep=packing debug=smoke)" in capsys.readouterr().err
+    assert single_run_of_a_sweep(["-m", "sweep=packing"]) is None
+    assert single_run_of_a_sweep(["sweep=packing", "--cfg", "job"]) is None
 
 
 def test_estimate_and_lengths_hydra_command_lines(tmp_path):
