@@ -51,7 +51,12 @@ class _suppress:
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{'memory': {'peak_bytes': 1}} -> {'memory/peak_bytes': 1} (lists are left out)."""
+    """{'memory': {'peak_bytes': 1}} -> {'memory/peak_bytes': 1} (lists are left out).
+
+    The W&B run summary is this, written with one ``run.summary.update``. Handing W&B the nested
+    dict instead would name the keys ``memory.peak_bytes`` (W&B nests summaries with dots), not
+    the ``memory/peak_bytes`` the per-step metrics and the W&B views use; and
+    ``pandas.json_normalize(sep="/")``, which flattens alike, is in the report extra only."""
     out: dict[str, Any] = {}
     for k, v in d.items():
         key = f"{prefix}{k}"
