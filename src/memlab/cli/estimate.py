@@ -38,7 +38,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from memlab.cli.compose import app_argv, compose, conf_dir, split_hydra_flags  # noqa: F401
+from memlab.cli.compose import app_argv, compose, split_hydra_flags
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -51,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-from memlab.cli.compose import app_argv, compose, conf_dir, split_hydra_flags  # noqa: F401
+from memlab.cli.compose import app_argv, split_hydra_flags
 
 PERCENTILES: tuple[int, ...] = (50, 75, 90, 95, 99)
 DEFAULT_MAX_TRUNCATED = 0.01
