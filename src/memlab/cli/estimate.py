@@ -242,6 +242,8 @@ def _finish_sweep(done: list[tuple[Path, dict[str, Any], str]], as_json: bool) -
     print(f"\nwrote {sweep_dir}/<n>/estimate.json and {sweep_dir / 'sweep.json'}",
           file=sys.stderr)
     return 0 if any(r["status"] == "ok" for r in rows) else 1
+
+
 def _varied(points: list[list[str]]) -> set[str]:
     """Overrides that differ between sweep points (the columns of the sweep table)."""
     if len(points) <= 1:
