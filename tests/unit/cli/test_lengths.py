@@ -136,11 +136,12 @@ def test_local_jsonl_exact(tmp_path, monkeypatch):
 
 
 def test_sharded_tokenization_is_identical(tmp_path):
+    from memlab.cli.compose import compose
     from memlab.run import validate
 
     texts = _texts(600, seed=1)
     data = _write_jsonl(tmp_path / "rows.jsonl", texts)
-    cfg, choices = L.compose(["data=local", f"data.path={data}", "method.max_length=16"])
+    cfg, choices = compose(["data=local", f"data.path={data}", "method.max_length=16"])
     ctx = validate(cfg, tmp_path, choices)
     tok = ctx.model.load_tokenizer(ctx)
     raw = ctx.data.load(ctx)
