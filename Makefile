@@ -27,8 +27,8 @@ test-fast: setup  ## unit tests only
 lint: setup  ## ruff
 	$(PY) -m ruff check src tests benchmarks scripts
 
-sweep: setup  ## the ready foundation sweep (peft x attention)
-	$(PY) -m memlab -m --config-dir sweeps --config-name foundation
+sweep: setup  ## the ready foundation sweep (peft x attention); any other: memlab -m sweep=<name>
+	$(PY) -m memlab -m sweep=foundation
 
 bench: setup  ## benchmarks (print tables, write benchmarks/results/*.json)
 	$(PY) benchmarks/packing.py

@@ -20,7 +20,9 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 REPO = Path(__file__).resolve().parents[1]
-CONF = REPO / "conf"
+CONF = REPO / "src" / "memlab" / "conf"
+"""memlab's configs (shipped in the package: ``pkg://memlab.conf``); ``CONF / "sweep"`` holds the
+ready sweeps."""
 
 # Small, fast settings every in-process job starts from (tests add their own overrides).
 FAST = [
@@ -49,8 +51,9 @@ def compose(overrides: list[str]):
 
 
 def choices_of(cfg) -> dict[str, str]:
-    return {k: str(v) for k, v in cfg.hydra.runtime.choices.items()
-            if not k.startswith("hydra/") and v is not None}
+    from memlab.measure.summary import user_choices
+
+    return user_choices(cfg.hydra.runtime.choices)
 
 
 def run_job(tmp_path: Path, overrides: list[str], fast: bool = True, name: str = "run") -> dict:

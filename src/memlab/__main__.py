@@ -1,50 +1,50 @@
-"""``python -m memlab [overrides]``: the Hydra app (the only place that touches @hydra.main).
+"""``python -m memlab ...``: the same command line as the ``memlab`` console script
+(:mod:`memlab.cli.main`). This module holds memlab's Hydra app: the only ``@hydra.main``.
 
-``mode=`` picks what the same overrides are for, before Hydra sees them:
-``mode=train`` (the default: train, or sweep with ``-m``), ``mode=estimate`` (``memlab
-estimate``: predicted peak memory on fake tensors; its options such as ``--budget 24GiB`` may
-follow) and ``mode=lengths`` (``memlab lengths``).
+The configs ship inside the package (``memlab/conf``, found on Hydra's package search path as
+``pkg://memlab.conf``), so an installed memlab runs from any directory exactly as a checkout does;
+``--config-dir DIR`` (or ``hydra.searchpath=[file://DIR]``) adds a user's own configs on top.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import hydra
 
 from memlab.run import hydra_task
 
-MODES = {"train": None, "estimate": "memlab.cli.estimate", "lengths": "memlab.cli.lengths"}
+CONFIG_PATH = "pkg://memlab.conf"
+"""Where Hydra finds memlab's primary config (``config.yaml``) and its groups."""
+CONFIG_NAME = "config"
 
 
-@hydra.main(version_base="1.3", config_path="../../conf", config_name="config")
+@hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name=CONFIG_NAME)
 def main(cfg) -> dict:
     """Train (or sweep with -m) as configured; writes summary.json per job."""
     return hydra_task(cfg)
 
 
-def dispatch(argv: list[str]) -> tuple[str | None, list[str]]:
-    """``(module of the mode's command or None for training, argv without mode=...)``; raises
-    ValueError for an unknown mode."""
-    modes = [a.split("=", 1)[1] for a in argv if a.startswith("mode=")]
-    rest = [a for a in argv if not a.startswith("mode=")]
-    mode = modes[-1] if modes else "train"
-    if mode not in MODES:
-        raise ValueError(f"mode={mode} is not a mode; use one of: "
-                         + ", ".join(f"mode={m}" for m in MODES))
-    return MODES[mode], rest
+def run_app(task: Callable[[Any], Any], argv: Sequence[str], prog: str = "memlab") -> None:
+    """Run ``task(cfg)`` as a Hydra app over memlab's configs with the command line ``argv``:
+    the same overrides, flags (``-m``, ``--cfg``, ``-sc``...), output dirs and sweeper as a
+    training run. Used by ``memlab estimate`` and ``memlab lengths`` (in-process, so that a test
+    may call them repeatedly: Hydra's global state is cleared before and after)."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    saved = sys.argv
+    GlobalHydra.instance().clear()
+    sys.argv = [prog, *argv]
+    try:
+        hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name=CONFIG_NAME)(task)()
+    finally:
+        sys.argv = saved
+        GlobalHydra.instance().clear()
 
 
 if __name__ == "__main__":
-    try:
-        module, args = dispatch(sys.argv[1:])
-    except ValueError as e:
-        print(f"memlab: {e}", file=sys.stderr)
-        sys.exit(2)
-    if module is None:
-        sys.argv = [sys.argv[0], *args]
-        main()
-    else:
-        import importlib
+    from memlab.cli.main import main as cli
 
-        sys.exit(importlib.import_module(module).main(args))
+    sys.exit(cli(prog="python -m memlab"))

@@ -20,7 +20,13 @@ from typing import Any
 
 from memlab.config import BuildContext, MeasureConfig, Platform, TrainConfig
 from memlab.distributed import launch
-from memlab.measure.summary import device_info, format_table, versions, write_atomic
+from memlab.measure.summary import (
+    device_info,
+    format_table,
+    user_choices,
+    versions,
+    write_atomic,
+)
 from memlab.registry import GROUPS, ConfigErrors, build, from_mapping
 
 # torch-heavy modules (memlab.pipeline, memlab.distributed.base, memlab.measure.memory) are
@@ -252,8 +258,7 @@ def hydra_task(cfg) -> dict[str, Any]:
     from hydra.types import RunMode
 
     hc = HydraConfig.get()
-    choices = {k: str(v) for k, v in hc.runtime.choices.items()
-               if not k.startswith("hydra/") and v is not None}
+    choices = user_choices(hc.runtime.choices)
     multirun = hc.mode == RunMode.MULTIRUN
     job = {"name": hc.job.name, "num": hc.job.num if multirun else None,
            "sweep_dir": str(Path(hc.sweep.dir).resolve()) if multirun else None}

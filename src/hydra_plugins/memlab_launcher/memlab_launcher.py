@@ -188,9 +188,7 @@ class MemlabLauncher(Launcher):
             summary = {**dict.fromkeys(("memory", "throughput", "data", "train", "versions",
                                         "device", "job")),
                        "status": status, "error": why, "overrides": list(overrides),
-                       "choices": {k: v for k, v in (OmegaConf.to_container(
-                           sweep_config.hydra.runtime.choices) or {}).items()
-                           if not k.startswith("hydra/")},
+                       "choices": _user_choices(sweep_config),
                        "run_dir": str(job_dir), "wall_time_s": seconds}
             _write_json_atomic(summary_path, summary)
         log.warning(f"job {job_dir.name}: {why}")
@@ -200,6 +198,14 @@ class MemlabLauncher(Launcher):
         return ret
 
 
+def _user_choices(sweep_config: DictConfig) -> dict[str, str]:
+    """The job's top-level group choices (as memlab.measure.summary.user_choices: no Hydra
+    groups, no unselected optional groups, no nested helper groups such as debug/data)."""
+    choices = OmegaConf.to_container(sweep_config.hydra.runtime.choices) or {}
+    return {str(k): str(v) for k, v in choices.items()
+            if v is not None and "/" not in str(k) and "@" not in str(k)}
+
+
 def _write_json_atomic(path: Path, obj: Any) -> None:
     import json
 
@@ -207,4 +213,7 @@ def _write_json_atomic(path: Path, obj: Any) -> None:
     fd, tmp = tempfile.mkstemp(prefix=".summary.", dir=path.parent)
     with os.fdopen(fd, "w") as f:
         json.dump(obj, f, indent=2, default=str)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # readable like any file the user writes (mkstemp: 0600)
     os.replace(tmp, path)

@@ -1,30 +1,85 @@
-"""Compose conf/ outside a Hydra app (``memlab estimate``, ``memlab lengths``): the same config a
-run with the same overrides gets."""
+"""memlab's configs for the commands beside a run: where they live, composing them outside a Hydra
+app (the same config a run with the same overrides gets), and the command line with which
+``memlab estimate`` / ``memlab lengths`` run as Hydra apps of their own."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
 
+CONFIG_MODULE = "memlab.conf"
+"""The package holding ``config.yaml`` and one dir per group (Hydra: ``pkg://memlab.conf``)."""
+HYDRA_FLAGS_WITH_VALUE = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd",
+                          "--cfg", "-c", "--package", "-p", "--info", "-i",
+                          "--shell-completion", "-sc", "--experimental-rerun")
+"""Hydra's flags that take the next argument as their value (``--cfg job``, ``-cd DIR``)."""
+
 
 def conf_dir() -> Path:
-    """The repository's ``conf/`` (the one ``python -m memlab`` composes)."""
-    import memlab
+    """The directory of memlab's configs inside the installed package."""
+    import memlab.conf
 
-    return Path(memlab.__file__).resolve().parents[2] / "conf"
+    return Path(memlab.conf.__file__).resolve().parent
 
 
 def compose(overrides: Sequence[str]):
-    """(config without the hydra node, group choices) composed over :func:`conf_dir`."""
+    """(config without the hydra node, the user's group choices) composed from memlab's configs
+    with ``overrides``, exactly as a run composes them."""
     from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
+    from hydra import initialize_config_module
     from omegaconf import OmegaConf, open_dict
 
-    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+    from memlab.measure.summary import user_choices
+
+    with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
         cfg = hydra_compose(config_name="config", overrides=list(overrides),
                             return_hydra_config=True)
-    choices = {str(k): str(v) for k, v in cfg.hydra.runtime.choices.items()
-               if not str(k).startswith("hydra/") and v is not None}
+    choices = user_choices(cfg.hydra.runtime.choices)
     with open_dict(cfg):
         del cfg["hydra"]
     return OmegaConf.create(OmegaConf.to_container(cfg)), choices
+
+
+def _quote(value: str) -> str:
+    """``value`` as a quoted Hydra override value (any character allowed)."""
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def app_argv(args: Sequence[str], command: str, out: Path | None = None) -> list[str]:
+    """The Hydra command line of ``memlab <command>`` from what the user typed after it (its own
+    options already removed): the outputs go to ``--out`` when given, else to Hydra's usual
+    places (``hydra.run.dir`` / ``hydra.sweep.dir`` when the user sets them) under
+    ``outputs/<command>/<date>/<time>`` and ``multirun/<command>/<date>/<time>``; a sweep (-m)
+    runs its points in this process (Hydra's basic launcher) unless a launcher is chosen."""
+    args = list(args)
+    keys = {a.lstrip("+").split("=", 1)[0] for a in args if "=" in a and not a.startswith("-")}
+    extra = []
+    if out is not None:
+        extra += [f"hydra.run.dir={_quote(str(out))}", f"hydra.sweep.dir={_quote(str(out))}"]
+    else:
+        stamp = "${now:%Y-%m-%d}/${now:%H-%M-%S}"
+        if "hydra.run.dir" not in keys:
+            extra.append(f"hydra.run.dir=outputs/{command}/{stamp}")
+        if "hydra.sweep.dir" not in keys:
+            extra.append(f"hydra.sweep.dir=multirun/{command}/{stamp}")
+    if "hydra/launcher" not in keys:
+        extra.append("hydra/launcher=basic")
+    return [*extra, *args]
+
+
+def split_hydra_flags(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(Hydra's flags with their values, everything else) so that a command's own argparse
+    never sees ``--cfg job`` or ``-cd DIR``."""
+    hydra_args, rest = [], []
+    it = iter(argv)
+    for arg in it:
+        if arg in HYDRA_FLAGS_WITH_VALUE:
+            hydra_args.append(arg)
+            value = next(it, None)
+            if value is not None:
+                hydra_args.append(value)
+        elif arg in ("-m", "--multirun", "--run", "-r", "--resolve", "--hydra-help"):
+            hydra_args.append(arg)
+        else:
+            rest.append(arg)
+    return hydra_args, rest

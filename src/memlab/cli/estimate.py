@@ -8,16 +8,22 @@ Usage::
     memlab estimate model=hf model.name_or_path=./my_model --set num_hidden_layers=8
     memlab estimate --world-size 8 --zero-stage 3 precision=bf16
     memlab estimate -m peft=none,lora packing=none,bfd --budget 24GiB   # a sweep: what fits
-    python -m memlab.cli.estimate ...                                  # the same
+    memlab estimate -m 'method.max_length=range(1024,8193,1024)'       # Hydra's sweep grammar
+    memlab estimate -m sweep=packing                                   # a ready sweep
+    python -m memlab mode=estimate ...                                 # the same
 
-Every ``key=value`` is a Hydra override, exactly as a training run takes it (composed over the
-repository's ``conf/`` and validated like a run, as a CUDA run with ``--device cuda``); options
-(``--...``) are this command's. The estimate runs one training step of the configured model and
-method on fake tensors under the run's memory tracker (see :mod:`memlab.estimate`) and
-prints categories x phases, the peak and, with ``--budget`` or ``--card``, a verdict. It writes
-``estimate.json`` (atomically) to ``--out`` (default ``outputs/estimate/<date>/<time>/``); a
-sweep (``-m``: every comma list is expanded, all combinations, in this process) writes one
-``<n>/estimate.json`` per point plus ``sweep.json`` and prints one line per point.
+The command line is a run's: every ``key=value`` is a Hydra override composed over memlab's
+configs and validated like a run (as a CUDA run with ``--device cuda``), ``-m`` sweeps with
+Hydra's own sweeper (comma lists, ``range()``, ``choice()``, ``glob()``, ``sweep=<name>``), and
+Hydra's flags (``--cfg job``, ``--config-dir DIR``, ``hydra.run.dir=...``) work as for a run;
+options (``--...``) are this command's. The estimate runs one training step of the configured
+model and method on fake tensors under the run's memory tracker (see
+:mod:`memlab.estimate`) and prints categories x phases, the peak and, with ``--budget`` or
+``--card``, a verdict. It writes ``estimate.json`` (atomically) into a Hydra output dir: ``--out``,
+else ``hydra.run.dir``, else ``outputs/estimate/<date>/<time>/``. A sweep runs its points one
+after another in this process and writes ``<n>/estimate.json`` per point under ``--out`` /
+``hydra.sweep.dir`` / ``multirun/estimate/<date>/<time>/``, then ``sweep.json`` and one line per
+point.
 
 Exit status: 0 estimated (whatever the verdict), 1 the estimate failed, 2 invalid command line or
 configuration (for a sweep: 0 unless every point failed).
@@ -26,53 +32,13 @@ configuration (for a sweep: 0 unless every point failed).
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import sys
-import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from memlab.cli.compose import compose, conf_dir  # noqa: F401 (re-exported)
-
-
-def split_values(value: str) -> list[str]:
-    """Split a sweep value on top-level commas (not inside [], {}, () or quotes)."""
-    out, depth, quote, cur = [], 0, None, []
-    for ch in value:
-        if quote:
-            quote = None if ch == quote else quote
-        elif ch in "'\"":
-            quote = ch
-        elif ch in "[{(":
-            depth += 1
-        elif ch in "]})":
-            depth -= 1
-        elif ch == "," and depth == 0:
-            out.append("".join(cur))
-            cur = []
-            continue
-        cur.append(ch)
-    out.append("".join(cur))
-    return out
-
-
-def expand_sweep(overrides: Sequence[str]) -> list[list[str]]:
-    """``['a=1,2', 'b=x,y', 'c=3']`` -> the 4 override lists of the product (Hydra's basic
-    sweeper order: the last key varies fastest)."""
-    axes: list[list[str]] = []
-    for o in overrides:
-        key, sep, value = o.partition("=")
-        if not sep:
-            axes.append([o])
-            continue
-        if value.startswith(("range(", "interval(", "choice(", "glob(")):
-            raise ValueError(f"{o}: sweep functions are not supported by memlab estimate -m; "
-                             "list the values with commas")
-        axes.append([f"{key}={v}" for v in split_values(value)])
-    return [list(p) for p in itertools.product(*axes)]
+from memlab.cli.compose import app_argv, compose, split_hydra_flags
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,10 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="memlab estimate",
         description="Predict peak training memory (categories x phases) on fake tensors.",
-        epilog="Every key=value argument is a Hydra override, as for a training run.",
+        epilog="Every key=value argument is a Hydra override, as for a training run; -m sweeps "
+               "with Hydra's sweeper (a=x,y  range(1,4)  choice(a,b)  glob(*)  sweep=<name>); "
+               "Hydra's flags (--cfg job, --config-dir DIR, hydra.run.dir=DIR) work as for a run.",
+        allow_abbrev=False,
     )
-    p.add_argument("-m", "--multirun", action="store_true",
-                   help="sweep: expand comma lists (a=x,y b=u,v -> 4 estimates)")
     p.add_argument("--budget", metavar="SIZE",
                    help="memory per device for the verdict, e.g. 24GiB, 80GB, 40960MiB")
     p.add_argument("--card", choices=sorted(CARDS), metavar="CARD",
@@ -110,12 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="change a field of the model's HF config (repeatable), e.g. "
                         "--set num_hidden_layers=8")
     p.add_argument("--inexact-masks", action="store_true",
-                   help="keep transformers' fake-tensor mask decisions (measures the "
-                        "discrepancy the exact answers remove)")
+                   help="keep transformers' fake-tensor mask behaviour (measures the "
+                        "discrepancy the exact hooks remove)")
     p.add_argument("--run-first-step", action="store_true",
                    help="track step 0 too instead of creating the optimizer state directly")
     p.add_argument("--out", type=Path, default=None, metavar="DIR",
-                   help="where estimate.json goes (default outputs/estimate/<date>/<time>)")
+                   help="where estimate.json goes (the same as hydra.run.dir=DIR, or "
+                        "hydra.sweep.dir=DIR with -m; default outputs/estimate/<date>/<time>)")
     p.add_argument("--json", action="store_true", help="print the JSON instead of the table")
     p.add_argument("--cards", action="store_true", help="list the known cards and exit")
     return p
@@ -170,12 +138,9 @@ def _cards_table() -> str:
     return "\n".join(lines)
 
 
-def _default_out() -> Path:
-    return Path("outputs") / "estimate" / time.strftime("%Y-%m-%d") / time.strftime("%H-%M-%S")
-
-
 def estimate_one(overrides: list[str], opts) -> dict[str, Any]:
-    """Compose + estimate one point; never raises for a bad configuration."""
+    """Compose + estimate one point outside a Hydra app (for library use); never raises for a
+    bad configuration."""
     from memlab.estimate import estimate
 
     try:
@@ -188,12 +153,39 @@ def estimate_one(overrides: list[str], opts) -> dict[str, Any]:
     return estimate(cfg, opts, choices, list(overrides))
 
 
+def _job(cfg, opts, as_json: bool, done: list[tuple[Path, dict[str, Any], str]]) -> None:
+    """One Hydra job: estimate the composed config, write estimate.json into the job's output
+    dir, print the table (a single run) or a line (a sweep point)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+    from omegaconf import OmegaConf
+
+    from memlab.estimate import estimate
+    from memlab.measure.summary import user_choices, write_atomic
+
+    hc = HydraConfig.get()
+    out = Path(hc.runtime.output_dir)
+    overrides = list(hc.overrides.task)
+    plain = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    est = estimate(plain, opts, user_choices(hc.runtime.choices), overrides)
+    write_atomic(out / "estimate.json", est)
+    done.append((out, est, str(hc.sweep.dir)))
+    if hc.mode == RunMode.MULTIRUN:
+        peak = est.get("peak_bytes")
+        print(f"[memlab estimate] #{hc.job.num} {' '.join(overrides)}: {est['status']}"
+              + (f", peak {peak / 2**20:.1f} MiB" if peak is not None else ""), flush=True)
+        return
+    print(json.dumps(est, indent=2, default=str) if as_json else format_table(est))
+    print(f"\nwrote {out / 'estimate.json'}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run ``memlab estimate``; see the module docstring for the exit status."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     argv = list(sys.argv[1:] if argv is None else argv)
+    hydra_args, rest = split_hydra_flags(argv)
     parser = build_parser()
-    args, rest = parser.parse_known_args(argv)
+    args, rest = parser.parse_known_args(rest)
     unknown = [a for a in rest if a.startswith("-")]
     if unknown:
         parser.print_usage(sys.stderr)
@@ -204,38 +196,50 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         opts = options_from(args)
-        points = expand_sweep(rest) if args.multirun else [list(rest)]
     except ValueError as e:
         print(f"memlab estimate: {e}", file=sys.stderr)
         return 2
 
+    from memlab.__main__ import run_app
+
+    multirun = any(a in ("-m", "--multirun") for a in hydra_args)
+    done: list[tuple[Path, dict[str, Any], str]] = []
+    try:
+        run_app(lambda cfg: _job(cfg, opts, args.json, done),
+                [*hydra_args, *app_argv(rest, "estimate", args.out)], prog="memlab estimate")
+    except SystemExit as e:  # Hydra reports a bad override / config and exits
+        if done or not e.code:
+            raise
+        return 2
+    if not done:  # --cfg, --help, --info: Hydra printed what was asked
+        return 0
+    if not multirun:
+        return {"ok": 0, "invalid": 2}.get(done[0][1]["status"], 1)
+    return _finish_sweep(done, args.json)
+
+
+def _finish_sweep(done: list[tuple[Path, dict[str, Any], str]], as_json: bool) -> int:
+    """Mark each point with what varies across the sweep, write ``sweep.json``, print the table."""
     from memlab.measure.summary import write_atomic
 
-    out = args.out or _default_out()
-    if not args.multirun:
-        est = estimate_one(points[0], opts)
-        write_atomic(out / "estimate.json", est)
-        print(json.dumps(est, indent=2, default=str) if args.json else format_table(est))
-        print(f"\nwrote {out / 'estimate.json'}", file=sys.stderr)
-        return {"ok": 0, "invalid": 2}.get(est["status"], 1)
-
+    points = [est.get("overrides") or [] for _, est, _ in done]
+    varied = _varied(points)
     rows = []
-    for i, point in enumerate(points):
-        print(f"[memlab estimate] {i + 1}/{len(points)}: {' '.join(point)}", file=sys.stderr,
-              flush=True)
-        est = estimate_one(point, opts)
-        est["sweep_point"] = [o for o in point if o in _varied(points)]
-        write_atomic(out / str(i) / "estimate.json", est)
+    for (out, est, _), point in zip(done, points):
+        est["sweep_point"] = [o for o in point if o in varied]
+        write_atomic(out / "estimate.json", est)
         rows.append(est)
+    sweep_dir = Path(done[0][2])
     summary = [{k: r.get(k) for k in ("sweep_point", "status", "error", "peak_bytes",
                                       "by_category", "verdict")} for r in rows]
-    write_atomic(out / "sweep.json", {"kind": "estimate_sweep", "points": summary,
-                                      "options": rows[0].get("options") if rows else None})
-    if args.json:
+    write_atomic(sweep_dir / "sweep.json", {"kind": "estimate_sweep", "points": summary,
+                                            "options": rows[0].get("options")})
+    if as_json:
         print(json.dumps(summary, indent=2, default=str))
     else:
         print(format_sweep(rows))
-    print(f"\nwrote {out}/<n>/estimate.json and {out / 'sweep.json'}", file=sys.stderr)
+    print(f"\nwrote {sweep_dir}/<n>/estimate.json and {sweep_dir / 'sweep.json'}",
+          file=sys.stderr)
     return 0 if any(r["status"] == "ok" for r in rows) else 1
 
 

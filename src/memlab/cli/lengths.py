@@ -6,10 +6,11 @@ Usage::
     memlab lengths data=local data.path=chats.jsonl --batch-size 8
     memlab lengths data=hub data.path=trl-lib/Capybara --candidates 1024,2048,4096
     memlab lengths --out reports/lengths --max-truncated 0.005 --no-plot
+    memlab lengths -m data=local data.path='glob(corpora/*.jsonl)'   # one profile per job
 
-Options (``--...``) are this command's; every ``key=value`` is a Hydra override, exactly as a
-training run takes it. The config is composed over the repository's ``conf/`` and validated with
-:func:`memlab.run.validate`; then the tokenizer and the data are loaded (never a model) and the
+Options (``--...``) are this command's; the rest is a run's command line: every ``key=value`` is
+a Hydra override, ``-m`` sweeps with Hydra's sweeper and Hydra's flags work. The config is
+composed over memlab's configs and validated with :func:`memlab.run.validate`; then the tokenizer and the data are loaded (never a model) and the
 rows are tokenized by the method's own ``prepare`` with every ``max_*length`` knob set to None,
 so the lengths are exactly what training would see before truncation (chat template, EOS and
 all). Preference-style prepared datasets (``prompt_/chosen_/rejected_/completion_`` id columns)
@@ -17,8 +18,9 @@ get one profile per part; the truncation/padding analysis uses ``total`` (see
 :func:`lengths_of`). A method may also define ``sequence_lengths(ds) -> {name: lengths}`` with a
 ``"total"`` entry to say how its prepared rows are measured.
 
-Reported, and written to ``--out`` (default ``./lengths/<data choice>/``) as ``lengths.json``
-and ``lengths.png``:
+Reported, and written as ``lengths.json`` and ``lengths.png`` into a Hydra output dir (``--out``,
+else ``hydra.run.dir``, else ``outputs/lengths/<date>/<time>/``; a sweep's jobs under
+``multirun/lengths/<date>/<time>/<n>/``):
 
 * percentiles (nearest rank: ``pXX`` is the smallest length with at least XX% of the examples
   at or below it), max, mean, count and total tokens;
@@ -49,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-from memlab.cli.compose import compose, conf_dir  # noqa: F401 (re-exported)
+from memlab.cli.compose import app_argv, split_hydra_flags
 
 PERCENTILES: tuple[int, ...] = (50, 75, 90, 95, 99)
 DEFAULT_MAX_TRUNCATED = 0.01
@@ -63,18 +65,6 @@ _NO_LIMIT = re.compile(r"^max_(\w+_)?length$")
 
 
 # --------------------------------------------------------------------------------- config / data
-
-
-def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
-    """(this command's options, Hydra overrides): ``key=value`` not starting with ``--`` is an
-    override, everything else goes to argparse (``--out DIR`` and ``--out=DIR`` both work)."""
-    opts, overrides = [], []
-    for arg in argv:
-        if "=" in arg and not arg.startswith("-"):
-            overrides.append(arg)
-        else:
-            opts.append(arg)
-    return opts, overrides
 
 
 def untruncated(ctx):
@@ -502,11 +492,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="memlab lengths",
         description="Token-length profile of a data config, to choose method.max_length. "
-                    "key=value arguments are Hydra overrides, as for a training run.",
+                    "key=value arguments are Hydra overrides and -m sweeps, as for a run.",
+        allow_abbrev=False,
     )
     p.add_argument("--out", type=Path, default=None, metavar="DIR",
-                   help="where to write lengths.json and lengths.png "
-                        "(default: ./lengths/<data choice>/)")
+                   help="where to write lengths.json and lengths.png: hydra.run.dir=DIR "
+                        "(hydra.sweep.dir=DIR with -m); default outputs/lengths/<date>/<time>")
     p.add_argument("--candidates", type=_candidates, default=None, metavar="N,N,...",
                    help="max_length values to evaluate (default: powers of two 128..16384 "
                         "up to twice the longest example)")
@@ -526,27 +517,58 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run ``memlab lengths``; 0 on success, 2 for a bad command line or config."""
+    """Run ``memlab lengths``; 0 on success, 2 for a bad command line, config or data."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     argv = list(sys.argv[1:] if argv is None else argv)
-    opts, overrides = split_argv(argv)
-    args = build_parser().parse_args(opts)
-    t0 = time.perf_counter()
-    timings: dict[str, float] = {}
+    hydra_args, rest = split_hydra_flags(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(rest)
+    unknown = [a for a in rest if a.startswith("-")]
+    if unknown:
+        parser.print_usage(sys.stderr)
+        print(f"memlab lengths: unknown option(s): {' '.join(unknown)}", file=sys.stderr)
+        return 2
+    if not args.no_plot:
+        from memlab._guards import missing
 
+        err = missing("matplotlib", "lengths.png")
+        if err:
+            print(f"memlab lengths: {err} (or pass --no-plot)", file=sys.stderr)
+            return 2
+
+    from memlab.__main__ import run_app
+
+    codes: list[int] = []
+    try:
+        run_app(lambda cfg: codes.append(_job(cfg, args)),
+                [*hydra_args, *app_argv(rest, "lengths", args.out)], prog="memlab lengths")
+    except SystemExit as e:  # Hydra reports a bad override / config and exits
+        if codes or not e.code:
+            raise
+        return 2
+    return max(codes, default=0)
+
+
+def _job(cfg, args: argparse.Namespace) -> int:
+    """One Hydra job: profile the composed data config into the job's output dir."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    from memlab.measure.summary import user_choices
     from memlab.registry import ConfigErrors
     from memlab.run import validate
 
+    t0 = time.perf_counter()
+    timings: dict[str, float] = {}
+    hc = HydraConfig.get()
+    out_dir = Path(hc.runtime.output_dir)
+    overrides = list(hc.overrides.task)
+    choices = user_choices(hc.runtime.choices)
     try:
-        cfg, choices = compose(overrides)
-        ctx = validate(cfg, ".", choices)
+        ctx = validate(OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)), out_dir,
+                       choices)
     except ConfigErrors as e:
         print(f"memlab lengths: invalid config:\n{e}", file=sys.stderr)
-        return 2
-    except Exception as e:  # noqa: BLE001 - Hydra's override/compose errors
-        if type(e).__module__.split(".")[0] not in ("hydra", "omegaconf"):
-            raise
-        print(f"memlab lengths: {e}", file=sys.stderr)
         return 2
     timings["config_s"] = time.perf_counter() - t0
 
@@ -590,8 +612,6 @@ def main(argv: list[str] | None = None) -> int:
         "notes": notes,
         **result,
     }
-    out_dir = args.out if args.out is not None else Path("lengths") / str(
-        choices.get("data", "data"))
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     if not args.no_plot:

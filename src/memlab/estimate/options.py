@@ -3,9 +3,10 @@ and the verdict against a budget."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from memlab.measure.summary import parse_bytes  # noqa: F401 (re-exported: sizes as users write them)
 
 GiB = 1024**3
 MiB = 1024**2
@@ -107,14 +108,3 @@ def fmt_bytes(n: float | None) -> str:
     if n >= 1024:
         return f"{sign}{n / 1024:.1f} KiB"
     return f"{sign}{int(n)} B"
-
-
-def parse_bytes(text: str) -> int:
-    """'24GiB' / '24G' (GiB) / '24GB' (10^9) / '512MiB' / '1.5T' / plain bytes."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?)(b?)\s*", text.lower())
-    if not m:
-        raise ValueError(f"cannot read {text!r} as a size (e.g. 24GiB, 80GB, 512MiB)")
-    num, unit, i, b = m.groups()
-    power = " kmgt".index(unit or " ")
-    base = 1000 if (b and not i and unit) else 1024
-    return int(float(num) * base**power)

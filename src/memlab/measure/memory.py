@@ -138,6 +138,8 @@ class MemoryProbe:
         self.cuda_peak_reserved = 0
         self.cuda_phase_peak: dict[str, int] = {}
         self.tracked_steps: list[int] = []
+        self.step_peaks: dict[int, int] = {}
+        """Peak of each tracked step (the tracker's on CPU, the allocator's on CUDA)."""
         self._step = -1
         if self.is_cuda:
             torch.cuda.synchronize(self.device)
@@ -220,6 +222,17 @@ class MemoryProbe:
                 self.cuda_phase_peak[name] = max(self.cuda_phase_peak.get(name, 0), a)
                 self.cuda_peak_alloc = max(self.cuda_peak_alloc, a, base_alloc)
                 self.cuda_peak_reserved = max(self.cuda_peak_reserved, r, base_res)
+                if t is not None:
+                    p = a
+            if t is not None:
+                self.step_peaks[self._step] = max(self.step_peaks.get(self._step, 0), p)
+
+    def step_metrics(self, index: int) -> dict[str, int]:
+        """Per-step metrics of step ``index`` for the logger: ``memory/step_peak_bytes`` when
+        the step ran under the tracker, else nothing."""
+        if index not in self.step_peaks:
+            return {}
+        return {"memory/step_peak_bytes": self.step_peaks[index]}
 
     # -------------------------------------------------------------- result
     def result(self) -> dict[str, Any]:
@@ -253,6 +266,7 @@ class MemoryProbe:
             if self.peak_where
             else None,
             "tracked_steps": self.tracked_steps,
+            "tracked_step_peaks": [self.step_peaks.get(s, 0) for s in self.tracked_steps],
             "cuda": cuda,
         }
 

@@ -1,23 +1,36 @@
-"""summary.json: atomic writes, flattening for loggers, the end-of-run table, environment."""
+"""summary.json: atomic writes, flattening for loggers, the end-of-run table, environment; the
+names shared by every view of a run (the user's group choices, short labels of what varies)."""
 
 from __future__ import annotations
 
 import json
 import os
 import platform
+import re
 import tempfile
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 MiB = 1024**2
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def write_atomic(path: Path | str, obj: Any) -> None:
-    """Write JSON to a temp file in the same dir, fsync, then rename over ``path``."""
+    """Write JSON to a temp file in the same dir, fsync, then rename over ``path``.
+
+    The file gets the mode a plain ``open(path, "w")`` would give (0644 under the usual umask
+    022), not the temp file's private 0600: colleagues on a shared cluster read the results."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "w") as f:
             json.dump(obj, f, indent=2, sort_keys=False, default=str)
             f.flush()
@@ -38,7 +51,12 @@ class _suppress:
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{'memory': {'peak_bytes': 1}} -> {'memory/peak_bytes': 1} (lists are left out)."""
+    """{'memory': {'peak_bytes': 1}} -> {'memory/peak_bytes': 1} (lists are left out).
+
+    The W&B run summary is this, written with one ``run.summary.update``. Handing W&B the nested
+    dict instead would name the keys ``memory.peak_bytes`` (W&B nests summaries with dots), not
+    the ``memory/peak_bytes`` the per-step metrics and the W&B views use; and
+    ``pandas.json_normalize(sep="/")``, which flattens alike, is in the report extra only."""
     out: dict[str, Any] = {}
     for k, v in d.items():
         key = f"{prefix}{k}"
@@ -47,6 +65,45 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         elif not isinstance(v, list):
             out[key] = v
     return out
+
+
+def user_choices(choices: Mapping[Any, Any]) -> dict[str, str]:
+    """The group choices a user made, from Hydra's ``runtime.choices``: top-level groups only.
+
+    Left out: Hydra's own groups (``hydra/launcher``...), unselected optional groups (``None``)
+    and nested helper groups of the config tree (``debug/data@_global_``: the slice
+    ``debug=smoke`` takes of each data source), which are implied by the top-level choices."""
+    return {str(k): str(v) for k, v in choices.items()
+            if v is not None and "/" not in str(k) and "@" not in str(k)}
+
+
+def short_label(params: Iterable[tuple[str, Any]], sep: str = ",") -> str:
+    """``[("peft", "lora"), ("train.gradient_checkpointing", False)]`` ->
+    ``"peft=lora,gradient_checkpointing=false"``: each key by its last dotted part (the whole key
+    where two last parts would collide), values as Hydra writes them. Names a run or a plot point
+    by what varies in its sweep."""
+    items = [(str(k), v) for k, v in params]
+    last = [k.rsplit(".", 1)[-1] for k, _ in items]
+    parts = []
+    for (key, value), tail in zip(items, last):
+        name = tail if last.count(tail) == 1 else key
+        if isinstance(value, bool):
+            value = str(value).lower()
+        elif value is None:
+            value = "null"
+        parts.append(f"{name}={value}")
+    return sep.join(parts)
+
+
+def parse_bytes(text: str) -> int:
+    """'24GiB' / '24G' (GiB) / '24GB' (10^9) / '512MiB' / '1.5T' / plain bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?)(b?)\s*", str(text).lower())
+    if not m:
+        raise ValueError(f"cannot read {text!r} as a size (e.g. 24GiB, 80GB, 512MiB)")
+    num, unit, i, b = m.groups()
+    power = " kmgt".index(unit or " ")
+    base = 1000 if (b and not i and unit) else 1024
+    return int(float(num) * base**power)
 
 
 def versions() -> dict[str, str]:
@@ -86,7 +143,7 @@ def _device_info(device: str, torch) -> dict[str, Any]:
 def format_table(s: dict[str, Any]) -> str:
     """Human-readable end-of-run table."""
     lines = []
-    ch = s.get("choices") or {}
+    ch = user_choices(s.get("choices") or {})
     lines.append("memlab run: " + " ".join(f"{k}={v}" for k, v in ch.items()))
     lines.append(f"status: {s.get('status')}" + (f"  ({s['error']})" if s.get("error") else ""))
     m = s.get("memory") or {}

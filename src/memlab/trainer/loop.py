@@ -66,14 +66,22 @@ class TrainResult:
     timed_seconds: float = 0.0
     timed_samples: int = 0
     timed_steps: int = 0
+    timed_rates: list[float] = field(default_factory=list)
+    """Tokens/s of each timed step (their spread says how far two runs' speeds can be told
+    apart)."""
     throughput_note: str = ""
 
     def throughput(self) -> dict[str, Any]:
         if self.timed_seconds <= 0:
             return {"tokens_per_s": None, "samples_per_s": None, "step_time_s": None,
                     "tokens": self.real_tokens, "note": "no timed steps"}
+        rates = self.timed_rates
+        mean = sum(rates) / len(rates) if rates else 0.0
+        std = (math.sqrt(sum((r - mean) ** 2 for r in rates) / (len(rates) - 1))
+               if len(rates) > 1 else None)
         return {
             "tokens_per_s": self.timed_tokens / self.timed_seconds,
+            "tokens_per_s_std": std,
             "samples_per_s": self.timed_samples / self.timed_seconds,
             "step_time_s": self.timed_seconds / max(1, self.timed_steps),
             "timed_steps": self.timed_steps,
@@ -276,6 +284,7 @@ class Trainer:
                 res.timed_seconds += dt
                 res.timed_samples += sum(b.meta.get("samples", 0) or 0 for b in batches)
                 res.timed_steps += 1
+                res.timed_rates.append(real / dt if dt > 0 else 0.0)
             metrics["throughput/tokens_per_s"] = real / dt if dt > 0 else 0.0
             metrics["data/padding_fraction"] = 1 - real / max(1, sum(b.total_tokens
                                                                      for b in batches))
@@ -290,7 +299,8 @@ class Trainer:
                 raise FloatingPointError(f"loss is {metrics['train/loss']} at step "
                                          f"{self.step_idx}; lower train.lr or check the data")
             if self.logger is not None and self.step_idx % ctx.train.log_every == 0:
-                self.logger.log(metrics, step=self.step_idx)
+                self.logger.log({**metrics, **self.probe.step_metrics(self.step_idx - 1)},
+                                step=self.step_idx)
             if bar is not None:
                 bar.set_postfix(loss=f"{metrics['train/loss']:.4f}",
                                 tok_s=f"{metrics['throughput/tokens_per_s']:.0f}")

@@ -66,10 +66,15 @@ def _brute_padding(lengths: np.ndarray, batch_size: int, seed: int, epochs: int,
 # --------------------------------------------------------------------------------------------
 
 
-def test_split_argv_and_default_candidates():
-    opts, overrides = L.split_argv(["--out", "d", "data=local", "--candidates=64,128",
-                                    "data.path=a=b.jsonl", "--no-plot", "+x=1"])
-    assert opts == ["--out", "d", "--candidates=64,128", "--no-plot"]
+def test_hydra_flags_split_off_and_default_candidates():
+    from memlab.cli.compose import split_hydra_flags
+
+    hydra, rest = split_hydra_flags(["--out", "d", "-m", "data=local", "--cfg", "job",
+                                     "--candidates=64,128", "data.path=a=b.jsonl", "-cd", "x",
+                                     "--no-plot", "+x=1"])
+    assert hydra == ["-m", "--cfg", "job", "-cd", "x"]
+    args, overrides = L.build_parser().parse_known_args(rest)
+    assert args.out.name == "d" and args.candidates == [64, 128] and args.no_plot
     assert overrides == ["data=local", "data.path=a=b.jsonl", "+x=1"]
     assert L.default_candidates(5600) == [128, 256, 512, 1024, 2048, 4096, 8192]
     assert L.default_candidates(4096) == [128, 256, 512, 1024, 2048, 4096, 8192]
@@ -131,11 +136,12 @@ def test_local_jsonl_exact(tmp_path, monkeypatch):
 
 
 def test_sharded_tokenization_is_identical(tmp_path):
+    from memlab.cli.compose import compose
     from memlab.run import validate
 
     texts = _texts(600, seed=1)
     data = _write_jsonl(tmp_path / "rows.jsonl", texts)
-    cfg, choices = L.compose(["data=local", f"data.path={data}", "method.max_length=16"])
+    cfg, choices = compose(["data=local", f"data.path={data}", "method.max_length=16"])
     ctx = validate(cfg, tmp_path, choices)
     tok = ctx.model.load_tokenizer(ctx)
     raw = ctx.data.load(ctx)

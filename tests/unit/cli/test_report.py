@@ -241,8 +241,14 @@ def test_build_table_rows_and_columns(sweep: Path) -> None:
         "activ_MiB",
         "other_MiB",
         "tokens_per_s",
+        "tps_spread",
+        "timed_steps",
         "padding_frac",
         "final_loss",
+        "generate_MiB",
+        "forward_MiB",
+        "backward_MiB",
+        "optimizer_MiB",
         "pareto",
         "run_dir",
     ]
@@ -263,10 +269,11 @@ def test_build_table_rows_and_columns(sweep: Path) -> None:
     assert by_job.loc["2", "status"] == "missing"
     assert by_job.loc["2", "peft"] == "lora"
     assert math.isnan(by_job.loc["2", "peak_MiB"])
-    # The short reason is the first line, cut to 80 characters.
+    # The reason is the whole first line (the traceback stays in the Markdown).
     err = by_job.loc["3", "error"]
-    assert err.startswith("CUDA out of memory.") and len(err) <= 80 and "\n" not in err
-    assert err.endswith("...")
+    assert err == OOM_ERROR.splitlines()[0]
+    assert by_job.loc["1", "forward_MiB"] == pytest.approx(30.0, abs=1e-3)
+    assert math.isnan(by_job.loc["1", "generate_MiB"])
     assert by_job.loc["0", "error"] == ""
     assert by_job["pareto"].to_dict() == {"0": True, "1": True, "2": False, "3": False, "4": False}
 
@@ -323,11 +330,33 @@ def test_override_parsing_and_duplicate_job_numbers(tmp_path: Path) -> None:
     assert list(df["pareto"]) == [True, True]
 
 
+INVALID = ("invalid configuration (2 problem(s)):\n"
+           "  - attention=flash_attention_2 runs only on cuda, and this run is on cpu; use "
+           "attention=sdpa or attention=eager here\n"
+           "  - precision=fp16_mixed needs a CUDA device; on CPU use precision=fp32")
+
+
 def test_short_reason() -> None:
     assert report.short_reason(None) == ""
     assert report.short_reason("\n  boom  \nmore") == "boom"
-    long = report.short_reason("x" * 200)
-    assert len(long) == 80 and long.endswith("...")
+    assert report.short_reason("x" * 200) == "x" * 200  # never cut
+    assert report.short_reason(INVALID) == (
+        "attention=flash_attention_2 runs only on cuda, and this run is on cpu; use "
+        "attention=sdpa or attention=eager here; precision=fp16_mixed needs a CUDA device; on "
+        "CPU use precision=fp32")
+
+
+def test_invalid_reason_kept_in_table_and_csv(tmp_path: Path) -> None:
+    import pandas as pd
+
+    summary = make_summary(num=0, peft="none", gc="false", status="invalid", error=INVALID)
+    write_job(tmp_path, 0, summary, summary["overrides"])
+    ok = make_summary(num=1, peft="lora", gc="false", peak_mib=10, tps=5.0)
+    write_job(tmp_path, 1, ok, ok["overrides"])
+    assert main([str(tmp_path), "--no-plots"]) == 0
+    csv = pd.read_csv(tmp_path / "report.csv").set_index("job")
+    assert csv.loc[0, "error"] == report.short_reason(INVALID)
+    assert "use precision=fp32" in csv.loc[0, "error"]
 
 
 # ------------------------------------------------------------------------------ outputs / CLI
@@ -408,9 +437,10 @@ def test_plots_skipped_when_nothing_ok(tmp_path: Path) -> None:
 def test_import_is_light() -> None:
     code = (
         "import sys, memlab.cli.report; "
-        "print([m for m in ('torch', 'transformers', 'pandas', 'matplotlib') if m in sys.modules])"
+        "print([m for m in ('torch', 'transformers', 'pandas', 'matplotlib') if m in sys.modules]"
+        " + [memlab.cli.report.__file__])"
     )
-    src = str(Path(report.__file__).resolve().parents[2])
+    src = str(Path(report.__file__).resolve().parents[3])
     res = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,
@@ -418,4 +448,104 @@ def test_import_is_light() -> None:
         check=True,
         env={"PYTHONPATH": src, "PATH": ""},
     )
-    assert res.stdout.strip() == "[]"
+    assert res.stdout.strip() == repr([str(Path(report.__file__).resolve())])
+
+
+# ------------------------------------------------------------------------------ spread, plots, page
+
+
+def _timed(summary: dict[str, Any], steps: int, std: float | None) -> dict[str, Any]:
+    summary["throughput"]["timed_steps"] = steps
+    if std is not None:
+        summary["throughput"]["tokens_per_s_std"] = std
+    return summary
+
+
+@pytest.mark.parametrize(
+    ("points", "spreads", "expected"),
+    [
+        # 1% faster for 1% more memory: within a 2% spread it is not faster -> dominated
+        ([(100, 1000), (101, 1010)], [20, 20], [0]),
+        # ... but measurably faster with a 0.1% spread: both on the front
+        ([(100, 1000), (101, 1010)], [1, 1], [0, 1]),
+        # less memory and slower within the spread: the cheaper one dominates
+        ([(100, 1000), (90, 995)], [10, 10], [1]),
+        # equal memory, speeds within the spread: neither dominates
+        ([(100, 1000), (100, 1005)], [10, 10], [0, 1]),
+        # the larger of the two spreads decides
+        ([(100, 1000), (101, 1010)], [1, 20], [0]),
+    ],
+)
+def test_pareto_front_with_spread(points, spreads, expected) -> None:
+    assert pareto_front(points, spreads) == expected
+    assert pareto_front(points) == pareto_front(points, [0] * len(points))
+
+
+def test_single_timed_steps_are_flagged_and_not_on_the_front_by_1pct(tmp_path: Path) -> None:
+    """The issue's case: two jobs 1% apart in tokens/s, each timed on one step."""
+    a = _timed(make_summary(num=0, peft="none", gc="true", peak_mib=100, tps=1000.0), 1, None)
+    b = _timed(make_summary(num=1, peft="none", gc="false", peak_mib=150, tps=1010.0), 1, None)
+    for s in (a, b):
+        write_job(tmp_path, s["job"]["num"], s, s["overrides"])
+    df = build_table(load_summaries([tmp_path]))
+    assert df.set_index("job")["pareto"].to_dict() == {"0": True, "1": False}
+    assert df.attrs["unmeasured"] == ["0", "1"]
+    text = report.format_text(df)
+    assert "1!" in text and "no measured spread for job(s) 0, 1" in text
+    # measured spreads of 0.2% make the 1% a real difference: both on the front
+    for s in (a, b):
+        _timed(s, 8, 2.0)
+        (tmp_path / str(s["job"]["num"]) / "summary.json").write_text(json.dumps(s))
+    df = build_table(load_summaries([tmp_path]))
+    assert list(df["pareto"]) == [True, True] and df.attrs["unmeasured"] == []
+    assert list(df["tps_spread"]) == [2.0, 2.0] and list(df["timed_steps"]) == [8.0, 8.0]
+
+
+def test_throughput_plot_staircase_labels_budget(sweep: Path) -> None:
+    from memlab.cli.report.plots import memory_vs_throughput_figure
+
+    df = build_table(load_summaries([sweep]))
+    ax = memory_vs_throughput_figure(df, budget_mib=80.0).axes[0]
+    stairs = [ln for ln in ax.lines if ln.get_drawstyle() == "steps-post"]
+    assert len(stairs) == 1
+    xs, ys = (list(v) for v in stairs[0].get_data())
+    assert xs[:2] == [60.0, 100.0] and ys[:3] == [800.0, 1000.0, 1000.0]  # job 1, job 0, edge
+    budget = [ln for ln in ax.lines if list(ln.get_xdata()) == [80.0, 80.0]]
+    assert len(budget) == 1 and budget[0].get_linestyle() == "--"
+    labels = sorted(t.get_text() for t in ax.texts if "peft=" in t.get_text())
+    assert labels == ["peft=lora, gradient_checkpointing=false",
+                      "peft=lora, gradient_checkpointing=true",
+                      "peft=none, gradient_checkpointing=false"]
+
+
+def test_phase_plot_and_html_page(sweep: Path, tmp_path: Path) -> None:
+    from memlab.cli.report.plots import memory_by_phase_figure
+
+    df = build_table(load_summaries([sweep]))
+    ax = memory_by_phase_figure(df, budget_mib=200.0).axes[0]
+    assert sorted(t.get_text() for t in ax.get_legend().get_texts()) == [
+        "backward", "budget 200 MiB", "forward", "optimizer"]
+    widths = sorted(round(p.get_width(), 3) for p in ax.patches)
+    assert widths[-1] == pytest.approx(110.0)  # job 4's backward = its peak
+    out = tmp_path / "r"
+    assert main([str(sweep), "--out", str(out), "--html", "--budget", "0.1GiB"]) == 0
+    page = (out / "report.html").read_text()
+    assert page.count("<tr class=") == 5 and page.count("data:image/png;base64,") == 3
+    assert "CUDA out of memory" in page and "File train.py, line 3" in page
+    assert (out / "memory_by_phase.png").stat().st_size > 1024
+    assert "![memory_by_phase.png](memory_by_phase.png)" in (out / "report.md").read_text()
+    assert main([str(sweep), "--out", str(out), "--budget", "lots"]) == 2
+
+
+@pytest.mark.parametrize(("hidden", "flags", "named"), [
+    ("pandas", [], "pandas"), ("matplotlib", [], "matplotlib"), ("pandas", ["--no-plots"],
+                                                                  "pandas")])
+def test_missing_extra_is_one_line(sweep: Path, hidden: str, flags: list[str], named: str):
+    code = (f"import sys; sys.modules[{hidden!r}] = None; "
+            "from memlab.cli.report import main; sys.exit(main(sys.argv[1:]))")
+    res = subprocess.run([sys.executable, "-c", code, str(sweep), *flags],
+                         capture_output=True, text=True)
+    assert res.returncode == 2 and res.stdout == ""
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and named in lines[0] and "memlab[report]" in lines[0], res.stderr
+    assert not (sweep / "report.csv").exists()

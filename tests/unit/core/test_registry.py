@@ -103,24 +103,24 @@ def test_experiment_configs_compose_and_validate():
 
 
 def test_every_point_of_every_shipped_sweep_validates():
-    """sweeps/*.yaml: each point of the sweeper's grid, with the sweep's own settings, composes
-    and passes validation as a CUDA run (no model loads; some points are CPU-invalid on purpose,
-    e.g. activation offloading in techniques.yaml), so a shipped sweep never fails on a typo."""
+    """The ready sweeps (conf/sweep/*.yaml, ``memlab -m sweep=<name>``): each point of the
+    sweeper's grid, composed with ``sweep=<name>`` (so with the sweep's own settings), passes
+    validation as a CUDA run (no model loads; some points are CPU-invalid on purpose, e.g.
+    activation offloading in techniques.yaml), so a shipped sweep never fails on a typo."""
     import itertools
 
     import yaml
 
     from memlab.estimate import validate_for
 
-    for path in sorted((CONF.parent / "sweeps").glob("*.yaml")):
-        spec = yaml.safe_load(path.read_text())
-        fixed = [f"{group}.{k}={v}" for group in ("train", "measure")
-                 for k, v in (spec.get(group) or {}).items()]
-        params = spec["hydra"]["sweeper"]["params"]
+    paths = sorted((CONF / "sweep").glob("*.yaml"))
+    assert len(paths) >= 9, paths
+    for path in paths:
+        params = yaml.safe_load(path.read_text())["hydra"]["sweeper"]["params"]
         grid = [[f"{k}={v}" for v in (str(vals).split(",") if not str(vals).startswith("[")
                                       else [vals])] for k, vals in params.items()]
         for point in itertools.product(*grid):
-            overrides = [*fixed, *point]
+            overrides = [f"sweep={path.stem}", *point]
             try:
                 validate_for(_plain(compose(overrides)), "cuda")
             except Exception as e:  # noqa: BLE001 - name the sweep and the point

@@ -1,4 +1,4 @@
-"""`memlab estimate` building blocks that need no training step: sizes, sweeps, verdicts, the
+"""`memlab estimate` building blocks that need no training step: sizes, verdicts, the
 ZeRO/FSDP post-processing, the CUDA rounding tracker, fake parameters and the QLoRA stand-in."""
 
 from __future__ import annotations
@@ -7,7 +7,6 @@ import pytest
 import torch
 from torch import nn
 
-from memlab.cli.estimate import expand_sweep, split_values
 from memlab.estimate import CARDS, fmt_bytes, parse_bytes, verdict
 from memlab.estimate.fake import estimate_tracker
 from memlab.estimate.sharding import apply_sharding
@@ -32,19 +31,6 @@ def test_fmt_bytes():
     assert fmt_bytes(1.5 * MiB) == "1.5 MiB"
     assert fmt_bytes(-2 * GiB) == "-2.00 GiB"
     assert fmt_bytes(10) == "10 B"
-
-
-def test_sweep_expansion_is_a_product_that_respects_brackets():
-    assert split_values("a,b,[1,2],'x,y'") == ["a", "b", "[1,2]", "'x,y'"]
-    points = expand_sweep(["peft=none,lora", "packing=none,bfd", "train.betas=[0.9,0.95]"])
-    assert points == [
-        ["peft=none", "packing=none", "train.betas=[0.9,0.95]"],
-        ["peft=none", "packing=bfd", "train.betas=[0.9,0.95]"],
-        ["peft=lora", "packing=none", "train.betas=[0.9,0.95]"],
-        ["peft=lora", "packing=bfd", "train.betas=[0.9,0.95]"],
-    ]
-    with pytest.raises(ValueError, match="sweep functions"):
-        expand_sweep(["train.lr=range(1,3)"])
 
 
 def test_verdict_fits_and_does_not_fit():

@@ -1,0 +1,169 @@
+"""``memlab report``: tabulate and plot the ``summary.json`` files of runs and sweeps.
+
+Usage::
+
+    memlab report multirun/2025-01-01/12-00-00            # a Hydra multirun (sweep) dir
+    memlab report outputs/a outputs/b --sort tokens_per_s --desc
+    memlab report multirun/... --out reports/lora --budget 24GiB --html
+
+Every input is a multirun dir (walked recursively), a run dir or a ``summary.json`` file. Each job
+becomes one row (:mod:`.table`): the Hydra choices/overrides that *vary* across jobs (constant
+ones are listed once on a ``fixed:`` line), the status with its reason, the memory at the peak
+split by category (MiB), throughput with the number of timed steps and their spread, padding
+fraction, final loss, and whether the job is on the memory-vs-throughput Pareto front (less
+memory and *measurably* more tokens/s: throughputs closer than their spread do not count as
+different). Jobs that died before writing a summary (a Hydra job dir with
+``.hydra/overrides.yaml`` but no ``summary.json``) show up with status ``missing``; unreadable
+summaries with status ``corrupt`` (:mod:`.load`).
+
+Outputs (in ``--out``, default: the first input dir): ``report.csv``, ``report.md``, the plots
+``memory_by_category.png``, ``memory_by_phase.png`` and ``memory_vs_throughput.png`` (:mod:`.plots`,
+with a ``--budget`` line), and with ``--html`` a self-contained ``report.html`` (:mod:`.page`).
+
+This package reads JSON/YAML files only: it never imports torch or transformers, and pandas and
+matplotlib (the ``report`` extra) are imported lazily, so ``import memlab.cli.report`` is cheap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from memlab.cli.report.load import MISSING, OK, SUMMARY_NAME, load_summaries
+from memlab.cli.report.table import (
+    ASSUMED_SPREAD,
+    DEFAULT_SORT,
+    build_table,
+    fixed_line,
+    format_markdown,
+    format_text,
+    pareto_front,
+    short_reason,
+    sort_table,
+)
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+__all__ = ["build_parser", "build_table", "fixed_line", "format_markdown", "format_text",
+           "load_summaries", "main", "pareto_front", "short_reason", "sort_table",
+           "write_report"]
+
+
+def write_report(df: pd.DataFrame, out_dir: Path, plots: bool = True,
+                 budget_bytes: int | None = None, html: bool = False) -> list[Path]:
+    """Write ``report.csv``, ``report.md``, (unless ``plots`` is false) the PNGs and (with
+    ``html``) ``report.html`` to ``out_dir``. Returns the paths written (a plot with nothing to
+    show is skipped)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    csv_path = out_dir / "report.csv"
+    df.to_csv(csv_path, index=False)
+    written.append(csv_path)
+    images: list[Path] = []
+    if plots:
+        from memlab.cli.report.plots import PLOTS
+
+        budget_mib = None if budget_bytes is None else budget_bytes / 2**20
+        for fn, name in PLOTS:
+            result = fn(df, out_dir / name, budget_mib)
+            if result is not None:
+                images.append(result)
+    md_path = out_dir / "report.md"
+    md_path.write_text(format_markdown(df, [p.name for p in images]), encoding="utf-8")
+    written.append(md_path)
+    written += images
+    if html:
+        from memlab.cli.report.page import format_html
+
+        page = out_dir / "report.html"
+        page.write_text(format_html(df, images), encoding="utf-8")
+        written.append(page)
+    return written
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``memlab report`` argument parser."""
+    parser = argparse.ArgumentParser(
+        prog="memlab report",
+        description="Tabulate and plot the summary.json files of memlab runs and sweeps.",
+    )
+    parser.add_argument("paths", nargs="+", type=Path, metavar="PATH",
+                        help="multirun dir, run dir or summary.json (several allowed)")
+    parser.add_argument("--out", type=Path, default=None, metavar="DIR",
+                        help="where to write report.csv/report.md/PNGs (default: the first "
+                             "input dir)")
+    parser.add_argument("--sort", default=DEFAULT_SORT, metavar="COL",
+                        help=f"column to sort by (default: {DEFAULT_SORT}); non-ok jobs always "
+                             "come last")
+    parser.add_argument("--desc", action="store_true", help="sort descending")
+    parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    parser.add_argument("--budget", metavar="SIZE", default=None,
+                        help="memory per device drawn on the memory plots, e.g. 24GiB, 80GB")
+    parser.add_argument("--html", action="store_true",
+                        help="also write report.html: the table and the plots on one page")
+    parser.add_argument("--assumed-spread", type=float, default=ASSUMED_SPREAD, metavar="F",
+                        help="tokens/s spread (a fraction) assumed for jobs timed on fewer than "
+                             f"2 steps when drawing the front (default {ASSUMED_SPREAD})")
+    return parser
+
+
+def _missing_extra(plots: bool) -> str | None:
+    """One line naming the extra when pandas (or, for plots, matplotlib) is not installed."""
+    from memlab._guards import has
+
+    absent = [m for m in ("pandas", *(("matplotlib",) if plots else ())) if not has(m)]
+    if not absent:
+        return None
+    return (f"memlab report needs {' and '.join(absent)}, from the 'report' extra: "
+            "pip install 'memlab[report]'" + (" (or pass --no-plots)" if absent == [
+                "matplotlib"] else ""))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``memlab report``; returns 0, or 2 when nothing can be reported."""
+    args = build_parser().parse_args(argv)
+    err = _missing_extra(not args.no_plots)
+    if err:
+        print(err, file=sys.stderr)
+        return 2
+    budget = None
+    if args.budget is not None:
+        from memlab.measure.summary import parse_bytes
+
+        try:
+            budget = parse_bytes(args.budget)
+        except ValueError as e:
+            print(f"memlab report: --budget: {e}", file=sys.stderr)
+            return 2
+    absent = [str(p) for p in args.paths if not p.exists()]
+    if absent:
+        print(f"memlab report: no such file or directory: {', '.join(absent)}", file=sys.stderr)
+        return 2
+    summaries = load_summaries(args.paths)
+    where = ", ".join(str(p) for p in args.paths)
+    if not any(s.get("status") != MISSING for s in summaries):
+        msg = f"memlab report: no {SUMMARY_NAME} found under {where}"
+        if summaries:
+            dirs = ", ".join(str(s["_dir"]) for s in summaries)
+            msg += f" (only Hydra job dirs without a summary: {dirs})"
+        print(msg, file=sys.stderr)
+        return 2
+    try:
+        df = build_table(summaries, sort=args.sort, desc=args.desc,
+                         assumed_spread=args.assumed_spread)
+    except KeyError as exc:
+        print(f"memlab report: --sort: {exc.args[0]}", file=sys.stderr)
+        return 2
+    print(format_text(df))
+    first = args.paths[0]
+    out_dir = args.out if args.out is not None else (first if first.is_dir() else first.parent)
+    written = write_report(df, out_dir, plots=not args.no_plots, budget_bytes=budget,
+                           html=args.html)
+    ok = int((df["status"] == OK).sum())
+    print(f"\n{len(df)} job(s), {ok} ok, {len(df) - ok} not ok; wrote:")
+    for path in written:
+        print(f"  {path}")
+    return 0

@@ -1,0 +1,145 @@
+"""``memlab report``, loading: find the ``summary.json`` of every job under the inputs, and a
+record for every Hydra job dir that lacks one (``missing``) or whose summary is unreadable
+(``corrupt``). Reads JSON and YAML only."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from memlab.measure.summary import user_choices
+
+SUMMARY_NAME = "summary.json"
+"""File name of the per-job summary written by a run."""
+
+OVERRIDES_REL = Path(".hydra") / "overrides.yaml"
+HYDRA_REL = Path(".hydra") / "hydra.yaml"
+
+OK = "ok"
+MISSING = "missing"
+CORRUPT = "corrupt"
+
+
+def _natural_key(name: str) -> list[Any]:
+    """Sort key putting ``2`` before ``10`` (Hydra job dirs are numbered)."""
+    return [int(tok) if tok.isdigit() else tok for tok in re.split(r"(\d+)", name)]
+
+
+def _discover(root: Path) -> Iterator[Path]:
+    """Yield every ``summary.json`` under ``root`` and every Hydra job dir that lacks one.
+
+    Hidden dirs (``.hydra``, ``.git`` ...) are not descended into. The order is a natural sort of
+    the paths, so the jobs of a sweep come out as ``0, 1, 2, ..., 10``.
+    """
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted((d for d in dirnames if not d.startswith(".")), key=_natural_key)
+        here = Path(dirpath)
+        if SUMMARY_NAME in filenames:
+            yield here / SUMMARY_NAME
+        elif (here / OVERRIDES_REL).is_file():
+            yield here
+
+
+def _read_yaml(path: Path) -> Any:
+    """Parse a YAML file, returning ``None`` when it is absent or unreadable."""
+    import yaml
+
+    try:
+        return yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None
+
+
+def _read_overrides(job_dir: Path) -> list[str]:
+    """The Hydra task overrides recorded in ``<job_dir>/.hydra/overrides.yaml`` (or ``[]``)."""
+    data = _read_yaml(job_dir / OVERRIDES_REL)
+    return [str(item) for item in data] if isinstance(data, list) else []
+
+
+def _read_choices(job_dir: Path) -> dict[str, str]:
+    """The config-group choices in ``<job_dir>/.hydra/hydra.yaml`` (Hydra's own groups dropped)."""
+    data = _read_yaml(job_dir / HYDRA_REL)
+    try:
+        choices = data["hydra"]["runtime"]["choices"]
+    except (TypeError, KeyError):
+        return {}
+    if not isinstance(choices, Mapping):
+        return {}
+    return user_choices(choices)
+
+
+def _placeholder(job_dir: Path, status: str, error: str, source: Path) -> dict[str, Any]:
+    """A summary-shaped record for a job whose ``summary.json`` is missing or unreadable."""
+    num = int(job_dir.name) if job_dir.name.isdigit() else None
+    return {
+        "status": status,
+        "error": error,
+        "choices": _read_choices(job_dir),
+        "overrides": _read_overrides(job_dir),
+        "run_dir": str(job_dir),
+        "job": {
+            "name": None,
+            "num": num,
+            "sweep_dir": str(job_dir.parent) if num is not None else None,
+        },
+        "memory": None,
+        "throughput": None,
+        "data": None,
+        "train": None,
+        "_path": str(source),
+        "_dir": str(job_dir),
+    }
+
+
+def _load_file(path: Path) -> dict[str, Any]:
+    """Load one ``summary.json``; an unreadable one becomes a ``corrupt`` record."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(data, dict):
+            raise ValueError(f"top level is a JSON {type(data).__name__}, not an object")
+    except (OSError, UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError is a ValueError
+        return _placeholder(path.parent, CORRUPT, f"unreadable {path}: {exc}", path)
+    data["_path"] = str(path)
+    data["_dir"] = str(path.parent)
+    return data
+
+
+def load_summaries(paths: Sequence[Path | str]) -> list[dict[str, Any]]:
+    """Load the summaries of every job found under ``paths``.
+
+    Each path may be a multirun dir (walked recursively for ``summary.json``), a run dir, or a
+    ``summary.json`` file. A Hydra job dir (one with ``.hydra/overrides.yaml``) without a summary
+    yields a record with status ``"missing"`` and the overrides read from that file; a summary
+    that is not valid JSON yields status ``"corrupt"`` with the path in ``error``. Every record
+    gets ``_path`` (the summary file, or the job dir when missing) and ``_dir`` (the job dir).
+    The same job reached through two inputs is returned once.
+
+    Raises:
+        FileNotFoundError: if one of ``paths`` does not exist.
+    """
+    records: list[dict[str, Any]] = []
+    seen: set[Path] = set()
+    for raw in paths:
+        path = Path(raw)
+        if path.is_file():
+            found: list[Path] = [path]
+        elif path.is_dir():
+            found = list(_discover(path))
+        else:
+            raise FileNotFoundError(f"no such file or directory: {path}")
+        for item in found:
+            key = item.resolve()
+            if key in seen:
+                continue
+            seen.add(key)
+            if item.is_dir():
+                msg = f"no {SUMMARY_NAME} (the job died before writing it; see its log)"
+                records.append(_placeholder(item, MISSING, msg, item))
+            else:
+                records.append(_load_file(item))
+    return records
+

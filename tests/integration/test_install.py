@@ -1,0 +1,132 @@
+"""Installed = checkout: memlab built as a wheel, installed into a fresh virtual environment and
+run from another directory, with no source tree anywhere on its path.
+
+The environment's only memlab is the wheel's. Its dependencies (torch, transformers, Hydra...)
+come from the developer environment through a plain path entry (a ``.pth`` line: that
+environment's own ``.pth`` files, among them the editable memlab, are not processed), so the
+test costs seconds instead of a torch download; the test checks where memlab was imported from.
+From a fresh directory it then runs what a new user runs: a smoke run, a 2-job sweep through
+memlab's isolating launcher, ``memlab report``, ``memlab estimate`` and ``memlab lengths`` (each
+into Hydra-style dirs, nothing else in the directory), a ready sweep and a user's own config
+dir composed by name, ``--version``, and tab completion through the installed console script.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from memlab_testing import REPO
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+TINY = ["model.hidden_size=64", "model.intermediate_size=128", "model.num_layers=1",
+        "model.num_heads=4", "model.num_kv_heads=2", "train.batch_size=2",
+        "method.max_length=64", "data.n_examples=24", "train.progress=false"]
+
+
+def _run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: int = 300):
+    r = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+    return r
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> dict[str, Path]:
+    """Build the wheel from a copy of the tree, install it into a fresh venv; returns paths."""
+    root = tmp_path_factory.mktemp("install")
+    tree = root / "tree"
+    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", "*.pyc")
+    shutil.copytree(REPO / "src", tree / "src", ignore=ignore)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(REPO / name, tree / name)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+          "-w", str(root / "dist"), str(tree)], root, env)
+    (wheel,) = (root / "dist").glob("memlab-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for member in ("memlab/conf/config.yaml", "memlab/conf/sweep/packing.yaml",
+                   "memlab/conf/debug/data/smoke_local.yaml",
+                   "memlab/conf/hydra/launcher/local_gpus.yaml", "memlab/assets/tokenizer/"
+                   "tokenizer.json", "hydra_plugins/memlab_launcher/worker.py"):
+        assert member in names, member
+
+    venv = root / "venv"
+    _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], root, env)
+    py = venv / "bin" / "python"
+    purelib = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig."
+                                   "get_paths()['purelib'])"], capture_output=True, text=True,
+                                  check=True).stdout.strip())
+    # the dependencies, as a plain path entry (its .pth files, the editable memlab's among them,
+    # are not processed); after the venv's own site-packages, where the wheel goes
+    (purelib / "zz_dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    _run([sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps", "-q",
+          "--no-index", str(wheel)], root, env)
+    env["PATH"] = os.pathsep.join([str(venv / "bin"), env.get("PATH", "")])
+    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    work = root / "elsewhere"
+    work.mkdir()
+    return {"py": py, "memlab": venv / "bin" / "memlab", "work": work, "env": env,
+            "purelib": purelib}
+
+
+def test_installed_memlab_runs_without_the_source_tree(installed):
+    py, exe, work, env = (installed[k] for k in ("py", "memlab", "work", "env"))
+    probe = _run([str(py), "-c", "import sys, memlab, memlab.conf, hydra_plugins.memlab_launcher"
+                  " as l; print(memlab.__file__); print(l.__file__); print(sys.path)"],
+                 work, env).stdout.splitlines()
+    purelib = str(installed["purelib"])
+    assert probe[0].startswith(purelib) and probe[1].startswith(purelib), probe
+    assert not any(p.startswith(str(REPO)) for p in eval(probe[2])), probe[2]  # noqa: S307
+
+    assert _run([str(exe), "--version"], work, env).stdout.startswith("memlab ")
+    hydra = _run([str(exe), "--cfg", "hydra", "sweep=packing"], work, env).stdout
+    assert "packing: none,bfd,bfd_split,wrapped" in hydra  # a ready sweep by name, from anywhere
+    (work / "mine" / "sweep").mkdir(parents=True)
+    (work / "mine" / "sweep" / "mine.yaml").write_text(
+        "# @package _global_\nhydra:\n  sweeper:\n    params:\n      peft: none,lora\n")
+    hydra = _run([str(exe), "--config-dir", "mine", "--cfg", "hydra", "sweep=mine"], work,
+                 env).stdout
+    assert "peft: none,lora" in hydra
+    shutil.rmtree(work / "mine")
+
+    # a smoke run, then a 2-job sweep through memlab's isolating launcher (fresh processes)
+    _run([str(exe), "debug=smoke", *TINY, "train.steps=2", "hydra.run.dir=smoke"], work, env)
+    smoke = json.loads((work / "smoke" / "summary.json").read_text())
+    assert smoke["status"] == "ok" and smoke["train"]["steps"] == 2
+    assert oct((work / "smoke" / "summary.json").stat().st_mode & 0o777) == "0o644"
+    _run([str(exe), "-m", "debug=smoke", *TINY, "train.steps=3", "measure.memory_steps=1",
+          "train.seed=0,1"], work, env)
+    (sweep,) = (work / "multirun").glob("*/*")
+    jobs = [json.loads((sweep / str(i) / "summary.json").read_text()) for i in (0, 1)]
+    assert [j["status"] for j in jobs] == ["ok", "ok"]
+    assert jobs[0]["train"]["loss_curve"] != jobs[1]["train"]["loss_curve"]  # seeds 0 and 1
+    report = _run([str(exe), "report", str(sweep), "--html"], work, env).stdout
+    assert "train.seed" in report and (sweep / "report.html").exists()
+    assert (sweep / "memory_vs_throughput.png").stat().st_size > 1000
+
+    est = _run([str(exe), "estimate", *TINY, "--budget", "1GiB"], work, env, timeout=400)
+    assert "estimated peak:" in est.stdout
+    (est_json,) = (work / "outputs" / "estimate").glob("*/*/estimate.json")
+    assert json.loads(est_json.read_text())["verdict"]["fits"]
+    _run([str(exe), "lengths", "data.n_examples=40", "--no-plot", "--num-proc", "1"], work, env)
+    (lengths,) = (work / "outputs" / "lengths").glob("*/*/lengths.json")
+    assert json.loads(lengths.read_text())["stats"]["count"] == 40
+    assert sorted(p.name for p in work.iterdir()) == ["multirun", "outputs", "smoke"]
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_installed_console_script_completes(installed):
+    script = ('source <(memlab -sc install=bash)\nCOMP_LINE="memlab peft="; '
+              "COMP_POINT=${#COMP_LINE}; COMP_WORDS=(memlab peft =); COMP_CWORD=2\n"
+              '_memlab_completion; echo "${COMPREPLY[*]}"\n')
+    r = _run(["bash", "-c", script], installed["work"], installed["env"])
+    assert r.stdout.split() == ["=lora", "=none", "=qlora"]

@@ -1,0 +1,130 @@
+"""`logger=wandb`: what a W&B user reads back equals what memlab wrote, on an offline run read
+from its transaction log (wandb's own protobuf records): the run summary is summary.json's
+flattened values (not the last logged step), per-step rows carry the step's memory, and sweeps
+get one group, short unique names and a tag for every varying override."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from memlab_testing import FAST, choices_of, compose
+
+pytest.importorskip("wandb")
+
+from memlab.logger.wandb import run_names, sweep_group, sweep_varying  # noqa: E402
+from memlab.measure.summary import flatten  # noqa: E402
+from wandb_offline import read_run, run_file  # noqa: E402
+
+
+def _ctx(run_dir: Path, overrides: list[str]):
+    from omegaconf import OmegaConf, open_dict
+
+    from memlab.run import validate
+
+    cfg = compose([*FAST, "logger=wandb", *overrides])
+    choices = choices_of(cfg)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return validate(OmegaConf.create(OmegaConf.to_container(cfg)), run_dir, choices)
+
+
+def _hydra_files(sweep: Path, job: int, overrides: list[str], task: list[str],
+                 params: dict[str, str]) -> Path:
+    """What Hydra writes before a sweep job runs: <sweep>/multirun.yaml, <job>/.hydra/."""
+    import yaml
+
+    sweep.mkdir(parents=True, exist_ok=True)
+    (sweep / "multirun.yaml").write_text(yaml.safe_dump(
+        {"hydra": {"overrides": {"task": task}, "sweeper": {"params": params}}}))
+    run_dir = sweep / str(job)
+    (run_dir / ".hydra").mkdir(parents=True)
+    (run_dir / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+    return run_dir
+
+
+SUMMARY = {
+    "status": "ok", "error": None,
+    "choices": {"method": "sft", "peft": "lora"},
+    "memory": {"peak_bytes": 123456789, "by_category": {"parameters": 1, "activations": 2},
+               "by_phase": {"forward": 3, "backward": 4}, "cuda": None,
+               "tracked_steps": [0, 1]},
+    "throughput": {"tokens_per_s": 3747.8, "step_time_s": 0.25, "timed_steps": 2},
+    "data": {"padding_fraction": 0.097, "fill_ratio": None},
+    "train": {"final_loss": 7.25, "steps": 3, "loss_curve": [9.0, 8.0, 7.25]},
+    "wall_time_s": 1.5,
+}
+
+
+def test_summary_is_summary_json_and_steps_carry_memory(tmp_path):
+    sweep = tmp_path / "multirun" / "2026-11-23" / "14-03-22"
+    run_dir = _hydra_files(sweep, 1, ["peft=lora", "train.gradient_checkpointing=false"],
+                           ["peft=lora", "train.gradient_checkpointing=true,false"], {})
+    ctx = _ctx(run_dir, ["peft=lora", "train.gradient_checkpointing=false"])
+    logger = ctx.logger.start(ctx, {"train": {"lr": 1e-3}, "_sweep_dir": str(sweep)})
+    # the last step logs other values under the summary's own keys: they must not win
+    for step in (1, 2, 3):
+        metrics = {"train/loss": 10.0 - step, "throughput/tokens_per_s": 4295.4 + step,
+                   "data/padding_fraction": 0.0}
+        if step <= 2:
+            metrics["memory/step_peak_bytes"] = 1000 * step
+        logger.log(metrics, step=step)
+    logger.finish(json.loads(json.dumps(SUMMARY)))
+
+    got = read_run(run_file(run_dir))
+    flat = flatten(SUMMARY)
+    assert "memory/tracked_steps" not in flat and len(flat) == 18
+    for key, value in flat.items():
+        assert key in got["summary"], key
+        assert got["summary"][key] == value, (key, got["summary"][key], value)
+    assert got["summary"]["throughput/tokens_per_s"] == 3747.8  # not the last step's 4298.4
+    steps = [row for row in got["history"] if "train/loss" in row]
+    assert [row["_step"] for row in steps] == [1, 2, 3]
+    assert [row.get("memory/step_peak_bytes") for row in steps] == [1000, 2000, None]
+    run = got["run"]
+    assert run.run_group == "2026-11-23_14-03-22"
+    assert run.display_name == "gradient_checkpointing=false"
+    assert "train.gradient_checkpointing:false" in run.tags and "peft:lora" in run.tags
+    assert all(len(t) <= 64 for t in run.tags)
+    assert not any("@" in t or t.startswith("debug/") for t in run.tags)
+    assert json.loads(next(i.value_json for i in run.config.update if i.key == "train")) == \
+        {"lr": 1e-3}
+
+
+def test_names_are_short_and_unique_within_a_sweep(tmp_path):
+    task = ["peft=none,lora", "train.gradient_checkpointing=true,false", "train.steps=3",
+            "sweep=packing"]
+    params = {"packing": "none,bfd", "method.max_length": "1024"}
+    names = []
+    for job, (peft, gc, packing) in enumerate(
+            [(p, g, k) for p in ("none", "lora") for g in ("true", "false")
+             for k in ("none", "bfd")]):
+        sweep = tmp_path / "sw"
+        run_dir = _hydra_files(sweep, job, [f"peft={peft}",
+                                            f"train.gradient_checkpointing={gc}",
+                                            "train.steps=3", "sweep=packing",
+                                            f"packing={packing}", "method.max_length=1024"],
+                               task, params)
+        got = run_names(run_dir, sweep, {"sweep": "packing", "peft": peft})
+        assert got["group"] == "packing-sw"
+        assert [k for k, _ in got["varying"]] == ["peft", "train.gradient_checkpointing",
+                                                  "packing"]
+        names.append(got["name"])
+    assert len(set(names)) == 8 and max(len(n) for n in names) <= 64, names
+    assert names[3] == "peft=none,gradient_checkpointing=false,packing=bfd"
+    assert sweep_varying(tmp_path / "sw") == ["peft", "train.gradient_checkpointing", "packing"]
+
+
+def test_hydra_sweep_grammar_and_groups(tmp_path):
+    _hydra_files(tmp_path, 0, ["train.lr=0.1"],
+                 ["train.lr=range(1,3)", "peft=glob(*)", "model=tiny", "train.seed=choice(0,1)"],
+                 {})
+    assert sweep_varying(tmp_path) == ["train.lr", "peft", "train.seed"]
+    assert sweep_varying(tmp_path / "absent") == []
+    assert sweep_group(Path("/x/multirun/2026-01-02/03-04-05")) == "2026-01-02_03-04-05"
+    assert sweep_group(Path("/x/my_sweep"), "zero") == "zero-my_sweep"
+    single = run_names(_hydra_files(tmp_path / "one", 0, ["packing=bfd", "hydra.verbose=true"],
+                                    [], {}).parent / "0", None, {})
+    assert single == {"group": None, "name": "packing=bfd", "varying": []}
