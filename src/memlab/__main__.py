@@ -1,50 +1,11 @@
 """``python -m memlab ...``: the same command line as the ``memlab`` console script
-(:mod:`memlab.cli.main`). This module holds memlab's Hydra app: the only ``@hydra.main``.
-
-The configs ship inside the package (``memlab/conf``, found on Hydra's package search path as
-``pkg://memlab.conf``), so an installed memlab runs from any directory exactly as a checkout does;
-``--config-dir DIR`` (or ``hydra.searchpath=[file://DIR]``) adds a user's own configs on top.
-"""
+(:mod:`memlab.cli.main`); the Hydra app itself is :mod:`memlab.cli.app`."""
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Sequence
-from typing import Any
 
-import hydra
-
-from memlab.run import hydra_task
-
-CONFIG_PATH = "pkg://memlab.conf"
-"""Where Hydra finds memlab's primary config (``config.yaml``) and its groups."""
-CONFIG_NAME = "config"
-
-
-@hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name=CONFIG_NAME)
-def main(cfg) -> dict:
-    """Train (or sweep with -m) as configured; writes summary.json per job."""
-    return hydra_task(cfg)
-
-
-def run_app(task: Callable[[Any], Any], argv: Sequence[str], prog: str = "memlab") -> None:
-    """Run ``task(cfg)`` as a Hydra app over memlab's configs with the command line ``argv``:
-    the same overrides, flags (``-m``, ``--cfg``, ``-sc``...), output dirs and sweeper as a
-    training run. Used by ``memlab estimate`` and ``memlab lengths`` (in-process, so that a test
-    may call them repeatedly: Hydra's global state is cleared before and after)."""
-    from hydra.core.global_hydra import GlobalHydra
-
-    saved = sys.argv
-    GlobalHydra.instance().clear()
-    sys.argv = [prog, *argv]
-    try:
-        hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name=CONFIG_NAME)(task)()
-    finally:
-        sys.argv = saved
-        GlobalHydra.instance().clear()
-
+from memlab.cli.main import main
 
 if __name__ == "__main__":
-    from memlab.cli.main import main as cli
-
-    sys.exit(cli(prog="python -m memlab"))
+    sys.exit(main(prog="python -m memlab"))

@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"memlab estimate: {e}", file=sys.stderr)
         return 2
 
-    from memlab.__main__ import run_app
+    from memlab.cli.app import run_app
 
     multirun = any(a in ("-m", "--multirun") for a in hydra_args)
     done: list[tuple[Path, dict[str, Any], str]] = []

@@ -536,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"memlab lengths: {err} (or pass --no-plot)", file=sys.stderr)
             return 2
 
-    from memlab.__main__ import run_app
+    from memlab.cli.app import run_app
 
     codes: list[int] = []
     try:

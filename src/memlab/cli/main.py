@@ -155,7 +155,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "memlab") -> int:
     if err:
         print(f"memlab: {err}", file=sys.stderr)
         return 2
-    from memlab.__main__ import main as app
+    from memlab.cli.app import main as app
 
     sys.argv = [prog if sys.argv[0] in ("", "-c") else sys.argv[0], *rest]
     app()
