@@ -74,6 +74,7 @@ class BuildContext:
     model: Any
     data: Any
     logger: Any
+    generation: Any
     train: TrainConfig
     measure: MeasureConfig
     device: str = "cpu"

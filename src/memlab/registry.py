@@ -26,6 +26,7 @@ GROUPS = (
     "model",
     "data",
     "logger",
+    "generation",
 )
 """Config groups whose options are registered here (each has ``conf/<group>/``)."""
 
