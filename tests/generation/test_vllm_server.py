@@ -125,3 +125,41 @@ def test_restarted_server_is_an_error_not_silent_drift(server):
         client.generate(server["model"], ids, mask, SamplingParams(max_new_tokens=4, pad=PAD))
     assert stopped_s < 30
     server["client"] = fresh
+
+
+def _rank(rank: int, port: int, init: str, out: str) -> None:
+    """One of two gloo ranks with the same trained policy: rank 0 pushes, both generate."""
+    import json
+
+    import torch.distributed as dist
+
+    from memlab.generation.vllm import ServerEngine, Vllm
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        model, tok = tiny_model()
+        train_steps(model, seed=7)  # the same steps on both ranks: replicas, as under DDP
+        client = ServerEngine(Vllm(mode="server", port=port, server_timeout_s=120), rank=rank)
+        client.sync_weights(model)
+        ids, mask = prompts(tok)
+        s = client.generate(model, ids, mask, SamplingParams(max_new_tokens=MAX_NEW, pad=PAD,
+                                                             greedy=True))
+        comp, _, _ = hf_greedy(model, ids, mask, MAX_NEW, None)
+        with open(f"{out}.{rank}", "w") as f:
+            json.dump({"equal": s.completion.tolist() == comp.tolist(),
+                       "pushed_bytes": client.last_push.get("bytes", 0)}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_share_a_server_rank0_pushes(server, tmp_path):
+    import json
+
+    import torch.multiprocessing as mp
+
+    init = f"file://{tmp_path / 'pg'}"
+    mp.spawn(_rank, args=(server["port"], init, str(tmp_path / "out")), nprocs=2)
+    r0, r1 = (json.loads((tmp_path / f"out.{r}").read_text()) for r in (0, 1))
+    assert r0["equal"] and r1["equal"]
+    assert r0["pushed_bytes"] > 0 and r1["pushed_bytes"] == 0
