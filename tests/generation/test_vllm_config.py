@@ -16,14 +16,8 @@ import torch
 from generation.vllm_helpers import tiny_model
 from memlab import _guards
 from memlab.generation.base import SamplingParams
-from memlab.generation.vllm import (
-    ServerEngine,
-    Vllm,
-    VllmServerError,
-    _chunks,
-    policy_weights,
-    sampling_kwargs,
-)
+from memlab.generation.vllm import Vllm, policy_weights, sampling_kwargs
+from memlab.generation.vllm_client import ServerEngine, VllmServerError, _chunks
 from memlab.registry import ConfigErrors
 from memlab.run import validate
 from memlab_testing import FAST, compose

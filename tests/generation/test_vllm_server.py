@@ -54,7 +54,8 @@ def stop_server(proc: subprocess.Popen, client) -> None:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from memlab.generation.vllm import ServerEngine, Vllm, save_config
+    from memlab.generation.vllm import Vllm, save_config
+    from memlab.generation.vllm_client import ServerEngine
 
     model, tok = tiny_model()
     d = tmp_path_factory.mktemp("vllm_server")
@@ -133,7 +134,8 @@ def _rank(rank: int, port: int, init: str, out: str) -> None:
 
     import torch.distributed as dist
 
-    from memlab.generation.vllm import ServerEngine, Vllm
+    from memlab.generation.vllm import Vllm
+    from memlab.generation.vllm_client import ServerEngine
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)

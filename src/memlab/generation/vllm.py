@@ -9,8 +9,9 @@ transformers' ``generate``, as TRL's ``use_vllm=True`` does, in one of two modes
   engine's weights and KV cache are released after each generation and restored for the next.
 - ``mode=server``: a vLLM server in its own process and Python environment
   (``memlab vllm-serve model=...``, :mod:`memlab.generation.vllm_server`); the trainer talks to
-  it over HTTP (standard library only, so the trainer needs no vLLM), pushes its weights as
-  safetensors chunks, staged and committed atomically, and generates through it.
+  it over HTTP (:mod:`memlab.generation.vllm_client`, standard library only: the trainer needs
+  no vLLM), pushes its weights as safetensors chunks, staged and committed atomically, and
+  generates through it.
 
 Sampling maps one to one from :class:`SamplingParams` (temperature, top-p, top-k, max new
 tokens, stop at EOS; greedy = temperature 0); prompts go in as token ids; vLLM's own log-probs of
@@ -25,16 +26,13 @@ Importing this module never imports vLLM; the colocated engine imports it when i
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -42,6 +40,9 @@ from memlab import _guards
 from memlab.distributed.base import unwrap
 from memlab.generation.base import Samples, SamplingParams
 from memlab.registry import register
+
+if TYPE_CHECKING:
+    from memlab.generation.vllm_client import ServerEngine
 
 GIB = 1024**3
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -158,6 +159,8 @@ class Vllm:
         seed = (self.seed if self.seed is not None else ctx.train.seed) + ctx.rank
         if self.mode == "colocate":
             return ColocateEngine(self, device=ctx.device, seed=seed, world_size=ctx.world_size)
+        from memlab.generation.vllm_client import ServerEngine
+
         return ServerEngine(self, rank=ctx.rank)
 
     def importance_weights(self, trainer_logps: torch.Tensor, sampler_logps: torch.Tensor,
@@ -409,9 +412,7 @@ class ColocateEngine:
         import vllm
 
         t1 = time.perf_counter()
-        inner = unwrap(model)
-        check_architecture(getattr(inner, "config", None) or inner.get_base_model().config,
-                           self.device)
+        check_architecture(unwrap(model).config, self.device)
         self._dir = save_config(model, tempfile.mkdtemp(prefix="memlab-vllm-"))
         kw = engine_kwargs(
             model=self._dir, dtype=_policy_dtype(model) if self.cfg.dtype == "auto"
@@ -503,154 +504,3 @@ class ColocateEngine:
         if self._dir:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
-
-
-# ---------------------------------------------------------------------- server (client side)
-class VllmServerError(RuntimeError):
-    """The vLLM server is unreachable, restarted, out of step or failed a request."""
-
-
-class ServerEngine:
-    """Client of a `memlab vllm-serve` process: generates through it and pushes the policy's
-    weights after each optimizer step. Every rank calls :meth:`sync_weights` (sharded weights
-    are gathered together); rank 0 pushes, then the ranks meet at a barrier, so no rank
-    generates with the old weights."""
-
-    def __init__(self, cfg: Vllm, *, rank: int = 0):
-        self.cfg, self.rank = cfg, rank
-        self.url = f"http://{cfg.host}:{cfg.port}"
-        self.server_id: str | None = None
-        self.info: dict[str, Any] = {}
-        self.pushed = 0  # weight pushes this client made (rank 0) or waited for
-        self.last_push: dict[str, float] = {}
-
-    # -- transport
-    def _call(self, path: str, payload: dict | None = None, data: bytes | None = None,
-              timeout: float | None = None) -> dict[str, Any]:
-        if payload is not None:
-            data, ctype = json.dumps(payload).encode(), "application/json"
-        else:
-            ctype = "application/octet-stream"
-        req = urllib.request.Request(self.url + path, data=data,
-                                     method="GET" if data is None else "POST",
-                                     headers={"Content-Type": ctype})
-        limit = timeout or self.cfg.request_timeout_s
-        try:
-            with urllib.request.urlopen(req, timeout=limit) as r:
-                out = json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            try:
-                msg = json.loads(e.read()).get("error", "")
-            except ValueError:
-                msg = ""
-            raise VllmServerError(f"vLLM server {self.url}{path} answered {e.code}: "
-                                  f"{msg or e.reason}") from None
-        except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
-            reason = getattr(e, "reason", e)
-            raise VllmServerError(f"vLLM server {self.url}{path}: no answer ({reason}) within "
-                                  f"{limit:.0f} s") from None
-        sid = out.get("server_id")
-        if self.server_id is not None and sid != self.server_id:
-            raise VllmServerError(
-                f"the vLLM server at {self.url} restarted (server id {self.server_id} -> {sid}): "
-                f"it lost the {self.pushed} weight update(s) pushed so far and serves the "
-                "checkpoint it started from. Restart the training run (resume from a checkpoint) "
-                "against the new server")
-        return out
-
-    def connect(self) -> dict[str, Any]:
-        """Wait (at most server_timeout_s) for the server's health check; its description."""
-        deadline = time.monotonic() + self.cfg.server_timeout_s
-        while True:
-            left = deadline - time.monotonic()
-            try:
-                info = self._call("/health", timeout=max(1.0, min(10.0, left)))
-                break
-            except VllmServerError as e:
-                if "answered" in str(e) or time.monotonic() + 1 > deadline:
-                    raise VllmServerError(
-                        f"no vLLM server answered at {self.url} within "
-                        f"{self.cfg.server_timeout_s:.0f} s (generation.server_timeout_s); last "
-                        f"error: {e}. Start one with `memlab vllm-serve model=<the policy's "
-                        f"checkpoint> port={self.cfg.port}` (its own environment may hold "
-                        "vLLM), or use generation.mode=colocate") from None
-                time.sleep(1.0)
-        self.server_id, self.info = info["server_id"], info
-        return info
-
-    # -- engine
-    def sync_weights(self, model: torch.nn.Module) -> float:
-        """Push the policy's weights (rank 0) as safetensors chunks of about weight_chunk_mib,
-        staged by the server and loaded in one step at commit; every rank then waits at a
-        barrier (when a process group is up). Seconds taken."""
-        t0 = time.perf_counter()
-        if self.server_id is None:
-            self.connect()
-        weights = policy_weights(model)  # every rank: sharded tensors are gathered together
-        if self.rank == 0:
-            from safetensors.torch import save
-
-            dtype = getattr(torch, self.info.get("dtype", ""), None)
-            version = self._call("/weights/begin", {})["version"]
-            count = nbytes = chunks = 0
-            for chunk in _chunks(weights, self.cfg.weight_chunk_mib * 2**20, dtype):
-                data = save(chunk)
-                self._call(f"/weights/chunk?version={version}", data=data)
-                count, nbytes, chunks = count + len(chunk), nbytes + len(data), chunks + 1
-            load = self._call("/weights/commit", {"version": version, "count": count})
-            self.last_push = {"bytes": nbytes, "chunks": chunks, "server_load_s": load["load_s"]}
-        del weights
-        _barrier()
-        self.pushed += 1
-        return time.perf_counter() - t0
-
-    def generate(self, model: torch.nn.Module, prompt_ids: torch.Tensor,
-                 prompt_mask: torch.Tensor, params: SamplingParams) -> Samples:
-        """Sample through the server; the first call pushes the policy's weights (the server
-        may have started from another checkpoint or random weights)."""
-        if self.pushed == 0:
-            self.sync_weights(model)
-        out = self._call("/generate", {"prompts": prompt_lists(prompt_ids, prompt_mask),
-                                       "sampling": sampling_kwargs(params)})
-        return to_samples(out["tokens"], out["logprobs"], params, prompt_ids.device)
-
-    def memory(self) -> dict[str, int]:
-        """The server's engine weights and KV cache in bytes (its own process and devices)."""
-        return dict(self._call("/health").get("memory", {}))
-
-    def close(self) -> None:
-        """Nothing to release: the server belongs to whoever started it."""
-        self.server_id = None
-
-
-def _barrier() -> None:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
-
-
-def _chunks(weights: dict[str, torch.Tensor], limit: int, dtype: torch.dtype | None
-            ) -> Iterator[dict[str, torch.Tensor]]:
-    """Groups of whole tensors of at most ``limit`` bytes (a larger tensor goes alone), cast to
-    the server's dtype, contiguous, a tensor sharing storage with an earlier one left out
-    (tied embeddings: vLLM ties them itself)."""
-    chunk: dict[str, torch.Tensor] = {}
-    size = 0
-    seen: set[tuple[int, int]] = set()
-    for name, t in weights.items():
-        key = (t.untyped_storage().data_ptr(), t.storage_offset())
-        if key in seen:
-            continue
-        seen.add(key)
-        if dtype is not None and t.is_floating_point():
-            t = t.to(dtype)
-        t = t.detach().to("cpu").contiguous()
-        nbytes = t.numel() * t.element_size()
-        if chunk and size + nbytes > limit:
-            yield chunk
-            chunk, size = {}, 0
-        chunk[name] = t
-        size += nbytes
-    if chunk:
-        yield chunk
