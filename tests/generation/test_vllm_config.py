@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from generation.vllm_helpers import tiny_model
+from generation.vllm_helpers import free_port, tiny_model
 from memlab import _guards
 from memlab.generation.base import SamplingParams
 from memlab.generation.vllm import Vllm, policy_weights, sampling_kwargs
@@ -140,14 +140,8 @@ def test_importance_weights_truncate_or_mask_per_token_or_sequence():
     assert torch.allclose(w, torch.tensor([[0.0, 0.0, 0.0], [3.0, 3.0, 0.0]]))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_unreachable_server_fails_clearly_within_the_timeout():
-    port = _free_port()  # nothing listens there
+    port = free_port()  # nothing listens there
     client = ServerEngine(Vllm(mode="server", port=port, server_timeout_s=2))
     t0 = time.monotonic()
     with pytest.raises(VllmServerError) as e:

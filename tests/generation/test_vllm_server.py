@@ -14,11 +14,11 @@ import time
 import pytest
 import torch
 
-from generation.test_vllm_config import _free_port
 from generation.vllm_helpers import (
     KV_GIB,
     PAD,
     SKIP_NO_VLLM,
+    free_port,
     hf_greedy,
     prompts,
     tiny_model,
@@ -60,7 +60,7 @@ def server(tmp_path_factory):
     model, tok = tiny_model()
     d = tmp_path_factory.mktemp("vllm_server")
     save_config(model, str(d / "model"))  # config only: the server starts with dummy weights
-    port = _free_port()
+    port = free_port()
     log = open(d / "server.log", "w")
     proc = start_server(str(d / "model"), port, log)
     client = ServerEngine(Vllm(mode="server", port=port, server_timeout_s=300,

@@ -3,6 +3,8 @@ steps that change its weights, and transformers' greedy completions as the refer
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 import torch
 
@@ -82,3 +84,10 @@ def trainer_logps(model, ids, mask, comp, cmask) -> torch.Tensor:
     p = ids.shape[1]
     lp = logits[:, p - 1:-1].float().log_softmax(-1)
     return lp.gather(-1, comp[..., None])[..., 0] * cmask
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on (just now)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
