@@ -217,9 +217,12 @@ def _train(ctx: BuildContext, summary: dict[str, Any], logger_box: list) -> None
     try:
         result = trainer.train()
     finally:
-        if pipe.generation is not None:
-            pipe.generation.close()
         summary["memory"] = trainer.probe.result()
+        if pipe.generation is not None:
+            engine = pipe.generation.engine.memory()
+            if engine:  # what a vLLM engine holds outside the trainer's tensors
+                summary["memory"]["generation_engine"] = engine
+            pipe.generation.close()
         if pipe.offload is not None:
             summary["memory"]["offload"] = pipe.offload.stats()
         summary["memory"]["params"] = _param_counts(pipe.models["policy"])

@@ -5,6 +5,7 @@ memlab -m sweep=<name>          a ready sweep shipped with memlab (``sweep=`` gr
 memlab report DIR [DIR ...]     table, CSV, Markdown, plots (and HTML) from summaries
 memlab lengths [overrides]      token-length profile of a data config
 memlab estimate [overrides]     predicted peak memory, no GPU needed
+memlab vllm-serve model=... [knob=value ...]   the vLLM server of generation.mode=server
 memlab --version                memlab's version
 memlab -sc install=bash         tab completion for ``memlab`` and ``python -m memlab`` (or zsh)
 
@@ -22,6 +23,7 @@ SUBCOMMANDS = {
     "report": "memlab.cli.report",
     "lengths": "memlab.cli.lengths",
     "estimate": "memlab.cli.estimate",
+    "vllm-serve": "memlab.generation.vllm_server",
 }
 MODES = {"train": None, "estimate": "memlab.cli.estimate", "lengths": "memlab.cli.lengths"}
 COMPLETION_FLAGS = ("-sc", "--shell-completion")

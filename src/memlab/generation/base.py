@@ -90,6 +90,20 @@ class Engine(Protocol):
         """Push the policy's current weights to the engine; returns the seconds it took."""
         ...
 
+    def corrects_sampling(self) -> bool:
+        """Whether :meth:`importance_weights` applies (then samples carry ``logprobs``)."""
+        ...
+
+    def importance_weights(self, trainer_logps: torch.Tensor, sampler_logps: torch.Tensor,
+                           mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]] | None:
+        """Per-token weights correcting the mismatch between the sampler's log-probs and the
+        trainer's (truncated importance sampling), or None when the engine applies none."""
+        ...
+
+    def memory(self) -> dict[str, int]:
+        """What the engine holds outside the trainer's tensors (its weights, its KV cache)."""
+        ...
+
     def close(self) -> None: ...
 
 

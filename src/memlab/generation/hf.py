@@ -69,5 +69,14 @@ class HFEngine:
     def sync_weights(self, model) -> float:
         return 0.0
 
+    def corrects_sampling(self) -> bool:
+        return False
+
+    def importance_weights(self, trainer_logps, sampler_logps, mask) -> None:
+        return None  # samples come from the policy itself
+
+    def memory(self) -> dict[str, int]:
+        return {}  # the policy's own tensors: the trainer's tracker sees them
+
     def close(self) -> None:
         return None

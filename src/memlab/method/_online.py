@@ -74,6 +74,7 @@ class Online:
     supports_packing: ClassVar[bool] = False
     supports_padding_free: ClassVar[bool] = False
     trains_extra_models: ClassVar[bool] = False
+    supports_sampling_correction: ClassVar[bool] = False
     items_name: ClassVar[str] = "completion tokens"
     min_generations: ClassVar[int] = 2
     reuses_rollouts: ClassVar[bool] = True
@@ -237,7 +238,32 @@ class Online:
         pmask = batch.tensors["prompt_mask"].repeat_interleave(g, 0)
         samples = env.engine.generate(models["policy"], prompt, pmask, self.sampling(batch))
         rewards, metrics = self.score(batch, samples, models)
-        return self.training_batch(models, batch, prompt, pmask, samples, rewards, metrics)
+        out = self.training_batch(models, batch, prompt, pmask, samples, rewards, metrics)
+        if samples.logprobs is not None and env.engine.corrects_sampling():
+            self.correct_sampling(models, out, samples, env.engine, prompt.shape[1])
+        return out
+
+    def correct_sampling(self, models: dict, out: Batch, samples: Samples, engine,
+                         prompt_width: int) -> None:
+        """Weight each completion token by the engine's correction of the mismatch between
+        the sampler's log-probs and the trainer's (``is_weights``; methods that declare
+        ``supports_sampling_correction`` apply them in their loss). The trainer's log-probs are
+        those of the policy at generation time (one no-grad forward, shared with
+        ``old_logps`` when the method records them)."""
+        t = out.tensors
+        labels = t["labels"][:, :-1]
+        old = t.get("old_logps")
+        if old is None:
+            with torch.no_grad():
+                logits = models["policy"](**model_inputs(t), use_cache=False).logits[:, :-1]
+                old = token_logps(logits, labels, IGNORE)
+            del logits
+        sampler = torch.zeros_like(old)
+        width = samples.logprobs.shape[1]
+        sampler[:, prompt_width - 1: prompt_width - 1 + width] = samples.logprobs.to(old)
+        weights, metrics = engine.importance_weights(old, sampler, labels != IGNORE)
+        t["is_weights"] = weights.to(old.device)
+        out.meta["rollout"].update(metrics)
 
     def score(self, batch: Batch, samples: Samples, models: dict
               ) -> tuple[torch.Tensor, dict[str, float]]:

@@ -62,6 +62,11 @@ class Method(Protocol):
     head: ClassVar[str]
     items_name: ClassVar[str]
     supports_packing: ClassVar[bool]
+    supports_padding_free: ClassVar[bool]
+    trains_extra_models: ClassVar[bool]
+    """It trains a model besides the policy (PPO's value model)."""
+    supports_sampling_correction: ClassVar[bool]
+    """Its loss can weight tokens by the sampler/trainer mismatch (generation=vllm)."""
 
     def validate(self, ctx) -> list[str]: ...
     def prepare(self, ds, tokenizer, ctx) -> tuple[Any, DataStats]: ...
@@ -108,6 +113,7 @@ class Offline:
     """Defaults of the methods that train on a fixed dataset (mixed into their dataclasses)."""
 
     trains_extra_models: ClassVar[bool] = False
+    supports_sampling_correction: ClassVar[bool] = False
 
     def generates(self) -> bool:
         return False

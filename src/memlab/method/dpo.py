@@ -31,13 +31,13 @@ import torch
 
 from memlab.data.base import DataError
 from memlab.method import _preference as P
-from memlab.method.base import Batch, DataStats
+from memlab.method.base import Batch, DataStats, Offline
 from memlab.registry import register
 
 
 @register("method", "dpo")
 @dataclass(kw_only=True)
-class DPO:
+class DPO(Offline):
     """DPO knobs, named as in TRL's DPOConfig where one exists."""
 
     beta: float = 0.1
@@ -66,16 +66,9 @@ class DPO:
     head: ClassVar[str] = "causal_lm"
     supports_packing: ClassVar[bool] = False
     supports_padding_free: ClassVar[bool] = True
-    trains_extra_models: ClassVar[bool] = False
     items_name: ClassVar[str] = "pairs"
 
     # ------------------------------------------------------------------ capabilities
-    def generates(self) -> bool:
-        return False
-
-    def row_length(self) -> int | None:
-        return self.max_length
-
     def packs_rows(self, ctx) -> bool:
         return self.padding_free
 

@@ -61,6 +61,7 @@ class GKD:
     supports_packing: ClassVar[bool] = False
     supports_padding_free: ClassVar[bool] = False
     trains_extra_models: ClassVar[bool] = False
+    supports_sampling_correction: ClassVar[bool] = False
     items_name: ClassVar[str] = "completion tokens"
     num_iterations: ClassVar[int] = 1
     """One optimizer step per generated batch."""

@@ -18,7 +18,7 @@ divided by completions x ``max_completion_length``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 
@@ -33,6 +33,8 @@ from memlab.registry import register
 @dataclass(kw_only=True)
 class GRPO(Clipped):
     """GRPO knobs, named as in TRL's GRPOConfig where one exists."""
+
+    supports_sampling_correction: ClassVar[bool] = True
 
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """Divide advantages by the group's reward std, the batch's, or not at all (Dr. GRPO)."""
@@ -65,6 +67,8 @@ class GRPO(Clipped):
             kl = torch.exp(d) - d - 1
             per_token = per_token + self.beta * kl
             metrics["kl"] = float((kl.detach() * mask).sum() / mask.sum().clamp(min=1))
+        if "is_weights" in t:  # generation=vllm with importance_sampling_correction
+            per_token = per_token * t["is_weights"].to(per_token.dtype)
         per_token = per_token * mask
         if self.loss_type == "dapo":
             loss_sum = per_token.sum()

@@ -28,7 +28,7 @@ import torch
 
 from memlab.data.base import DataError
 from memlab.method import _preference as P
-from memlab.method.base import Batch, DataStats
+from memlab.method.base import Batch, DataStats, Offline
 from memlab.registry import register
 
 
@@ -50,7 +50,7 @@ def mismatched_partners(prompts: list[list[int]]) -> list[int]:
 
 @register("method", "kto")
 @dataclass(kw_only=True)
-class KTO:
+class KTO(Offline):
     """KTO knobs, named as in TRL's KTOConfig where one exists."""
 
     beta: float = 0.1
@@ -78,16 +78,9 @@ class KTO:
     head: ClassVar[str] = "causal_lm"
     supports_packing: ClassVar[bool] = False
     supports_padding_free: ClassVar[bool] = True
-    trains_extra_models: ClassVar[bool] = False
     items_name: ClassVar[str] = "examples"
 
     # ------------------------------------------------------------------ capabilities
-    def generates(self) -> bool:
-        return False
-
-    def row_length(self) -> int | None:
-        return self.max_length
-
     def packs_rows(self, ctx) -> bool:
         return self.padding_free
 

@@ -29,14 +29,14 @@ from torch import nn
 
 from memlab.data.base import DataError
 from memlab.method import _preference as P
-from memlab.method.base import Batch, DataStats
+from memlab.method.base import Batch, DataStats, Offline
 from memlab.registry import register
 from memlab.trainer.routing import base_model, call_inside
 
 
 @register("method", "reward")
 @dataclass(kw_only=True)
-class Reward:
+class Reward(Offline):
     """Reward-model knobs, named as in TRL's RewardConfig where one exists."""
 
     max_length: int | None = 1024
@@ -56,16 +56,9 @@ class Reward:
     head: ClassVar[str] = "seq_cls"
     supports_packing: ClassVar[bool] = False
     supports_padding_free: ClassVar[bool] = True
-    trains_extra_models: ClassVar[bool] = False
     items_name: ClassVar[str] = "pairs"
 
     # ------------------------------------------------------------------ capabilities
-    def generates(self) -> bool:
-        return False
-
-    def row_length(self) -> int | None:
-        return self.max_length
-
     def packs_rows(self, ctx) -> bool:
         return self.padding_free
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from torch import nn
 
@@ -14,6 +14,9 @@ from memlab.registry import register
 @dataclass(kw_only=True)
 class Lora:
     """LoRA knobs, named as in ``peft.LoraConfig``."""
+
+    quantizes_base: ClassVar[bool] = False
+    """The frozen base is stored quantized (bitsandbytes): it cannot be merged with adapters."""
 
     r: int = 16
     alpha: int = 32

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from torch import nn
 
@@ -15,6 +15,9 @@ from memlab.registry import register
 @dataclass(kw_only=True)
 class QLora(Lora):
     """LoRA knobs plus the quantization of the frozen base."""
+
+    quantizes_base: ClassVar[bool] = True
+    """The frozen base is stored quantized (bitsandbytes): it cannot be merged with adapters."""
 
     bits: Literal[4, 8] = 4
     quant_type: Literal["nf4", "fp4"] = "nf4"

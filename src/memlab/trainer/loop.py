@@ -172,7 +172,8 @@ class Trainer:
         with self.probe.step(self.step_idx, tracked, inputs):
             if self.method.generates() and not reuse:  # online: generate the training batches
                 with self.probe.phase("generate"):
-                    sync_s = self.generation.sync(self.policy)
+                    with self.dist.generation(self.policy):  # ZeRO-3 / FSDP2: whole weights
+                        sync_s = self.generation.sync(self.policy)
                     with ctx.precision.autocast(device):
                         batches[:] = [self.method.rollout(self.models, b, ctx, self.generation)
                                       for b in batches]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from memlab import _guards
 from memlab.registry import GROUPS, ConfigErrors, build, options
 from memlab.run import validate
 from memlab_testing import CONF, FAST, compose
@@ -14,6 +15,7 @@ GPU_ONLY = {
     ("precision", "fp16_mixed"), ("peft", "qlora"), ("offload", "activations"),
 }
 NEEDS_INPUT = {("data", "local")}
+NEEDS_PACKAGE = {("generation", "vllm"): "vllm"}  # an extra outside [dev] (own env on CPU)
 
 
 def _plain(cfg):
@@ -41,6 +43,11 @@ def test_every_option_composes_and_validates(group, name):
     cfg = _plain(compose(fast + [f"{group}={name}"]))
     if (group, name) in NEEDS_INPUT:
         with pytest.raises(ConfigErrors, match="data.path"):
+            validate(cfg)
+        return
+    package = NEEDS_PACKAGE.get((group, name))
+    if package and not _guards.has(package):
+        with pytest.raises(ConfigErrors, match=f"'{package}' package"):
             validate(cfg)
         return
     if (group, name) in GPU_ONLY:
