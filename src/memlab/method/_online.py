@@ -27,8 +27,7 @@ from torch import nn
 from memlab.data.base import DataError, check_messages, check_text
 from memlab.generation.base import GenerationEnv, Samples, SamplingParams
 from memlab.losses import token_logps
-from memlab.method import _preference as P
-from memlab.method import _rewards
+from memlab.method import _overrides, _reference, _rewards, _rows
 from memlab.method.base import IGNORE, Batch, DataStats, ModelFactory, model_inputs
 
 
@@ -82,7 +81,7 @@ class Online:
 
     # ------------------------------------------------------------------ validation
     def validate(self, ctx) -> list[str]:
-        errors = P.length_errors(self, ["max_prompt_length", "max_completion_length"])
+        errors = _rows.length_errors(self, ["max_prompt_length", "max_completion_length"])
         if self.num_generations < self.min_generations:
             errors.append(f"method.num_generations must be >= {self.min_generations}: the "
                           f"advantage compares completions of the same prompt (got "
@@ -119,7 +118,7 @@ class Online:
                           f"method.num_iterations={self.num_iterations} (checkpoints are taken "
                           "between generation batches)")
         if self.beta > 0:
-            errors += P.reference_errors(self, ctx)
+            errors += _reference.reference_errors(self, ctx)
         return errors
 
     def _reward_model_errors(self, ctx) -> list[str]:
@@ -130,10 +129,10 @@ class Online:
                 errors.append(f"{where} must be a mapping of model-group overrides, e.g. "
                               f"{{name_or_path: my/reward-model}} (got {entry!r})")
                 continue
-            unknown = P.override_key_errors(ctx, entry, where)
+            unknown = _overrides.override_key_errors(ctx, entry, where)
             errors += unknown
             if not unknown and entry:
-                errors += P.overridden_model_errors(ctx, entry, where)
+                errors += _overrides.overridden_model_errors(ctx, entry, where)
         return errors
 
     # ------------------------------------------------------------------ data
@@ -149,7 +148,7 @@ class Online:
 
         def fn(row: dict, idx: int) -> list[dict]:
             prompt, reference = _prompt_and_reference(row, idx)
-            ids = P.encode_prompt(tokenizer, prompt, idx)
+            ids = _rows.encode_prompt(tokenizer, prompt, idx)
             n_in = len(ids)
             if limit is not None and len(ids) > limit:
                 ids = ids[len(ids) - limit:]
@@ -157,7 +156,7 @@ class Online:
                      "prompt_text": tokenizer.decode(ids, skip_special_tokens=False)}]
 
         key = ("grpo", limit, tokenizer.name_or_path, len(tokenizer))
-        out = P.map_rows(ds, fn, ["prompt_ids", "reference", "n_in", "prompt_text"], key,
+        out = _rows.map_rows(ds, fn, ["prompt_ids", "reference", "n_in", "prompt_text"], key,
                          "tokenize prompts")
         n_in = sum(out["n_in"])
         kept = sum(len(x) for x in out["prompt_ids"])
@@ -187,7 +186,7 @@ class Online:
 
     # ------------------------------------------------------------------ models
     def extra_models(self, policy, ctx, build: ModelFactory) -> dict[str, nn.Module]:
-        models = P.reference_models(self, policy, ctx, build) if self.beta > 0 else {}
+        models = _reference.reference_models(self, policy, ctx, build) if self.beta > 0 else {}
         return {**models, **self.reward_model_instances(build)}
 
     def reward_model_instances(self, build: ModelFactory) -> dict[str, nn.Module]:

@@ -30,7 +30,7 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from memlab.data.base import DataError
-from memlab.method import _preference as P
+from memlab.method import _collate, _liger, _logps, _reference, _rows
 from memlab.method.base import Batch, DataStats, Offline
 from memlab.registry import register
 
@@ -89,12 +89,12 @@ class DPO(Offline):
         if self.label_smoothing and self.loss_type != "sigmoid":
             errors.append(f"method.label_smoothing applies to loss_type=sigmoid only, not "
                           f"{self.loss_type}; set method.label_smoothing=0")
-        errors += P.length_errors(self, ("max_length", "max_prompt_length",
+        errors += _rows.length_errors(self, ("max_length", "max_prompt_length",
                                          "max_completion_length"))
         if self.pad_to_multiple_of is not None and self.pad_to_multiple_of <= 0:
             errors.append("method.pad_to_multiple_of must be a positive integer or null")
-        errors += P.reference_errors(self, ctx)
-        errors += P.liger_errors(self, ctx, "DPO")
+        errors += _reference.reference_errors(self, ctx)
+        errors += _liger.liger_errors(self, ctx, "DPO")
         if self.use_liger_kernel and (self.loss_type != "sigmoid" or self.label_smoothing):
             errors.append("method.use_liger_kernel=true implements loss_type=sigmoid without "
                           "label smoothing; set method.loss_type=sigmoid, "
@@ -115,13 +115,13 @@ class DPO(Offline):
             if explicit:
                 prompt, chosen, rejected = row["prompt"], row["chosen"], row["rejected"]
             else:
-                prompt, chosen, rejected = P.split_implicit_prompt(row["chosen"],
+                prompt, chosen, rejected = _rows.split_implicit_prompt(row["chosen"],
                                                                    row["rejected"], idx)
-            p = P.encode_prompt(tokenizer, prompt, idx)
-            c = P.encode_completion(tokenizer, prompt, p, chosen, idx, "chosen")
-            r = P.encode_completion(tokenizer, prompt, p, rejected, idx, "rejected")
+            p = _rows.encode_prompt(tokenizer, prompt, idx)
+            c = _rows.encode_completion(tokenizer, prompt, p, chosen, idx, "chosen")
+            r = _rows.encode_completion(tokenizer, prompt, p, rejected, idx, "rejected")
             n_in = 2 * len(p) + len(c) + len(r)
-            cut = P.truncate(p, [c, r], *limits)
+            cut = _rows.truncate(p, [c, r], *limits)
             if cut is None:
                 return [{"prompt_ids": [], "chosen_ids": [], "rejected_ids": [], "keep": False,
                          "n_in": n_in, "n_dropped": n_in}]
@@ -130,10 +130,10 @@ class DPO(Offline):
                      "n_in": n_in, "n_dropped": dropped}]
 
         key = ("dpo", explicit, limits, tokenizer.name_or_path, len(tokenizer))
-        out = P.map_rows(ds, fn, ("prompt_ids", "chosen_ids", "rejected_ids", "keep", "n_in",
+        out = _rows.map_rows(ds, fn, ("prompt_ids", "chosen_ids", "rejected_ids", "keep", "n_in",
                                   "n_dropped"), key, "tokenize pairs")
         n_in, n_dropped, keep = out["n_in"], out["n_dropped"], out["keep"]
-        out = P.keep_rows(out, drop=("n_in", "n_dropped"))
+        out = _rows.keep_rows(out, drop=("n_in", "n_dropped"))
         stats = DataStats(examples=len(out), rows=len(out), tokens_in=int(sum(n_in)),
                           tokens_dropped=int(sum(n_dropped)),
                           examples_dropped=int(len(keep) - sum(keep)))
@@ -144,9 +144,9 @@ class DPO(Offline):
         return self._collate(rows, tokenizer.pad_token_id)
 
     def _collate(self, rows: list[dict], pad_id: int) -> Batch:
-        seqs = [P.sequence(r["prompt_ids"], r["chosen_ids"]) for r in rows]
-        seqs += [P.sequence(r["prompt_ids"], r["rejected_ids"]) for r in rows]
-        t, real, total = P.collate_sequences(seqs, pad_id, self.pad_to_multiple_of,
+        seqs = [_collate.sequence(r["prompt_ids"], r["chosen_ids"]) for r in rows]
+        seqs += [_collate.sequence(r["prompt_ids"], r["rejected_ids"]) for r in rows]
+        t, real, total = _collate.collate_sequences(seqs, pad_id, self.pad_to_multiple_of,
                                              self.padding_free)
         if "ref_chosen_logps" in rows[0]:
             t["ref_logps"] = torch.tensor([r["ref_chosen_logps"] for r in rows]
@@ -158,28 +158,28 @@ class DPO(Offline):
 
     # ------------------------------------------------------------------ models
     def extra_models(self, policy, ctx, build) -> dict[str, Any]:
-        return P.reference_models(self, policy, ctx, build)
+        return _reference.reference_models(self, policy, ctx, build)
 
     def before_training(self, models, ds, ctx):
         """reference=precomputed: reference log-probs of every pair, as dataset columns."""
         if self.reference != "precomputed":
             return None
-        pad = P.pad_id_of(models)
+        pad = _collate.pad_id_of(models)
 
         def run(model, batch: Batch) -> dict[str, torch.Tensor]:
-            logps, _ = P.completion_logps(model, batch.tensors, 2 * batch.num_items)
+            logps, _ = _logps.completion_logps(model, batch.tensors, 2 * batch.num_items)
             b = batch.num_items
             return {"ref_chosen_logps": logps[:b], "ref_rejected_logps": logps[b:]}
 
-        return P.precompute(self, models, ds, ctx, lambda rows: self._collate(rows, pad), run)
+        return _reference.precompute(self, models, ds, ctx, lambda rows: self._collate(rows, pad), run)
 
     # ------------------------------------------------------------------ loss
     def reference_logps(self, models, t: dict[str, torch.Tensor], n: int) -> torch.Tensor:
         """Summed completion log-probs of the ``n`` sequences under the reference."""
         if "ref_logps" in t:
             return t["ref_logps"]
-        with P.reference_forward(self, models) as ref:
-            return P.completion_logps(ref, t, n)[0]
+        with _reference.reference_forward(self, models) as ref:
+            return _logps.completion_logps(ref, t, n)[0]
 
     def loss(self, models: dict, batch: Batch, ctx) -> tuple[torch.Tensor, dict[str, float]]:
         from memlab.losses import dpo_loss
@@ -189,7 +189,7 @@ class DPO(Offline):
         t, b = batch.tensors, batch.num_items
         # reference first: its logits are freed before the policy's graph exists (lower peak)
         ref = self.reference_logps(models, t, 2 * b)
-        logps, counts = P.completion_logps(models["policy"], t, 2 * b)
+        logps, counts = _logps.completion_logps(models["policy"], t, 2 * b)
         pol_in, ref_in = logps, ref
         if self.loss_type == "ipo":  # IPO is defined on length-averaged log-probs
             n = counts.clamp(min=1).to(logps.dtype)
@@ -210,13 +210,13 @@ class DPO(Offline):
         """Liger's fused linear DPO: chosen rows first in ``[2B, T, H]``, labels aligned; the loss
         it returns is the mean over pairs, so it is scaled back to a sum."""
         t, b = batch.tensors, batch.num_items
-        hidden, head = P.hidden_and_head(models["policy"], t)
-        with P.reference_forward(self, models) as ref:
-            ref_hidden, ref_head = P.hidden_and_head(ref, t)
-        fn = P.liger_module("LigerFusedLinearDPOLoss", beta=self.beta, use_ref_model=True,
+        hidden, head = _liger.hidden_and_head(models["policy"], t)
+        with _reference.reference_forward(self, models) as ref:
+            ref_hidden, ref_head = _liger.hidden_and_head(ref, t)
+        fn = _liger.liger_module("LigerFusedLinearDPOLoss", beta=self.beta, use_ref_model=True,
                             compute_nll_loss=False, average_log_prob=False,
                             loss_type="sigmoid")
         out = fn(head.weight, hidden, t["labels"], bias=getattr(head, "bias", None),
                  ref_input=ref_hidden, ref_weight=ref_head.weight,
                  ref_bias=getattr(ref_head, "bias", None))
-        return P.liger_loss_value(out) * b, {}
+        return _liger.liger_loss_value(out) * b, {}

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from memlab.data.base import DataError
 from memlab.generation.base import GenerationEnv, SamplingParams
-from memlab.method import _preference as P
+from memlab.method import _overrides, _reference, _rows
 from memlab.method._online import _prompt_and_reference, join
 from memlab.method.base import IGNORE, Batch, DataStats, model_inputs
 from memlab.registry import register
@@ -92,7 +92,7 @@ class GKD:
 
     # ------------------------------------------------------------------ validation
     def validate(self, ctx) -> list[str]:
-        errors = P.length_errors(self, ["max_length", "max_prompt_length", "max_new_tokens"])
+        errors = _rows.length_errors(self, ["max_length", "max_prompt_length", "max_new_tokens"])
         if not 0 <= self.lmbda <= 1:
             errors.append(f"method.lmbda must be in [0, 1] (got {self.lmbda})")
         if not 0 <= self.beta <= 1:
@@ -100,12 +100,12 @@ class GKD:
         if self.temperature <= 0:
             errors.append(f"method.temperature must be > 0 (got {self.temperature})")
         teacher_cfg = self.teacher or {}
-        errors += P.override_key_errors(ctx, teacher_cfg, "method.teacher")
+        errors += _overrides.override_key_errors(ctx, teacher_cfg, "method.teacher")
         if "vocab_size" in teacher_cfg or "tokenizer" in teacher_cfg:
             errors.append("method.teacher must share the student's tokenizer and vocabulary; "
                           "drop vocab_size / tokenizer from method.teacher")
         if not errors and teacher_cfg:
-            errors += P.overridden_model_errors(ctx, teacher_cfg, "method.teacher")
+            errors += _overrides.overridden_model_errors(ctx, teacher_cfg, "method.teacher")
         return errors
 
     # ------------------------------------------------------------------ data
@@ -119,10 +119,10 @@ class GKD:
 
         def fn(row: dict, idx: int) -> list[dict]:
             prompt, answer = _prompt_and_reference(row, idx)
-            p = P.encode_prompt(tokenizer, prompt, idx)
-            c = P.encode_completion(tokenizer, prompt, p, [{"role": "assistant",
+            p = _rows.encode_prompt(tokenizer, prompt, idx)
+            c = _rows.encode_completion(tokenizer, prompt, p, [{"role": "assistant",
                                                              "content": answer}], idx, "messages")
-            cut = P.truncate(p, [c], self.max_prompt_length, None, self.max_length)
+            cut = _rows.truncate(p, [c], self.max_prompt_length, None, self.max_length)
             if cut is None:
                 return [{"prompt_ids": [], "completion_ids": [], "keep": False,
                          "n_in": len(p) + len(c), "dropped": len(p) + len(c)}]
@@ -132,12 +132,12 @@ class GKD:
 
         key = ("gkd", self.max_prompt_length, self.max_length, tokenizer.name_or_path,
                len(tokenizer))
-        out = P.map_rows(ds, fn, ["prompt_ids", "completion_ids", "keep", "n_in", "dropped"],
+        out = _rows.map_rows(ds, fn, ["prompt_ids", "completion_ids", "keep", "n_in", "dropped"],
                          key, "tokenize conversations")
         stats["n_in"] = sum(out["n_in"])
         stats["dropped"] = sum(out["dropped"])
         n_before = len(out)
-        out = P.keep_rows(out, "keep", drop=["n_in", "dropped"])
+        out = _rows.keep_rows(out, "keep", drop=["n_in", "dropped"])
         return out, DataStats(examples=len(ds), rows=len(out), tokens_in=stats["n_in"],
                               tokens_dropped=stats["dropped"],
                               examples_dropped=n_before - len(out))
@@ -212,7 +212,7 @@ class GKD:
         mask = t["labels"][:, -cw - 1:-1] != IGNORE
         student = models["policy"](**inputs, use_cache=False,
                                    logits_to_keep=cw + 1).logits[:, :-1][mask]
-        with P.frozen_forward(models["teacher"]) as teacher_model:
+        with _reference.frozen_forward(models["teacher"]) as teacher_model:
             teacher = teacher_model(**inputs, use_cache=False,
                                     logits_to_keep=cw + 1).logits[:, :-1][mask]
         loss_sum = generalized_jsd(student, teacher, self.beta, self.temperature).sum()

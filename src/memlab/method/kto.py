@@ -27,7 +27,7 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from memlab.data.base import DataError
-from memlab.method import _preference as P
+from memlab.method import _collate, _liger, _logps, _reference, _rows
 from memlab.method.base import Batch, DataStats, Offline
 from memlab.registry import register
 
@@ -98,12 +98,12 @@ class KTO(Offline):
         for name in ("desirable_weight", "undesirable_weight"):
             if getattr(self, name) < 0:
                 errors.append(f"method.{name} must be >= 0 (got {getattr(self, name)})")
-        errors += P.length_errors(self, ("max_length", "max_prompt_length",
+        errors += _rows.length_errors(self, ("max_length", "max_prompt_length",
                                          "max_completion_length"))
         if self.pad_to_multiple_of is not None and self.pad_to_multiple_of <= 0:
             errors.append("method.pad_to_multiple_of must be a positive integer or null")
-        errors += P.reference_errors(self, ctx)
-        errors += P.liger_errors(self, ctx, "KTO")
+        errors += _reference.reference_errors(self, ctx)
+        errors += _liger.liger_errors(self, ctx, "KTO")
         if self.use_liger_kernel and (self.desirable_weight != 1 or self.undesirable_weight != 1):
             errors.append("method.use_liger_kernel=true has no class weights; set "
                           "method.desirable_weight=1 and method.undesirable_weight=1")
@@ -130,7 +130,7 @@ class KTO(Offline):
                 if explicit:
                     prompt, chosen, rejected = row["prompt"], row["chosen"], row["rejected"]
                 else:
-                    prompt, chosen, rejected = P.split_implicit_prompt(row["chosen"],
+                    prompt, chosen, rejected = _rows.split_implicit_prompt(row["chosen"],
                                                                        row["rejected"], idx)
                 items = [(chosen, True, "chosen"), (rejected, False, "rejected")]
             else:
@@ -139,12 +139,12 @@ class KTO(Offline):
                     raise DataError(f"row {idx}: field 'label' must be true/false (desirable or "
                                     f"not), got {label!r}")
                 items = [(row["completion"], bool(label), "completion")]
-            p = P.encode_prompt(tokenizer, prompt, idx)
+            p = _rows.encode_prompt(tokenizer, prompt, idx)
             out = []
             for completion, label, field in items:
-                c = P.encode_completion(tokenizer, prompt, p, completion, idx, field)
+                c = _rows.encode_completion(tokenizer, prompt, p, completion, idx, field)
                 n_in = len(p) + len(c)
-                cut = P.truncate(p, [c], *limits)
+                cut = _rows.truncate(p, [c], *limits)
                 if cut is None:
                     out.append({"prompt_ids": [], "completion_ids": [], "label": label,
                                 "keep": False, "n_in": n_in, "n_dropped": n_in})
@@ -155,10 +155,10 @@ class KTO(Offline):
             return out
 
         key = ("kto", paired, explicit, limits, tokenizer.name_or_path, len(tokenizer))
-        out = P.map_rows(ds, fn, ("prompt_ids", "completion_ids", "label", "keep", "n_in",
+        out = _rows.map_rows(ds, fn, ("prompt_ids", "completion_ids", "label", "keep", "n_in",
                                   "n_dropped"), key, "tokenize examples")
         n_in, n_dropped, keep = out["n_in"], out["n_dropped"], out["keep"]
-        out = P.keep_rows(out, drop=("n_in", "n_dropped"))
+        out = _rows.keep_rows(out, drop=("n_in", "n_dropped"))
         prompts, completions = out["prompt_ids"], out["completion_ids"]
         kl = []
         for i, j in enumerate(mismatched_partners(prompts)):
@@ -179,11 +179,11 @@ class KTO(Offline):
         return self._collate(rows, tokenizer.pad_token_id)
 
     def _collate(self, rows: list[dict], pad_id: int) -> Batch:
-        main = [P.sequence(r["prompt_ids"], r["completion_ids"]) for r in rows]
-        kl = [P.sequence(r["prompt_ids"], r["kl_completion_ids"]) for r in rows]
-        t, real, total = P.collate_sequences(main, pad_id, self.pad_to_multiple_of,
+        main = [_collate.sequence(r["prompt_ids"], r["completion_ids"]) for r in rows]
+        kl = [_collate.sequence(r["prompt_ids"], r["kl_completion_ids"]) for r in rows]
+        t, real, total = _collate.collate_sequences(main, pad_id, self.pad_to_multiple_of,
                                              self.padding_free)
-        tk, real_kl, total_kl = P.collate_sequences(kl, pad_id, self.pad_to_multiple_of,
+        tk, real_kl, total_kl = _collate.collate_sequences(kl, pad_id, self.pad_to_multiple_of,
                                                     self.padding_free)
         t.update({f"kl_{k}": v for k, v in tk.items()})
         t["label"] = torch.tensor([bool(r["label"]) for r in rows], dtype=torch.bool)
@@ -199,21 +199,21 @@ class KTO(Offline):
 
     # ------------------------------------------------------------------ models
     def extra_models(self, policy, ctx, build) -> dict[str, Any]:
-        return P.reference_models(self, policy, ctx, build)
+        return _reference.reference_models(self, policy, ctx, build)
 
     def before_training(self, models, ds, ctx):
         """reference=precomputed: reference log-probs of each example and of its mismatched
         (KL) sequence, as dataset columns."""
         if self.reference != "precomputed":
             return None
-        pad = P.pad_id_of(models)
+        pad = _collate.pad_id_of(models)
 
         def run(model, batch: Batch) -> dict[str, torch.Tensor]:
             n = batch.num_items
-            return {"ref_logps": P.completion_logps(model, batch.tensors, n)[0],
-                    "ref_kl_logps": P.completion_logps(model, batch.tensors, n, "kl_")[0]}
+            return {"ref_logps": _logps.completion_logps(model, batch.tensors, n)[0],
+                    "ref_kl_logps": _logps.completion_logps(model, batch.tensors, n, "kl_")[0]}
 
-        return P.precompute(self, models, ds, ctx, lambda rows: self._collate(rows, pad), run)
+        return _reference.precompute(self, models, ds, ctx, lambda rows: self._collate(rows, pad), run)
 
     # ------------------------------------------------------------------ loss
     def reference_logps(self, models, t: dict[str, torch.Tensor], n: int
@@ -221,9 +221,9 @@ class KTO(Offline):
         """Reference log-probs of the examples and of their mismatched sequences."""
         if "ref_logps" in t:
             return t["ref_logps"], t["ref_kl_logps"]
-        with P.reference_forward(self, models) as ref:
-            return (P.completion_logps(ref, t, n)[0],
-                    P.completion_logps(ref, t, n, "kl_")[0])
+        with _reference.reference_forward(self, models) as ref:
+            return (_logps.completion_logps(ref, t, n)[0],
+                    _logps.completion_logps(ref, t, n, "kl_")[0])
 
     def kl_estimate(self, models, t: dict[str, torch.Tensor], n: int,
                     ref_kl: torch.Tensor) -> torch.Tensor:
@@ -231,7 +231,7 @@ class KTO(Offline):
         from memlab.losses import kto_kl_estimate
 
         with torch.no_grad():
-            policy_kl = P.completion_logps(models["policy"], t, n, "kl_")[0]
+            policy_kl = _logps.completion_logps(models["policy"], t, n, "kl_")[0]
         return kto_kl_estimate(policy_kl, ref_kl)
 
     def loss(self, models: dict, batch: Batch, ctx) -> tuple[torch.Tensor, dict[str, float]]:
@@ -242,7 +242,7 @@ class KTO(Offline):
             return self._liger_loss(models, batch)
         ref, ref_kl = self.reference_logps(models, t, n)
         kl = self.kl_estimate(models, t, n, ref_kl)
-        logps, _ = P.completion_logps(models["policy"], t, n)
+        logps, _ = _logps.completion_logps(models["policy"], t, n)
         desirable = t["label"]
         losses, rewards = kto_loss(logps, ref, desirable, kl, beta=self.beta,
                                    desirable_weight=self.desirable_weight,
@@ -269,14 +269,14 @@ class KTO(Offline):
         the examples are computed inside it from the reference's hidden states); its loss is the
         mean over examples, scaled back to a sum."""
         t, n = batch.tensors, batch.num_items
-        with P.reference_forward(self, models) as ref:
-            ref_kl = P.completion_logps(ref, t, n, "kl_")[0]
-            ref_hidden, ref_head = P.hidden_and_head(ref, t)
+        with _reference.reference_forward(self, models) as ref:
+            ref_kl = _logps.completion_logps(ref, t, n, "kl_")[0]
+            ref_hidden, ref_head = _liger.hidden_and_head(ref, t)
         kl = self.kl_estimate(models, t, n, ref_kl)
-        hidden, head = P.hidden_and_head(models["policy"], t)
-        fn = P.liger_module("LigerFusedLinearKTOLoss", beta=self.beta, use_ref_model=True,
+        hidden, head = _liger.hidden_and_head(models["policy"], t)
+        fn = _liger.liger_module("LigerFusedLinearKTOLoss", beta=self.beta, use_ref_model=True,
                             average_log_prob=False)
         out = fn(hidden, head.weight, t["labels"], bias=getattr(head, "bias", None),
                  preference_labels=t["label"], ref_input=ref_hidden, ref_weight=ref_head.weight,
                  ref_bias=getattr(ref_head, "bias", None), kl=kl)
-        return P.liger_loss_value(out) * n, {"kl": float(kl)}
+        return _liger.liger_loss_value(out) * n, {"kl": float(kl)}

@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 import torch
 
 from memlab.losses import token_logps
-from memlab.method import _preference as P
+from memlab.method import _reference
 from memlab.method._online import Online
 from memlab.method.base import IGNORE, Batch, model_inputs
 from memlab.registry import register
@@ -71,7 +71,7 @@ class PPO(Online):
     def extra_models(self, policy, ctx, build) -> dict[str, Any]:
         """The reference (frozen copy, or the disabled adapter) and the value model (the model
         group with a one-output head, trainable, no PEFT)."""
-        models = P.reference_models(self, policy, ctx, build)
+        models = _reference.reference_models(self, policy, ctx, build)
         models["value"] = build(head="seq_cls", trainable=True)
         return {**models, **self.reward_model_instances(build)}
 
@@ -83,12 +83,12 @@ class PPO(Online):
         labels = t["labels"][:, :-1]
         mask = (labels != IGNORE).float()
         with torch.no_grad():
-            with P.frozen_forward(models["policy"]) as m:
+            with _reference.frozen_forward(models["policy"]) as m:
                 logps = token_logps(m(**inputs, use_cache=False).logits[:, :-1], labels, IGNORE)
-            with P.reference_forward(self, models) as ref:
+            with _reference.reference_forward(self, models) as ref:
                 ref_logps = token_logps(ref(**inputs, use_cache=False).logits[:, :-1], labels,
                                         IGNORE)
-            with P.frozen_forward(models["value"]) as v:
+            with _reference.frozen_forward(models["value"]) as v:
                 values = token_values(v, inputs)[:, :-1] * mask
         score = rewards.to(logps.device, logps.dtype)
         if self.missing_eos_penalty:

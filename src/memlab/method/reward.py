@@ -28,8 +28,8 @@ import torch
 from torch import nn
 
 from memlab.data.base import DataError
-from memlab.method import _preference as P
-from memlab.method.base import Batch, DataStats, Offline
+from memlab.method import _collate, _rows
+from memlab.method.base import Batch, DataStats, Offline, model_inputs
 from memlab.registry import register
 from memlab.trainer.routing import base_model, call_inside
 
@@ -70,7 +70,7 @@ class Reward(Offline):
 
     # ------------------------------------------------------------------ validation
     def validate(self, ctx) -> list[str]:
-        errors = P.length_errors(self, ("max_length",))
+        errors = _rows.length_errors(self, ("max_length",))
         if self.center_rewards_coefficient is not None and self.center_rewards_coefficient < 0:
             errors.append("method.center_rewards_coefficient must be >= 0 or null")
         if self.pad_to_multiple_of is not None and self.pad_to_multiple_of <= 0:
@@ -91,8 +91,8 @@ class Reward(Offline):
 
         def fn(row: dict, idx: int) -> list[dict]:
             prompt = row["prompt"] if has_prompt else None
-            c = P.encode_full(tokenizer, prompt, row["chosen"], idx, "chosen")
-            r = P.encode_full(tokenizer, prompt, row["rejected"], idx, "rejected")
+            c = _rows.encode_full(tokenizer, prompt, row["chosen"], idx, "chosen")
+            r = _rows.encode_full(tokenizer, prompt, row["rejected"], idx, "rejected")
             n_in = len(c) + len(r)
             out = {"chosen_ids": c, "rejected_ids": r, "keep": True, "n_in": n_in,
                    "n_dropped": 0, "margin": 0.0}
@@ -110,10 +110,10 @@ class Reward(Offline):
             return [out]
 
         key = ("reward", has_prompt, margin, limit, mode, tokenizer.name_or_path, len(tokenizer))
-        out = P.map_rows(ds, fn, ("chosen_ids", "rejected_ids", "margin", "keep", "n_in",
+        out = _rows.map_rows(ds, fn, ("chosen_ids", "rejected_ids", "margin", "keep", "n_in",
                                   "n_dropped"), key, "tokenize pairs")
         n_in, n_dropped, keep = out["n_in"], out["n_dropped"], out["keep"]
-        out = P.keep_rows(out, drop=("n_in", "n_dropped") + (() if margin else ("margin",)))
+        out = _rows.keep_rows(out, drop=("n_in", "n_dropped") + (() if margin else ("margin",)))
         stats = DataStats(examples=len(out), rows=len(out), tokens_in=int(sum(n_in)),
                           tokens_dropped=int(sum(n_dropped)),
                           examples_dropped=int(len(keep) - sum(keep)))
@@ -124,7 +124,7 @@ class Reward(Offline):
         pad = tokenizer.pad_token_id
         seqs = [(r["chosen_ids"], [0] * len(r["chosen_ids"])) for r in rows]
         seqs += [(r["rejected_ids"], [0] * len(r["rejected_ids"])) for r in rows]
-        t, real, total = P.collate_sequences(seqs, pad, self.pad_to_multiple_of,
+        t, real, total = _collate.collate_sequences(seqs, pad, self.pad_to_multiple_of,
                                              self.padding_free)
         del t["labels"]
         if self.padding_free:
@@ -160,9 +160,9 @@ class Reward(Offline):
     def rewards(self, model: nn.Module, t: dict[str, torch.Tensor]) -> torch.Tensor:
         """One scalar reward per sequence, ``[S]``."""
         if "segment_ids" not in t:
-            out = model(**P.model_inputs(t), use_cache=False).logits
+            out = model(**model_inputs(t), use_cache=False).logits
             return out.reshape(-1).float()
-        scores = call_inside(model, _packed_scores, t["last_index"], **P.model_inputs(t))
+        scores = call_inside(model, _packed_scores, t["last_index"], **model_inputs(t))
         return scores.reshape(-1).float()
 
     def loss(self, models: dict, batch: Batch, ctx) -> tuple[torch.Tensor, dict[str, float]]:

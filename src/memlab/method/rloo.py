@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from memlab.losses import token_logps
-from memlab.method import _preference as P
+from memlab.method import _reference
 from memlab.method._online import Clipped
 from memlab.method.base import IGNORE, Batch, model_inputs
 from memlab.registry import register
@@ -50,9 +50,9 @@ class RLOO(Clipped):
         inputs = model_inputs(t)
         labels = t["labels"][:, :-1]
         with torch.no_grad():
-            with P.frozen_forward(models["policy"]) as m:
+            with _reference.frozen_forward(models["policy"]) as m:
                 pol = token_logps(m(**inputs, use_cache=False).logits[:, :-1], labels, IGNORE)
-            with P.reference_forward(self, models) as ref:
+            with _reference.reference_forward(self, models) as ref:
                 rl = token_logps(ref(**inputs, use_cache=False).logits[:, :-1], labels, IGNORE)
         return (pol - rl).sum(1).float().cpu()
 
