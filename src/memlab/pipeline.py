@@ -9,7 +9,8 @@ Order, and why:
    except for strategies that keep overflow tokens themselves (bfd_split, wrapped).
 3. collator: the method's, told by packing / padding_free / pad_to_multiple_of how to shape
    rows (padded with an attention mask, or flat with restarting position_ids and the rows'
-   document segments).
+   document segments). A dataset whose units were packed in groups (preference pairs) holds one
+   micro-batch per item: the stream takes ``packing.batch_items`` items per micro-batch.
 4. model: attention backend and parameter dtype are chosen at load (transformers builds
    its attention modules from them; quantization too, for qlora).
 5. peft: adapters on the loaded model (before checkpointing, which must see the final modules).
@@ -192,7 +193,7 @@ def build(ctx, seams: Seams | None = None, logger: Any = None) -> Pipeline:
         prepared = ctx.method.before_training(models, ds, ctx)
     if prepared is not None:  # the dataset with columns the method added (e.g. reference logps)
         ds = prepared
-    stream = BatchStream(ds, ctx.train.batch_size, ctx.train.seed, collate,
+    stream = BatchStream(ds, ctx.packing.batch_items(ctx), ctx.train.seed, collate,
                          shard=(ctx.rank, ctx.world_size))
     generation = None
     if ctx.method.generates():
