@@ -22,6 +22,7 @@ from memlab.estimate.options import EstimateError
 from memlab.measure.data import DataStats
 from memlab.method._online import join
 from memlab.method.base import shifted_labels
+from memlab.packing.groups import GroupPacked
 from memlab.pipeline import prepare_data
 
 
@@ -55,7 +56,7 @@ def synthetic_rows(ctx, tokenizer, length: int, docs_per_row: int = 1
     description of them."""
     method, packing, bs = ctx.method, ctx.packing, ctx.train.batch_size
     token = min(100, len(tokenizer) - 1)
-    if not method.supports_packing:
+    if not method.supports_packing or isinstance(method, GroupPacked):
         rows = _generic_rows(ctx, tokenizer, length)
         return rows, (f"{len(rows)} longest generated {ctx.method.data_kinds[0]} rows through "
                       f"method.prepare (max_length={length})")

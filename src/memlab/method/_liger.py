@@ -33,6 +33,9 @@ def liger_errors(method, ctx, loss_name: str) -> list[str]:
     if method.padding_free:
         errors.append(f"{what} works on padded [batch, seq] hidden states; set "
                       "method.padding_free=false")
+    if method.share_prompt or ctx.packing.packs:
+        errors.append(f"{what} works on padded rows of one sequence each; set "
+                      "method.share_prompt=false and packing=none")
     if method.reference == "precomputed":
         errors.append(f"{what} computes the reference log-probs itself from the reference's "
                       "hidden states; use method.reference=copy or adapter_disabled")

@@ -134,24 +134,27 @@ def reference_forward(method, models: dict[str, nn.Module]) -> Iterator[nn.Modul
 
 def precompute(method, models: dict[str, nn.Module], ds, ctx,
                collate: Callable[[list[dict]], Any],
-               run: Callable[[nn.Module, Any], dict[str, torch.Tensor]]):
-    """Run the reference once over ``ds`` (in order, ``train.batch_size`` rows at a time) and add
-    each output of ``run(model, batch)`` as a dataset column. The reference copy (if any) is
-    removed from ``models`` and freed before returning."""
+               run: Callable[[nn.Module, Any, list[dict]], dict[str, list]]):
+    """Run the reference once over ``ds`` (in order, ``train.batch_size`` rows at a time, or
+    one packed micro-batch at a time) and add each output of ``run(model, batch, items)`` (one
+    value per dataset item) as a dataset column. The reference copy (if any) is removed from
+    ``models`` and freed before returning."""
     import time
 
+    from memlab.packing.groups import PACK_ROWS
+
     t0 = time.perf_counter()
-    out: dict[str, list[float]] = {}
-    bs = ctx.train.batch_size
+    out: dict[str, list] = {}
+    bs = 1 if PACK_ROWS in ds.column_names else ctx.train.batch_size
     with reference_forward(method, models) as ref:
         for start in range(0, len(ds), bs):
             cols = ds[start: start + bs]
             rows = [{k: cols[k][i] for k in cols} for i in range(len(next(iter(cols.values()))))]
             batch = collate(rows).to(ctx.device)
             with ctx.precision.autocast(ctx.device):
-                values = run(ref, batch)
+                values = run(ref, batch, rows)
             for name, v in values.items():
-                out.setdefault(name, []).extend(v.detach().float().cpu().tolist())
+                out.setdefault(name, []).extend(v)
     models.pop("reference", None)
     del ref
     gc.collect()

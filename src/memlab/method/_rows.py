@@ -16,6 +16,11 @@ Not an option of its own (the registry skips modules whose name starts with ``_`
   ``max_completion_length``, then prompt + completion to ``max_length`` by cutting the
   completion further (keep_start on the completion side: the prompt is never cut by
   ``max_length``). An example whose prompt alone fills ``max_length`` is dropped and counted.
+* **A unit in one row** (``packing=bfd``: a pair's sequences must fit one row of
+  ``max_length`` tokens, the prompt counted once with ``share_prompt``, else once per
+  sequence): :func:`fit_row` cuts the completions from the right to a common length ``k``, the
+  largest that fits (the shorter ones are cut only if longer than ``k``); the prompt is never
+  cut by it; a unit with no room for one token of each completion is dropped and counted.
 * **Datasets.** :func:`map_rows` runs a row function (0, 1 or more output rows per input row) as
   one batched ``datasets.map``; :func:`keep_rows` drops the rows a method flagged.
 """
@@ -113,6 +118,27 @@ def truncate(prompt: list[int], completions: list[list[int]], max_prompt_length:
         completions = [c[:room] for c in completions]
     kept = sum(len(prompt) + len(c) for c in completions)
     return prompt, completions, n_in - kept
+
+
+def fit_row(prompt_len: int, completions: list[list[int]], capacity: int, shared: bool
+            ) -> tuple[list[list[int]], int] | None:
+    """A unit of ``prompt + completion`` sequences cut to fit one row of ``capacity`` tokens
+    (module docstring). Returns ``(completions, tokens cut)``, or None (drop the unit)."""
+    lengths = [len(c) for c in completions]
+    room = capacity - (prompt_len if shared else prompt_len * len(completions))
+    if sum(lengths) <= room:
+        return completions, 0
+    if room < sum(1 for n in lengths if n):
+        return None
+    low, high = 1, max(lengths)  # the largest common length k that fits
+    while low < high:
+        mid = (low + high + 1) // 2
+        if sum(min(n, mid) for n in lengths) <= room:
+            low = mid
+        else:
+            high = mid - 1
+    cut = [c[:low] for c in completions]
+    return cut, sum(lengths) - sum(len(c) for c in cut)
 
 
 # ----------------------------------------------------------------------------------- datasets

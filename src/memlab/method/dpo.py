@@ -9,6 +9,18 @@ the batch's chosen and rejected sequences in ONE forward, either padded ``[2B, T
 first) or padding-free (all ``2B`` sequences in one ``[1, N]`` row with restarting
 position_ids; per-sequence log-probs by segment).
 
+Packing (``packing=bfd | bfd_split``, :mod:`memlab.packing.groups`): the unit is the pair; a
+micro-batch is ``train.batch_size`` rows of at most ``max_length`` tokens, every pair's two
+sequences in the same micro-batch. ``bfd`` places each pair whole in one row, cutting both
+completions from the right to a common length when the pair does not fit (counted in
+``data.tokens_dropped``; a pair whose prompt leaves no room is dropped); ``bfd_split`` never
+cuts beyond the per-sequence limits above: a pair too long for one row goes as its two
+sequences into two rows of the same micro-batch. ``share_prompt`` stores the prompt once per
+pair (:mod:`memlab.method._layout`): chosen and rejected attend to it and to themselves only;
+log-probs equal the unshared ones; the prompt counts once in ``data.*`` and, where it is stored
+once, in tokens/s (which counts the tokens stored: a pair ``bfd_split`` had to split holds its
+prompt in both rows).
+
 Reference (``reference``): ``copy`` (a frozen copy of the initial policy: one more set of
 weights, visible as "parameters" in the memory summary), ``adapter_disabled`` (the policy with
 its LoRA adapter off: no extra weights, needs peft=lora/qlora) or ``precomputed`` (reference
@@ -30,14 +42,15 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from memlab.data.base import DataError
-from memlab.method import _collate, _liger, _logps, _reference, _rows
+from memlab.method import _collate, _layout, _liger, _logps, _reference, _rows
 from memlab.method.base import Batch, DataStats, Offline
+from memlab.packing.groups import GroupPacked
 from memlab.registry import register
 
 
 @register("method", "dpo")
 @dataclass(kw_only=True)
-class DPO(Offline):
+class DPO(Offline, GroupPacked):
     """DPO knobs, named as in TRL's DPOConfig where one exists."""
 
     beta: float = 0.1
@@ -50,7 +63,8 @@ class DPO(Offline):
     """copy: frozen copy of the initial policy; adapter_disabled: the policy with its LoRA adapter
     off (peft=lora/qlora); precomputed: reference log-probs computed once before training."""
     max_length: int | None = 1024
-    """Longest prompt + completion; the completion is cut to fit. None = no limit."""
+    """Longest prompt + completion; the completion is cut to fit; with packing also the row
+    capacity. None = no limit."""
     max_prompt_length: int | None = 512
     """Prompt tokens kept (its end). None = no limit."""
     max_completion_length: int | None = None
@@ -61,16 +75,21 @@ class DPO(Offline):
     """Round padded lengths (or the flat row) up to a multiple."""
     use_liger_kernel: bool = False
     """Liger's fused linear DPO loss (CUDA + the gpu extra); never materialises the logits."""
+    share_prompt: bool = False
+    """Store each pair's prompt once: chosen and rejected attend to it and to themselves only."""
 
     data_kinds: ClassVar[tuple[str, ...]] = ("preference",)
     head: ClassVar[str] = "causal_lm"
-    supports_packing: ClassVar[bool] = False
+    supports_packing: ClassVar[bool] = True
     supports_padding_free: ClassVar[bool] = True
     items_name: ClassVar[str] = "pairs"
 
     # ------------------------------------------------------------------ capabilities
     def packs_rows(self, ctx) -> bool:
-        return self.padding_free
+        return self.padding_free or self.share_prompt or ctx.packing.packs
+
+    def unit_pieces(self) -> int:
+        return 2
 
     def uses_liger(self) -> bool:
         return self.use_liger_kernel
@@ -94,6 +113,7 @@ class DPO(Offline):
         if self.pad_to_multiple_of is not None and self.pad_to_multiple_of <= 0:
             errors.append("method.pad_to_multiple_of must be a positive integer or null")
         errors += _reference.reference_errors(self, ctx)
+        errors += _layout.layout_errors(self, ctx)
         errors += _liger.liger_errors(self, ctx, "DPO")
         if self.use_liger_kernel and (self.loss_type != "sigmoid" or self.label_smoothing):
             errors.append("method.use_liger_kernel=true implements loss_type=sigmoid without "
@@ -110,28 +130,34 @@ class DPO(Offline):
                             f"(preference pairs); this dataset has columns {sorted(cols)}")
         explicit = "prompt" in cols
         limits = (self.max_prompt_length, self.max_completion_length, self.max_length)
+        fit = _layout.fits_row(ctx)  # packing=bfd: a pair fills one row
+        shared = self.share_prompt
 
         def fn(row: dict, idx: int) -> list[dict]:
             if explicit:
                 prompt, chosen, rejected = row["prompt"], row["chosen"], row["rejected"]
             else:
                 prompt, chosen, rejected = _rows.split_implicit_prompt(row["chosen"],
-                                                                   row["rejected"], idx)
+                                                                       row["rejected"], idx)
             p = _rows.encode_prompt(tokenizer, prompt, idx)
             c = _rows.encode_completion(tokenizer, prompt, p, chosen, idx, "chosen")
             r = _rows.encode_completion(tokenizer, prompt, p, rejected, idx, "rejected")
-            n_in = 2 * len(p) + len(c) + len(r)
+            n_in = (1 if shared else 2) * len(p) + len(c) + len(r)
             cut = _rows.truncate(p, [c, r], *limits)
+            if cut is not None and fit:
+                fitted = _rows.fit_row(len(cut[0]), cut[1], self.max_length, shared)
+                cut = None if fitted is None else (cut[0], fitted[0], 0)
             if cut is None:
                 return [{"prompt_ids": [], "chosen_ids": [], "rejected_ids": [], "keep": False,
                          "n_in": n_in, "n_dropped": n_in}]
-            p, (c, r), dropped = cut
+            p, (c, r), _ = cut
+            kept = (1 if shared else 2) * len(p) + len(c) + len(r)
             return [{"prompt_ids": p, "chosen_ids": c, "rejected_ids": r, "keep": True,
-                     "n_in": n_in, "n_dropped": dropped}]
+                     "n_in": n_in, "n_dropped": n_in - kept}]
 
-        key = ("dpo", explicit, limits, tokenizer.name_or_path, len(tokenizer))
+        key = ("dpo", explicit, limits, fit, shared, tokenizer.name_or_path, len(tokenizer))
         out = _rows.map_rows(ds, fn, ("prompt_ids", "chosen_ids", "rejected_ids", "keep", "n_in",
-                                  "n_dropped"), key, "tokenize pairs")
+                                      "n_dropped"), key, "tokenize pairs")
         n_in, n_dropped, keep = out["n_in"], out["n_dropped"], out["keep"]
         out = _rows.keep_rows(out, drop=("n_in", "n_dropped"))
         stats = DataStats(examples=len(out), rows=len(out), tokens_in=int(sum(n_in)),
@@ -139,15 +165,27 @@ class DPO(Offline):
                           examples_dropped=int(len(keep) - sum(keep)))
         return out, stats
 
+    def unit_sizes(self, ds, ctx) -> tuple[list[int], list[list[int]]]:
+        """A pair in one row (the prompt once with ``share_prompt``), and its two sequences."""
+        k = 1 if self.share_prompt else 2
+        whole, pieces = [], []
+        for p, c, r in zip(ds["prompt_ids"], ds["chosen_ids"], ds["rejected_ids"], strict=True):
+            whole.append(k * len(p) + len(c) + len(r))
+            pieces.append([len(p) + len(c), len(p) + len(r)])
+        return whole, pieces
+
     # ------------------------------------------------------------------ batches
     def collate(self, rows: list[dict], tokenizer, ctx) -> Batch:
         return self._collate(rows, tokenizer.pad_token_id)
 
     def _collate(self, rows: list[dict], pad_id: int) -> Batch:
+        units, rows_of = _layout.units_of(rows)
+        if rows_of is not None or self.share_prompt:
+            return self._collate_layout(units, rows_of, pad_id)
         seqs = [_collate.sequence(r["prompt_ids"], r["chosen_ids"]) for r in rows]
         seqs += [_collate.sequence(r["prompt_ids"], r["rejected_ids"]) for r in rows]
         t, real, total = _collate.collate_sequences(seqs, pad_id, self.pad_to_multiple_of,
-                                             self.padding_free)
+                                                    self.padding_free)
         if "ref_chosen_logps" in rows[0]:
             t["ref_logps"] = torch.tensor([r["ref_chosen_logps"] for r in rows]
                                           + [r["ref_rejected_logps"] for r in rows],
@@ -155,6 +193,26 @@ class DPO(Offline):
         key = (total,) if self.padding_free else (total, t["input_ids"].shape[1])
         return Batch(t, num_items=len(rows), real_tokens=real, total_tokens=total, size_key=key,
                      meta={"samples": len(rows)})
+
+    def _collate_layout(self, units: list[dict], rows_of: list[list[int]] | None,
+                        pad_id: int) -> Batch:
+        """Packed rows (``rows_of``: the row of each pair's pieces) or, unpacked with
+        ``share_prompt``, one pair per row (padded) / all pairs in one row (padding-free)."""
+        b = len(units)
+        rows_of = rows_of or [[i] for i in range(b)]
+        docs = [_layout.unit_docs(u["prompt_ids"], [u["chosen_ids"], u["rejected_ids"]],
+                                  [i, b + i], shared=self.share_prompt and len(rows_of[i]) == 1)
+                for i, u in enumerate(units)]
+        # real tokens: those stored (a shared prompt once; a split pair's prompt in each row)
+        t, real, total = _layout.collate_rows(_layout.place(docs, rows_of), pad_id,
+                                              self.pad_to_multiple_of, self.padding_free)
+        if "ref_chosen_logps" in units[0]:
+            t["ref_logps"] = torch.tensor([u["ref_chosen_logps"] for u in units]
+                                          + [u["ref_rejected_logps"] for u in units],
+                                          dtype=torch.float32)
+        key = (total,) if self.padding_free else (total, t["input_ids"].shape[1])
+        return Batch(t, num_items=b, real_tokens=real, total_tokens=total, size_key=key,
+                     meta={"samples": b})
 
     # ------------------------------------------------------------------ models
     def extra_models(self, policy, ctx, build) -> dict[str, Any]:
@@ -166,20 +224,23 @@ class DPO(Offline):
             return None
         pad = _collate.pad_id_of(models)
 
-        def run(model, batch: Batch) -> dict[str, torch.Tensor]:
-            logps, _ = _logps.completion_logps(model, batch.tensors, 2 * batch.num_items)
+        def run(model, batch: Batch, items: list[dict]) -> dict[str, list]:
             b = batch.num_items
-            return {"ref_chosen_logps": logps[:b], "ref_rejected_logps": logps[b:]}
+            logps = _logps.completion_logps(model, batch.tensors, 2 * b,
+                                            attention=ctx.attention)[0].float().tolist()
+            return {"ref_chosen_logps": _layout.per_item(logps[:b], items),
+                    "ref_rejected_logps": _layout.per_item(logps[b:], items)}
 
         return _reference.precompute(self, models, ds, ctx, lambda rows: self._collate(rows, pad), run)
 
     # ------------------------------------------------------------------ loss
-    def reference_logps(self, models, t: dict[str, torch.Tensor], n: int) -> torch.Tensor:
+    def reference_logps(self, models, t: dict[str, torch.Tensor], n: int,
+                        attention: Any = None) -> torch.Tensor:
         """Summed completion log-probs of the ``n`` sequences under the reference."""
         if "ref_logps" in t:
             return t["ref_logps"]
         with _reference.reference_forward(self, models) as ref:
-            return _logps.completion_logps(ref, t, n)[0]
+            return _logps.completion_logps(ref, t, n, attention=attention)[0]
 
     def loss(self, models: dict, batch: Batch, ctx) -> tuple[torch.Tensor, dict[str, float]]:
         from memlab.losses import dpo_loss
@@ -188,8 +249,9 @@ class DPO(Offline):
             return self._liger_loss(models, batch)
         t, b = batch.tensors, batch.num_items
         # reference first: its logits are freed before the policy's graph exists (lower peak)
-        ref = self.reference_logps(models, t, 2 * b)
-        logps, counts = _logps.completion_logps(models["policy"], t, 2 * b)
+        attention = _layout.attention_of(ctx)
+        ref = self.reference_logps(models, t, 2 * b, attention)
+        logps, counts = _logps.completion_logps(models["policy"], t, 2 * b, attention=attention)
         pol_in, ref_in = logps, ref
         if self.loss_type == "ipo":  # IPO is defined on length-averaged log-probs
             n = counts.clamp(min=1).to(logps.dtype)

@@ -204,7 +204,7 @@ def _batch(tensors=None) -> Batch:
 
 
 def _fake_logps(monkeypatch, values=POLICY):
-    def fake(model, t, n, prefix=""):
+    def fake(model, t, n, prefix="", attention=None):
         assert n == 4
         return torch.tensor(values, requires_grad=True), torch.tensor(COUNTS)
 
@@ -256,7 +256,7 @@ def test_on_the_fly_reference_runs_without_grad_in_eval_mode(monkeypatch):
     ref = Ref()
     ref.train()
 
-    def fake(model, t, n, prefix=""):
+    def fake(model, t, n, prefix="", attention=None):
         if model is ref:
             seen["grad"], seen["training"] = torch.is_grad_enabled(), model.training
             return torch.tensor(REF), torch.tensor(COUNTS)
@@ -278,8 +278,12 @@ def test_validation_messages_name_the_fix():
     assert "adapter_disabled" in text and "peft=lora" in text
     text = _errors(["method=dpo", "method.use_liger_kernel=true"])
     assert "needs a CUDA device and the gpu extra: pip install 'memlab[gpu]'" in text
-    text = _errors(["method=dpo", "packing=bfd"])
-    assert "packing=none" in text and "method.padding_free=true" in text
+    text = _errors(["method=dpo", "packing=wrapped"])
+    assert "cuts sequences" in text and "packing=bfd" in text
+    text = _errors(["method=dpo", "packing=bfd", "method.max_length=null"])
+    assert "set method.max_length" in text
+    text = _errors(["method=dpo", "method.share_prompt=true", "attention.varlen=false"])
+    assert "method.share_prompt=false" in text and "attention.varlen=true" in text
     text = _errors(["method=dpo", "method.loss_type=ipo", "method.label_smoothing=0.1",
                     "method.beta=0"])
     assert "label_smoothing" in text and "method.beta must be > 0" in text
@@ -319,7 +323,8 @@ def test_liger_missing_names_the_extra(monkeypatch):
     monkeypatch.setattr(_guards, "has", lambda m: False)
     from memlab.config import Platform
 
-    ctx = types.SimpleNamespace(is_cuda=True, peft=types.SimpleNamespace(), platform=Platform())
+    ctx = types.SimpleNamespace(is_cuda=True, peft=types.SimpleNamespace(), platform=Platform(),
+                                packing=types.SimpleNamespace(packs=False))
     errs = _liger.liger_errors(DPO(use_liger_kernel=True), ctx, "DPO")
     assert errs and "pip install 'memlab[gpu]'" in errs[0] and "liger_kernel" in errs[0]
 

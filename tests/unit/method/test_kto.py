@@ -106,7 +106,7 @@ def _sig(x: float) -> float:
 def test_loss_is_the_closed_form_sum_with_detached_kl(monkeypatch):
     seen = []
 
-    def fake(model, t, n, prefix=""):
+    def fake(model, t, n, prefix="", attention=None):
         seen.append((prefix, torch.is_grad_enabled()))
         vals = POLICY_KL if prefix == "kl_" else POLICY
         return torch.tensor(vals, requires_grad=torch.is_grad_enabled()), torch.ones(3)
