@@ -6,12 +6,15 @@ the packing strategy's own ``apply``), so shapes cannot drift from real runs: SF
 padding-free / packed: one ``[1, batch_size * L]`` row whose documents restart position_ids,
 ``docs_per_row`` documents per packed row, default 1: the worst case for per-document
 attention); other methods get generated rows of their data kind through their own ``prepare``
-(the ``batch_size`` longest). ``length`` = ``method.max_length`` unless given, or the longest
-real row with ``from_data``.
+(the ``batch_size`` longest); methods whose units pack in groups (preference pairs) with
+packing get the ``4 * batch_size`` longest such rows through ``packing.apply`` and the
+micro-batch with the most token slots (``batch_size`` full rows when the pairs are long).
+``length`` = ``method.max_length`` unless given, or the longest real row with ``from_data``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import datasets
@@ -56,6 +59,10 @@ def synthetic_rows(ctx, tokenizer, length: int, docs_per_row: int = 1
     description of them."""
     method, packing, bs = ctx.method, ctx.packing, ctx.train.batch_size
     token = min(100, len(tokenizer) - 1)
+    if isinstance(method, GroupPacked) and packing.packs:
+        return ([_largest_pack(ctx, tokenizer, length)],
+                f"the fullest of the micro-batches packing={packing.name} makes of the longest "
+                f"generated {method.data_kinds[0]} rows ({bs} rows of up to {length} tokens)")
     if not method.supports_packing or isinstance(method, GroupPacked):
         rows = _generic_rows(ctx, tokenizer, length)
         return rows, (f"{len(rows)} longest generated {ctx.method.data_kinds[0]} rows through "
@@ -113,6 +120,19 @@ def _generic_rows(ctx, tokenizer, length: int) -> list[dict]:
     while len(rows) < bs:
         rows.append(rows[len(rows) % len(order)])
     return rows
+
+
+def _largest_pack(ctx, tokenizer, length: int) -> dict:
+    """The packed item (one micro-batch) that collates to the most token slots (then real
+    tokens), of the ``4 * batch_size`` longest generated units packed by the run's option."""
+    more = dataclasses.replace(ctx, train=dataclasses.replace(
+        ctx.train, batch_size=4 * ctx.train.batch_size))
+    units = datasets.Dataset.from_list(_generic_rows(more, tokenizer, length))
+    packed, _ = ctx.packing.apply(units, DataStats(rows=len(units), examples=len(units)), ctx)
+    items = [packed[i] for i in range(len(packed))]
+    sizes = [(b.total_tokens, b.real_tokens)
+             for b in (ctx.method.collate([item], tokenizer, ctx) for item in items)]
+    return items[max(range(len(items)), key=sizes.__getitem__)]
 
 
 def new_tokens(method) -> int:
