@@ -207,6 +207,9 @@ class Online:
     def row_length(self) -> int | None:
         return self.max_prompt_length
 
+    def pad_multiple(self) -> int | None:
+        return None
+
     def packs_rows(self, ctx) -> bool:
         return False
 

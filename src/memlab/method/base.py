@@ -87,6 +87,9 @@ class Method(Protocol):
     def row_length(self) -> int | None:
         """The longest prepared row it keeps (an online method: its prompts), or None."""
         ...
+    def pad_multiple(self) -> int | None:
+        """Padded widths are rounded up to this multiple (None: not rounded)."""
+        ...
 
 
 class Generating(Method, Protocol):
@@ -120,6 +123,9 @@ class Offline:
 
     def row_length(self) -> int | None:
         return self.max_length  # type: ignore[attr-defined]
+
+    def pad_multiple(self) -> int | None:
+        return self.pad_to_multiple_of  # type: ignore[attr-defined]
 
     def extra_models(self, policy, ctx, build) -> dict[str, nn.Module]:
         return {}

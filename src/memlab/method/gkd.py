@@ -75,6 +75,9 @@ class GKD:
     def packs_rows(self, ctx) -> bool:
         return False
 
+    def pad_multiple(self) -> int | None:
+        return None
+
     def row_length(self) -> int | None:
         return self.max_prompt_length if self.generates() else self.max_length
 
