@@ -1,0 +1,271 @@
+"""The buffer work behind :func:`memlab.packing.core.apply`: list columns in, packed columns out.
+
+A packed column is the concatenation of *runs* (pieces) of the source column's flat values, in
+plan order. Copying a run is one ``memcpy``; what must be avoided is Python per run or per
+token. The trick used here: a 1-D numpy view whose element ``i`` is the ``b`` bytes starting at
+byte ``i`` of a buffer (a ``void`` dtype of ``b`` bytes with a 1-byte stride). Indexing such a
+view with an array of byte offsets copies whole runs of ``b`` bytes, one ``memcpy`` each, inside
+numpy's C loop. Runs are grouped by length (at most ``max_length`` distinct lengths), so one
+numpy call copies every run of one length::
+
+    dst_runs[dst_offsets] = src_runs[src_offsets]      # all runs of b bytes at once
+
+Output buffers are allocated once, at their final size, and handed to Arrow without a copy;
+``"wrapped"`` reuses the source values when they are one contiguous array (its stream is the
+input itself). ``position_ids`` are computed in output order, block by block, from the piece
+offsets alone.
+
+Fixed-width value types without nulls (every integer and float type) take this path; anything
+else (booleans, strings, nested values, nulls in values) falls back to Arrow's own list-view
+flatten, which is exact but slower.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+_CHUNK_BYTES = 1 << 20
+"""Runs are copied through a temporary of at most this many bytes (it stays in cache)."""
+_BLOCK = 1 << 18
+"""Position ids are written this many tokens at a time."""
+
+
+@dataclass(frozen=True, eq=False)
+class SourceColumn:
+    """One list column of the source dataset, flattened for packing.
+
+    ``lengths`` has one entry per row. When the values are fixed-width (``width`` > 0),
+    ``data`` is a byte view holding every row's values and ``row_byte`` the byte offset in it of
+    each row's first value. ``stream`` (with ``stream_start``) is the flat values as one Arrow
+    array in row order when there is such an array without copying (one chunk) or after joining
+    the chunks (the fallback types); ``row_start`` is each row's first value in ``stream``.
+    """
+
+    name: str
+    value_type: Any
+    lengths: np.ndarray
+    width: int
+    data: np.ndarray | None
+    row_byte: np.ndarray | None
+    stream: Any
+    stream_start: int
+    row_start: np.ndarray | None
+
+
+def _fixed_width(value_type: Any) -> int:
+    """Bytes per value for the fast path, or 0 (booleans are bit-packed, others variable)."""
+    import pyarrow as pa
+
+    if not pa.types.is_primitive(value_type) or pa.types.is_boolean(value_type):
+        return 0
+    bits = value_type.bit_width
+    return bits // 8 if bits % 8 == 0 else 0
+
+
+def _root(buffer: Any) -> Any:
+    """The buffer a (zero-copy) Arrow buffer was sliced from, e.g. a whole memory-mapped file."""
+    while buffer.parent is not None:
+        buffer = buffer.parent
+    return buffer
+
+
+def read_column(column: Any, name: str) -> SourceColumn:
+    """Flatten a pyarrow (large) list column, without copying its values when possible.
+
+    One chunk: a view on its values buffer. Several chunks cut from one buffer (the record
+    batches of a memory-mapped Arrow file, as ``datasets`` cache files are): a view on that
+    buffer, each row addressed where it lies; nothing is read before it is copied. Otherwise
+    the chunks' values are joined into one array (one copy of the column).
+    """
+    import pyarrow as pa
+
+    chunks = list(column.chunks) if isinstance(column, pa.ChunkedArray) else [column]
+    if not (pa.types.is_list(column.type) or pa.types.is_large_list(column.type)):
+        raise TypeError(
+            f"packing needs list columns, got type {column.type} for column {name!r}; pass "
+            "only per-token list columns (input_ids, labels, masks) in columns"
+        )
+    if any(chunk.null_count for chunk in chunks):
+        raise ValueError(
+            f"packing needs list columns without null rows; column {name!r} has null rows "
+            "(filter them out or replace them with empty lists first)"
+        )
+    value_type = column.type.value_type
+    offsets = [chunk.offsets.to_numpy().astype(np.int64) for chunk in chunks]
+    lengths = (
+        np.concatenate([np.diff(o) for o in offsets]) if chunks else np.zeros(0, dtype=np.int64)
+    )
+    width = _fixed_width(value_type)
+    if width and any(chunk.values.null_count for chunk in chunks):
+        width = 0  # a validity bitmap would have to be gathered too: take Arrow's path
+    if len(chunks) == 1:
+        values = chunks[0].values
+        return _source(name, value_type, lengths, width, values, offsets[0][:-1])
+    if width:
+        buffers = [chunk.values.buffers()[1] for chunk in chunks]
+        usable = all(b is not None and b.is_cpu for b in buffers)
+        if usable and len({(r.address, r.size) for r in map(_root, buffers)}) == 1:
+            root = _root(buffers[0])
+            data = np.frombuffer(root, dtype=np.uint8)
+            row_byte = np.concatenate(
+                [
+                    b.address - root.address + (c.values.offset + o[:-1]) * width
+                    for b, c, o in zip(buffers, chunks, offsets)
+                ]
+            )
+            return SourceColumn(
+                name=name,
+                value_type=value_type,
+                lengths=lengths,
+                width=width,
+                data=data,
+                row_byte=row_byte,
+                stream=None,
+                stream_start=0,
+                row_start=None,
+            )
+    parts = [c.values.slice(int(o[0]), int(o[-1] - o[0])) for c, o in zip(chunks, offsets)]
+    joined = pa.concat_arrays(parts) if parts else pa.array([], type=value_type)
+    row_start = np.zeros(lengths.shape[0], dtype=np.int64)
+    np.cumsum(lengths[:-1], out=row_start[1:])
+    return _source(name, value_type, lengths, width, joined, row_start)
+
+
+def _source(
+    name: str, value_type: Any, lengths: np.ndarray, width: int, values: Any, row_start: Any
+) -> SourceColumn:
+    """A column whose values are one Arrow array (rows consecutive from ``row_start[0]``)."""
+    data = row_byte = None
+    if width:
+        buffer = values.buffers()[1]
+        data = np.frombuffer(buffer, dtype=np.uint8) if buffer is not None else None
+        row_byte = (values.offset + row_start) * width
+    if data is None:  # no values buffer at all (empty array): nothing will be copied
+        width, row_byte = 0, None
+    return SourceColumn(
+        name=name,
+        value_type=value_type,
+        lengths=lengths,
+        width=width,
+        data=data,
+        row_byte=row_byte,
+        stream=values,
+        stream_start=int(row_start[0]) if row_start.shape[0] else 0,
+        row_start=row_start,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Runs of bytes
+# --------------------------------------------------------------------------------------------
+
+
+def _runs_view(buf: np.ndarray, nbytes: int) -> np.ndarray:
+    """Element ``i`` of the result is ``buf[i:i + nbytes]``, as one ``void`` value (no copy)."""
+    return np.ndarray(
+        (buf.shape[0] - nbytes + 1,), np.dtype((np.void, nbytes)), buffer=buf, strides=(1,)
+    )
+
+
+@dataclass(frozen=True, eq=False)
+class Runs:
+    """Pieces of one output shard grouped by length: ``order`` sorts them by length (stable),
+    ``groups`` yields ``(length, lo, hi)`` for the sorted slice of each distinct length, and
+    ``dst`` is each piece's first token in the shard (in ``order``)."""
+
+    order: np.ndarray
+    lengths: np.ndarray
+    bounds: np.ndarray
+    dst: np.ndarray
+
+    @classmethod
+    def of(cls, piece_lengths: np.ndarray, dst: np.ndarray, max_length: int) -> Runs:
+        """Group pieces of the given lengths (each in ``[1, max_length]``), output at ``dst``."""
+        key = piece_lengths.astype(np.uint16) if max_length < 2**16 else piece_lengths
+        order = np.argsort(key, kind="stable")
+        counts = np.bincount(piece_lengths, minlength=1)
+        lengths = np.flatnonzero(counts)
+        bounds = np.zeros(lengths.shape[0] + 1, dtype=np.int64)
+        np.cumsum(counts[lengths], out=bounds[1:])
+        return cls(order=order, lengths=lengths, bounds=bounds, dst=dst[order])
+
+    def groups(self) -> Iterator[tuple[int, int, int]]:
+        """``(length, lo, hi)`` for every distinct length, over the sorted pieces."""
+        return zip(self.lengths.tolist(), self.bounds[:-1].tolist(), self.bounds[1:].tolist())
+
+
+def copy_runs(
+    col: SourceColumn, runs: Runs, seq: np.ndarray, start: np.ndarray, n_tokens: int
+) -> Any:
+    """The shard's packed values of a fixed-width ``col``: piece ``p`` is values
+    ``[start[p], start[p] + length)`` of source row ``seq[p]`` (pieces in plan order), as one
+    Arrow array of ``n_tokens`` values (a numpy buffer handed to Arrow without a copy)."""
+    import pyarrow as pa
+
+    width = col.width
+    dst = np.empty(n_tokens * width, dtype=np.uint8)
+    src_byte = (col.row_byte[seq] + start * width)[runs.order]
+    dst_byte = runs.dst * width
+    for length, lo, hi in runs.groups():
+        nbytes = length * width
+        dst_view, src_view = _runs_view(dst, nbytes), _runs_view(col.data, nbytes)
+        step = max(1, _CHUNK_BYTES // nbytes)
+        for a in range(lo, hi, step):
+            b = min(hi, a + step)
+            dst_view[dst_byte[a:b]] = src_view[src_byte[a:b]]
+    return pa.Array.from_buffers(col.value_type, n_tokens, [None, pa.py_buffer(dst)])
+
+
+def position_ids(piece_lengths: np.ndarray, dst: np.ndarray, n_tokens: int) -> Any:
+    """int32 ``0, 1, ..., length - 1`` over every piece (pieces at ``dst``, in order), as one
+    Arrow array of ``n_tokens`` values.
+
+    Position ``t`` is ``t`` minus the first token of its piece: built block by block (the
+    per-block temporaries stay in cache) as ``arange - repeat(piece start, tokens in block)``,
+    writing the output once, in order.
+    """
+    import pyarrow as pa
+
+    out = np.empty(n_tokens, dtype=np.int32)
+    ends = dst + piece_lengths
+    block_starts = np.arange(0, n_tokens, _BLOCK, dtype=np.int64)
+    block_ends = np.minimum(block_starts + _BLOCK, n_tokens)
+    first = np.searchsorted(ends, block_starts, side="right")  # first piece ending after a
+    stop = np.searchsorted(dst, block_ends, side="left")  # first piece starting at or after b
+    ramp = np.arange(_BLOCK, dtype=np.int32)
+    for a, b, p0, p1 in zip(
+        block_starts.tolist(), block_ends.tolist(), first.tolist(), stop.tolist()
+    ):
+        starts = np.maximum(dst[p0:p1], a)
+        counts = np.minimum(ends[p0:p1], b) - starts
+        base = np.repeat((dst[p0:p1] - a).astype(np.int32), counts)
+        np.subtract(ramp[: b - a], base, out=out[a:b])
+    return pa.Array.from_buffers(pa.int32(), n_tokens, [None, pa.py_buffer(out)])
+
+
+def arrow_gather(values: Any, starts: np.ndarray, lengths: np.ndarray, large: bool) -> Any:
+    """Concatenate the runs ``values[starts[i]:starts[i] + lengths[i]]`` into one Arrow array.
+
+    The fallback for value types the byte path cannot copy (see the module docstring): a
+    list-view over ``values`` flattened by Arrow; older pyarrow (no list views) gets a
+    per-token index ``take``.
+    """
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    off_type = np.int64 if large else np.int32
+    view_cls = getattr(pa, "LargeListViewArray" if large else "ListViewArray", None)
+    if view_cls is not None:
+        view = view_cls.from_arrays(
+            pa.array(starts.astype(off_type)), pa.array(lengths.astype(off_type)), values
+        )
+        return view.flatten()
+    bounds = np.zeros(lengths.shape[0] + 1, dtype=np.int64)
+    np.cumsum(lengths, out=bounds[1:])
+    index = np.arange(bounds[-1], dtype=np.int64)
+    index += np.repeat(starts - bounds[:-1], lengths)
+    return pc.take(values, pa.array(index))
