@@ -22,11 +22,16 @@ flatten, which is exact but slower.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from memlab.packing.core import PackPlan
 
 _CHUNK_BYTES = 1 << 20
 """Runs are copied through a temporary of at most this many bytes (it stays in cache)."""
@@ -269,3 +274,74 @@ def arrow_gather(values: Any, starts: np.ndarray, lengths: np.ndarray, large: bo
     index = np.arange(bounds[-1], dtype=np.int64)
     index += np.repeat(starts - bounds[:-1], lengths)
     return pc.take(values, pa.array(index))
+
+
+# --------------------------------------------------------------------------------------------
+# Output shards
+# --------------------------------------------------------------------------------------------
+
+
+def build_shard(
+    cols: list[SourceColumn],
+    pp: PackPlan,
+    piece_bounds: np.ndarray,
+    r0: int,
+    r1: int,
+    large: bool,
+    names: list[str],
+) -> Any:
+    """Output rows ``[r0, r1)`` of the plan as one Arrow record batch."""
+    import pyarrow as pa
+
+    p0, p1 = int(pp.row_offsets[r0]), int(pp.row_offsets[r1])
+    t0 = int(piece_bounds[p0])
+    n = int(piece_bounds[p1]) - t0
+    seq, start = pp.seq_index[p0:p1], pp.start[p0:p1]
+    plen = pp.end[p0:p1] - start
+    dst = piece_bounds[p0:p1] - t0
+    runs = None
+    values = []
+    for col in cols:
+        if pp.strategy == "wrapped" and col.stream is not None:
+            # The stream is the source itself: rows are slices of its values (zero-copy).
+            values.append(col.stream.slice(col.stream_start + t0, n))
+        elif col.width:
+            if runs is None:
+                runs = Runs.of(plen, dst, pp.max_length)
+            values.append(copy_runs(col, runs, seq, start, n))
+        else:
+            values.append(arrow_gather(col.stream, col.row_start[seq] + start, plen, large))
+    values.append(position_ids(plen, dst, n))
+    row_offsets = piece_bounds[pp.row_offsets[r0 : r1 + 1]] - t0
+    list_cls = pa.LargeListArray if large else pa.ListArray
+    row_offs = pa.array(row_offsets.astype(np.int64 if large else np.int32))
+    arrays = [list_cls.from_arrays(row_offs, v) for v in values]
+    arrays.append(
+        pa.ListArray.from_arrays(
+            pa.array((pp.row_offsets[r0 : r1 + 1] - p0).astype(np.int32)),
+            pa.array(plen.astype(np.int32)),
+        )
+    )
+    return pa.RecordBatch.from_arrays(arrays, names=names)
+
+
+def write_stream(path: Path, batches: Iterator[Any]) -> None:
+    """Write record batches to a new Arrow IPC stream file, one at a time (atomic rename)."""
+    import pyarrow as pa
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    writer = None
+    try:
+        for batch in batches:
+            if writer is None:
+                writer = pa.ipc.new_stream(str(partial), batch.schema)
+            writer.write_batch(batch)
+            del batch
+        writer.close()
+        writer = None
+        os.replace(partial, path)
+    finally:
+        if writer is not None:
+            writer.close()
+        partial.unlink(missing_ok=True)

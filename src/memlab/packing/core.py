@@ -56,7 +56,7 @@ import hashlib
 import os
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -475,7 +475,7 @@ def apply(
     edges = [*range(0, pp.num_rows, shard_rows), pp.num_rows] if pp.num_rows else [0, 0]
     names = [*columns, "position_ids", "seq_lengths"]
     shards = (
-        _shard(cols, pp, piece_bounds, r0, r1, large, names)
+        _arrow.build_shard(cols, pp, piece_bounds, r0, r1, large, names)
         for r0, r1 in zip(edges[:-1], edges[1:])
     )
 
@@ -491,7 +491,7 @@ def apply(
 
         data = hf_datasets.table.InMemoryTable(pa.Table.from_batches(list(shards)))
     else:
-        _write_stream(path, shards)
+        _arrow.write_stream(path, shards)
         data = hf_datasets.table.MemoryMappedTable.from_file(str(path))
     packed = hf_datasets.Dataset(data, fingerprint=fingerprint)
     stats = PackStats(
@@ -504,69 +504,3 @@ def apply(
         seconds=time.perf_counter() - t0,
     )
     return packed, stats
-
-
-def _shard(
-    cols: list[_arrow.SourceColumn],
-    pp: PackPlan,
-    piece_bounds: np.ndarray,
-    r0: int,
-    r1: int,
-    large: bool,
-    names: list[str],
-) -> Any:
-    """Output rows ``[r0, r1)`` of the plan as one Arrow record batch."""
-    import pyarrow as pa
-
-    p0, p1 = int(pp.row_offsets[r0]), int(pp.row_offsets[r1])
-    t0 = int(piece_bounds[p0])
-    n = int(piece_bounds[p1]) - t0
-    seq, start = pp.seq_index[p0:p1], pp.start[p0:p1]
-    plen = pp.end[p0:p1] - start
-    dst = piece_bounds[p0:p1] - t0
-    runs = None
-    values = []
-    for col in cols:
-        if pp.strategy == "wrapped" and col.stream is not None:
-            # The stream is the source itself: rows are slices of its values (zero-copy).
-            values.append(col.stream.slice(col.stream_start + t0, n))
-        elif col.width:
-            if runs is None:
-                runs = _arrow.Runs.of(plen, dst, pp.max_length)
-            values.append(_arrow.copy_runs(col, runs, seq, start, n))
-        else:
-            values.append(_arrow.arrow_gather(col.stream, col.row_start[seq] + start, plen, large))
-    values.append(_arrow.position_ids(plen, dst, n))
-    row_offsets = piece_bounds[pp.row_offsets[r0 : r1 + 1]] - t0
-    list_cls = pa.LargeListArray if large else pa.ListArray
-    row_offs = pa.array(row_offsets.astype(np.int64 if large else np.int32))
-    arrays = [list_cls.from_arrays(row_offs, v) for v in values]
-    arrays.append(
-        pa.ListArray.from_arrays(
-            pa.array((pp.row_offsets[r0 : r1 + 1] - p0).astype(np.int32)),
-            pa.array(plen.astype(np.int32)),
-        )
-    )
-    return pa.RecordBatch.from_arrays(arrays, names=names)
-
-
-def _write_stream(path: Path, batches: Iterator[Any]) -> None:
-    """Write record batches to a new Arrow IPC stream file, one at a time (atomic rename)."""
-    import pyarrow as pa
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    writer = None
-    try:
-        for batch in batches:
-            if writer is None:
-                writer = pa.ipc.new_stream(str(partial), batch.schema)
-            writer.write_batch(batch)
-            del batch
-        writer.close()
-        writer = None
-        os.replace(partial, path)
-    finally:
-        if writer is not None:
-            writer.close()
-        partial.unlink(missing_ok=True)
