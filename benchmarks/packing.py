@@ -12,7 +12,9 @@ memory, one Arrow chunk. Sections:
    ``trl.data_utils.pack_dataset`` (its default: BFD within each 1000-row ``map`` batch) run one
    after the other, the order alternating between rounds. Reported: medians, the ratio of the
    medians (TRL / ours) and the per-round ratios (their spread), rows (ours / TRL / lower bound
-   ``ceil(tokens / max_length)``), fill, and peak memory.
+   ``ceil(tokens / max_length)``), fill, and peak memory. ``lean`` is our ``apply`` with
+   ``position_ids=False`` (the same columns as TRL's output: no position ids, which a collator
+   can derive from ``seq_lengths``), timed in the same rounds.
 3. ``realistic``: an SFT-like dataset of ``--apply-n`` rows (default 100k), ``input_ids`` and
    ``completion_mask`` as int64 lists, max_length 2048: our ``apply`` vs TRL with its default
    1000-row batches and with one global batch (``map_kwargs={"batch_size": None}``, the same
@@ -205,32 +207,29 @@ def section_dataset(
     for max_length in max_lengths:
         for strategy in strategies:
             plan_s, p = best_of(partial(core.plan, lengths, max_length, strategy), 3)
-            ours: list[tuple[float, int | None]] = []
-            trl: list[tuple[float, int | None]] = []
-            ours_summary = trl_summary = None
+            runs: dict[str, list[tuple[float, int | None]]] = {"ours": [], "lean": [], "trl": []}
+            summary: dict[str, Any] = {}
+            sides = ["ours", "lean", "trl"] if pack_dataset is not None else ["ours", "lean"]
             for rnd in range(repeats):
-                sides = ["ours", "trl"] if pack_dataset is not None else ["ours"]
                 for side in sides if rnd % 2 == 0 else sides[::-1]:
-                    if side == "ours":
-                        secs, mem, (packed, stats) = measured(
-                            partial(core.apply, ds, max_length, strategy), prewarm_gib
-                        )
-                        ours.append((secs, mem))
-                        ours_summary = (*packed_summary(packed, max_length), stats)
-                        del packed
+                    if side == "trl":
+                        fn = partial(pack_dataset, ds, max_length, strategy)
                     else:
-                        secs, mem, packed = measured(
-                            partial(pack_dataset, ds, max_length, strategy), prewarm_gib
+                        fn = partial(
+                            core.apply, ds, max_length, strategy, position_ids=side == "ours"
                         )
-                        trl.append((secs, mem))
-                        trl_summary = packed_summary(packed, max_length)
-                        del packed
-            rows, fill, tokens, nbytes, stats = ours_summary
+                    secs, mem, res = measured(fn, prewarm_gib)
+                    runs[side].append((secs, mem))
+                    packed = res if side == "trl" else res[0]
+                    summary[side] = packed_summary(packed, max_length)
+                    del packed, res
+            ours, lean, trl = runs["ours"], runs["lean"], runs["trl"]
+            rows, fill, tokens, nbytes = summary["ours"]
             rec: dict[str, Any] = {
                 "max_length": max_length,
                 "strategy": strategy,
                 "sequences": int(lengths.shape[0]),
-                "tokens_in": stats.tokens_in,
+                "tokens_in": int(lengths.sum()),
                 "tokens_out": tokens,
                 "ours_plan_seconds": plan_s,
                 "ours_apply_seconds": statistics.median(s for s, _ in ours),
@@ -240,10 +239,15 @@ def section_dataset(
                 "ours_fill": fill,
                 "ours_output_bytes": nbytes,
                 "ours_peak_rss_bytes": _max_or_none(m for _, m in ours),
+                "lean_apply_seconds": statistics.median(s for s, _ in lean),
+                "lean_apply_runs": [s for s, _ in lean],
+                "lean_output_bytes": summary["lean"][3],
+                "lean_peak_rss_bytes": _max_or_none(m for _, m in lean),
             }
+            assert p.num_rows == rows == summary["lean"][0]
             rec["ours_peak_over_output"] = _ratio(rec["ours_peak_rss_bytes"], nbytes)
             if trl:
-                t_rows, t_fill, t_tokens, t_nbytes = trl_summary
+                t_rows, t_fill, t_tokens, t_nbytes = summary["trl"]
                 trl_med = statistics.median(s for s, _ in trl)
                 rec.update(
                     {
@@ -256,11 +260,15 @@ def section_dataset(
                         "trl_peak_rss_bytes": _max_or_none(m for _, m in trl),
                         "ratio": trl_med / rec["ours_apply_seconds"],
                         "ratio_runs": [t / o for (t, _), (o, _) in zip(trl, ours)],
+                        "lean_ratio": trl_med / rec["lean_apply_seconds"],
+                        "lean_ratio_runs": [t / o for (t, _), (o, _) in zip(trl, lean)],
                     }
                 )
                 rec["ratio_min"], rec["ratio_max"] = min(rec["ratio_runs"]), max(rec["ratio_runs"])
+                rec["lean_ratio_min"] = min(rec["lean_ratio_runs"])
+                rec["lean_ratio_max"] = max(rec["lean_ratio_runs"])
             out.append(rec)
-            print(_fmt_row(rec, DATA_COLS if trl else DATA_COLS[:4] + DATA_COLS[5:7]), flush=True)
+            print(_fmt_row(rec, DATA_COLS), flush=True)
     return out
 
 
@@ -387,8 +395,13 @@ DATA_COLS = [
     ("ratio", "trl/ours", "{:.1f}"),
     ("ratio_min", "min", "{:.1f}"),
     ("ratio_max", "max", "{:.1f}"),
+    ("lean_apply_seconds", "lean_s", "{:.2f}"),
+    ("lean_ratio", "trl/lean", "{:.1f}"),
+    ("lean_ratio_min", "min", "{:.1f}"),
+    ("lean_ratio_max", "max", "{:.1f}"),
     ("ours_peak_rss_bytes", "peak_GiB", _gib),
     ("ours_output_bytes", "out_GiB", _gib),
+    ("lean_peak_rss_bytes", "lean_peak", _gib),
     ("trl_peak_rss_bytes", "trl_peak", _gib),
 ]
 REAL_COLS = [
@@ -514,8 +527,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             " medians, min/max over rounds; peak = RSS increase)"
             + ("" if pack_dataset else " -- trl not importable: ours only")
         )
-        cols = DATA_COLS if pack_dataset else DATA_COLS[:4] + DATA_COLS[5:7]
-        print(_header(cols))
+        print(_header(DATA_COLS))
         result["dataset"] = section_dataset(
             lengths,
             args.max_lengths,

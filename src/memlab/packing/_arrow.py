@@ -311,7 +311,8 @@ def build_shard(
             values.append(copy_runs(col, runs, seq, start, n))
         else:
             values.append(arrow_gather(col.stream, col.row_start[seq] + start, plen, large))
-    values.append(position_ids(plen, dst, n))
+    if "position_ids" in names:
+        values.append(position_ids(plen, dst, n))
     row_offsets = piece_bounds[pp.row_offsets[r0 : r1 + 1]] - t0
     list_cls = pa.LargeListArray if large else pa.ListArray
     row_offs = pa.array(row_offsets.astype(np.int64 if large else np.int32))

@@ -346,25 +346,29 @@ def _plan_wrapped(
         return empty, empty, empty, np.zeros(1, dtype=np.int64)
     row_bounds = np.arange(0, total, max_length, dtype=np.int64)
     # Pieces start at every non-empty document start and at every row start inside a document.
-    # Both lists are sorted, so merge them with searchsorted instead of a (slow) set union.
+    # Both lists are sorted: one searchsorted places every row start among the document starts
+    # (``at``: documents starting before it), which gives the merged order directly.
     docs = np.flatnonzero(lens > 0)
     doc_starts = doc_bounds[docs]
-    at = np.minimum(np.searchsorted(doc_starts, row_bounds), doc_starts.shape[0] - 1)
-    mid = row_bounds[doc_starts[at] != row_bounds]  # row starts falling inside a document
-    mid_slot = np.searchsorted(doc_starts, mid) + np.arange(mid.shape[0])
-    is_mid = np.zeros(doc_starts.shape[0] + mid.shape[0], dtype=bool)
-    is_mid[mid_slot] = True
+    at = np.searchsorted(doc_starts, row_bounds)
+    is_doc = doc_starts[np.minimum(at, docs.shape[0] - 1)] == row_bounds
+    mid_rows = np.flatnonzero(~is_doc)  # rows starting inside a document
+    mids_before = np.cumsum(~is_doc) - ~is_doc  # such rows before each row
+    row_offsets = np.empty(row_bounds.shape[0] + 1, dtype=np.int64)
+    row_offsets[:-1] = at + mids_before  # a row's first piece, in the merged order
+    row_offsets[-1] = docs.shape[0] + mid_rows.shape[0]
+    is_mid = np.zeros(row_offsets[-1], dtype=bool)
+    is_mid[row_offsets[mid_rows]] = True
     starts = np.empty(is_mid.shape[0], dtype=np.int64)
-    starts[is_mid] = mid
+    starts[is_mid] = row_bounds[mid_rows]
     starts[~is_mid] = doc_starts
     seq = np.empty_like(starts)
-    seq[is_mid] = docs[np.searchsorted(doc_starts, mid, side="right") - 1]
+    seq[is_mid] = docs[at[mid_rows] - 1]
     seq[~is_mid] = docs
     ends = np.empty_like(starts)
     ends[:-1] = starts[1:]
     ends[-1] = total
     offset = starts - doc_bounds[seq]
-    row_offsets = np.searchsorted(starts, np.append(row_bounds, total)).astype(np.int64)
     return seq, offset, offset + (ends - starts), row_offsets
 
 
@@ -398,6 +402,7 @@ def apply(
     *,
     shard_rows: int | None = None,
     output_path: str | os.PathLike[str] | None = None,
+    position_ids: bool = True,
 ) -> tuple[datasets.Dataset, PackStats]:
     """Pack a tokenized dataset into rows of at most ``max_length`` tokens.
 
@@ -428,6 +433,9 @@ def apply(
         output_path: write the packed rows to this new Arrow file (an IPC stream, the format
             of ``datasets`` cache files) shard by shard and return a dataset memory-mapped from
             it, so that memory holds one shard of output at a time, not all of it.
+        position_ids: write the ``position_ids`` column (the default). ``False`` leaves it
+            out: it is as large as ``input_ids`` (int32 per token) and follows from
+            ``seq_lengths`` alone, so a collator can build it per batch instead.
 
     Returns:
         ``(packed_dataset, stats)``.
@@ -473,7 +481,7 @@ def apply(
         shard_rows = DEFAULT_SHARD_TOKENS // pp.max_length if path is not None else pp.num_rows
     shard_rows = max(1, int(shard_rows))
     edges = [*range(0, pp.num_rows, shard_rows), pp.num_rows] if pp.num_rows else [0, 0]
-    names = [*columns, "position_ids", "seq_lengths"]
+    names = [*columns, *(["position_ids"] if position_ids else []), "seq_lengths"]
     shards = (
         _arrow.build_shard(cols, pp, piece_bounds, r0, r1, large, names)
         for r0, r1 in zip(edges[:-1], edges[1:])
@@ -485,6 +493,7 @@ def apply(
         or hf_datasets.fingerprint.generate_random_fingerprint()
     )
     key = f"memlab.packing:{src_fp}:{max_length}:{strategy}:{','.join(columns)}"
+    key += "" if position_ids else ":no-position-ids"
     fingerprint = hashlib.sha256(key.encode()).hexdigest()[:16]
     if path is None:
         import pyarrow as pa

@@ -199,3 +199,20 @@ def test_fallback_types_with_and_without_list_views(list_views: bool, monkeypatc
     for strategy in STRATEGIES:
         packed, _ = apply(ds, 16, strategy, columns=tuple(rows))
         assert packed.to_dict() == _expected(rows, lens, 16, strategy)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_position_ids_can_be_left_out(strategy: str, tmp_path) -> None:
+    """position_ids=False drops just that column; the rest is unchanged, and the positions
+    follow from seq_lengths alone."""
+    ds = _dataset(_lengths(12))
+    full, _ = apply(ds, 16, strategy, columns=COLS)
+    lean, _ = apply(ds, 16, strategy, columns=COLS, position_ids=False)
+    lean_disk, _ = apply(ds, 16, strategy, columns=COLS, position_ids=False, shard_rows=5,
+                         output_path=tmp_path / "lean.arrow")
+    assert lean.column_names == [*COLS, "seq_lengths"] == lean_disk.column_names
+    expected = full.remove_columns("position_ids").to_dict()
+    assert lean.to_dict() == expected == lean_disk.to_dict()
+    assert lean._fingerprint != full._fingerprint
+    derived = [[i for n in row for i in range(n)] for row in lean["seq_lengths"]]
+    assert derived == full["position_ids"]
