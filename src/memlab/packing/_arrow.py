@@ -37,24 +37,27 @@ _CHUNK_BYTES = 1 << 20
 """Runs are copied through a temporary of at most this many bytes (it stays in cache)."""
 _BLOCK = 1 << 18
 """Position ids are written this many tokens at a time."""
+_MAX_SEGMENTS = 256
+"""Most separate buffers (e.g. files) a column is read from in place; more are joined first."""
 
 
 @dataclass(frozen=True, eq=False)
 class SourceColumn:
     """One list column of the source dataset, flattened for packing.
 
-    ``lengths`` has one entry per row. When the values are fixed-width (``width`` > 0),
-    ``data`` is a byte view holding every row's values and ``row_byte`` the byte offset in it of
-    each row's first value. ``stream`` (with ``stream_start``) is the flat values as one Arrow
-    array in row order when there is such an array without copying (one chunk) or after joining
-    the chunks (the fallback types); ``row_start`` is each row's first value in ``stream``.
+    ``lengths`` has one entry per row. When the values are fixed-width (``width`` > 0), each
+    row's values lie in one of the byte views ``segments`` (``row_segment``; ``None``: all in
+    the first) from byte ``row_byte``. ``stream`` (with ``stream_start``) is the flat values as
+    one Arrow array in row order when there is one (a single chunk, or chunks joined into one);
+    ``row_start`` is each row's first value in ``stream``.
     """
 
     name: str
     value_type: Any
     lengths: np.ndarray
     width: int
-    data: np.ndarray | None
+    segments: tuple[np.ndarray, ...]
+    row_segment: np.ndarray | None
     row_byte: np.ndarray | None
     stream: Any
     stream_start: int
@@ -81,10 +84,11 @@ def _root(buffer: Any) -> Any:
 def read_column(column: Any, name: str) -> SourceColumn:
     """Flatten a pyarrow (large) list column, without copying its values when possible.
 
-    One chunk: a view on its values buffer. Several chunks cut from one buffer (the record
-    batches of a memory-mapped Arrow file, as ``datasets`` cache files are): a view on that
-    buffer, each row addressed where it lies; nothing is read before it is copied. Otherwise
-    the chunks' values are joined into one array (one copy of the column).
+    One chunk: a view on its values buffer. Several chunks: a view on each buffer they were cut
+    from (the memory-mapped file of a ``datasets`` cache file holds all its record batches),
+    each row addressed where it lies, so nothing is read before it is copied. Up to
+    ``_MAX_SEGMENTS`` such buffers; beyond that, and for the fallback types, the chunks' values
+    are joined into one array (one copy of the column).
     """
     import pyarrow as pa
 
@@ -110,24 +114,34 @@ def read_column(column: Any, name: str) -> SourceColumn:
     if len(chunks) == 1:
         values = chunks[0].values
         return _source(name, value_type, lengths, width, values, offsets[0][:-1])
-    if width:
-        buffers = [chunk.values.buffers()[1] for chunk in chunks]
-        usable = all(b is not None and b.is_cpu for b in buffers)
-        if usable and len({(r.address, r.size) for r in map(_root, buffers)}) == 1:
-            root = _root(buffers[0])
-            data = np.frombuffer(root, dtype=np.uint8)
+    buffers = [chunk.values.buffers()[1] for chunk in chunks]
+    if width and all(b is not None and b.is_cpu for b in buffers):
+        roots = [_root(b) for b in buffers]
+        seg_of: dict[tuple[int, int], int] = {}
+        for r in roots:
+            seg_of.setdefault((r.address, r.size), len(seg_of))
+        if len(seg_of) <= _MAX_SEGMENTS:
+            first = {seg_of[(r.address, r.size)]: r for r in reversed(roots)}
+            chunk_seg = [seg_of[(r.address, r.size)] for r in roots]
             row_byte = np.concatenate(
                 [
-                    b.address - root.address + (c.values.offset + o[:-1]) * width
-                    for b, c, o in zip(buffers, chunks, offsets)
+                    b.address - r.address + (c.values.offset + o[:-1]) * width
+                    for b, r, c, o in zip(buffers, roots, chunks, offsets)
                 ]
             )
+            row_segment = None
+            if len(seg_of) > 1:
+                rows_per_chunk = [o.shape[0] - 1 for o in offsets]
+                row_segment = np.repeat(np.asarray(chunk_seg, dtype=np.int64), rows_per_chunk)
             return SourceColumn(
                 name=name,
                 value_type=value_type,
                 lengths=lengths,
                 width=width,
-                data=data,
+                segments=tuple(
+                    np.frombuffer(first[i], dtype=np.uint8) for i in range(len(seg_of))
+                ),
+                row_segment=row_segment,
                 row_byte=row_byte,
                 stream=None,
                 stream_start=0,
@@ -144,19 +158,21 @@ def _source(
     name: str, value_type: Any, lengths: np.ndarray, width: int, values: Any, row_start: Any
 ) -> SourceColumn:
     """A column whose values are one Arrow array (rows consecutive from ``row_start[0]``)."""
-    data = row_byte = None
-    if width:
-        buffer = values.buffers()[1]
-        data = np.frombuffer(buffer, dtype=np.uint8) if buffer is not None else None
+    segments: tuple[np.ndarray, ...] = ()
+    row_byte = None
+    buffer = values.buffers()[1] if width else None
+    if buffer is not None and buffer.is_cpu:
+        segments = (np.frombuffer(buffer, dtype=np.uint8),)
         row_byte = (values.offset + row_start) * width
-    if data is None:  # no values buffer at all (empty array): nothing will be copied
-        width, row_byte = 0, None
+    else:  # no values buffer (empty array) or not in host memory: Arrow's path
+        width = 0
     return SourceColumn(
         name=name,
         value_type=value_type,
         lengths=lengths,
         width=width,
-        data=data,
+        segments=segments,
+        row_segment=None,
         row_byte=row_byte,
         stream=values,
         stream_start=int(row_start[0]) if row_start.shape[0] else 0,
@@ -178,29 +194,46 @@ def _runs_view(buf: np.ndarray, nbytes: int) -> np.ndarray:
 
 @dataclass(frozen=True, eq=False)
 class Runs:
-    """Pieces of one output shard grouped by length: ``order`` sorts them by length (stable),
-    ``groups`` yields ``(length, lo, hi)`` for the sorted slice of each distinct length, and
-    ``dst`` is each piece's first token in the shard (in ``order``)."""
+    """Pieces of one output shard grouped by (source segment, length): ``order`` sorts them
+    stably by that key, ``groups`` yields ``(segment, length, lo, hi)`` for the sorted slice of
+    each distinct key, and ``dst`` is each piece's first token in the shard (in ``order``)."""
 
     order: np.ndarray
+    segments: np.ndarray
     lengths: np.ndarray
     bounds: np.ndarray
     dst: np.ndarray
 
     @classmethod
-    def of(cls, piece_lengths: np.ndarray, dst: np.ndarray, max_length: int) -> Runs:
-        """Group pieces of the given lengths (each in ``[1, max_length]``), output at ``dst``."""
-        key = piece_lengths.astype(np.uint16) if max_length < 2**16 else piece_lengths
+    def of(
+        cls,
+        piece_lengths: np.ndarray,
+        dst: np.ndarray,
+        max_length: int,
+        segment: np.ndarray | None = None,
+    ) -> Runs:
+        """Group pieces of the given lengths (each in ``[1, max_length]``), output at ``dst``
+        and read from source ``segment`` (``None``: all from segment 0)."""
+        if segment is None:
+            key = piece_lengths.astype(np.uint16) if max_length < 2**16 else piece_lengths
+        else:
+            key = segment * (max_length + 1) + piece_lengths
         order = np.argsort(key, kind="stable")
-        counts = np.bincount(piece_lengths, minlength=1)
-        lengths = np.flatnonzero(counts)
-        bounds = np.zeros(lengths.shape[0] + 1, dtype=np.int64)
-        np.cumsum(counts[lengths], out=bounds[1:])
-        return cls(order=order, lengths=lengths, bounds=bounds, dst=dst[order])
+        sorted_key = key[order]
+        starts = np.flatnonzero(sorted_key[1:] != sorted_key[:-1]) + 1
+        bounds = np.concatenate(([0], starts, [order.shape[0]])).astype(np.int64)
+        group_key = sorted_key[bounds[:-1]].astype(np.int64) if order.shape[0] else bounds[:0]
+        segments, lengths = np.divmod(group_key, max_length + 1)
+        return cls(order=order, segments=segments, lengths=lengths, bounds=bounds, dst=dst[order])
 
-    def groups(self) -> Iterator[tuple[int, int, int]]:
-        """``(length, lo, hi)`` for every distinct length, over the sorted pieces."""
-        return zip(self.lengths.tolist(), self.bounds[:-1].tolist(), self.bounds[1:].tolist())
+    def groups(self) -> Iterator[tuple[int, int, int, int]]:
+        """``(segment, length, lo, hi)`` for every distinct key, over the sorted pieces."""
+        return zip(
+            self.segments.tolist(),
+            self.lengths.tolist(),
+            self.bounds[:-1].tolist(),
+            self.bounds[1:].tolist(),
+        )
 
 
 def copy_runs(
@@ -208,16 +241,18 @@ def copy_runs(
 ) -> Any:
     """The shard's packed values of a fixed-width ``col``: piece ``p`` is values
     ``[start[p], start[p] + length)`` of source row ``seq[p]`` (pieces in plan order), as one
-    Arrow array of ``n_tokens`` values (a numpy buffer handed to Arrow without a copy)."""
+    Arrow array of ``n_tokens`` values (a numpy buffer handed to Arrow without a copy).
+    ``runs`` must group the pieces by ``col.row_segment[seq]`` when the column has segments."""
     import pyarrow as pa
 
     width = col.width
     dst = np.empty(n_tokens * width, dtype=np.uint8)
     src_byte = (col.row_byte[seq] + start * width)[runs.order]
     dst_byte = runs.dst * width
-    for length, lo, hi in runs.groups():
+    for segment, length, lo, hi in runs.groups():
         nbytes = length * width
-        dst_view, src_view = _runs_view(dst, nbytes), _runs_view(col.data, nbytes)
+        dst_view = _runs_view(dst, nbytes)
+        src_view = _runs_view(col.segments[segment], nbytes)
         step = max(1, _CHUNK_BYTES // nbytes)
         for a in range(lo, hi, step):
             b = min(hi, a + step)
@@ -299,15 +334,19 @@ def build_shard(
     seq, start = pp.seq_index[p0:p1], pp.start[p0:p1]
     plen = pp.end[p0:p1] - start
     dst = piece_bounds[p0:p1] - t0
-    runs = None
+    shared_runs = None  # grouping for the columns read from a single buffer
     values = []
     for col in cols:
         if pp.strategy == "wrapped" and col.stream is not None:
             # The stream is the source itself: rows are slices of its values (zero-copy).
             values.append(col.stream.slice(col.stream_start + t0, n))
         elif col.width:
-            if runs is None:
-                runs = Runs.of(plen, dst, pp.max_length)
+            if col.row_segment is not None:
+                runs = Runs.of(plen, dst, pp.max_length, col.row_segment[seq])
+            else:
+                if shared_runs is None:
+                    shared_runs = Runs.of(plen, dst, pp.max_length)
+                runs = shared_runs
             values.append(copy_runs(col, runs, seq, start, n))
         else:
             values.append(arrow_gather(col.stream, col.row_start[seq] + start, plen, large))

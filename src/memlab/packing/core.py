@@ -422,8 +422,9 @@ def apply(
     is always global (one :func:`plan` over every row); only the output is built in shards.
 
     Args:
-        dataset: the tokenized dataset (in memory or memory-mapped; an indices mapping from
-            ``select``/``shuffle`` is applied first, which copies the selected columns).
+        dataset: the tokenized dataset, in memory or memory-mapped (Arrow files are read in
+            place, pieces copied straight from the mapped files). An indices mapping from
+            ``select``/``shuffle`` is applied first, which copies the selected columns.
         max_length: row capacity in tokens.
         strategy: ``"bfd"``, ``"bfd_split"`` or ``"wrapped"`` (see the module docstring).
         columns: the per-token list columns to pack.

@@ -91,9 +91,10 @@ def test_large_list_input_and_sliced_source(strategy: str) -> None:
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_chunked_sources_pack_like_one_chunk(strategy: str, tmp_path) -> None:
-    """Several chunks in separate buffers (joined) and the record batches of a memory-mapped
-    file (read in place) give the same rows as one chunk."""
+def test_chunked_sources_pack_like_one_chunk(strategy: str, tmp_path, monkeypatch) -> None:
+    """Chunks in separate buffers, the record batches of one memory-mapped file, a dataset
+    saved as several files, and chunks joined into one array first all give the rows that one
+    chunk gives."""
     lens = _lengths(5)
     whole = _dataset(lens)
     ref, _ = apply(whole, 16, strategy, columns=COLS)
@@ -101,18 +102,23 @@ def test_chunked_sources_pack_like_one_chunk(strategy: str, tmp_path) -> None:
     copies = [pa.table(t.to_pydict(), schema=table.schema) for t in (table[:40], table[40:])]
     halves = datasets.Dataset(datasets.table.InMemoryTable(pa.concat_tables(copies)))
     assert halves.data.column("input_ids").num_chunks == 2
-    column = _arrow.read_column(halves.data.column("input_ids"), "input_ids")
-    assert column.stream is not None  # separate buffers: joined into one array
-    whole.save_to_disk(str(tmp_path / "saved"), max_shard_size="1GB")
-    mapped = datasets.load_from_disk(str(tmp_path / "saved"))
-    mapped = mapped.map(lambda b: b, batched=True, batch_size=9, writer_batch_size=9,
-                        cache_file_name=str(tmp_path / "mapped.arrow"))
+    whole.save_to_disk(str(tmp_path / "saved"), num_shards=3)
+    files = datasets.load_from_disk(str(tmp_path / "saved"))
+    mapped = files.map(lambda b: b, batched=True, batch_size=9, writer_batch_size=9,
+                       cache_file_name=str(tmp_path / "mapped.arrow"))
     assert mapped.data.column("input_ids").num_chunks > 5
-    column = _arrow.read_column(mapped.data.column("input_ids"), "input_ids")
-    assert column.stream is None and column.data is not None  # addressed in the mapped file
-    for other in (halves, mapped):
+
+    def segments(ds) -> int:
+        column = _arrow.read_column(ds.data.column("input_ids"), "input_ids")
+        return len(column.segments) if column.stream is None else 0  # 0: one Arrow array
+
+    assert (segments(halves), segments(files), segments(mapped)) == (2, 3, 1)
+    for other in (halves, files, mapped):
         packed, _ = apply(other, 16, strategy, columns=COLS)
         assert packed.to_dict() == ref.to_dict()
+    monkeypatch.setattr(_arrow, "_MAX_SEGMENTS", 2)  # three files: joined into one array
+    assert segments(files) == 0
+    assert apply(files, 16, strategy, columns=COLS)[0].to_dict() == ref.to_dict()
 
 
 def test_indices_mapping_is_applied() -> None:
