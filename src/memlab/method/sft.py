@@ -191,7 +191,7 @@ class SFT(Offline):
                                            columns)
             key = (total,)
         else:
-            packed = "position_ids" in rows[0]
+            packed = "seq_lengths" in rows[0]
             t, real, total = pad_batch(rows, tokenizer.pad_token_id, self.pad_to_multiple_of,
                                        columns, with_positions=packed)
             key = (total, t["input_ids"].shape[1])

@@ -24,6 +24,15 @@ class Segments(tuple):
     __slots__ = ()
 
     @classmethod
+    def from_lengths(cls, rows: list[list[int]]) -> Segments:
+        """Per row, its documents' lengths (a packed row's ``seq_lengths``, then any pad tail)."""
+        return cls(tuple(int(n) for n in row if n) for row in rows)
+
+    def positions(self) -> list[list[int]]:
+        """Position ids restarting at every document (what packed rows feed the model)."""
+        return [[t for n in row for t in range(n)] for row in self]
+
+    @classmethod
     def from_positions(cls, positions: list[list[int]] | list[int]) -> Segments:
         """Split every row where its position ids do not continue (``p[t] != p[t-1] + 1``)."""
         rows = positions if positions and isinstance(positions[0], (list, tuple)) else [positions]
