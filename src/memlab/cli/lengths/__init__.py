@@ -43,7 +43,7 @@ import sys
 import time
 from pathlib import Path
 
-from memlab.cli.compose import app_argv, split_hydra_flags
+from memlab.cli.compose import app_argv, parse_command
 from memlab.cli.lengths.data import PARTS, lengths_of, tokenize_lengths, untruncated
 from memlab.cli.lengths.output import format_table, plot
 from memlab.cli.lengths.stats import (
@@ -129,15 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run ``memlab lengths``; 0 on success, 2 for a bad command line, config or data."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    argv = list(sys.argv[1:] if argv is None else argv)
-    hydra_args, rest = split_hydra_flags(argv)
-    parser = build_parser()
-    args, rest = parser.parse_known_args(rest)
-    unknown = [a for a in rest if a.startswith("-")]
-    if unknown:
-        parser.print_usage(sys.stderr)
-        print(f"memlab lengths: unknown option(s): {' '.join(unknown)}", file=sys.stderr)
+    parsed = parse_command(argv, build_parser(), "memlab lengths")
+    if parsed is None:
         return 2
+    hydra_args, args, rest = parsed
     if not args.no_plot:
         from memlab._guards import missing
 
