@@ -1,8 +1,19 @@
-"""Shared helpers of the data sources: row validation with row/field names, limits."""
+"""What a data source provides (:class:`DataSource`), and the helpers the sources share: row
+validation with row/field names, limits."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
+
+
+class DataSource(Protocol):
+    """A ``data=`` option: where the raw rows come from (``load`` returns a
+    ``datasets.Dataset`` of raw rows: conversations, text, prompt/completion or preference
+    pairs; the method's ``prepare`` tokenizes them)."""
+
+    def validate(self, ctx) -> list[str]: ...
+
+    def load(self, ctx) -> Any: ...
 
 
 class DataError(ValueError):
