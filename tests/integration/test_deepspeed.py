@@ -15,6 +15,17 @@ pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(not has("deepspeed"), reason="needs the deepspeed extra")]
 
 
+@pytest.fixture(autouse=True)
+def stale_extension_lock(tmp_path_factory, monkeypatch):
+    """Every DeepSpeed run here starts beside a lock file left by a stopped JIT build of
+    DeepSpeed's CPU shared-memory kernel (torch waits on such a lock forever): memlab must not
+    build that kernel, so the runs finish anyway."""
+    ext = tmp_path_factory.mktemp("torch_extensions")
+    (ext / "deepspeed_shm_comm").mkdir()
+    (ext / "deepspeed_shm_comm" / "lock").write_text("")  # <TORCH_EXTENSIONS_DIR>/<name>/lock
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(ext))
+
+
 def DS(stage: int) -> list[str]:
     return ["distributed=deepspeed", "distributed.nproc=2", f"distributed.zero_stage={stage}"]
 
