@@ -116,6 +116,11 @@ def prepare_data(ctx, tokenizer) -> tuple[Any, DataStats]:
             f"no example survived preparation ({stats.examples_dropped} dropped); "
             "check method.max_length and the data"
         )
+    return ds, stats
+
+
+def check_trainable(stats: DataStats) -> None:
+    """DataError (status ``invalid``) when the prepared data has no token to train on."""
     if stats.trainable_tokens == 0:
         empty = stats.extra.get("empty_completions")
         raise DataError(
@@ -124,7 +129,6 @@ def prepare_data(ctx, tokenizer) -> tuple[Any, DataStats]:
             + "; every completion / assistant turn / text is empty after preparation. "
             "Check the data (and method.max_length, which may cut completions away)"
         )
-    return ds, stats
 
 
 def with_model_overrides(ctx, overrides: dict[str, Any] | None):
@@ -204,6 +208,7 @@ def build(ctx, seams: Seams | None = None, logger: Any = None,
     ds, stats = (seams.prepare_data or prepare_data)(ctx, tokenizer)
     if on_data is not None:
         on_data(stats)
+    check_trainable(stats)
     collate = partial(ctx.method.collate, tokenizer=tokenizer, ctx=ctx)
     loader = Loader(ctx, tokenizer, seams)
     policy = loader.model(ctx)

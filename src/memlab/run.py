@@ -237,7 +237,7 @@ def record_end(summary: dict[str, Any], ended: BaseException | None) -> None:
         if summary.get("train") is not None:
             summary["train"]["nan_step"] = e.step
     elif isinstance(e, RankFailed):
-        status, error = e.status, str(e)
+        status, error = e.status, f"{type(e).__name__}: {e}"
         if e.signal:
             summary["signal"] = e.signal
     else:

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from types import FrameType
 
-STATUSES = ("ok", "invalid", "oom", "nan", "failed", "killed", "timeout", "interrupted",
+STATUSES = ("ok", "oom", "invalid", "nan", "failed", "killed", "timeout", "interrupted",
             "not_run")
 """Every status a summary can hold, in the order counts are printed."""
 
