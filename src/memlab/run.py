@@ -195,7 +195,7 @@ def guarded(body, summary: dict[str, Any], out: Path) -> dict[str, Any]:
         faults.reach("summary")
         summary["wall_time_s"] = time.perf_counter() - t0
         try:
-            written, why = write_summary(out, summary)
+            _, why = write_summary(out, summary)
             if why:
                 print(f"[memlab] {why}", file=sys.stderr, flush=True)
         except OSError as e:
@@ -278,7 +278,6 @@ def _train(ctx: BuildContext, summary: dict[str, Any], logger_box: list) -> None
     pipe = pipeline.build(ctx, logger=logger,
                           on_data=lambda stats: summary.update(data=stats.as_dict()))
     trainer = pipe.trainer
-    summary["data"] = pipe.stats.as_dict()
     try:
         trainer.train()
         if ctx.train.save_final:
