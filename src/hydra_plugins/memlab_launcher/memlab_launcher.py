@@ -158,9 +158,10 @@ class MemlabLauncher(Launcher):
         """This job's time limit and environment: its own config's ``hydra.launcher`` values
         (an experiment file or a sweep override may set them per job)."""
         own = OmegaConf.select(sweep_config, "hydra.launcher") or {}
-        minutes = own.get("timeout_min", None) if "timeout_min" in own else None
-        timeout_s = self.timeout_s if "timeout_min" not in own else (
-            None if minutes is None else float(minutes) * 60)
+        timeout_s = self.timeout_s
+        if "timeout_min" in own:
+            minutes = own["timeout_min"]
+            timeout_s = None if minutes is None else float(minutes) * 60
         env = {**self.env, **{str(k): str(v) for k, v in (own.get("env") or {}).items()}}
         return timeout_s, env
 

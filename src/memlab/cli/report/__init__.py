@@ -46,7 +46,6 @@ from memlab.cli.report.table import (
     short_reason,
     sort_table,
 )
-
 from memlab.measure.outcome import count_line
 
 if TYPE_CHECKING:
