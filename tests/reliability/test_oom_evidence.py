@@ -91,6 +91,7 @@ def _memory_cgroup_we_may_limit() -> Path | None:
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_a_job_killed_by_the_oom_killer_under_a_cgroup_limit_is_oom(tmp_path):
     parent = _memory_cgroup_we_may_limit()
     if parent is None:

@@ -43,6 +43,7 @@ def test_sigterm_to_memlab_writes_summary_and_table_then_exits_143(tmp_path):
     assert "status: interrupted  (interrupted by SIGTERM before training started)" in out
 
 
+@pytest.mark.slow
 def test_a_rank_killed_by_sigkill_makes_the_run_killed(tmp_path, monkeypatch):
     pause = tmp_path / "pause"
     pause_env(monkeypatch, pause, "step:1")
