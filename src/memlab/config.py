@@ -4,44 +4,57 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from memlab import _guards
+from memlab.registry import (
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    Range,
+    Seed,
+)
 
 
 @dataclass(kw_only=True)
 class TrainConfig:
     """Optimisation and loop settings (``train:`` in conf/config.yaml)."""
 
-    seed: int = 0
+    seed: Seed = 0
     """Seeds model init, data order and dropout."""
-    steps: int = 20
+    steps: PositiveInt = 20
     """Optimizer steps to run (data cycles as needed, reshuffled per epoch)."""
-    batch_size: int = 4
+    batch_size: PositiveInt = 4
     """Rows per micro-batch per device."""
-    grad_accum: int = 1
+    grad_accum: PositiveInt = 1
     """Micro-batches per optimizer step. The loss is normalised over the whole step's tokens,
     so 1x8 and 8x1 give the same gradient."""
-    lr: float = 3e-4
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    lr: PositiveFloat = 3e-4
+    weight_decay: NonNegativeFloat = 0.0
+    betas: list[Annotated[float, Range(ge=0, lt=1)]] = field(
+        default_factory=lambda: [0.9, 0.999])
+    """AdamW's (beta1, beta2), each in [0, 1)."""
     optimizer: Literal["adamw", "sgd"] = "adamw"
     scheduler: Literal["constant", "linear", "cosine"] = "cosine"
-    warmup_steps: int = 0
-    max_grad_norm: float | None = 1.0
+    warmup_steps: NonNegativeInt = 0
+    """Steps of linear learning-rate warm-up."""
+    max_grad_norm: PositiveFloat | None = 1.0
+    """Clip the gradient norm to this (null: no clipping)."""
     gradient_checkpointing: bool = True
     """Recompute activations in backward (non-reentrant). On by default, as in TRL."""
-    checkpoint_every: int = 1
+    checkpoint_every: PositiveInt = 1
     """Selective checkpointing: checkpoint every k-th decoder layer (1 = all)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    save_every: int = 0
+    save_every: NonNegativeInt = 0
     """Save a resumable checkpoint every N optimizer steps (0 = never)."""
     save_final: bool = False
     resume_from: str | None = None
     """Checkpoint dir to resume from, or 'latest' for the newest under this run dir."""
     progress: bool = True
     """Show a progress bar with live loss and tokens/s."""
-    log_every: int = 1
+    log_every: PositiveInt = 1
+    """Send metrics to the logger every N optimizer steps."""
 
 
 @dataclass(kw_only=True)
@@ -51,11 +64,11 @@ class MeasureConfig:
     memory: bool = True
     """Categorised live-tensor tracking (torch MemTracker); on CUDA the allocator peak is
     recorded in every case."""
-    memory_steps: Literal["auto", "all"] | int = "auto"
+    memory_steps: Literal["auto", "all"] | NonNegativeInt = "auto"
     """Steps under the tracker: 'auto' = the first two plus any later step whose batch shape
     is the largest so far (this catches the run's peak while leaving most steps untracked and
     fast), 'all', or the first N."""
-    warmup_steps: int = 1
+    warmup_steps: NonNegativeInt = 1
     """Steps excluded from throughput (compilation, allocator warm-up, lazy init)."""
 
 

@@ -22,7 +22,7 @@ non-pad token of every sequence - the same token transformers would pick).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import torch
 from torch import nn
@@ -30,7 +30,7 @@ from torch import nn
 from memlab.data.base import DataError
 from memlab.method import _preference as P
 from memlab.method.base import Batch, DataStats, Offline
-from memlab.registry import register
+from memlab.registry import NonNegativeFloat, PositiveInt, Range, register
 from memlab.trainer.routing import base_model, call_inside
 
 
@@ -39,17 +39,17 @@ from memlab.trainer.routing import base_model, call_inside
 class Reward(Offline):
     """Reward-model knobs, named as in TRL's RewardConfig where one exists."""
 
-    max_length: int | None = 1024
+    max_length: Annotated[int, Range(ge=2)] | None = 1024
     """Longest chosen / rejected sequence. None = no limit."""
     truncation_mode: Literal["drop", "keep_end"] = "drop"
     """drop: pairs with a longer sequence are dropped; keep_end: keep the last max_length tokens."""
-    center_rewards_coefficient: float | None = None
+    center_rewards_coefficient: NonNegativeFloat | None = None
     """Weight of the auxiliary (r_c + r_r)^2 term that keeps rewards centred (null = off)."""
     use_margin: bool = True
     """Subtract the dataset's per-pair 'margin' column (when it has one) from r_c - r_r."""
     padding_free: bool = False
     """All 2B sequences of a batch in one row, restarting position_ids, no padding."""
-    pad_to_multiple_of: int | None = None
+    pad_to_multiple_of: PositiveInt | None = None
     """Round padded lengths (or the flat row) up to a multiple."""
 
     data_kinds: ClassVar[tuple[str, ...]] = ("preference",)
@@ -94,8 +94,9 @@ class Reward(Offline):
             c = P.encode_full(tokenizer, prompt, row["chosen"], idx, "chosen")
             r = P.encode_full(tokenizer, prompt, row["rejected"], idx, "rejected")
             n_in = len(c) + len(r)
+            empty = int(P.is_empty(row["chosen"])) + int(P.is_empty(row["rejected"]))
             out = {"chosen_ids": c, "rejected_ids": r, "keep": True, "n_in": n_in,
-                   "n_dropped": 0, "margin": 0.0}
+                   "n_dropped": 0, "margin": 0.0, "n_empty": empty}
             if margin:
                 m = row["margin"]
                 if isinstance(m, bool) or not isinstance(m, (int, float)):
@@ -103,20 +104,28 @@ class Reward(Offline):
                 out["margin"] = float(m)
             if limit is not None and max(len(c), len(r)) > limit:
                 if mode == "drop":
-                    out.update(chosen_ids=[], rejected_ids=[], keep=False, n_dropped=n_in)
+                    out.update(chosen_ids=[], rejected_ids=[], keep=False, n_dropped=n_in,
+                               n_empty=0)
                 else:
                     out.update(chosen_ids=c[-limit:], rejected_ids=r[-limit:],
                                n_dropped=n_in - min(len(c), limit) - min(len(r), limit))
+            out["n_train"] = sum(len(ids) for ids, done in ((out["chosen_ids"], row["chosen"]),
+                                                            (out["rejected_ids"], row["rejected"]))
+                                 if not P.is_empty(done))
             return [out]
 
         key = ("reward", has_prompt, margin, limit, mode, tokenizer.name_or_path, len(tokenizer))
         out = P.map_rows(ds, fn, ("chosen_ids", "rejected_ids", "margin", "keep", "n_in",
-                                  "n_dropped"), key, "tokenize pairs")
+                                  "n_dropped", "n_train", "n_empty"), key, "tokenize pairs")
         n_in, n_dropped, keep = out["n_in"], out["n_dropped"], out["keep"]
-        out = P.keep_rows(out, drop=("n_in", "n_dropped") + (() if margin else ("margin",)))
+        n_train, n_empty = out["n_train"], out["n_empty"]
+        out = P.keep_rows(out, drop=("n_in", "n_dropped", "n_train", "n_empty")
+                          + (() if margin else ("margin",)))
         stats = DataStats(examples=len(out), rows=len(out), tokens_in=int(sum(n_in)),
                           tokens_dropped=int(sum(n_dropped)),
-                          examples_dropped=int(len(keep) - sum(keep)))
+                          examples_dropped=int(len(keep) - sum(keep)),
+                          trainable_tokens=int(sum(n_train)),
+                          extra={"empty_completions": int(sum(n_empty))})
         return out, stats
 
     # ------------------------------------------------------------------ batches
