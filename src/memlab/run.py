@@ -94,9 +94,28 @@ def validate(cfg, run_dir: Path | str = ".", choices: dict[str, str] | None = No
     )
     for group in GROUPS:
         errors += typed[group].validate(ctx)
+    errors += train.checkpoint_errors(ctx)
     if errors:
         raise ConfigErrors(errors)
     return ctx
+
+
+def plan_resume(ctx: BuildContext, summary: dict[str, Any]) -> BuildContext:
+    """``train.resume_from`` checked against the checkpoint's recorded config before anything
+    loads (:func:`memlab.trainer.checkpoint.plan_resume`; ConfigErrors listing every refused
+    difference), recorded in ``summary["resume"]``; ``latest`` becomes the directory found, in
+    the context and in the config the ranks train from."""
+    from memlab.trainer import checkpoint
+
+    roots = [Path(r) for r in (summary.get("job") or {}).get("outputs") or []]
+    plan = checkpoint.plan_resume(ctx, roots)
+    if plan is None:
+        return ctx
+    summary["resume"] = plan.as_dict()
+    if isinstance(summary.get("config"), dict):
+        summary["config"].setdefault("train", {})["resume_from"] = str(plan.path)
+    return dataclasses.replace(ctx, train=dataclasses.replace(ctx.train,
+                                                              resume_from=str(plan.path)))
 
 
 def seed_everything(seed: int) -> None:
@@ -144,6 +163,7 @@ def run(cfg, run_dir: Path | str, choices: dict[str, str] | None = None,
     def body(logger_box: list) -> None:
         ctx = validate(cfg, run_dir, choices)
         summary["config"] = _plain(cfg)
+        ctx = plan_resume(ctx, summary)
         if ctx.world_size > 1:  # one worker process per rank; their summaries merged here
             launch.launch(ctx, summary, worker="memlab.rank")
         else:
@@ -231,8 +251,13 @@ def _train(ctx: BuildContext, summary: dict[str, Any], logger_box: list) -> None
         wrapper = ctx.distributed.describe(pipe.models["policy"])
         if wrapper:
             summary["memory"]["distributed"] = wrapper
-    if ctx.train.save_final:
-        trainer.save_checkpoint()
+    from memlab.trainer.checkpoint import step_dirs
+
+    ckpts = Path(ctx.run_dir) / "checkpoints"
+    if ctx.train.save_final and not (ctx.train.save_every and result.steps % ctx.train.save_every
+                                     == 0 and (ckpts / f"step_{result.steps:06d}").is_dir()):
+        trainer.save_checkpoint()  # (unless the loop saved this step already)
+    saved = step_dirs(ckpts)
     summary["throughput"] = result.throughput()
     summary["data"]["padding_fraction"] = result.padding_fraction()
     summary["data"]["tokens_trained"] = result.real_tokens
@@ -242,6 +267,7 @@ def _train(ctx: BuildContext, summary: dict[str, Any], logger_box: list) -> None
         "loss_curve": result.losses,
         "final_metrics": result.metrics,
         "curves": result.curves,
+        "checkpoint": str(saved[-1]) if saved else None,  # the newest of this run dir
     }
 
 
@@ -264,11 +290,31 @@ def hydra_task(cfg) -> dict[str, Any]:
     choices = user_choices(hc.runtime.choices)
     multirun = hc.mode == RunMode.MULTIRUN
     job = {"name": hc.job.name, "num": hc.job.num if multirun else None,
-           "sweep_dir": str(Path(hc.sweep.dir).resolve()) if multirun else None}
+           "sweep_dir": str(Path(hc.sweep.dir).resolve()) if multirun else None,
+           "outputs": outputs_roots(hc)}
     summary = run(cfg, hc.runtime.output_dir, choices, list(hc.overrides.task), job)
     if not multirun and summary["status"] != "ok":
         raise SystemExit(1 if summary["status"] != "invalid" else 2)
     return summary
+
+
+def outputs_roots(hc) -> list[str]:
+    """The outputs tree of this Hydra app, where ``train.resume_from=latest`` looks: the
+    directory that holds ``hydra.run.dir`` and ``hydra.sweep.dir`` (their part before the first
+    ``${...}``, up to its last ``/``): ``outputs/`` and ``multirun/`` by default; a fixed run dir
+    ``runs/a`` -> ``runs/`` (a bare name: that directory)."""
+    from omegaconf import OmegaConf
+
+    roots = []
+    for node in (hc.run, hc.sweep):
+        fixed = str(OmegaConf.to_container(node, resolve=False).get("dir") or "")
+        fixed = fixed.split("${", 1)[0].rstrip("/")
+        if not fixed:
+            continue
+        root = Path(fixed).parent if "/" in fixed else Path(fixed)
+        if str(root.absolute()) not in roots:
+            roots.append(str(root.absolute()))
+    return roots
 
 
 def run_external(cfg, run_dir: Path, choices: dict[str, str], overrides: list[str],
@@ -298,7 +344,7 @@ def run_external(cfg, run_dir: Path, choices: dict[str, str], overrides: list[st
                                 "every rank; run the sweep without torchrun: memlab starts the "
                                 "ranks of each job itself (distributed.nproc)"])
         summary["config"] = _plain(cfg)
-        holder.append(ctx)
+        holder.append(plan_resume(ctx, summary))
 
     scratch = run_dir / f".rank{rank}.check.json"
     guarded(check, summary, run_dir / "summary.json" if rank == 0 else scratch)
