@@ -20,22 +20,36 @@ from memlab_testing import FAST, choices_of, compose
 pytestmark = pytest.mark.integration
 
 
-def train_here(tmp_path: Path, overrides: list[str], name: str = "run"):
-    """Validate + build + train in this process (as a run does) and save a checkpoint; returns
-    (ctx, pipeline, checkpoint dir) so a test can compare the live trained model with what
-    was saved."""
+def validated(tmp_path: Path, overrides: list[str], name: str = "run"):
+    """The run context of the fast test config with ``overrides`` (nothing built)."""
     from omegaconf import OmegaConf, open_dict
 
-    from memlab import pipeline
-    from memlab.run import seed_everything, validate
+    from memlab.run import validate
 
     switched = {o.split("=")[0] for o in overrides if "=" in o and "." not in o.split("=")[0]}
     cfg = compose([o for o in FAST if o.split(".")[0] not in switched] + overrides)
     choices = choices_of(cfg)
     with open_dict(cfg):
         del cfg["hydra"]
-    ctx = validate(OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)),
-                   tmp_path / name, choices)
+    return validate(OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)),
+                    tmp_path / name, choices)
+
+
+def hf_files(ckpt: Path) -> set[str]:
+    """The Hugging Face files of a checkpoint (not memlab's resume state, not DeepSpeed's)."""
+    own = (checkpoint.STATE, checkpoint.STATE_TENSORS, checkpoint.OPTIMIZER,
+           checkpoint.TRAINABLE, "latest", "zero_to_fp32.py", "zero_to_torch.py")
+    return {p.name for p in ckpt.iterdir() if p.is_file() and p.name not in own}
+
+
+def train_here(tmp_path: Path, overrides: list[str], name: str = "run"):
+    """Validate + build + train in this process (as a run does) and save a checkpoint; returns
+    (ctx, pipeline, checkpoint dir) so a test can compare the live trained model with what
+    was saved."""
+    from memlab import pipeline
+    from memlab.run import seed_everything
+
+    ctx = validated(tmp_path, overrides, name)
     seed_everything(ctx.train.seed)
     pipe = pipeline.build(ctx)
     pipe.trainer.train()
@@ -141,10 +155,11 @@ def test_distributed_runs_save_the_same_layout_from_rank_0(job, tmp_path, dist):
     for s in (single, ranks):
         assert s["status"] == "ok", s["error"]
     a, b = Path(single["train"]["checkpoint"]), Path(ranks["train"]["checkpoint"])
-    assert sorted(p.name for p in a.iterdir() if not p.is_dir()) == sorted(
-        p.name for p in b.iterdir() if not p.is_dir())
+    assert hf_files(a) == hf_files(b)
+    assert {"adapter_model.safetensors" if peft else "model.safetensors", "config.json"
+            if not peft else "adapter_config.json", "tokenizer.json"} <= hf_files(b)
     if peft:
-        ctx, *_ = train_here(tmp_path, ["peft=lora", "train.steps=0"], "base")
+        ctx = validated(tmp_path, ["peft=lora"])
         tok = ctx.model.load_tokenizer(ctx)
         la = logits(PeftModel.from_pretrained(base_of(ctx, tok), a))
         lb = logits(PeftModel.from_pretrained(base_of(ctx, tok), b))
