@@ -99,9 +99,28 @@ def validate(cfg, run_dir: Path | str = ".", choices: dict[str, str] | None = No
     )
     for group in GROUPS:
         errors += typed[group].validate(ctx)
+    errors += train.checkpoint_errors(ctx)
     if errors:
         raise ConfigErrors(errors)
     return ctx
+
+
+def plan_resume(ctx: BuildContext, summary: dict[str, Any]) -> BuildContext:
+    """``train.resume_from`` checked against the checkpoint's recorded config before anything
+    loads (:func:`memlab.trainer.checkpoint.plan_resume`; ConfigErrors listing every refused
+    difference), recorded in ``summary["resume"]``; ``latest`` becomes the directory found, in
+    the context and in the config the ranks train from."""
+    from memlab.trainer import checkpoint
+
+    roots = [Path(r) for r in (summary.get("job") or {}).get("outputs") or []]
+    plan = checkpoint.plan_resume(ctx, roots)
+    if plan is None:
+        return ctx
+    summary["resume"] = plan.as_dict()
+    if isinstance(summary.get("config"), dict):
+        summary["config"].setdefault("train", {})["resume_from"] = str(plan.path)
+    return dataclasses.replace(ctx, train=dataclasses.replace(ctx.train,
+                                                              resume_from=str(plan.path)))
 
 
 def seed_everything(seed: int) -> None:
@@ -149,6 +168,7 @@ def run(cfg, run_dir: Path | str, choices: dict[str, str] | None = None,
     def body(logger_box: list) -> None:
         ctx = validate(cfg, run_dir, choices)
         summary["config"] = _plain(cfg)
+        ctx = plan_resume(ctx, summary)
         if ctx.world_size > 1:  # one worker process per rank; their summaries merged here
             launch.launch(ctx, summary, worker="memlab.rank")
         else:
@@ -279,9 +299,10 @@ def _train(ctx: BuildContext, summary: dict[str, Any], logger_box: list) -> None
                           on_data=lambda stats: summary.update(data=stats.as_dict()))
     trainer = pipe.trainer
     try:
-        trainer.train()
-        if ctx.train.save_final:
-            trainer.try_save_checkpoint()
+        result = trainer.train()
+        done = Path(ctx.run_dir) / "checkpoints" / f"step_{result.steps:06d}"
+        if ctx.train.save_final and not (ctx.train.save_every and done.is_dir()):
+            trainer.try_save_checkpoint()  # (unless the loop saved this step already)
     finally:  # whatever happened, what was measured so far is recorded
         summary["memory"] = trainer.probe.result()
         if pipe.generation is not None:
@@ -297,7 +318,8 @@ def _train(ctx: BuildContext, summary: dict[str, Any], logger_box: list) -> None
         wrapper = ctx.distributed.describe(pipe.models["policy"])
         if wrapper:
             summary["memory"]["distributed"] = wrapper
-        record_training(summary, trainer.result, ctx.train.steps)
+        record_training(summary, trainer.result, ctx.train.steps,
+                        Path(ctx.run_dir) / "checkpoints")
     if trainer.result.checkpoint_errors:
         raise CheckpointNotWritten(
             f"checkpoint not written ({trainer.result.checkpoint_errors[-1]}); the training "
@@ -309,9 +331,14 @@ def _finite(x: Any) -> Any:
     return None if isinstance(x, float) and not math.isfinite(x) else x
 
 
-def record_training(summary: dict[str, Any], result, planned_steps: int) -> None:
+def record_training(summary: dict[str, Any], result, planned_steps: int,
+                    checkpoints: Path | None = None) -> None:
     """What the loop measured (all of it, or the steps done so far) into ``summary``:
-    throughput, tokens trained, padding, the loss curve and the other curves."""
+    throughput, tokens trained, padding, the loss curve and the other curves, and the newest
+    checkpoint under ``checkpoints``."""
+    from memlab.trainer.checkpoint import step_dirs
+
+    saved = step_dirs(checkpoints) if checkpoints is not None else []
     summary["throughput"] = result.throughput()
     if summary.get("data") is not None:
         summary["data"]["padding_fraction"] = result.padding_fraction()
@@ -324,6 +351,7 @@ def record_training(summary: dict[str, Any], result, planned_steps: int) -> None
         "loss_curve": losses,
         "final_metrics": {k: _finite(v) for k, v in result.metrics.items()},
         "curves": {k: [_finite(x) for x in v] for k, v in result.curves.items()},
+        "checkpoint": str(saved[-1]) if saved else None,  # the newest of this run dir
     }
     if result.checkpoint_errors:
         summary["checkpoint"] = {"errors": list(result.checkpoint_errors)}
@@ -348,7 +376,8 @@ def hydra_task(cfg) -> dict[str, Any]:
     choices = user_choices(hc.runtime.choices)
     multirun = hc.mode == RunMode.MULTIRUN
     job = {"name": hc.job.name, "num": hc.job.num if multirun else None,
-           "sweep_dir": str(Path(hc.sweep.dir).resolve()) if multirun else None}
+           "sweep_dir": str(Path(hc.sweep.dir).resolve()) if multirun else None,
+           "outputs": outputs_roots(hc)}
     try:
         summary = run(cfg, hc.runtime.output_dir, choices, list(hc.overrides.task), job)
     except Interrupted as e:  # held while the record was written; the record is complete
@@ -382,6 +411,25 @@ def read_back(path: Path) -> dict[str, Any]:
     return read_summary(path) or {"status": "failed", "error": f"no record at {path}"}
 
 
+def outputs_roots(hc) -> list[str]:
+    """The outputs tree of this Hydra app, where ``train.resume_from=latest`` looks: the
+    directory that holds ``hydra.run.dir`` and ``hydra.sweep.dir`` (their part before the first
+    ``${...}``, up to its last ``/``): ``outputs/`` and ``multirun/`` by default; a fixed run dir
+    ``runs/a`` -> ``runs/`` (a bare name: that directory)."""
+    from omegaconf import OmegaConf
+
+    roots = []
+    for node in (hc.run, hc.sweep):
+        fixed = str(OmegaConf.to_container(node, resolve=False).get("dir") or "")
+        fixed = fixed.split("${", 1)[0].rstrip("/")
+        if not fixed:
+            continue
+        root = Path(fixed).parent if "/" in fixed else Path(fixed)
+        if str(root.absolute()) not in roots:
+            roots.append(str(root.absolute()))
+    return roots
+
+
 def run_external(cfg, run_dir: Path, choices: dict[str, str], overrides: list[str],
                  job: dict[str, Any], print_table: bool) -> dict[str, Any]:
     """One rank of a torchrun launch (e.g. across nodes: ``torchrun --nnodes 2
@@ -409,7 +457,7 @@ def run_external(cfg, run_dir: Path, choices: dict[str, str], overrides: list[st
                                 "every rank; run the sweep without torchrun: memlab starts the "
                                 "ranks of each job itself (distributed.nproc)"])
         summary["config"] = _plain(cfg)
-        holder.append(ctx)
+        holder.append(plan_resume(ctx, summary))
 
     scratch = run_dir / f".rank{rank}.check.json"
     guarded(check, summary, run_dir / "summary.json" if rank == 0 else scratch)
