@@ -144,6 +144,22 @@ def fit_row(prompt_len: int, completions: list[list[int]], capacity: int, shared
 # ----------------------------------------------------------------------------------- datasets
 
 
+def is_empty(completion: Any) -> bool:
+    """A completion with nothing in it: a blank string, or messages whose contents are all
+    blank (its tokens are then only the EOS or the template's end-of-turn: nothing to learn)."""
+    if isinstance(completion, str):
+        return not completion.strip()
+    if isinstance(completion, list):
+        return all(isinstance(m, dict) and not str(m.get("content") or "").strip()
+                   for m in completion)
+    return False
+
+
+def content_tokens(completion: Any, ids: list[int]) -> tuple[int, int]:
+    """``(trainable tokens, 1 if empty else 0)`` of one completion and its kept token ids."""
+    return (0, 1) if is_empty(completion) else (len(ids), 0)
+
+
 def map_rows(ds, fn: Callable[[dict, int], list[dict]], columns: Sequence[str], key: Any,
              desc: str):
     """``fn(row, idx) -> output rows`` over the dataset (0, 1 or more rows per input row) as one

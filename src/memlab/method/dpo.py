@@ -37,7 +37,7 @@ completion log-probs).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import torch
 
@@ -45,7 +45,7 @@ from memlab.data.base import DataError
 from memlab.method import _collate, _layout, _liger, _logps, _reference, _rows
 from memlab.method.base import Batch, DataStats, Offline
 from memlab.packing.groups import GroupPacked
-from memlab.registry import register
+from memlab.registry import PositiveFloat, PositiveInt, Range, register
 
 
 @register("method", "dpo")
@@ -53,25 +53,25 @@ from memlab.registry import register
 class DPO(Offline, GroupPacked):
     """DPO knobs, named as in TRL's DPOConfig where one exists."""
 
-    beta: float = 0.1
+    beta: PositiveFloat = 0.1
     """KL strength / inverse temperature of the implicit reward."""
     loss_type: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"
     """sigmoid = DPO; ipo = IPO on length-averaged log-probs; hinge = SLiC."""
-    label_smoothing: float = 0.0
+    label_smoothing: Annotated[float, Range(ge=0, lt=0.5)] = 0.0
     """Conservative DPO: probability that a preference label is flipped (sigmoid only)."""
     reference: Literal["copy", "adapter_disabled", "precomputed"] = "copy"
     """copy: frozen copy of the initial policy; adapter_disabled: the policy with its LoRA adapter
     off (peft=lora/qlora); precomputed: reference log-probs computed once before training."""
-    max_length: int | None = 1024
+    max_length: Annotated[int, Range(ge=2)] | None = 1024
     """Longest prompt + completion; the completion is cut to fit; with packing also the row
     capacity. None = no limit."""
-    max_prompt_length: int | None = 512
+    max_prompt_length: PositiveInt | None = 512
     """Prompt tokens kept (its end). None = no limit."""
-    max_completion_length: int | None = None
+    max_completion_length: PositiveInt | None = None
     """Completion tokens kept (its start). None = no limit."""
     padding_free: bool = False
     """All 2B sequences of a batch in one row, restarting position_ids, no padding."""
-    pad_to_multiple_of: int | None = None
+    pad_to_multiple_of: PositiveInt | None = None
     """Round padded lengths (or the flat row) up to a multiple."""
     use_liger_kernel: bool = False
     """Liger's fused linear DPO loss (CUDA + the gpu extra); never materialises the logits."""
@@ -149,20 +149,25 @@ class DPO(Offline, GroupPacked):
                 cut = None if fitted is None else (cut[0], fitted[0], 0)
             if cut is None:
                 return [{"prompt_ids": [], "chosen_ids": [], "rejected_ids": [], "keep": False,
-                         "n_in": n_in, "n_dropped": n_in}]
+                         "n_in": n_in, "n_dropped": n_in, "n_train": 0, "n_empty": 0}]
             p, (c, r), _ = cut
             kept = (1 if shared else 2) * len(p) + len(c) + len(r)
+            (tc, ec), (tr, er) = _rows.content_tokens(chosen, c), _rows.content_tokens(rejected, r)
             return [{"prompt_ids": p, "chosen_ids": c, "rejected_ids": r, "keep": True,
-                     "n_in": n_in, "n_dropped": n_in - kept}]
+                     "n_in": n_in, "n_dropped": n_in - kept, "n_train": tc + tr,
+                     "n_empty": ec + er}]
 
         key = ("dpo", explicit, limits, fit, shared, tokenizer.name_or_path, len(tokenizer))
         out = _rows.map_rows(ds, fn, ("prompt_ids", "chosen_ids", "rejected_ids", "keep", "n_in",
-                                      "n_dropped"), key, "tokenize pairs")
+                                      "n_dropped", "n_train", "n_empty"), key, "tokenize pairs")
         n_in, n_dropped, keep = out["n_in"], out["n_dropped"], out["keep"]
-        out = _rows.keep_rows(out, drop=("n_in", "n_dropped"))
+        n_train, n_empty = out["n_train"], out["n_empty"]
+        out = _rows.keep_rows(out, drop=("n_in", "n_dropped", "n_train", "n_empty"))
         stats = DataStats(examples=len(out), rows=len(out), tokens_in=int(sum(n_in)),
                           tokens_dropped=int(sum(n_dropped)),
-                          examples_dropped=int(len(keep) - sum(keep)))
+                          examples_dropped=int(len(keep) - sum(keep)),
+                          trainable_tokens=int(sum(n_train)),
+                          extra={"empty_completions": int(sum(n_empty))})
         return out, stats
 
     def unit_sizes(self, ds, ctx) -> tuple[list[int], list[list[int]]]:
@@ -231,7 +236,8 @@ class DPO(Offline, GroupPacked):
             return {"ref_chosen_logps": _layout.per_item(logps[:b], items),
                     "ref_rejected_logps": _layout.per_item(logps[b:], items)}
 
-        return _reference.precompute(self, models, ds, ctx, lambda rows: self._collate(rows, pad), run)
+        return _reference.precompute(self, models, ds, ctx,
+                                     lambda rows: self._collate(rows, pad), run)
 
     # ------------------------------------------------------------------ loss
     def reference_logps(self, models, t: dict[str, torch.Tensor], n: int,

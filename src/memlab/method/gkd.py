@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +32,7 @@ from memlab.generation.base import GenerationEnv, SamplingParams
 from memlab.method import _overrides, _reference, _rows
 from memlab.method._online import _prompt_and_reference, join
 from memlab.method.base import IGNORE, Batch, DataStats, model_inputs
-from memlab.registry import register
+from memlab.registry import Fraction, PositiveFloat, PositiveInt, Range, register
 
 
 @register("method", "gkd")
@@ -43,18 +43,18 @@ class GKD:
     teacher: dict[str, Any] | None = None
     """Model-group overrides that make the teacher (None = a second copy of the student's
     initial model, useful only as a control: the loss is then 0 at the start)."""
-    lmbda: float = 0.5
+    lmbda: Fraction = 0.5
     """Share of micro-batches trained on the student's own samples (on-policy)."""
-    beta: float = 0.5
+    beta: Fraction = 0.5
     """JSD interpolation: 0 = forward KL(teacher||student), 1 = reverse KL(student||teacher)."""
-    temperature: float = 0.9
+    temperature: PositiveFloat = 0.9
     """Softmax temperature of both distributions, and of sampling."""
-    max_new_tokens: int = 128
+    max_new_tokens: PositiveInt = 128
     """Length of sampled completions (on-policy / seq_kd)."""
     seq_kd: bool = False
     """Off-policy micro-batches use the teacher's samples instead of the dataset's answers."""
-    max_length: int | None = 1024
-    max_prompt_length: int | None = 512
+    max_length: Annotated[int, Range(ge=2)] | None = 1024
+    max_prompt_length: PositiveInt | None = 512
 
     data_kinds: ClassVar[tuple[str, ...]] = ("chat",)
     head: ClassVar[str] = "causal_lm"
@@ -74,6 +74,9 @@ class GKD:
 
     def packs_rows(self, ctx) -> bool:
         return False
+
+    def pad_multiple(self) -> int | None:
+        return None
 
     def row_length(self) -> int | None:
         return self.max_prompt_length if self.generates() else self.max_length

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import torch
 
@@ -39,7 +39,7 @@ from memlab.data.base import DataError
 from memlab.method import _collate, _layout, _liger, _logps, _reference, _rows
 from memlab.method.base import Batch, DataStats, Offline
 from memlab.packing.groups import GroupPacked
-from memlab.registry import register
+from memlab.registry import NonNegativeFloat, PositiveFloat, PositiveInt, Range, register
 
 
 def mismatched_partners(prompts: list[list[int]]) -> list[int]:
@@ -63,23 +63,23 @@ def mismatched_partners(prompts: list[list[int]]) -> list[int]:
 class KTO(Offline, GroupPacked):
     """KTO knobs, named as in TRL's KTOConfig where one exists."""
 
-    beta: float = 0.1
+    beta: PositiveFloat = 0.1
     """KL strength of the implicit reward."""
-    desirable_weight: float = 1.0
+    desirable_weight: NonNegativeFloat = 1.0
     """Loss weight of desirable examples (lambda_D)."""
-    undesirable_weight: float = 1.0
+    undesirable_weight: NonNegativeFloat = 1.0
     """Loss weight of undesirable examples (lambda_U)."""
     reference: Literal["copy", "adapter_disabled", "precomputed"] = "copy"
     """As in method=dpo: frozen copy, policy with its LoRA adapter off, or precomputed log-probs."""
-    max_length: int | None = 1024
+    max_length: Annotated[int, Range(ge=2)] | None = 1024
     """Longest prompt + completion; the completion is cut to fit. None = no limit."""
-    max_prompt_length: int | None = 512
+    max_prompt_length: PositiveInt | None = 512
     """Prompt tokens kept (its end). None = no limit."""
-    max_completion_length: int | None = None
+    max_completion_length: PositiveInt | None = None
     """Completion tokens kept (its start). None = no limit."""
     padding_free: bool = False
     """All sequences of a batch in one row, restarting position_ids, no padding."""
-    pad_to_multiple_of: int | None = None
+    pad_to_multiple_of: PositiveInt | None = None
     """Round padded lengths (or the flat row) up to a multiple."""
     use_liger_kernel: bool = False
     """Liger's fused linear KTO loss (CUDA + the gpu extra)."""
@@ -169,18 +169,23 @@ class KTO(Offline, GroupPacked):
                 cut = _rows.truncate(p, [c], *limits)
                 if cut is None:
                     out.append({"prompt_ids": [], "completion_ids": [], "label": label,
-                                "keep": False, "n_in": n_in, "n_dropped": n_in})
+                                "keep": False, "n_in": n_in, "n_dropped": n_in, "n_train": 0,
+                                "n_empty": 0})
                 else:
                     pp, (cc,), dropped = cut
+                    n_train, n_empty = _rows.content_tokens(completion, cc)
                     out.append({"prompt_ids": pp, "completion_ids": cc, "label": label,
-                                "keep": True, "n_in": n_in, "n_dropped": dropped})
+                                "keep": True, "n_in": n_in, "n_dropped": dropped,
+                                "n_train": n_train, "n_empty": n_empty})
             return out
 
         key = ("kto", paired, explicit, limits, tokenizer.name_or_path, len(tokenizer))
         out = _rows.map_rows(ds, fn, ("prompt_ids", "completion_ids", "label", "keep", "n_in",
-                                  "n_dropped"), key, "tokenize examples")
+                                      "n_dropped", "n_train", "n_empty"), key,
+                             "tokenize examples")
         n_in, n_dropped, keep = out["n_in"], out["n_dropped"], out["keep"]
-        out = _rows.keep_rows(out, drop=("n_in", "n_dropped"))
+        n_train, n_empty = out["n_train"], out["n_empty"]
+        out = _rows.keep_rows(out, drop=("n_in", "n_dropped", "n_train", "n_empty"))
         prompts, completions = out["prompt_ids"], out["completion_ids"]
         kl = []
         for i, j in enumerate(mismatched_partners(prompts)):
@@ -192,8 +197,10 @@ class KTO(Offline, GroupPacked):
         stats = DataStats(examples=len(out), rows=len(out), tokens_in=int(sum(n_in)),
                           tokens_dropped=int(sum(n_dropped)),
                           examples_dropped=int(len(keep) - sum(keep)),
+                          trainable_tokens=int(sum(n_train)),
                           extra={"desirable": int(sum(labels)),
-                                 "undesirable": int(len(labels) - sum(labels))})
+                                 "undesirable": int(len(labels) - sum(labels)),
+                                 "empty_completions": int(sum(n_empty))})
         return out, stats
 
     def _prepare_pairs(self, ds, tokenizer, ctx, explicit: bool, limits: tuple
@@ -218,16 +225,21 @@ class KTO(Offline, GroupPacked):
                 cut = None if fitted is None else (cut[0], fitted[0], 0)
             if cut is None:
                 return [{"prompt_ids": [], "completion_ids": [[], []], "label": [True, False],
-                         "keep": False, "n_in": n_in, "n_dropped": n_in}]
+                         "keep": False, "n_in": n_in, "n_dropped": n_in, "n_train": 0,
+                         "n_empty": 0}]
             p, cr, _ = cut
+            (tc, ec), (tr, er) = (_rows.content_tokens(x, ids)
+                                  for x, ids in zip((chosen, rejected), cr, strict=True))
             return [{"prompt_ids": p, "completion_ids": cr, "label": [True, False],
-                     "keep": True, "n_in": n_in, "n_dropped": n_in - len(p) - sum(map(len, cr))}]
+                     "keep": True, "n_in": n_in, "n_dropped": n_in - len(p) - sum(map(len, cr)),
+                     "n_train": tc + tr, "n_empty": ec + er}]
 
         key = ("kto-pairs", explicit, limits, fit, tokenizer.name_or_path, len(tokenizer))
         out = _rows.map_rows(ds, fn, ("prompt_ids", "completion_ids", "label", "keep", "n_in",
-                                      "n_dropped"), key, "tokenize pairs")
+                                      "n_dropped", "n_train", "n_empty"), key, "tokenize pairs")
         n_in, n_dropped, keep = out["n_in"], out["n_dropped"], out["keep"]
-        out = _rows.keep_rows(out, drop=("n_in", "n_dropped"))
+        n_train, n_empty = out["n_train"], out["n_empty"]
+        out = _rows.keep_rows(out, drop=("n_in", "n_dropped", "n_train", "n_empty"))
         prompts = [p for p in out["prompt_ids"] for _ in range(2)]
         completions = [c for cr in out["completion_ids"] for c in cr]
         kl: list[list[list[int]]] = []
@@ -243,7 +255,9 @@ class KTO(Offline, GroupPacked):
         stats = DataStats(examples=2 * len(out), rows=len(out), tokens_in=int(sum(n_in)),
                           tokens_dropped=int(sum(n_dropped)),
                           examples_dropped=2 * int(len(keep) - sum(keep)),
-                          extra={"desirable": len(out), "undesirable": len(out)})
+                          trainable_tokens=int(sum(n_train)),
+                          extra={"desirable": len(out), "undesirable": len(out),
+                                 "empty_completions": int(sum(n_empty))})
         return out, stats
 
     def unit_sizes(self, ds, ctx) -> tuple[list[int], list[list[int]]]:
@@ -344,7 +358,8 @@ class KTO(Offline, GroupPacked):
                 out[name] = _layout.per_item(values, items)
             return out
 
-        return _reference.precompute(self, models, ds, ctx, lambda rows: self._collate(rows, pad), run)
+        return _reference.precompute(self, models, ds, ctx,
+                                     lambda rows: self._collate(rows, pad), run)
 
     # ------------------------------------------------------------------ loss
     def reference_logps(self, models, t: dict[str, torch.Tensor], n: int, attention: Any = None

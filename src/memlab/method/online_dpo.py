@@ -11,7 +11,7 @@ the number of pairs (prompts).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 import torch
 
@@ -19,7 +19,7 @@ from memlab.losses import dpo_loss, token_logps
 from memlab.method import _reference
 from memlab.method._online import Online
 from memlab.method.base import IGNORE, Batch, model_inputs
-from memlab.registry import register
+from memlab.registry import PositiveFloat, PositiveInt, Range, register
 
 
 @register("method", "online_dpo")
@@ -29,11 +29,11 @@ class OnlineDPO(Online):
 
     reuses_rollouts: ClassVar[bool] = False
 
-    num_generations: int = 2
+    num_generations: PositiveInt = 2
     """Two completions per prompt: the pair."""
-    beta: float = 0.1
+    beta: PositiveFloat = 0.1
     loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
-    missing_eos_penalty: float | None = None
+    missing_eos_penalty: Annotated[float, Range()] | None = None
 
     def validate(self, ctx) -> list[str]:
         errors = super().validate(ctx)

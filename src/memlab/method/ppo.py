@@ -24,7 +24,7 @@ Runs in one process for now (the value model is not wrapped by DDP / FSDP2).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 import torch
 
@@ -32,7 +32,7 @@ from memlab.losses import token_logps
 from memlab.method import _reference
 from memlab.method._online import Online
 from memlab.method.base import IGNORE, Batch, model_inputs
-from memlab.registry import register
+from memlab.registry import Fraction, NonNegativeFloat, PositiveFloat, PositiveInt, Range, register
 from memlab.trainer.routing import base_model, call_inside
 
 
@@ -41,17 +41,17 @@ from memlab.trainer.routing import base_model, call_inside
 class PPO(Online):
     """PPO knobs, named as in TRL's PPOConfig."""
 
-    num_generations: int = 1
+    num_generations: PositiveInt = 1
     """Completions per prompt (PPO's baseline is the value model, not a group)."""
-    beta: float = 0.05
+    beta: NonNegativeFloat = 0.05
     """Per-token KL penalty in the reward (TRL's ``kl_coef``)."""
-    cliprange: float = 0.2
-    cliprange_value: float = 0.2
-    vf_coef: float = 0.1
-    gamma: float = 1.0
-    lam: float = 0.95
+    cliprange: PositiveFloat = 0.2
+    cliprange_value: PositiveFloat = 0.2
+    vf_coef: NonNegativeFloat = 0.1
+    gamma: Fraction = 1.0
+    lam: Fraction = 0.95
     whiten_advantages: bool = True
-    missing_eos_penalty: float | None = None
+    missing_eos_penalty: Annotated[float, Range()] | None = None
 
     min_generations: ClassVar[int] = 1
     trains_extra_models: ClassVar[bool] = True

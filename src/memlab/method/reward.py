@@ -32,7 +32,7 @@ stored once; each sequence's rest sees it and itself only. The rewards equal the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import torch
 from torch import nn
@@ -41,7 +41,7 @@ from memlab.data.base import DataError
 from memlab.method import _collate, _layout, _logps, _rows
 from memlab.method.base import Batch, DataStats, Offline, model_inputs
 from memlab.packing.groups import GroupPacked
-from memlab.registry import register
+from memlab.registry import NonNegativeFloat, PositiveInt, Range, register
 from memlab.trainer.routing import base_model, call_inside
 
 
@@ -50,17 +50,17 @@ from memlab.trainer.routing import base_model, call_inside
 class Reward(Offline, GroupPacked):
     """Reward-model knobs, named as in TRL's RewardConfig where one exists."""
 
-    max_length: int | None = 1024
+    max_length: Annotated[int, Range(ge=2)] | None = 1024
     """Longest chosen / rejected sequence. None = no limit."""
     truncation_mode: Literal["drop", "keep_end"] = "drop"
     """drop: pairs with a longer sequence are dropped; keep_end: keep the last max_length tokens."""
-    center_rewards_coefficient: float | None = None
+    center_rewards_coefficient: NonNegativeFloat | None = None
     """Weight of the auxiliary (r_c + r_r)^2 term that keeps rewards centred (null = off)."""
     use_margin: bool = True
     """Subtract the dataset's per-pair 'margin' column (when it has one) from r_c - r_r."""
     padding_free: bool = False
     """All 2B sequences of a batch in one row, restarting position_ids, no padding."""
-    pad_to_multiple_of: int | None = None
+    pad_to_multiple_of: PositiveInt | None = None
     """Round padded lengths (or the flat row) up to a multiple."""
     share_prompt: bool = False
     """Store a pair's common start once: each sequence's rest sees it and itself only."""
@@ -113,8 +113,9 @@ class Reward(Offline, GroupPacked):
             c = _rows.encode_full(tokenizer, prompt, row["chosen"], idx, "chosen")
             r = _rows.encode_full(tokenizer, prompt, row["rejected"], idx, "rejected")
             n_in = len(c) + len(r)
+            empty = int(_rows.is_empty(row["chosen"])) + int(_rows.is_empty(row["rejected"]))
             out = {"chosen_ids": c, "rejected_ids": r, "keep": True, "n_in": n_in,
-                   "n_dropped": 0, "margin": 0.0}
+                   "n_dropped": 0, "margin": 0.0, "n_empty": empty}
             if margin:
                 m = row["margin"]
                 if isinstance(m, bool) or not isinstance(m, (int, float)):
@@ -124,29 +125,39 @@ class Reward(Offline, GroupPacked):
             n_in = out["n_in"] = n_in - common
             if limit is not None and max(len(c), len(r)) > limit:
                 if mode == "drop":
-                    out.update(chosen_ids=[], rejected_ids=[], keep=False, n_dropped=n_in)
+                    out.update(chosen_ids=[], rejected_ids=[], keep=False, n_dropped=n_in,
+                               n_empty=0, n_train=0)
                     return [out]
                 c, r = c[-limit:], r[-limit:]
             if fit and pair_tokens(c, r, shared) > limit:
                 if mode == "drop":
-                    out.update(chosen_ids=[], rejected_ids=[], keep=False, n_dropped=n_in)
+                    out.update(chosen_ids=[], rejected_ids=[], keep=False, n_dropped=n_in,
+                               n_empty=0, n_train=0)
                     return [out]
                 back = _rows.fit_row(0, [c[::-1], r[::-1]], limit, False)[0]
                 c, r = back[0][::-1], back[1][::-1]
             cut_c, cut_r = len(full_c) - len(c), len(full_r) - len(r)  # from the start
             out.update(chosen_ids=c, rejected_ids=r,
                        n_dropped=cut_c + cut_r - min(cut_c, cut_r, common))
+            # tokens kept (the shared prompt once), less those of a blank completion
+            empty_c, empty_r = _rows.is_empty(row["chosen"]), _rows.is_empty(row["rejected"])
+            out["n_train"] = (0 if empty_c and empty_r else len(r) if empty_c
+                              else len(c) if empty_r else n_in - out["n_dropped"])
             return [out]
 
         key = ("reward", has_prompt, margin, limit, mode, fit, shared, tokenizer.name_or_path,
                len(tokenizer))
         out = _rows.map_rows(ds, fn, ("chosen_ids", "rejected_ids", "margin", "keep", "n_in",
-                                  "n_dropped"), key, "tokenize pairs")
+                                      "n_dropped", "n_train", "n_empty"), key, "tokenize pairs")
         n_in, n_dropped, keep = out["n_in"], out["n_dropped"], out["keep"]
-        out = _rows.keep_rows(out, drop=("n_in", "n_dropped") + (() if margin else ("margin",)))
+        n_train, n_empty = out["n_train"], out["n_empty"]
+        out = _rows.keep_rows(out, drop=("n_in", "n_dropped", "n_train", "n_empty")
+                              + (() if margin else ("margin",)))
         stats = DataStats(examples=len(out), rows=len(out), tokens_in=int(sum(n_in)),
                           tokens_dropped=int(sum(n_dropped)),
-                          examples_dropped=int(len(keep) - sum(keep)))
+                          examples_dropped=int(len(keep) - sum(keep)),
+                          trainable_tokens=int(sum(n_train)),
+                          extra={"empty_completions": int(sum(n_empty))})
         return out, stats
 
     def unit_sizes(self, ds, ctx) -> tuple[list[int], list[list[int]]]:

@@ -21,7 +21,7 @@ from memlab.losses import token_logps
 from memlab.method import _reference
 from memlab.method._online import Clipped
 from memlab.method.base import IGNORE, Batch, model_inputs
-from memlab.registry import register
+from memlab.registry import NonNegativeFloat, PositiveInt, register
 
 
 @register("method", "rloo")
@@ -29,8 +29,8 @@ from memlab.registry import register
 class RLOO(Clipped):
     """RLOO knobs, named as in TRL's RLOOConfig."""
 
-    num_generations: int = 2
-    beta: float = 0.05
+    num_generations: PositiveInt = 2
+    beta: NonNegativeFloat = 0.05
     """KL strength, applied to the reward (sequence level); 0 loads no reference model."""
     normalize_advantages: bool = False
     """Scale advantages to mean 0, std 1 over the batch."""

@@ -87,8 +87,10 @@ class Packing:
             return self._apply_groups(ds, stats, ctx)
         from memlab.packing import core
 
+        # rows carry seq_lengths; the collator builds each batch's positions and document
+        # segments from them (position_ids would double the packed dataset's size)
         packed, ps = core.apply(ds, ctx.method.max_length, self.strategy,
-                                columns=("input_ids", "labels"))
+                                columns=("input_ids", "labels"), position_ids=False)
         stats.rows = ps.rows
         stats.fill_ratio = ps.fill_ratio
         stats.tokens_dropped += ps.tokens_dropped

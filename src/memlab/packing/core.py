@@ -34,8 +34,11 @@ Empty sequences produce no piece (as in TRL). Two entry points:
 * :func:`plan` works on lengths only and returns a :class:`PackPlan`: flat numpy arrays of
   *pieces* (``seq_index``, ``start``, ``end`` token offsets inside the source sequence) grouped
   into rows CSR-style by ``row_offsets``.
-* :func:`apply` packs a tokenized :class:`datasets.Dataset` following such a plan, building the
-  Arrow list columns directly from offsets (no per-row Python lists).
+* :func:`apply` packs a tokenized :class:`datasets.Dataset` following such a plan: each output
+  buffer is allocated once at its final size and filled by numpy copies of whole runs of
+  tokens, grouped by run length (no Python per row, piece or token; see ``_arrow``); value
+  types are kept (int32 stays int32). The output can be built, and written to an Arrow file,
+  shard by shard while the plan stays global (``shard_rows``, ``output_path``).
 
 Best-fit runs in ``O(n log n)``: pieces are grouped by length (at most ``max_length`` distinct
 values) and each group is placed in bulk. Within a group of ``k`` pieces of length ``L``, the
@@ -50,13 +53,17 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import os
 import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
+
+from memlab.packing import _arrow
 
 if TYPE_CHECKING:
     import datasets
@@ -64,7 +71,19 @@ if TYPE_CHECKING:
 Strategy = Literal["bfd", "bfd_split", "wrapped"]
 STRATEGIES: tuple[str, ...] = ("bfd", "bfd_split", "wrapped")
 
-__all__ = ["STRATEGIES", "PackPlan", "PackStats", "Strategy", "apply", "plan"]
+__all__ = [
+    "DEFAULT_SHARD_TOKENS",
+    "STRATEGIES",
+    "PackPlan",
+    "PackStats",
+    "Strategy",
+    "apply",
+    "plan",
+]
+
+DEFAULT_SHARD_TOKENS = 1 << 27
+"""Tokens per output shard when :func:`apply` writes to a file and no ``shard_rows`` is given
+(with int32 ids: ~512 MiB of ids plus as much of position ids per shard)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -327,25 +346,29 @@ def _plan_wrapped(
         return empty, empty, empty, np.zeros(1, dtype=np.int64)
     row_bounds = np.arange(0, total, max_length, dtype=np.int64)
     # Pieces start at every non-empty document start and at every row start inside a document.
-    # Both lists are sorted, so merge them with searchsorted instead of a (slow) set union.
+    # Both lists are sorted: one searchsorted places every row start among the document starts
+    # (``at``: documents starting before it), which gives the merged order directly.
     docs = np.flatnonzero(lens > 0)
     doc_starts = doc_bounds[docs]
-    at = np.minimum(np.searchsorted(doc_starts, row_bounds), doc_starts.shape[0] - 1)
-    mid = row_bounds[doc_starts[at] != row_bounds]  # row starts falling inside a document
-    mid_slot = np.searchsorted(doc_starts, mid) + np.arange(mid.shape[0])
-    is_mid = np.zeros(doc_starts.shape[0] + mid.shape[0], dtype=bool)
-    is_mid[mid_slot] = True
+    at = np.searchsorted(doc_starts, row_bounds)
+    is_doc = doc_starts[np.minimum(at, docs.shape[0] - 1)] == row_bounds
+    mid_rows = np.flatnonzero(~is_doc)  # rows starting inside a document
+    mids_before = np.cumsum(~is_doc) - ~is_doc  # such rows before each row
+    row_offsets = np.empty(row_bounds.shape[0] + 1, dtype=np.int64)
+    row_offsets[:-1] = at + mids_before  # a row's first piece, in the merged order
+    row_offsets[-1] = docs.shape[0] + mid_rows.shape[0]
+    is_mid = np.zeros(row_offsets[-1], dtype=bool)
+    is_mid[row_offsets[mid_rows]] = True
     starts = np.empty(is_mid.shape[0], dtype=np.int64)
-    starts[is_mid] = mid
+    starts[is_mid] = row_bounds[mid_rows]
     starts[~is_mid] = doc_starts
     seq = np.empty_like(starts)
-    seq[is_mid] = docs[np.searchsorted(doc_starts, mid, side="right") - 1]
+    seq[is_mid] = docs[at[mid_rows] - 1]
     seq[~is_mid] = docs
     ends = np.empty_like(starts)
     ends[:-1] = starts[1:]
     ends[-1] = total
     offset = starts - doc_bounds[seq]
-    row_offsets = np.searchsorted(starts, np.append(row_bounds, total)).astype(np.int64)
     return seq, offset, offset + (ends - starts), row_offsets
 
 
@@ -371,72 +394,54 @@ class PackStats:
         return asdict(self)
 
 
-def _list_parts(column: Any) -> tuple[np.ndarray, Any]:
-    """Offsets (int64, rebased to 0) and flat values of a pyarrow (large) list column."""
-    import pyarrow as pa
-
-    if isinstance(column, pa.ChunkedArray):
-        column = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
-    if not (pa.types.is_list(column.type) or pa.types.is_large_list(column.type)):
-        raise TypeError(f"packing needs list columns, got type {column.type}")
-    if column.null_count:
-        raise ValueError("packing needs list columns without null rows")
-    offsets = column.offsets.to_numpy().astype(np.int64)
-    values = column.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
-    return offsets - offsets[0], values
-
-
-def _gather(values: Any, starts: np.ndarray, lengths: np.ndarray, large: bool) -> Any:
-    """Concatenate the runs ``values[starts[i]:starts[i] + lengths[i]]`` into one Arrow array.
-
-    A list-view over ``values`` flattened by Arrow copies each run with one memcpy, about twice
-    as fast as a per-token index gather in numpy; older pyarrow (no list views) gets the latter.
-    """
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    if not isinstance(values, pa.Array):
-        values = pa.array(values)
-    off_type = np.int64 if large else np.int32
-    view_cls = getattr(pa, "LargeListViewArray" if large else "ListViewArray", None)
-    if view_cls is not None:
-        view = view_cls.from_arrays(
-            pa.array(starts.astype(off_type)), pa.array(lengths.astype(off_type)), values
-        )
-        return view.flatten()
-    bounds = np.zeros(lengths.shape[0] + 1, dtype=np.int64)
-    np.cumsum(lengths, out=bounds[1:])
-    index = np.arange(bounds[-1], dtype=off_type)
-    index += np.repeat((starts - bounds[:-1]).astype(off_type), lengths)
-    return pc.take(values, pa.array(index))
-
-
 def apply(
     dataset: datasets.Dataset,
     max_length: int,
     strategy: Strategy = "bfd",
     columns: Sequence[str] = ("input_ids",),
+    *,
+    shard_rows: int | None = None,
+    output_path: str | os.PathLike[str] | None = None,
+    position_ids: bool = True,
 ) -> tuple[datasets.Dataset, PackStats]:
     """Pack a tokenized dataset into rows of at most ``max_length`` tokens.
 
     Every column in ``columns`` must hold, per row, a list as long as the first column's (e.g.
     ``input_ids``, ``completion_mask``, ``labels``); they are all cut and concatenated the
-    same way. Other columns are dropped. Each output row holds the packed columns plus:
+    same way and keep their value type. Other columns are dropped. Each output row holds the
+    packed columns plus:
 
     * ``position_ids`` -- 0, 1, 2, ... restarting at every piece start, i.e. at each sequence
       (or ``bfd_split`` chunk) start. For ``"wrapped"`` positions also restart at every row
       start, so a sequence continued from the previous row starts over at 0 (rows are
-      independent training examples; no position ever reaches ``max_length``).
+      independent training examples; no position ever reaches ``max_length``). int32.
     * ``seq_lengths`` -- the piece lengths in the row, summing to the row length (what
       varlen / flash-attention kernels need as ``cu_seqlens``).
 
-    Rows are not padded (the collator pads). Dataset formatting is not carried over.
+    Rows are not padded (the collator pads). Dataset formatting is not carried over. The plan
+    is always global (one :func:`plan` over every row); only the output is built in shards.
+
+    Args:
+        dataset: the tokenized dataset, in memory or memory-mapped (Arrow files are read in
+            place, pieces copied straight from the mapped files). An indices mapping from
+            ``select``/``shuffle`` is applied first, which copies the selected columns.
+        max_length: row capacity in tokens.
+        strategy: ``"bfd"``, ``"bfd_split"`` or ``"wrapped"`` (see the module docstring).
+        columns: the per-token list columns to pack.
+        shard_rows: build the output this many rows at a time, one Arrow record batch each.
+            Default: all rows at once in memory, or :data:`DEFAULT_SHARD_TOKENS` ``//
+            max_length`` rows when writing to ``output_path``.
+        output_path: write the packed rows to this new Arrow file (an IPC stream, the format
+            of ``datasets`` cache files) shard by shard and return a dataset memory-mapped from
+            it, so that memory holds one shard of output at a time, not all of it.
+        position_ids: write the ``position_ids`` column (the default). ``False`` leaves it
+            out: it is as large as ``input_ids`` (int32 per token) and follows from
+            ``seq_lengths`` alone, so a collator can build it per batch instead.
 
     Returns:
         ``(packed_dataset, stats)``.
     """
     import datasets as hf_datasets
-    import pyarrow as pa
 
     t0 = time.perf_counter()
     columns = list(columns)
@@ -448,51 +453,60 @@ def apply(
     for name in ("position_ids", "seq_lengths"):
         if name in columns:
             raise ValueError(f"column {name!r} is produced by packing; do not pass it in columns")
-
-    # One Arrow table of just these columns, with any select/shuffle indices applied.
-    table = dataset.select_columns(columns).with_format("arrow")[:]
-    parts = [_list_parts(table.column(c)) for c in columns]
-    offsets = parts[0][0]
-    for name, (other, _) in zip(columns[1:], parts[1:]):
-        if not np.array_equal(other, offsets):
-            raise ValueError(f"column {name!r} has per-row lengths differing from {columns[0]!r}")
-
-    pp = plan(np.diff(offsets), max_length, strategy)
-    plen = pp.piece_lengths
-    piece_bounds = np.zeros(pp.num_pieces + 1, dtype=np.int64)
-    np.cumsum(plen, out=piece_bounds[1:])
-    n_tok = int(piece_bounds[-1])
-    large = max(n_tok, int(offsets[-1]), max_length) >= 2**31 - 1
-    row_offsets = piece_bounds[pp.row_offsets]
-    if strategy == "wrapped":  # the stream is the input itself: reuse its buffers (zero-copy)
-        packed_values = [values for _, values in parts]
-    else:
-        src_start = offsets[pp.seq_index] + pp.start
-        packed_values = [_gather(values, src_start, plen, large) for _, values in parts]
-    positions = _gather(np.arange(max_length, dtype=np.int32), np.zeros_like(plen), plen, large)
-
-    list_cls = pa.LargeListArray if large else pa.ListArray
-    row_offs = pa.array(row_offsets.astype(np.int64 if large else np.int32))
-    arrays = [list_cls.from_arrays(row_offs, v) for v in [*packed_values, positions]]
-    arrays.append(
-        pa.ListArray.from_arrays(
-            pa.array(pp.row_offsets.astype(np.int32)), pa.array(plen.astype(np.int32))
+    if shard_rows is not None and (isinstance(shard_rows, bool) or int(shard_rows) < 1):
+        raise ValueError(f"shard_rows must be a positive number of rows, got {shard_rows!r}")
+    path = None if output_path is None else Path(output_path)
+    if path is not None and path.exists():
+        raise FileExistsError(
+            f"output_path {str(path)!r} already exists; remove it or pass a new path"
         )
+
+    # Just these columns, with any select/shuffle indices applied (zero-copy otherwise).
+    table = dataset.select_columns(columns).with_format("arrow")[:]
+    cols = [_arrow.read_column(table.column(c), c) for c in columns]
+    del table
+    lengths = cols[0].lengths
+    for col in cols[1:]:
+        if not np.array_equal(col.lengths, lengths):
+            raise ValueError(
+                f"column {col.name!r} has per-row lengths differing from {columns[0]!r}; "
+                "pack only per-token columns (one value per token of every row)"
+            )
+
+    pp = plan(lengths, max_length, strategy)
+    piece_bounds = np.zeros(pp.num_pieces + 1, dtype=np.int64)
+    np.cumsum(pp.piece_lengths, out=piece_bounds[1:])
+    n_tok = int(piece_bounds[-1])
+    large = max(n_tok, pp.tokens_in, pp.max_length) >= 2**31 - 1
+    if shard_rows is None:
+        shard_rows = DEFAULT_SHARD_TOKENS // pp.max_length if path is not None else pp.num_rows
+    shard_rows = max(1, int(shard_rows))
+    edges = [*range(0, pp.num_rows, shard_rows), pp.num_rows] if pp.num_rows else [0, 0]
+    names = [*columns, *(["position_ids"] if position_ids else []), "seq_lengths"]
+    shards = (
+        _arrow.build_shard(cols, pp, piece_bounds, r0, r1, large, names)
+        for r0, r1 in zip(edges[:-1], edges[1:])
     )
-    out_table = pa.Table.from_arrays(arrays, names=[*columns, "position_ids", "seq_lengths"])
+
     # Without an explicit fingerprint, datasets would hash the whole table (seconds at 100k rows).
     src_fp = (
         getattr(dataset, "_fingerprint", None)
         or hf_datasets.fingerprint.generate_random_fingerprint()
     )
     key = f"memlab.packing:{src_fp}:{max_length}:{strategy}:{','.join(columns)}"
-    packed = hf_datasets.Dataset(
-        hf_datasets.table.InMemoryTable(out_table),
-        fingerprint=hashlib.sha256(key.encode()).hexdigest()[:16],
-    )
+    key += "" if position_ids else ":no-position-ids"
+    fingerprint = hashlib.sha256(key.encode()).hexdigest()[:16]
+    if path is None:
+        import pyarrow as pa
+
+        data = hf_datasets.table.InMemoryTable(pa.Table.from_batches(list(shards)))
+    else:
+        _arrow.write_stream(path, shards)
+        data = hf_datasets.table.MemoryMappedTable.from_file(str(path))
+    packed = hf_datasets.Dataset(data, fingerprint=fingerprint)
     stats = PackStats(
         rows=pp.num_rows,
-        sequences=int(offsets.shape[0] - 1),
+        sequences=int(lengths.shape[0]),
         fill_ratio=pp.fill_ratio,
         tokens_dropped=pp.tokens_dropped,
         tokens_in=pp.tokens_in,

@@ -38,6 +38,20 @@ class Segments(tuple):
         return value if isinstance(value, Segments) else cls(tuple(r) for r in value)
 
     @classmethod
+    def from_lengths(cls, rows: list[list[int]]) -> Segments:
+        """Per row, its documents' lengths (a packed row's ``seq_lengths``, then any pad tail)."""
+        return cls(tuple(int(n) for n in row if n) for row in rows)
+
+    def positions(self) -> list[list[int]]:
+        """Position ids restarting at every document (what packed rows feed the model); a
+        document that also sees a prefix ``[a, b)`` continues it (from ``b - a``), as the
+        completion after a shared prompt does."""
+        def run(e: int | tuple[int, int, int]) -> range:
+            return range(e) if isinstance(e, int) else range(e[2] - e[1], e[2] - e[1] + e[0])
+
+        return [[t for e in row for t in run(e)] for row in self]
+
+    @classmethod
     def from_positions(cls, positions: list[list[int]] | list[int]) -> Segments:
         """Split every row where its position ids do not continue (``p[t] != p[t-1] + 1``)."""
         rows = positions if positions and isinstance(positions[0], (list, tuple)) else [positions]

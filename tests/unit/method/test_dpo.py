@@ -286,7 +286,7 @@ def test_validation_messages_name_the_fix():
     assert "method.share_prompt=false" in text and "attention.varlen=true" in text
     text = _errors(["method=dpo", "method.loss_type=ipo", "method.label_smoothing=0.1",
                     "method.beta=0"])
-    assert "label_smoothing" in text and "method.beta must be > 0" in text
+    assert "label_smoothing" in text and "method (dpo).beta: must be > 0" in text
     ctx = _validate(["method=dpo", "peft=lora", "method.reference=adapter_disabled",
                      "method.padding_free=true"])
     assert ctx.method.reference == "adapter_disabled"

@@ -42,7 +42,7 @@ def test_pairs_become_one_desirable_and_one_undesirable_example(tok):
     out, stats = KTO().prepare(_pairs(3), tok, None)
     assert len(out) == 6 and stats.examples == 6 and stats.examples_dropped == 0
     assert out["label"] == [True, False] * 3
-    assert stats.extra == {"desirable": 3, "undesirable": 3}
+    assert stats.extra == {"desirable": 3, "undesirable": 3, "empty_completions": 0}
     assert out["prompt_ids"][0] == out["prompt_ids"][1]
     assert tok.decode(out["completion_ids"][0]).startswith("careful answer 0")
     assert tok.decode(out["completion_ids"][1]).startswith("whatever")
