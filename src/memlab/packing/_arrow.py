@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from memlab.packing.core import PackPlan
+    from memlab.packing.plan import PackPlan
 
 _CHUNK_BYTES = 1 << 20
 """Runs are copied through a temporary of at most this many bytes (it stays in cache)."""
