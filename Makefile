@@ -18,8 +18,8 @@ run: setup  ## train the embedded default (tiny model, generated data, CPU) and 
 smoke: setup  ## a 4-step run
 	$(PY) -m memlab debug=smoke
 
-test: setup  ## the whole test suite (what CI runs)
-	$(PY) -m pytest -q
+test: setup  ## the whole test suite (what CI runs): two workers, a test file stays on one
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 test-fast: setup  ## unit tests only
 	$(PY) -m pytest -q tests/unit
