@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memlab.losses import segment_logps, sequence_logps, token_logps
+from memlab.losses import forked_token_logps, segment_logps, sequence_logps
 from memlab.method.base import model_inputs
 
 
@@ -52,12 +52,11 @@ def layout_logps(logits: torch.Tensor, t: dict[str, torch.Tensor], n: int, prefi
     """Per-sequence sums over rows of documents (:mod:`memlab.method._layout`): every scored
     token by its ``segment_ids``, then each fork label (a shared prompt's last token predicting
     the first token of a further completion) added to its sequence."""
-    sums, counts = segment_logps(logits, t[prefix + "labels"], t[prefix + "segment_ids"], n)
-    index = t[prefix + "fork_index"]
+    labels, index = t[prefix + "labels"], t[prefix + "fork_index"]
+    per_token, fork = forked_token_logps(logits, labels, index, t[prefix + "fork_labels"])
+    sums, counts = segment_logps(per_token, labels, t[prefix + "segment_ids"], n)
     if index.numel():
-        flat = logits.reshape(-1, logits.shape[-1])[index]
-        lp = token_logps(flat, t[prefix + "fork_labels"])
         seg = t[prefix + "fork_segments"]
-        sums = sums.index_add(0, seg, lp.to(sums.dtype))
+        sums = sums.index_add(0, seg, fork.to(sums.dtype))
         counts = counts.index_add(0, seg, torch.ones_like(seg))
     return sums, counts
