@@ -36,6 +36,42 @@ SHAPE = ["model.hidden_size=128", "model.intermediate_size=384", "model.num_laye
          "train.device=cpu", "train.progress=false"]
 LEN = ["method.max_length=256"]
 REAL = ["measure.memory_steps=all", "train.steps=2"]
+NO_GC = ["train.gradient_checkpointing=false"]
+# Two generated rows, one longer than max_length (cut to 256 tokens) and one short: every batch
+# of the real run is the same [2, 256] padded batch (both rows; the order does not matter).
+PADDED_CHAT = ["data.seed=2", "data.median_tokens=200", "data.n_examples=2"]  # 2352, 58 tokens
+PADDED_PAIRS = ["data.seed=2", "data.median_tokens=150", "data.n_examples=2",  # one long pair
+                "method.max_prompt_length=128"]
+TOLERANCE = 0.015
+
+RESULTS: dict[str, tuple[dict, dict]] = {}
+"""case -> (estimate, real memory): the agreement table (``MEMLAB_ESTIMATE_TABLE=<file.md>``
+writes it as Markdown when the module's tests finish)."""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def agreement_table():
+    yield
+    path = os.environ.get("MEMLAB_ESTIMATE_TABLE")
+    if path and RESULTS:
+        from pathlib import Path
+
+        Path(path).write_text(markdown_table(RESULTS))
+
+
+def markdown_table(results: dict[str, tuple[dict, dict]]) -> str:
+    """case | estimate | real | error | each category (estimate / real MiB)."""
+    mib = 2**20
+    head = ["case", "estimate", "real", "error", *CATEGORIES]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for case, (est, real) in results.items():
+        ep, rp = est["peak_bytes"], real["peak_bytes"]
+        cells = [case, f"{ep / mib:.2f} MiB", f"{rp / mib:.2f} MiB", f"{100 * (ep - rp) / rp:+.2f}%"]
+        for cat in CATEGORIES:
+            e, r = est["by_category"][cat], real["by_category"][cat]
+            cells.append(f"{e / mib:.2f} / {r / mib:.2f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def _estimate(tmp_path, overrides, *extra):
@@ -47,42 +83,85 @@ def _estimate(tmp_path, overrides, *extra):
     return est
 
 
-CASES = {
-    "full packed": ["packing=bfd", *LEN],
-    "lora packed": ["packing=bfd", "peft=lora", *LEN],
-    "no checkpointing": ["packing=bfd", "train.gradient_checkpointing=false", *LEN],
-    "bf16": ["packing=bfd", "precision=bf16", *LEN],
-    "chunked loss": ["packing=bfd", "method.loss_impl=chunked", "method.chunk_size=128", *LEN],
-    "padded bf16_mixed eager": ["packing=none", "precision=bf16_mixed", "attention=eager", *LEN],
-    "dpo reference copy": ["packing=none", "method=dpo", *LEN],
-}
-
-
-@pytest.mark.parametrize("case", list(CASES))
-def test_estimate_matches_real_run_within_3_percent(job, tmp_path, case):
-    overrides = SHAPE + CASES[case]
-    est = _estimate(tmp_path, overrides)
-    real = job(overrides + REAL, fast=False)
-    assert real["status"] == "ok", real["error"]
-    assert real["data"]["padding_fraction"] == 0.0  # every real batch has the estimated shape
-    rm = real["memory"]
+def assert_agrees(case: str, est: dict, rm: dict, phases: tuple[str, ...] = ()) -> None:
+    """The estimate's peak, each category at the peak (and each of ``phases``) within
+    :data:`TOLERANCE` of the real run's tracked numbers; the peak in the same phase. Printed and
+    recorded for the agreement table."""
+    RESULTS[case] = (est, rm)
     rp, ep = rm["peak_bytes"], est["peak_bytes"]
     rows = [f"{'peak':12}{ep:>12}{rp:>12}{100 * (ep - rp) / rp:+8.2f}%"]
     for cat in CATEGORIES:
         e, r = est["by_category"][cat], rm["by_category"][cat]
         rows.append(f"{cat:12}{e:>12}{r:>12}" + (f"{100 * (e - r) / r:+8.2f}%" if r else ""))
-    print(f"\n[{case}] estimate vs real (bytes)\n" + "\n".join(rows))
-    assert abs(ep - rp) <= 0.03 * rp, (ep, rp)
+    for ph in phases:
+        e, r = est["by_phase"][ph], rm["by_phase"][ph]
+        rows.append(f"{ph:12}{e:>12}{r:>12}{100 * (e - r) / r:+8.2f}%")
+    print(f"\n[{case}] estimate vs real (bytes); estimate's batch: {est['batch']['peak_from']}\n"
+          + "\n".join(rows))
+    assert abs(ep - rp) <= TOLERANCE * rp, (ep, rp)
     for cat in CATEGORIES:
         e, r = est["by_category"][cat], rm["by_category"][cat]
-        assert abs(e - r) <= 0.03 * r + 64 * 1024, (cat, e, r)
+        assert abs(e - r) <= TOLERANCE * r, (cat, e, r)
+    for ph in phases:
+        assert abs(est["by_phase"][ph] - rm["by_phase"][ph]) <= TOLERANCE * rm["by_phase"][ph], ph
     assert est["peak_at"]["phase"] == rm["peak_at"]["phase"]
 
 
-# Online methods: prompts cut to 64 tokens (the long conversations' prompts all are), 16 new
-# tokens; the tiny random model never samples EOS within 16 tokens at these seeds (asserted), so
-# the real completions have the full length the estimate assumes.
-ONLINE = ["method.max_prompt_length=64", "method.max_completion_length=16"]
+# name -> (overrides, whether the real batches are padded)
+CASES = {
+    "embedded sdpa padded": ([*PADDED_CHAT, *LEN], True),
+    "embedded sdpa padded, no checkpointing": ([*PADDED_CHAT, *LEN, *NO_GC], True),
+    "padded bf16_mixed eager, no checkpointing": (
+        [*PADDED_CHAT, *LEN, *NO_GC, "precision=bf16_mixed", "attention=eager"], True),
+    "padded bf16, no checkpointing": ([*PADDED_CHAT, *LEN, *NO_GC, "precision=bf16"], True),
+    "padded lora, no checkpointing": ([*PADDED_CHAT, *LEN, *NO_GC, "peft=lora"], True),
+    "dpo reference copy, padded pairs, no checkpointing": (
+        ["method=dpo", *PADDED_PAIRS, *LEN, *NO_GC], True),
+    # 2 pairs = 4 examples, one batch: a long pair, and one with a short prompt, a long chosen
+    # and a short rejected answer (padded examples; mismatched KL sequences 256 wide)
+    "kto reference copy, padded": (["method=kto", "data.seed=4", "data.median_tokens=150",
+                                    "data.n_examples=2", "method.max_prompt_length=128",
+                                    "train.batch_size=4", *LEN, *NO_GC], True),
+    "reward, padded pairs": (["method=reward", *PADDED_PAIRS[:-1], *LEN, *NO_GC,
+                              "method.truncation_mode=keep_end"], True),
+    # long documents cut at max_length: one document per packed row, as the estimate assumes
+    "packed bfd": (["packing=bfd", *LEN], False),
+    "packed bfd lora": (["packing=bfd", "peft=lora", *LEN], False),
+    "packed bfd, no checkpointing": (["packing=bfd", *NO_GC, *LEN], False),
+    "packed bfd bf16": (["packing=bfd", "precision=bf16", *LEN], False),
+    "packed bfd chunked loss": (["packing=bfd", "method.loss_impl=chunked",
+                                 "method.chunk_size=128", *LEN], False),
+    "padding-free, no checkpointing": (["method.padding_free=true", *NO_GC, *LEN], False),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_estimate_matches_real_run(job, tmp_path, case):
+    """Padded cases: every real batch is [2, 256] with one short row (padded); the estimate's
+    worst case is the larger of its full and padded candidates. Packed / padding-free cases:
+    every real row is one document of max_length tokens."""
+    overrides, is_padded = CASES[case]
+    overrides = SHAPE + overrides
+    est = _estimate(tmp_path, overrides)
+    real = job(overrides + REAL, fast=False)
+    assert real["status"] == "ok", real["error"]
+    pad = real["data"]["padding_fraction"]
+    assert (pad > 0) if is_padded else (pad == 0.0)  # the real batches are of the kind tested
+    if is_padded:
+        assert real["data"]["tokens_dropped"] > 0  # a row was cut: the batch is max_length wide
+        # the largest of the estimate's candidates is a padded one (eager: the same as full)
+        assert any(c["padded"] and c["peak_bytes"] == est["peak_bytes"]
+                   for c in est["batch"]["candidates"])
+    else:
+        assert "documents" in est["batch"]["rows"] or "rows of" in est["batch"]["rows"]
+    assert_agrees(case, est, real["memory"])
+
+
+# Online methods: two prompts, one cut to 64 tokens and one of 39 (left-padded: the padded
+# prompt batch), 16 new tokens; the tiny random model never samples EOS within 16 tokens at
+# these seeds (asserted), so the real completions have the full length the estimate assumes.
+ONLINE = ["data.seed=1", "data.median_tokens=150", "data.n_examples=2",  # prompts of 121, 39
+          "method.max_prompt_length=64", "method.max_completion_length=16"]
 ONLINE_CASES = {
     "grpo": ["method=grpo", *ONLINE],
     "grpo lora kl adapter_disabled": ["method=grpo", *ONLINE, "peft=lora", "method.beta=0.04",
@@ -92,15 +171,21 @@ ONLINE_CASES = {
     "grpo reward model": ["method=grpo", *ONLINE, "method.rewards=[]",
                           "method.reward_models=[{hidden_size: 256, num_layers: 2, seed: 3}]"],
     "ppo value model": ["method=ppo", *ONLINE],
-    "gkd on-policy": ["method=gkd", "method.lmbda=1.0", "method.max_prompt_length=64",
-                      "method.max_new_tokens=16"],
+    # GKD's batches also carry the dataset's completions in their own block (prompt width +
+    # completion width): its worst case takes the longest prompt and the longest completion of
+    # generated rows; these two rows are narrower, so it is compared with --from-data (below)
+    "gkd on-policy": ["method=gkd", "method.lmbda=1.0", "data.seed=1", "data.median_tokens=150",
+                      "data.n_examples=2", "method.max_prompt_length=64",
+                      "method.max_length=80", "method.max_new_tokens=16"],
 }
+FROM_DATA_ONLINE = {"gkd on-policy"}
 
 
 @pytest.mark.parametrize("case", list(ONLINE_CASES))
-def test_online_estimate_matches_real_run_within_3_percent(job, tmp_path, case):
+def test_online_estimate_matches_real_run(job, tmp_path, case):
     """The generate phase (the model's own generate on fake tensors, to the full length) and the
-    training step on the generated batch, against a real run's tracker, phase by phase."""
+    training step on the generated batch, against a real run's tracker, phase by phase; the
+    prompts of the real batches are padded, as in the estimate's padded candidate."""
     overrides = SHAPE + ONLINE_CASES[case]
     est = _estimate(tmp_path, overrides)
     real = job(overrides + REAL, fast=False)
@@ -108,21 +193,17 @@ def test_online_estimate_matches_real_run_within_3_percent(job, tmp_path, case):
     curves = real["train"].get("curves") or {}
     if "completions/mean_length" in curves:  # every completion ran to the full 16 tokens
         assert curves["completions/mean_length"] == [16.0, 16.0]
-    rm = real["memory"]
-    rp, ep = rm["peak_bytes"], est["peak_bytes"]
-    rows = [f"{'peak':12}{ep:>12}{rp:>12}{100 * (ep - rp) / rp:+8.2f}%"]
-    for ph in ("generate", "forward", "backward", "optimizer"):
-        e, r = est["by_phase"][ph], rm["by_phase"][ph]
-        rows.append(f"{ph:12}{e:>12}{r:>12}{100 * (e - r) / r:+8.2f}%")
-    print(f"\n[{case}] estimate vs real (bytes)\n" + "\n".join(rows))
-    assert est["batch"]["shapes"]["input_ids"][1] == 64 + 16
-    assert abs(ep - rp) <= 0.03 * rp, (ep, rp)
-    for ph in ("generate", "forward", "backward", "optimizer"):
-        assert abs(est["by_phase"][ph] - rm["by_phase"][ph]) <= 0.03 * rm["by_phase"][ph], ph
-    for cat in CATEGORIES:
-        e, r = est["by_category"][cat], rm["by_category"][cat]
-        assert abs(e - r) <= 0.03 * r + 64 * 1024, (cat, e, r)
-    assert est["peak_at"]["phase"] == rm["peak_at"]["phase"]
+    assert est["batch"]["shapes"]["input_ids"][1] >= 64 + 16
+    assert any(c["padded"] and c["peak_bytes"] == est["peak_bytes"]
+               for c in est["batch"]["candidates"])
+    phases = ("generate", "forward", "backward", "optimizer")
+    if case in FROM_DATA_ONLINE:
+        assert est["peak_bytes"] >= real["memory"]["peak_bytes"]
+        est = _estimate(tmp_path, overrides + REAL, "--from-data")
+        case += " (--from-data)"
+    else:
+        assert est["batch"]["shapes"]["input_ids"][1] == 64 + 16
+    assert_agrees(case, est, real["memory"], phases)
 
 
 def test_online_estimates_move_the_right_way(tmp_path):

@@ -77,21 +77,6 @@ def validate_for(cfg, device: str, choices: dict[str, str] | None = None):
     return validate(cfg, ".", choices, platform=platform)
 
 
-def _padding_mask_note(ctx, batch: dict[str, Any]) -> str | None:
-    """What padding would add: the estimate's padded rows are all full length, so sdpa skips
-    the attention mask (its causal kernel); a real batch whose rows differ in length also
-    materialises a boolean ``[rows, 1, T, T]`` mask (eager builds one either way: estimated)."""
-    shape = (batch.get("shapes") or {}).get("input_ids")
-    if ctx.method.packs_rows(ctx) or ctx.attention.name != "sdpa" or not shape \
-            or len(shape) != 2:
-        return None
-    rows, width = shape
-    return (f"padding: these rows are all full length; a batch whose rows differ in length "
-            f"also builds a boolean [{rows}, 1, {width}, {width}] attention mask on sdpa: "
-            f"+{fmt_bytes(rows * width * width)} while the forward's activations are alive "
-            "(not in the peak above)")
-
-
 def _add_other(mem: dict[str, Any], nbytes: int) -> dict[str, Any]:
     out = dict(mem)
     out["by_category"] = {**mem["by_category"], "other": mem["by_category"]["other"] + nbytes}
@@ -174,9 +159,10 @@ def estimate(cfg, opts: EstimateOptions | None = None, choices: dict[str, str] |
     raw = res["raw"]
     mem = {k: raw[k] for k in ("peak_bytes", "by_category", "by_phase", "by_phase_category",
                                 "peak_at")}
-    ran = res["timing"]["steps"]
+    ran, n = res["timing"]["steps"], res["timing"]["batches"]
     notes.insert(0, "measured: training step(s) " + ", ".join(map(str, ran)) + " on fake tensors "
                     "under the run's memory tracker (CPU kernels' shapes)"
+                    + (f", once per batch ({n}; the peak is the largest)" if n > 1 else "")
                     + ("; optimizer state created by the optimizer's own step 0 update"
                        if ran == [1] else ""))
     unsharded = mem
@@ -207,9 +193,6 @@ def estimate(cfg, opts: EstimateOptions | None = None, choices: dict[str, str] |
         overhead = CUDA_CONTEXT_BYTES
         notes.append(f"verdict counts ~{fmt_bytes(CUDA_CONTEXT_BYTES)} of CUDA context outside "
                      "the allocator")
-    mask_note = _padding_mask_note(ctx, res["batch"])
-    if mask_note:
-        notes.append(mask_note)
     offload = res["offload"]
     if offload is not None:
         notes.append(f"activation offload: {fmt_bytes(offload.get('offloaded_bytes', 0))} moved "
