@@ -3,12 +3,18 @@ can produce (default), or the run's own micro-batches (``--from-data``).
 
 Why candidates and not one "largest" batch: a batch's memory depends on its shapes *and* on the
 path attention takes for it. Rows of different lengths make a padded batch, and a padding mask
-changes the path: sdpa then materialises a ``[rows, 1, T, T]`` mask, converts it to the query's
-float dtype in every layer and, without checkpointing, keeps that float copy (and the key /
-value heads repeated for grouped-query attention) for backward - 16 MiB a layer for 4 x 1024
-rows in fp32. A batch whose rows all have the same length skips the mask (sdpa's causal
-kernel). Which one is larger depends on the backend, so the estimate measures each batch that
-can occur and takes the largest peak (:func:`memlab.estimate.fake.run_fake_step`).
+changes the path. Measured with the run's tracker (transformers 5.23, torch 2.13, CPU): sdpa
+gets a boolean ``[rows, 1, T, T]`` mask built once per forward; torch's
+``scaled_dot_product_attention`` converts it to the query's dtype in every layer, and the
+kernel saves that float copy for backward; transformers also passes ``enable_gqa`` only without
+a mask, so with one the key / value heads are repeated to every query head and saved too.
+Without checkpointing that is kept per layer until backward: 16 MiB (mask) + 2 MiB (repeated
+key / value) a layer for 4 x 1024 rows of the default tiny model in fp32; with checkpointing
+only the recomputed layer holds them. A batch whose rows all have the same length skips the
+mask (sdpa's causal kernel); eager builds its float mask either way; flash / flex attention
+build no dense mask (:func:`memlab.estimate.fake.exact_value_hooks`). Which batch is larger
+therefore depends on the backend, so the estimate measures each batch that can occur and takes
+the largest peak (:func:`memlab.estimate.fake.run_fake_step`).
 
 Candidates (:func:`candidates`), every one through the method's own ``collate`` (and, for
 packing, the packing strategy's own ``apply``), so shapes and masks cannot drift from a run:
@@ -24,13 +30,17 @@ packing, the packing strategy's own ``apply``), so shapes and masks cannot drift
   transformers' whole-row block mask, ``attention.varlen=false``).
 - other methods (pairs, scored sequences, prompts): ``longest`` = the ``batch_size`` longest
   generated rows of the method's data kind through its own ``prepare`` (padded already where
-  its sequences differ in length), and ``padded`` = the
-  same with the last row one token shorter in its completions (methods that generate their
-  completions: in its prompt), or, where that leaves no padding (a DPO pair of one row), in its
-  last completion only.
+  its sequences differ in length); ``padded`` = the same with one row one token shorter in its
+  completions (methods that generate their completions: in its prompt), or, where that leaves
+  no padding (a DPO pair of one row), in its last completion only, with the same shapes;
+  ``widest`` = the rows with the longest value of each token column together (a collate that
+  pads a prompt block and a completion block separately, like GKD's, is widest so).
 
-A candidate that collates to a batch equal in memory to an earlier one (same shapes, same mask
-decisions, same documents) is dropped (:func:`signature`).
+A candidate that collates to a batch needing no more memory than another one (the same mask
+decisions and documents, no dimension larger: :func:`signature`, :func:`dominated`) is dropped.
+``--from-data`` (:func:`run_batches`) measures the run's own micro-batches the same way: every
+micro-batch its steps draw from its :class:`~memlab.trainer.batch.BatchStream`, dominated ones
+dropped. Later kinds of rows (e.g. packed preference pairs) add a branch to :func:`candidates`.
 """
 
 from __future__ import annotations
@@ -154,13 +164,36 @@ def _pick(ds, order: list[int], bs: int) -> list[dict]:
     return rows
 
 
-def _shorter(rows: list[dict], columns: list[str]) -> list[dict]:
-    """``rows`` with the last token of ``columns`` dropped in the last row."""
-    last = dict(rows[-1])
+def _shorter(rows: list[dict], i: int, columns: list[str]) -> list[dict]:
+    """``rows`` with the last token of ``columns`` dropped in row ``i``."""
+    row = dict(rows[i])
     for c in columns:
-        if len(last[c]) > 1:
-            last[c] = last[c][:-1]
-    return [*rows[:-1], last]
+        if len(row[c]) > 1:
+            row[c] = row[c][:-1]
+    return [*rows[:i], row, *rows[i + 1:]]
+
+
+def _padded_variant(ctx, tokenizer, rows: list[dict], cols: list[str]
+                    ) -> tuple[int, list[str], list[dict]] | None:
+    """The rows with one token less in one row, collated to the same shapes as ``rows`` with
+    padding: every completion column of a row (methods that generate their completions: its
+    prompt), else its last completion column only (one pair: its rejected answer), trying the
+    rows from the last; None if no such batch exists (one sequence per batch, padding-free)."""
+    if ctx.method.generates():
+        tried = [["prompt_ids"]] if "prompt_ids" in cols else [cols]
+    else:
+        rest = [c for c in cols if c != "prompt_ids"] or cols
+        tried = [rest, rest[-1:]]
+    shapes = {k: v.shape for k, v in ctx.method.collate(rows, tokenizer, ctx).tensors.items()
+              if isinstance(v, torch.Tensor)}
+    for i in reversed(range(len(rows))):
+        for columns in tried:
+            shorter = _shorter(rows, i, columns)
+            t = ctx.method.collate(shorter, tokenizer, ctx).tensors
+            if padded(t) and shapes == {k: v.shape for k, v in t.items()
+                                        if isinstance(v, torch.Tensor)}:
+                return i, columns, shorter
+    return None
 
 
 def _generic_candidates(ctx, tokenizer, length: int) -> list[Candidate]:
@@ -174,17 +207,11 @@ def _generic_candidates(ctx, tokenizer, length: int) -> list[Candidate]:
     rows = _pick(ds, by_total, bs)
     what = f"generated {kind} rows through method.prepare (max_length={length})"
     out = [Candidate("longest", rows, f"the {len(rows)} longest {what}")]
-    if ctx.method.generates():
-        tried = [["prompt_ids"]] if "prompt_ids" in cols else [cols]
-    else:
-        rest = [c for c in cols if c != "prompt_ids"] or cols
-        tried = [rest, rest[-1:]]
-    for columns in tried:
-        shorter = _shorter(rows, columns)
-        if padded(ctx.method.collate(shorter, tokenizer, ctx).tensors):
-            out.append(Candidate("padded", shorter, out[0].description + ", the last one "
-                                 f"token shorter in {', '.join(columns)} (padded)"))
-            break
+    shorter = _padded_variant(ctx, tokenizer, rows, cols)
+    if shorter is not None:
+        i, columns, shorter = shorter
+        out.append(Candidate("padded", shorter, f"{out[0].description}, row {i + 1} one token "
+                                                f"shorter in {', '.join(columns)} (padded)"))
     if len(cols) > 1 and bs > 1:  # a collate that pads columns separately (a prompt block and
         # a completion block) is widest with the longest of each column in one batch
         widest = [max(range(len(ds)), key=lambda i, c=c: (lens[c][i], total[i])) for c in cols]
