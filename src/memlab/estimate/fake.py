@@ -6,9 +6,11 @@ nothing to "allocate", every kernel is replaced by its shape function, and the t
 sees every storage come and go. Two steps are modelled like a real run tracked with
 ``measure.memory_steps=all``: the optimizer's state is created by its own first update on zero
 gradients (:meth:`memlab.trainer.loop.Trainer.init_optimizer_state`), then the steady-state
-step 1 runs under the tracker (``run_first_step`` tracks step 0 as well). With gradient
-accumulation two micro-batches are enough: from the second on, every micro-batch repeats the
-same memory.
+step 1 runs under the tracker (``run_first_step`` tracks step 0 as well), once for every
+candidate batch (:mod:`memlab.estimate.batch`: full, padded, packed... rows, or the run's own
+batches with ``from_data``), each a tracked step of its own; the peak is the largest, and the
+result names the batch that set it. With gradient accumulation two micro-batches are enough:
+from the second on, every micro-batch repeats the same memory.
 
 Value-dependent decisions: a forward reads a few *values* (is the padding mask all ones? is this
 row packed?). Transformers treats fake inputs as tracing and always materialises a full mask.
@@ -101,12 +103,15 @@ def _same(values: list[Any]) -> bool:
 
 
 @contextlib.contextmanager
-def exact_value_hooks(real: dict[str, torch.Tensor], fake_mode) -> Iterator[None]:
+def exact_value_hooks(real: dict[str, torch.Tensor], fake_mode,
+                      dense_padding: bool = True) -> Iterator[None]:
     """Evaluate transformers' value-dependent mask decisions (causal-mask skip, packed-sequence
     detection) on the real batch tensors (module docstring). The fake argument is matched to the
     batch tensors of the same kind (``*attention_mask`` / ``*position_ids``) and shape; when
     several match and disagree, the fake-tensor behaviour (a materialised mask: the larger
-    memory) is kept. Scoped: restored on exit."""
+    memory) is kept. ``dense_padding=False`` (sdpa standing in for flash / flex attention,
+    which never build a dense mask: flash unpads the rows, flex builds a block mask) decides
+    as if the rows had no padding. Scoped: restored on exit."""
 
     def decide(orig, suffix, fake, *args, convert=None, **kwargs):
         """orig(real, ...) if every real candidate gives the same answer, else orig(fake)."""
@@ -127,7 +132,8 @@ def exact_value_hooks(real: dict[str, torch.Tensor], fake_mode) -> Iterator[None
         if padding_mask is None:
             return orig(padding_mask, *args, **kwargs)
         return decide(orig, "attention_mask", padding_mask, *args,
-                      convert=lambda t: t.bool(), **kwargs)
+                      convert=(lambda t: t.bool()) if dense_padding else
+                      (lambda t: torch.ones_like(t, dtype=torch.bool)), **kwargs)
 
     with patches.mask_decisions(find_packed, ignore_causal):
         yield
@@ -270,12 +276,17 @@ def run_fake_step(ctx, opts: EstimateOptions, notes: list[str]) -> dict[str, Any
     cuda = opts.device == "cuda"
     mode = estimate_fake_mode()
     standin = ModelStandin(opts.config_overrides, notes, mode)
+    dense_padding = True  # padded rows build a dense [rows, 1, T, T] mask (sdpa, eager)
     if not (ctx.attention.trains_on_cpu and "cpu" in ctx.attention.devices):
         from memlab.registry import lookup
 
         ctx = dataclasses.replace(ctx, attention=lookup("attention", "sdpa")())
+        dense_padding = False
         notes.append("a CUDA-only attention backend is estimated with per-document sdpa (no "
-                     "[L, L] scores, per-document in packed rows, as flash attention)")
+                     "[L, L] scores, per-document in packed rows, as flash attention); its "
+                     "padded rows build no dense mask (flash unpads them into one varlen row, "
+                     "flex builds a block mask), so sdpa runs them without one (a model: "
+                     "flash's unpadded query / key / value copies stand in for the padded ones)")
     if ctx.peft.has_adapter() and ctx.peft.load_kwargs(ctx).get("quantization_config"):
         notes.append("qlora: base linear weights stored as bitsandbytes packs them (4-bit: "
                      "n/2 bytes + absmax state; 8-bit: n bytes + row scales), computed "
@@ -306,7 +317,8 @@ def run_fake_step(ctx, opts: EstimateOptions, notes: list[str]) -> dict[str, Any
     real: dict[str, torch.Tensor] = {}  # the values of the batch being measured (hooks read it)
 
     def hooks() -> contextlib.AbstractContextManager:
-        return exact_value_hooks(real, mode) if opts.exact_masks else contextlib.nullcontext()
+        return (exact_value_hooks(real, mode, dense_padding) if opts.exact_masks
+                else contextlib.nullcontext())
 
     @contextlib.contextmanager
     def in_fake_mode() -> Iterator[None]:
