@@ -277,7 +277,8 @@ def format_table(est: dict[str, Any]) -> str:
                                for i, c in enumerate(r)))
     pa = est.get("peak_at") or {}
     lines.append(f"estimated peak: {fmt_bytes(est['peak_bytes'])} (device={est['device']}, "
-                 f"{pa.get('phase')} of step {pa.get('step')})")
+                 f"{pa.get('phase')} of step {pa.get('step')}"
+                 + (f", {pa['batch']} batch" if pa.get("batch") else "") + ")")
     if est.get("offload"):
         lines.append(f"host memory for offloaded activations: "
                      f"{fmt_bytes(est['offload'].get('host_peak_bytes'))}")

@@ -4,15 +4,18 @@ How (and why this is not a formula): the estimate builds the configured run thro
 :func:`memlab.pipeline.build` a run uses - data transforms, collator, model with attention +
 dtype, PEFT, checkpointing, offload hooks, the distributed wrap, the method's extra models and
 one-off pass, the trainer - with explicit seams where an estimate must differ (fake weights
-built from the model's config, the worst-case batch, generation to the full length, a fake
+built from the model's config, the worst-case batches, generation to the full length, a fake
 process group), then runs :meth:`memlab.trainer.loop.Trainer.run_step` on fake tensors under the
-run's own memory tracker. A technique changes the estimate exactly as it changes a run, because
-it *is* the run's code. The result has the categories (parameters, gradients, optimizer,
+run's own memory tracker, once per candidate batch (rows of full length, padded rows - which
+take the padding-mask path a run takes -, packed rows of 1 or 2 documents...; or, with
+``--from-data``, the run's own batches), and reports the largest peak and the batch that set
+it. A technique changes the estimate exactly as it changes a run, because it *is* the run's
+code. The result has the categories (parameters, gradients, optimizer,
 activations, other) and per-phase peaks of ``summary.json``'s ``memory`` section.
 
 Modules: :mod:`~memlab.estimate.options` (what is asked, cards, verdict),
 :mod:`~memlab.estimate.standins` (the seams' stand-ins), :mod:`~memlab.estimate.batch` (the
-worst-case batch), :mod:`~memlab.estimate.fake` (the fake-tensor step),
+batches measured), :mod:`~memlab.estimate.fake` (the fake-tensor steps),
 :mod:`~memlab.estimate.sharding` (what is modelled rather than measured); the table and the CLI
 are in :mod:`memlab.cli.estimate`.
 
