@@ -56,7 +56,8 @@ def choices_of(cfg) -> dict[str, str]:
     return user_choices(cfg.hydra.runtime.choices)
 
 
-def run_job(tmp_path: Path, overrides: list[str], fast: bool = True, name: str = "run") -> dict:
+def run_job(tmp_path: Path, overrides: list[str], fast: bool = True, name: str = "run",
+            print_table: bool = False) -> dict:
     """Compose + run one job in this process; returns its summary."""
     from omegaconf import OmegaConf, open_dict
 
@@ -70,7 +71,7 @@ def run_job(tmp_path: Path, overrides: list[str], fast: bool = True, name: str =
         del cfg["hydra"]
     run_dir = Path(tmp_path) / name
     summary = run(OmegaConf.create(OmegaConf.to_container(cfg)), run_dir, choices, overrides,
-                  print_table=False)
+                  print_table=print_table)
     return summary
 
 

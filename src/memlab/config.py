@@ -2,46 +2,111 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import difflib
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from memlab import _guards
+from memlab import conf as _conf  # noqa: F401 - registers ${memlab.asset:...} for the configs
+from memlab.registry import (
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    Range,
+    Seed,
+)
 
 
 @dataclass(kw_only=True)
 class TrainConfig:
     """Optimisation and loop settings (``train:`` in conf/config.yaml)."""
 
-    seed: int = 0
+    seed: Seed = 0
     """Seeds model init, data order and dropout."""
-    steps: int = 20
+    steps: PositiveInt = 20
     """Optimizer steps to run (data cycles as needed, reshuffled per epoch)."""
-    batch_size: int = 4
+    batch_size: PositiveInt = 4
     """Rows per micro-batch per device."""
-    grad_accum: int = 1
+    grad_accum: PositiveInt = 1
     """Micro-batches per optimizer step. The loss is normalised over the whole step's tokens,
     so 1x8 and 8x1 give the same gradient."""
-    lr: float = 3e-4
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    lr: PositiveFloat = 3e-4
+    weight_decay: NonNegativeFloat = 0.0
+    betas: list[Annotated[float, Range(ge=0, lt=1)]] = field(
+        default_factory=lambda: [0.9, 0.999])
+    """AdamW's (beta1, beta2), each in [0, 1)."""
     optimizer: Literal["adamw", "sgd"] = "adamw"
     scheduler: Literal["constant", "linear", "cosine"] = "cosine"
-    warmup_steps: int = 0
-    max_grad_norm: float | None = 1.0
+    warmup_steps: NonNegativeInt = 0
+    """Steps of linear learning-rate warm-up."""
+    max_grad_norm: PositiveFloat | None = 1.0
+    """Clip the gradient norm to this (null: no clipping)."""
     gradient_checkpointing: bool = True
     """Recompute activations in backward (non-reentrant). On by default, as in TRL."""
-    checkpoint_every: int = 1
+    checkpoint_every: PositiveInt = 1
     """Selective checkpointing: checkpoint every k-th decoder layer (1 = all)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    save_every: int = 0
-    """Save a resumable checkpoint every N optimizer steps (0 = never)."""
+    save_every: NonNegativeInt = 0
+    """Save a checkpoint every N optimizer steps (0 = never): a Hugging Face directory of the
+    policy (the model, or its PEFT adapter, and the tokenizer) plus what resuming needs
+    (:mod:`memlab.trainer.checkpoint`)."""
     save_final: bool = False
+    """Save a checkpoint after the last step (as ``save_every`` does)."""
+    save_merged: bool = False
+    """With a PEFT adapter: also write the base model with the adapter merged into it
+    (``<checkpoint>/merged``, loads with ``AutoModelForCausalLM.from_pretrained``). The base is
+    loaded again, unquantized, on the host (QLoRA: merged into the full-precision base)."""
+    keep_last: PositiveInt | None = None
+    """Keep only the newest N checkpoints of this run dir (None = keep all)."""
     resume_from: str | None = None
-    """Checkpoint dir to resume from, or 'latest' for the newest under this run dir."""
+    """A checkpoint dir to resume from, or 'latest': the newest checkpoint of this
+    configuration (the same training-relevant settings) under the outputs tree
+    (``resume_root``)."""
+    resume_allow: list[str] = field(default_factory=list)
+    """Settings the resumed run may change from the checkpoint's (e.g. ``[train.lr]``, a whole
+    group ``[peft]``); any other difference that changes training is refused. summary.json
+    records the old and new values."""
+    resume_root: str | None = None
+    """Where ``resume_from=latest`` looks (recursively). None: the fixed part of Hydra's run and
+    sweep dirs (``outputs/`` and ``multirun/`` by default), or the run dir's parent outside a
+    Hydra app."""
     progress: bool = True
     """Show a progress bar with live loss and tokens/s."""
-    log_every: int = 1
+    log_every: PositiveInt = 1
+    """Send metrics to the logger every N optimizer steps."""
+
+    def checkpoint_errors(self, ctx) -> list[str]:
+        """Problems of the saving / resuming knobs (``ctx``: the run's other choices)."""
+        errors = []
+        if self.save_merged:
+            if not ctx.peft.has_adapter():
+                errors.append(f"train.save_merged=true merges a PEFT adapter into its base, and "
+                              f"peft={ctx.peft.name} trains the whole model (its checkpoint is "
+                              "the model already); drop train.save_merged")
+            if not (self.save_final or self.save_every):
+                errors.append("train.save_merged=true but nothing is saved; set "
+                              "train.save_final=true or train.save_every=N")
+        if self.resume_allow and not self.resume_from:
+            errors.append("train.resume_allow names settings a resumed run may change, but "
+                          "train.resume_from is null; set train.resume_from=<dir> or latest")
+        known = {"train": [f.name for f in fields(TrainConfig)],
+                 "measure": [f.name for f in fields(MeasureConfig)]}
+        for group, opt in ctx.groups().items():
+            known[group] = ["name", *(f.name for f in fields(opt))]
+        for key in self.resume_allow:
+            head, _, rest = key.partition(".")
+            sub = rest.partition(".")[0]
+            if head not in known or (sub and sub not in known[head]):
+                pool = list(known) if head not in known else [f"{head}.{k}" for k in known[head]]
+                close = difflib.get_close_matches(key, pool, n=1)
+                errors.append(f"train.resume_allow: {key!r} is not a setting of this run"
+                              + (f"; did you mean {close[0]!r}?" if close else "")
+                              + " (a group such as 'peft', or 'group.key' such as 'train.lr')")
+        if self.resume_root is not None and not Path(self.resume_root).is_dir():
+            errors.append(f"train.resume_root={self.resume_root}: no such directory")
+        return errors
 
 
 @dataclass(kw_only=True)
@@ -51,11 +116,11 @@ class MeasureConfig:
     memory: bool = True
     """Categorised live-tensor tracking (torch MemTracker); on CUDA the allocator peak is
     recorded in every case."""
-    memory_steps: Literal["auto", "all"] | int = "auto"
+    memory_steps: Literal["auto", "all"] | NonNegativeInt = "auto"
     """Steps under the tracker: 'auto' = the first two plus any later step whose batch shape
     is the largest so far (this catches the run's peak while leaving most steps untracked and
     fast), 'all', or the first N."""
-    warmup_steps: int = 1
+    warmup_steps: NonNegativeInt = 1
     """Steps excluded from throughput (compilation, allocator warm-up, lazy init)."""
 
 

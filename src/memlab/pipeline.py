@@ -9,7 +9,8 @@ Order, and why:
    except for strategies that keep overflow tokens themselves (bfd_split, wrapped).
 3. collator: the method's, told by packing / padding_free / pad_to_multiple_of how to shape
    rows (padded with an attention mask, or flat with restarting position_ids and the rows'
-   document segments).
+   document segments). A dataset whose units were packed in groups (preference pairs) holds one
+   micro-batch per item: the stream takes ``packing.batch_items`` items per micro-batch.
 4. model: attention backend and parameter dtype are chosen at load (transformers builds
    its attention modules from them; quantization too, for qlora).
 5. peft: adapters on the loaded model (before checkpointing, which must see the final modules).
@@ -42,6 +43,8 @@ from typing import Any
 
 from torch import nn
 
+from memlab import faults
+from memlab.data.base import DataError
 from memlab.generation.base import Engine, GenerationEnv, run_rng
 from memlab.generation.hf import HFEngine
 from memlab.measure.data import DataStats
@@ -98,15 +101,35 @@ class Pipeline:
 
 def prepare_data(ctx, tokenizer) -> tuple[Any, DataStats]:
     """Data source -> method transforms -> packing."""
+    faults.reach("data")
     raw = ctx.data.load(ctx)
-    ds, stats = ctx.method.prepare(raw, tokenizer, ctx)
+    if len(raw) == 0:
+        raise DataError(f"data={ctx.data.name}: the data source has no rows")
+    try:
+        ds, stats = ctx.method.prepare(raw, tokenizer, ctx)
+    except DataError as e:  # name where the row comes from: a file and line, a hub row...
+        if e.row is None:
+            raise
+        raise DataError(f"{ctx.data.locate(raw, e.row)}: {e}", row=e.row) from e
     ds, stats = ctx.packing.apply(ds, stats, ctx)
     if len(ds) == 0:
-        raise ValueError(
+        raise DataError(
             f"no example survived preparation ({stats.examples_dropped} dropped); "
             "check method.max_length and the data"
         )
     return ds, stats
+
+
+def check_trainable(stats: DataStats) -> None:
+    """DataError (status ``invalid``) when the prepared data has no token to train on."""
+    if stats.trainable_tokens == 0:
+        empty = stats.extra.get("empty_completions")
+        raise DataError(
+            f"the data has nothing to train on: 0 trainable tokens in {stats.examples} "
+            "examples" + (f" ({empty} empty completions)" if empty else "")
+            + "; every completion / assistant turn / text is empty after preparation. "
+            "Check the data (and method.max_length, which may cut completions away)"
+        )
 
 
 def with_model_overrides(ctx, overrides: dict[str, Any] | None):
@@ -176,11 +199,17 @@ class Loader:
         return load(ctx)
 
 
-def build(ctx, seams: Seams | None = None, logger: Any = None) -> Pipeline:
-    """Assemble everything a training run needs, in the order documented above."""
+def build(ctx, seams: Seams | None = None, logger: Any = None,
+          on_data: Callable[[DataStats], None] | None = None) -> Pipeline:
+    """Assemble everything a training run needs, in the order documented above. ``on_data``
+    is called with the prepared data's stats as soon as they exist (a run records them even
+    when a later stage fails)."""
     seams = seams or Seams()
     tokenizer = (seams.load_tokenizer or ctx.model.load_tokenizer)(ctx)
     ds, stats = (seams.prepare_data or prepare_data)(ctx, tokenizer)
+    if on_data is not None:
+        on_data(stats)
+    check_trainable(stats)
     collate = partial(ctx.method.collate, tokenizer=tokenizer, ctx=ctx)
     loader = Loader(ctx, tokenizer, seams)
     policy = loader.model(ctx)
@@ -192,7 +221,7 @@ def build(ctx, seams: Seams | None = None, logger: Any = None) -> Pipeline:
         prepared = ctx.method.before_training(models, ds, ctx)
     if prepared is not None:  # the dataset with columns the method added (e.g. reference logps)
         ds = prepared
-    stream = BatchStream(ds, ctx.train.batch_size, ctx.train.seed, collate,
+    stream = BatchStream(ds, ctx.packing.batch_items(ctx), ctx.train.seed, collate,
                          shard=(ctx.rank, ctx.world_size))
     generation = None
     if ctx.method.generates():

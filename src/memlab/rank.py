@@ -2,24 +2,20 @@
 
 Trains the job in ``RUN_DIR/ranks/job.json`` as rank ``MEMLAB_RANK`` of ``MEMLAB_WORLD_SIZE``
 and writes ``RUN_DIR/ranks/rank<r>.json`` (whatever happens: the status says how it ended).
-Exit status: 0 ok, 1 the rank failed, 130 stopped by the launcher (SIGTERM).
+Exit status: 0 ok, 1 the rank did not finish, 128 + the signal when stopped (143: SIGTERM, what
+the launcher sends; the rank records ``interrupted`` with what it measured so far).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 from pathlib import Path
-from typing import Any
 
 from memlab.distributed.base import env_rank
-from memlab.run import base_summary, execute, guarded, validate
-
-
-def _interrupt(*_: Any) -> None:
-    raise KeyboardInterrupt
+from memlab.measure.outcome import Interrupted
+from memlab.run import base_summary, execute, exit_code, guarded, validate
 
 
 def worker(run_dir: Path) -> int:
@@ -36,15 +32,15 @@ def worker(run_dir: Path) -> int:
         ctx.distributed.setup(ctx)
         execute(ctx, summary, logger_box)
 
-    signal.signal(signal.SIGTERM, _interrupt)  # stopped by the launcher: record, then exit
-    try:
+    try:  # a stop signal (the launcher's SIGTERM) is recorded as interrupted
         guarded(body, summary, run_dir / "ranks" / f"rank{rank}.json")
-    except KeyboardInterrupt:
-        return 130
+    except Interrupted as e:  # arrived while the record was written; it is complete
+        return e.exit_code
     finally:
         if holder:
             holder[0].distributed.teardown()
-    return 0 if summary["status"] == "ok" else 1
+    code = exit_code(summary)
+    return code if code in (0, 1) or summary["status"] == "interrupted" else 1
 
 
 if __name__ == "__main__":

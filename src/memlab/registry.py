@@ -3,17 +3,23 @@
 Every option of every group is a ``@dataclass(kw_only=True)`` registered under the same name as
 its yaml file (``conf/<group>/<name>.yaml``) and its module (``memlab/<group>/<name>.py``).
 ``build(group, node)`` turns a plain mapping from Hydra into that dataclass, reporting *every*
-problem (unknown option, unknown key, wrong type) instead of stopping at the first.
+problem (unknown option, unknown key, wrong type, a number out of its range) instead of stopping
+at the first.
+
+Every numeric knob declares its range in its annotation, where a reader sees it with the type:
+``lr: PositiveFloat = 3e-4``, ``max_length: Annotated[int, Range(ge=2)] | None = 1024`` (the
+aliases below cover the common cases; a test checks that no int / float knob goes without one).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from collections.abc import Callable, Mapping
-from typing import Any, Literal, TypeVar, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 
 GROUPS = (
     "method",
@@ -29,6 +35,61 @@ GROUPS = (
     "logger",
 )
 """Config groups whose options are registered here (each has ``conf/<group>/``)."""
+
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """The values a numeric knob accepts, declared in its annotation
+    (``Annotated[float, Range(gt=0)]``). Bounds left None are open; NaN and infinities are
+    never accepted."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+
+    def describe(self) -> str:
+        """``"> 0"``, ``">= 1"``, ``"in [0, 1)"``, ``"finite"``."""
+        low = (f"[{_num(self.ge)}" if self.ge is not None
+               else f"({_num(self.gt)}" if self.gt is not None else None)
+        high = (f"{_num(self.le)}]" if self.le is not None
+                else f"{_num(self.lt)})" if self.lt is not None else None)
+        if low and high:
+            return f"in {low}, {high}"
+        if low:
+            return (">= " if low[0] == "[" else "> ") + low[1:]
+        if high:
+            return ("<= " if high[-1] == "]" else "< ") + high[:-1]
+        return "finite"
+
+    def check(self, value: float) -> str | None:
+        """None if ``value`` is in range, else the reason."""
+        ok = math.isfinite(value) and not (
+            (self.ge is not None and value < self.ge) or (self.gt is not None and value <= self.gt)
+            or (self.le is not None and value > self.le)
+            or (self.lt is not None and value >= self.lt))
+        return None if ok else f"must be {self.describe()}"
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() and abs(x) < 1e15 else repr(x)
+
+
+PositiveInt = Annotated[int, Range(ge=1)]
+"""An int >= 1 (steps, sizes, counts)."""
+NonNegativeInt = Annotated[int, Range(ge=0)]
+"""An int >= 0 (0 usually meaning 'none' or 'off')."""
+PositiveFloat = Annotated[float, Range(gt=0)]
+"""A float > 0 (a learning rate, a temperature, a timeout)."""
+NonNegativeFloat = Annotated[float, Range(ge=0)]
+"""A float >= 0 (a weight decay, a loss weight, a KL coefficient)."""
+Fraction = Annotated[float, Range(ge=0, le=1)]
+"""A float in [0, 1] (a probability, a share of memory)."""
+Seed = Annotated[int, Range(ge=0, lt=2**32)]
+"""A random seed (numpy accepts [0, 2**32))."""
+Port = Annotated[int, Range(ge=0, le=65535)]
+"""A TCP port (0: a free one)."""
 
 _REGISTRY: dict[str, dict[str, type]] = {g: {} for g in GROUPS}
 T = TypeVar("T")
@@ -99,10 +160,12 @@ class ConfigErrors(ValueError):
         super().__init__(f"invalid configuration ({len(self.errors)} problem(s)):\n{body}")
 
 
-def build(group: str, node: Mapping[str, Any], where: str | None = None) -> tuple[Any, list[str]]:
+def build(group: str, node: Mapping[str, Any], where: str | None = None,
+          partial: bool = False) -> tuple[Any, list[str]]:
     """Turn a Hydra group node ``{name: ..., knob: ...}`` into its typed config.
 
-    Returns ``(config_or_None, errors)``; never raises for user mistakes.
+    Returns ``(config_or_None, errors)``; never raises for user mistakes. ``partial``: as in
+    :func:`from_mapping`.
     """
     where = where or group
     node = dict(node)
@@ -113,13 +176,17 @@ def build(group: str, node: Mapping[str, Any], where: str | None = None) -> tupl
         cls = lookup(group, str(name))
     except KeyError as e:
         return None, [str(e.args[0])]
-    return from_mapping(cls, node, f"{where} ({name})")
+    return from_mapping(cls, node, f"{where} ({name})", partial=partial)
 
 
-def from_mapping(cls: type[T], data: Mapping[str, Any], where: str) -> tuple[T | None, list[str]]:
-    """Construct dataclass ``cls`` from ``data`` with type checks; collect every error."""
+def from_mapping(cls: type[T], data: Mapping[str, Any], where: str,
+                 partial: bool = False) -> tuple[T | None, list[str]]:
+    """Construct dataclass ``cls`` from ``data`` with type and range checks; collect every
+    error. With errors the object is None, unless ``partial``: then it is built from the values
+    that passed (defaults for the others), so that the checks that follow can still run and
+    every problem of a configuration is reported at once (None when even that fails)."""
     errors: list[str] = []
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
@@ -145,9 +212,38 @@ def from_mapping(cls: type[T], data: Mapping[str, Any], where: str) -> tuple[T |
     ]
     for n in missing:
         errors.append(f"{where}: missing required key {n!r}")
-    if errors:
+    if errors and not partial:
         return None, errors
-    return cls(**kwargs), []
+    try:
+        return cls(**kwargs), errors
+    except Exception:  # noqa: BLE001 - a required value is missing: nothing to check further
+        return None, errors
+
+
+def numeric_knobs(cls: type) -> dict[str, Range | None]:
+    """Every field of ``cls`` whose type holds an int or a float (bare, optional, in a list or a
+    union), with its declared :class:`Range` (None: none declared)."""
+    hints = typing.get_type_hints(cls, include_extras=True)
+    out: dict[str, Range | None] = {}
+    for f in dataclasses.fields(cls):
+        found: list[Range | None] = []
+        _ranges(hints[f.name], None, found)
+        if found:
+            out[f.name] = next((r for r in found if r is not None), None)
+    return out
+
+
+def _ranges(tp: Any, rng: Range | None, found: list[Range | None]) -> None:
+    origin = get_origin(tp)
+    if origin is Annotated:
+        base, *meta = get_args(tp)
+        own = next((m for m in meta if isinstance(m, Range)), rng)
+        _ranges(base, own, found)
+    elif tp in (int, float):
+        found.append(rng)
+    elif origin is not Literal:
+        for arg in get_args(tp):
+            _ranges(arg, rng, found)
 
 
 def _check(value: Any, tp: Any) -> tuple[bool, Any, str]:
@@ -155,6 +251,15 @@ def _check(value: Any, tp: Any) -> tuple[bool, Any, str]:
     if tp is Any:
         return True, value, ""
     origin = get_origin(tp)
+    if origin is Annotated:
+        base, *meta = get_args(tp)
+        ok, conv, why = _check(value, base)
+        if ok:
+            for m in meta:
+                bad = m.check(conv) if isinstance(m, Range) else None
+                if bad:
+                    return False, value, bad
+        return ok, conv, why
     if origin is Literal:
         allowed = get_args(tp)
         if value in allowed:
@@ -171,6 +276,8 @@ def _check(value: Any, tp: Any) -> tuple[bool, Any, str]:
             if ok:
                 return True, conv, ""
             reasons.append(why)
+        if type(None) in get_args(tp):
+            reasons.append("null")
         return False, value, " or ".join(r for r in reasons if r) or "has the wrong type"
     if tp is type(None):
         return (value is None), value, "must be null"

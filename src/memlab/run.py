@@ -1,5 +1,8 @@
-"""validate -> pipeline -> train -> summary. Every outcome (ok, invalid, failed, oom) ends in an
-atomically written summary.json in the run dir; nothing is lost when a sweep job fails.
+"""validate -> pipeline -> train -> summary. Every way a run ends (ok, invalid, oom, nan, failed,
+interrupted: :mod:`memlab.measure.outcome`) ends in an atomically written summary.json holding
+everything measured so far (the loss curve of the steps done, the memory of the tracked steps,
+tokens/s, the data's stats); when the run dir cannot be written, the summary goes to a fallback
+path that the run prints and records (:func:`memlab.measure.summary.write_summary`).
 
 A run of several processes is started here too: with ``world_size > 1`` this process starts
 the ranks (``memlab.distributed.launch``; each rank is ``python -m memlab.rank``) and merges
@@ -10,22 +13,27 @@ their records; under an external launcher (torchrun) every process is a rank alr
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import random
 import shutil
+import sys
 import time
 import traceback
 from pathlib import Path
 from typing import Any
 
+from memlab import faults
 from memlab.config import BuildContext, MeasureConfig, Platform, TrainConfig
+from memlab.data.base import DataError
 from memlab.distributed import launch
+from memlab.measure.outcome import Interrupted, NonFiniteLoss, StopSignals
 from memlab.measure.summary import (
     device_info,
     format_table,
     user_choices,
     versions,
-    write_atomic,
+    write_summary,
 )
 from memlab.registry import GROUPS, ConfigErrors, build, from_mapping
 
@@ -60,32 +68,29 @@ def validate(cfg, run_dir: Path | str = ".", choices: dict[str, str] | None = No
     typed: dict[str, Any] = {}
     for key in sorted(set(data) - TOP_LEVEL):
         errors.append(f"unknown top-level key {key!r} (valid: {', '.join(sorted(TOP_LEVEL))})")
+    # a value of the wrong type or out of range is reported and replaced by its default, so that
+    # the checks below still run: every problem is reported at once
     for group in GROUPS:
         node = data.get(group)
         if not isinstance(node, dict):
             errors.append(f"{group}: missing config group (add '{group}: <option>' to defaults)")
             continue
-        obj, errs = build(group, node)
+        obj, errs = build(group, node, partial=True)
         errors += errs
         typed[group] = obj
-    train, errs = from_mapping(TrainConfig, data.get("train") or {}, "train")
+    train, errs = from_mapping(TrainConfig, data.get("train") or {}, "train", partial=True)
     errors += errs
-    measure, errs = from_mapping(MeasureConfig, data.get("measure") or {}, "measure")
+    measure, errs = from_mapping(MeasureConfig, data.get("measure") or {}, "measure",
+                                 partial=True)
     errors += errs
-    if errors:
-        raise ConfigErrors(errors)
-    assert train is not None and measure is not None
+    if train is None or measure is None or any(typed.get(g) is None for g in GROUPS):
+        raise ConfigErrors(errors)  # an unknown option: the cross-group rules cannot run
     platform = platform or Platform.detect()
     device = resolve_device(train.device, platform)
     if device == "cuda" and not platform.cuda:
         errors.append("train.device=cuda but no CUDA device is visible; use train.device=auto")
-    for name, value in (("steps", train.steps), ("batch_size", train.batch_size),
-                        ("grad_accum", train.grad_accum), ("checkpoint_every",
-                                                           train.checkpoint_every)):
-        if value < 1:
-            errors.append(f"train.{name} must be >= 1 (got {value})")
-    if isinstance(measure.memory_steps, int) and measure.memory_steps < 0:
-        errors.append("measure.memory_steps must be 'auto', 'all' or >= 0")
+    if len(train.betas) != 2:
+        errors.append(f"train.betas must be two numbers [beta1, beta2] (got {train.betas})")
     if world_size is None:
         world_size = typed["distributed"].processes(device, platform.gpus)
     ctx = BuildContext(
@@ -94,9 +99,28 @@ def validate(cfg, run_dir: Path | str = ".", choices: dict[str, str] | None = No
     )
     for group in GROUPS:
         errors += typed[group].validate(ctx)
+    errors += train.checkpoint_errors(ctx)
     if errors:
         raise ConfigErrors(errors)
     return ctx
+
+
+def plan_resume(ctx: BuildContext, summary: dict[str, Any]) -> BuildContext:
+    """``train.resume_from`` checked against the checkpoint's recorded config before anything
+    loads (:func:`memlab.trainer.checkpoint.plan_resume`; ConfigErrors listing every refused
+    difference), recorded in ``summary["resume"]``; ``latest`` becomes the directory found, in
+    the context and in the config the ranks train from."""
+    from memlab.trainer import checkpoint
+
+    roots = [Path(r) for r in (summary.get("job") or {}).get("outputs") or []]
+    plan = checkpoint.plan_resume(ctx, roots)
+    if plan is None:
+        return ctx
+    summary["resume"] = plan.as_dict()
+    if isinstance(summary.get("config"), dict):
+        summary["config"].setdefault("train", {})["resume_from"] = str(plan.path)
+    return dataclasses.replace(ctx, train=dataclasses.replace(ctx.train,
+                                                              resume_from=str(plan.path)))
 
 
 def seed_everything(seed: int) -> None:
@@ -144,54 +168,114 @@ def run(cfg, run_dir: Path | str, choices: dict[str, str] | None = None,
     def body(logger_box: list) -> None:
         ctx = validate(cfg, run_dir, choices)
         summary["config"] = _plain(cfg)
+        ctx = plan_resume(ctx, summary)
         if ctx.world_size > 1:  # one worker process per rank; their summaries merged here
             launch.launch(ctx, summary, worker="memlab.rank")
         else:
             execute(ctx, summary, logger_box)
 
-    guarded(body, summary, run_dir / "summary.json")
-    if print_table:
-        print(format_table(summary), flush=True)
+    try:
+        guarded(body, summary, run_dir / "summary.json")
+    finally:  # also when a stop signal held while the record was written is raised now
+        if print_table:
+            print(format_table(summary), flush=True)
     return summary
 
 
-def guarded(body, summary: dict[str, Any], out: Path) -> dict[str, Any]:
-    """Run ``body(logger_box)`` and record its outcome in ``summary`` (ok / invalid / oom /
-    failed, with the error), then write it atomically to ``out``; never raises for a failing
-    job (except KeyboardInterrupt, and anything under ``MEMLAB_RAISE=1``)."""
-    t0 = time.perf_counter()
-    run_dir = out.parent
-    run_dir.mkdir(parents=True, exist_ok=True)
-    logger_box: list = []
-    try:
-        summary["versions"] = versions()
-        body(logger_box)
-        summary["status"] = "ok"
-    except ConfigErrors as e:
-        summary["status"] = "invalid"
-        summary["error"] = str(e)
-    except BaseException as e:  # noqa: BLE001 - recorded, not swallowed silently
-        from memlab.measure.memory import is_oom
+class CheckpointNotWritten(RuntimeError):
+    """A checkpoint the run was asked for could not be written (the training and its
+    measurements are recorded all the same)."""
 
-        if isinstance(e, KeyboardInterrupt):
-            summary["status"] = "failed"
-            summary["error"] = "interrupted"
-            raise
-        summary["status"] = "oom" if is_oom(e) else "failed"
-        summary["error"] = f"{type(e).__name__}: {e}"
-        err = "error.txt" if out.name == "summary.json" else f"{out.stem}.error.txt"
-        (run_dir / err).write_text(traceback.format_exc())
-        if os.environ.get("MEMLAB_RAISE"):
-            raise
-    finally:
+
+def guarded(body, summary: dict[str, Any], out: Path) -> dict[str, Any]:
+    """Run ``body(logger_box)``, record how it ended in ``summary`` (:func:`record_end`) and
+    write it to ``out`` (or to a fallback path, named in ``summary["write_error"]`` and printed,
+    when ``out``'s dir cannot be written). Never raises for a failing job; SIGINT / SIGTERM stop
+    the body (status ``interrupted``). A stop signal that arrives while the record is made is
+    held until it is written and then raised (:class:`Interrupted`); so is any failure under
+    ``MEMLAB_RAISE=1`` (debugging)."""
+    t0 = time.perf_counter()
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        pass  # recorded when the summary cannot be written there
+    logger_box: list = []
+    ended: BaseException | None = None
+    with StopSignals() as stop:
+        try:
+            with stop.live():
+                summary["versions"] = versions()
+                body(logger_box)
+        except BaseException as e:  # noqa: BLE001 - recorded below, never swallowed silently
+            ended = e
+        # from here on a stop signal waits: the record is written whole
+        record_end(summary, ended)
+        if ended is not None and summary["status"] in ("failed", "oom", "nan"):
+            _write_traceback(out, ended)
+        faults.reach("summary")
         summary["wall_time_s"] = time.perf_counter() - t0
-        write_atomic(out, summary)
+        try:
+            _, why = write_summary(out, summary)
+            if why:
+                print(f"[memlab] {why}", file=sys.stderr, flush=True)
+        except OSError as e:
+            print(f"[memlab] could not write {out} nor any fallback ({e}); the summary is "
+                  "only printed", file=sys.stderr, flush=True)
         if logger_box:
             try:
                 logger_box[0].finish(summary)
             except Exception as e:  # noqa: BLE001
                 print(f"[memlab] logger.finish failed: {e}")
+    if stop.held is not None and summary["status"] != "interrupted":
+        raise stop.held
+    if ended is not None and os.environ.get("MEMLAB_RAISE") and summary["status"] != "ok":
+        raise ended
     return summary
+
+
+def record_end(summary: dict[str, Any], ended: BaseException | None) -> None:
+    """Set ``summary["status"]`` and ``["error"]`` from how the body ended (``None``: it
+    returned): invalid configuration or data, a stop signal (with ``signal``), a non-finite
+    loss (``train.nan_step``), a failed rank (that rank's status), out of memory, or failed."""
+    from memlab.distributed.launch import RankFailed
+
+    if ended is None:
+        summary["status"], summary["error"] = "ok", None
+        return
+    e = ended
+    if isinstance(e, (ConfigErrors, DataError)):
+        status, error = "invalid", str(e)
+    elif isinstance(e, (Interrupted, KeyboardInterrupt)):
+        sig = e.signal if isinstance(e, Interrupted) else "SIGINT"
+        steps = (summary.get("train") or {}).get("steps")
+        status = "interrupted"
+        error = f"interrupted by {sig}" + (f" after {steps} step(s)" if steps is not None
+                                           else " before training started")
+        summary["signal"] = sig
+    elif isinstance(e, NonFiniteLoss):
+        status, error = "nan", str(e)
+        if summary.get("train") is not None:
+            summary["train"]["nan_step"] = e.step
+    elif isinstance(e, RankFailed):
+        status, error = e.status, f"{type(e).__name__}: {e}"
+        if e.signal:
+            summary["signal"] = e.signal
+    else:
+        from memlab.measure.memory import is_oom
+
+        status = "oom" if is_oom(e) else "failed"
+        error = f"{type(e).__name__}: {e}"
+    summary["status"], summary["error"] = status, error
+
+
+def _write_traceback(out: Path, e: BaseException) -> None:
+    """The failure's traceback beside the summary (skipped when that dir cannot be written)."""
+    name = "error.txt" if out.name == "summary.json" else f"{out.stem}.error.txt"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        (out.parent / name).write_text("".join(traceback.format_exception(e)))
+    except OSError:
+        pass
 
 
 def execute(ctx: BuildContext, summary: dict[str, Any], logger_box: list) -> None:
@@ -211,12 +295,15 @@ def _train(ctx: BuildContext, summary: dict[str, Any], logger_box: list) -> None
     logger = ctx.logger.start(ctx, {**summary.get("config", {}), "_sweep_dir": summary["job"].get(
         "sweep_dir")})
     logger_box.append(logger)
-    pipe = pipeline.build(ctx, logger=logger)
+    pipe = pipeline.build(ctx, logger=logger,
+                          on_data=lambda stats: summary.update(data=stats.as_dict()))
     trainer = pipe.trainer
-    summary["data"] = pipe.stats.as_dict()
     try:
         result = trainer.train()
-    finally:
+        done = Path(ctx.run_dir) / "checkpoints" / f"step_{result.steps:06d}"
+        if ctx.train.save_final and not (ctx.train.save_every and done.is_dir()):
+            trainer.try_save_checkpoint()  # (unless the loop saved this step already)
+    finally:  # whatever happened, what was measured so far is recorded
         summary["memory"] = trainer.probe.result()
         if pipe.generation is not None:
             engine = pipe.generation.engine.memory()
@@ -231,18 +318,43 @@ def _train(ctx: BuildContext, summary: dict[str, Any], logger_box: list) -> None
         wrapper = ctx.distributed.describe(pipe.models["policy"])
         if wrapper:
             summary["memory"]["distributed"] = wrapper
-    if ctx.train.save_final:
-        trainer.save_checkpoint()
+        record_training(summary, trainer.result, ctx.train.steps,
+                        Path(ctx.run_dir) / "checkpoints")
+    if trainer.result.checkpoint_errors:
+        raise CheckpointNotWritten(
+            f"checkpoint not written ({trainer.result.checkpoint_errors[-1]}); the training "
+            f"and its measurements are recorded")
+
+
+def _finite(x: Any) -> Any:
+    """``x``, or None for a NaN / infinite float (summary.json stays strict JSON)."""
+    return None if isinstance(x, float) and not math.isfinite(x) else x
+
+
+def record_training(summary: dict[str, Any], result, planned_steps: int,
+                    checkpoints: Path | None = None) -> None:
+    """What the loop measured (all of it, or the steps done so far) into ``summary``:
+    throughput, tokens trained, padding, the loss curve and the other curves, and the newest
+    checkpoint under ``checkpoints``."""
+    from memlab.trainer.checkpoint import step_dirs
+
+    saved = step_dirs(checkpoints) if checkpoints is not None else []
     summary["throughput"] = result.throughput()
-    summary["data"]["padding_fraction"] = result.padding_fraction()
-    summary["data"]["tokens_trained"] = result.real_tokens
+    if summary.get("data") is not None:
+        summary["data"]["padding_fraction"] = result.padding_fraction()
+        summary["data"]["tokens_trained"] = result.real_tokens
+    losses = [_finite(x) for x in result.losses]
     summary["train"] = {
-        "final_loss": result.losses[-1] if result.losses else None,
+        "final_loss": losses[-1] if losses else None,
         "steps": result.steps,
-        "loss_curve": result.losses,
-        "final_metrics": result.metrics,
-        "curves": result.curves,
+        "steps_planned": planned_steps,
+        "loss_curve": losses,
+        "final_metrics": {k: _finite(v) for k, v in result.metrics.items()},
+        "curves": {k: [_finite(x) for x in v] for k, v in result.curves.items()},
+        "checkpoint": str(saved[-1]) if saved else None,  # the newest of this run dir
     }
+    if result.checkpoint_errors:
+        summary["checkpoint"] = {"errors": list(result.checkpoint_errors)}
 
 
 def _param_counts(model) -> dict[str, int]:
@@ -264,11 +376,58 @@ def hydra_task(cfg) -> dict[str, Any]:
     choices = user_choices(hc.runtime.choices)
     multirun = hc.mode == RunMode.MULTIRUN
     job = {"name": hc.job.name, "num": hc.job.num if multirun else None,
-           "sweep_dir": str(Path(hc.sweep.dir).resolve()) if multirun else None}
-    summary = run(cfg, hc.runtime.output_dir, choices, list(hc.overrides.task), job)
+           "sweep_dir": str(Path(hc.sweep.dir).resolve()) if multirun else None,
+           "outputs": outputs_roots(hc)}
+    try:
+        summary = run(cfg, hc.runtime.output_dir, choices, list(hc.overrides.task), job)
+    except Interrupted as e:  # held while the record was written; the record is complete
+        if multirun:
+            return read_back(Path(hc.runtime.output_dir) / "summary.json")
+        raise SystemExit(e.exit_code) from None
     if not multirun and summary["status"] != "ok":
-        raise SystemExit(1 if summary["status"] != "invalid" else 2)
+        raise SystemExit(exit_code(summary))
     return summary
+
+
+def exit_code(summary: dict[str, Any]) -> int:
+    """A single run's exit status: 0 ok, 2 invalid, 128 + the signal when interrupted (130 for
+    Ctrl-C, 143 for SIGTERM), 1 otherwise."""
+    import signal
+
+    status = summary.get("status")
+    if status == "ok":
+        return 0
+    if status == "invalid":
+        return 2
+    if status == "interrupted":
+        return 128 + int(getattr(signal, summary.get("signal") or "SIGINT", signal.SIGINT))
+    return 1
+
+
+def read_back(path: Path) -> dict[str, Any]:
+    """The record written for ``path`` (there or at its fallback path)."""
+    from memlab.measure.summary import read_summary
+
+    return read_summary(path) or {"status": "failed", "error": f"no record at {path}"}
+
+
+def outputs_roots(hc) -> list[str]:
+    """The outputs tree of this Hydra app, where ``train.resume_from=latest`` looks: the
+    directory that holds ``hydra.run.dir`` and ``hydra.sweep.dir`` (their part before the first
+    ``${...}``, up to its last ``/``): ``outputs/`` and ``multirun/`` by default; a fixed run dir
+    ``runs/a`` -> ``runs/`` (a bare name: that directory)."""
+    from omegaconf import OmegaConf
+
+    roots = []
+    for node in (hc.run, hc.sweep):
+        fixed = str(OmegaConf.to_container(node, resolve=False).get("dir") or "")
+        fixed = fixed.split("${", 1)[0].rstrip("/")
+        if not fixed:
+            continue
+        root = Path(fixed).parent if "/" in fixed else Path(fixed)
+        if str(root.absolute()) not in roots:
+            roots.append(str(root.absolute()))
+    return roots
 
 
 def run_external(cfg, run_dir: Path, choices: dict[str, str], overrides: list[str],
@@ -298,7 +457,7 @@ def run_external(cfg, run_dir: Path, choices: dict[str, str], overrides: list[st
                                 "every rank; run the sweep without torchrun: memlab starts the "
                                 "ranks of each job itself (distributed.nproc)"])
         summary["config"] = _plain(cfg)
-        holder.append(ctx)
+        holder.append(plan_resume(ctx, summary))
 
     scratch = run_dir / f".rank{rank}.check.json"
     guarded(check, summary, run_dir / "summary.json" if rank == 0 else scratch)
@@ -316,7 +475,8 @@ def run_external(cfg, run_dir: Path, choices: dict[str, str], overrides: list[st
     guarded(lambda box: execute(ctx, mine, box), mine, root / "ranks" / f"rank{rank}.json")
     if mine["status"] != "ok":
         ctx.distributed.teardown()
-        raise SystemExit(1)  # torchrun stops the other ranks
+        # torchrun stops the other ranks
+        raise SystemExit(exit_code(mine) if mine["status"] == "interrupted" else 1)
     dist.barrier()
     if rank == 0:
         summary.update(run_dir=str(root))

@@ -136,3 +136,25 @@ def test_engine_leaves_trainer_state_and_reports_its_memory(setup):
     assert mem["weights_bytes"] == params  # the CPU backend's repacked linears included
     assert mem["kv_cache_bytes"] == int(KV_GIB * 2**30)
     assert mem["buffers_bytes"] > 0  # vLLM's rotary cos/sin table, sized for max_model_len
+
+
+def test_only_the_named_eos_stops_a_completion(setup):
+    """The model config's own ``eos_token_id`` stops neither engine unless the sampling names
+    it: transformers' generate given ``eos_token_id=None`` runs every row to the end, and so
+    must vLLM (without ``ignore_eos`` it stopped there: 4023 of 4096 sampled tokens in
+    benchmarks/generation.py through the server)."""
+    engine, _, tok, _ = setup
+    model, _ = tiny_model(seed=3)
+    cfg_eos = model.config.eos_token_id
+    ids, mask = prompts(tok)
+    comp, _, _ = hf_greedy(model, ids, mask, MAX_NEW, None)
+    with torch.no_grad():  # the config's EOS outscores row 0's greedy token at position 1
+        head = model.lm_head.weight
+        head[cfg_eos] = 3 * head[int(comp[0, 1])]
+    comp, _, _ = hf_greedy(model, ids, mask, MAX_NEW, None)
+    assert (comp[:, :-1] == cfg_eos).any()  # it is emitted before the last position
+    engine.sync_weights(model)
+    s = engine.generate(model, ids, mask, SamplingParams(max_new_tokens=MAX_NEW, pad=PAD,
+                                                         greedy=True))
+    assert s.completion.tolist() == comp.tolist()
+    assert s.lengths == [MAX_NEW] * len(comp) and not any(s.finished_list)

@@ -71,6 +71,7 @@ def test_sampling_params_map_one_to_one():
                                         eos=4))
     assert kw["max_tokens"] == 7 and kw["temperature"] == 0.7 and kw["top_p"] == 0.9
     assert kw["top_k"] == 5 and kw["stop_token_ids"] == [4] and kw["logprobs"] == 0
+    assert kw["ignore_eos"]  # stop at the named EOS only (test_vllm_colocate checks it runs so)
     greedy = sampling_kwargs(SamplingParams(max_new_tokens=7, temperature=0.7, greedy=True))
     assert greedy["temperature"] == 0.0 and greedy["top_k"] == 0 and greedy["stop_token_ids"] == []
 

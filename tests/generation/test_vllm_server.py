@@ -1,4 +1,4 @@
-"""generation=vllm, mode=server: a real `python -m memlab.generation.vllm_server` process (vLLM
+"""generation=vllm, mode=server: a real `memlab vllm-serve` process (vLLM
 in-process inside it), a client that generates through it and pushes the trainer's weights
 after each step (chunked safetensors, committed at once): greedy completions equal
 transformers' on those weights; a restarted server is an error, not silent drift. One server
@@ -6,9 +6,6 @@ for the module (starting one costs seconds)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 
 import pytest
@@ -21,6 +18,8 @@ from generation.vllm_helpers import (
     free_port,
     hf_greedy,
     prompts,
+    start_server,
+    stop_server,
     tiny_model,
     train_steps,
     trainer_logps,
@@ -29,27 +28,6 @@ from memlab.generation.base import SamplingParams
 
 pytestmark = [pytest.mark.vllm, SKIP_NO_VLLM]
 MAX_NEW = 12
-
-
-def start_server(model_dir: str, port: int, log) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "memlab.generation.vllm_server", f"model={model_dir}",
-           f"port={port}", "load_format=dummy", f"kv_cache_space_gib={KV_GIB}",
-           "device=cpu", "dtype=float32"]  # vLLM's auto would downcast fp32 to bf16
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-
-
-def stop_server(proc: subprocess.Popen, client) -> None:
-    if proc.poll() is None:
-        try:  # a fresh client: whichever server process answers
-            type(client)(client.cfg)._call("/shutdown", {}, timeout=10)
-        except Exception:
-            pass
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.fixture(scope="module")

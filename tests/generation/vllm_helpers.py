@@ -1,9 +1,13 @@
 """Shared pieces of the vLLM tests: a tiny model vLLM's CPU backend can run, a few optimizer
-steps that change its weights, and transformers' greedy completions as the reference."""
+steps that change its weights, transformers' greedy completions as the reference, and a
+`memlab vllm-serve` process."""
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -91,3 +95,28 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def start_server(model_dir: str, port: int, log) -> subprocess.Popen:
+    """`memlab vllm-serve` (through ``python -m memlab``, this interpreter) on ``port``, with
+    random weights of ``model_dir``'s architecture (the trainer pushes its own), fp32, a small KV
+    cache; output to ``log``."""
+    cmd = [sys.executable, "-m", "memlab", "vllm-serve", f"model={model_dir}", f"port={port}",
+           "load_format=dummy", f"kv_cache_space_gib={KV_GIB}", "device=cpu",
+           "dtype=float32"]  # vLLM's auto would downcast fp32 to bf16
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def stop_server(proc: subprocess.Popen, client) -> None:
+    """Ask whichever server answers at ``client``'s address to shut down; kill it after 30 s."""
+    if proc.poll() is None:
+        try:  # a fresh client: whichever server process answers
+            type(client)(client.cfg)._call("/shutdown", {}, timeout=10)
+        except Exception:
+            pass
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

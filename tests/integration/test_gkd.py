@@ -45,7 +45,7 @@ def test_teacher_settings_are_validated(job):
     s = job(GKD + ["method.teacher={hiden_size: 128, vocab_size: 99}", "method.beta=2"])
     assert s["status"] == "invalid"
     for needle in ("method.teacher.hiden_size: not an option of model=tiny",
-                   "share the student's tokenizer", "method.beta must be in [0, 1]"):
+                   "share the student's tokenizer", "method (gkd).beta: must be in [0, 1]"):
         assert needle in s["error"], (needle, s["error"])
 
 

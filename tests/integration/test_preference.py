@@ -217,10 +217,8 @@ def test_rejected_combinations_name_the_fix(job):
     liger = job(["method=dpo", "method.use_liger_kernel=true"])
     assert liger["status"] == "invalid"
     assert "needs a CUDA device and the gpu extra: pip install 'memlab[gpu]'" in liger["error"]
-    packed = job(["method=dpo", "packing=bfd"])
-    assert packed["status"] == "invalid" and "method.padding_free=true" in packed["error"]
-    for method in ("reward", "kto"):
-        s = job([f"method={method}", "packing=bfd"])
-        assert s["status"] == "invalid" and "packing=none" in s["error"]
+    for method in ("dpo", "reward", "kto"):
+        s = job([f"method={method}", "packing=wrapped"])
+        assert s["status"] == "invalid" and "cuts sequences" in s["error"]
     s = job(["method=kto", "method.reference=adapter_disabled", "peft=none"])
     assert s["status"] == "invalid" and "peft=lora" in s["error"]

@@ -5,8 +5,18 @@ monkey-patches (Liger!) of one job leak into the next job's numbers. Why not sub
 it starts all jobs of a sweep at once, so jobs that share one device measure each other.
 This launcher runs ``parallel`` jobs at a time (default 1); with ``devices`` set, each running
 job gets its own GPU through CUDA_VISIBLE_DEVICES (one job per GPU on a multi-GPU machine).
-A job whose process dies (segfault, OS OOM killer) still leaves a summary.json saying so, and
-the sweep goes on. For clusters use hydra/launcher=submitit_slurm (one job per process too).
+For clusters use hydra/launcher=submitit_slurm (one job per process too).
+
+Every job ends with a true record in its ``summary.json`` (:mod:`memlab.measure.outcome`): a job
+records its own end; what it cannot record, the launcher does. A job past ``timeout_min`` gets
+SIGTERM (it records what it measured so far), SIGKILL after ``stop_grace_s``, and is
+``timeout``. A job that dies of SIGKILL from outside is ``killed``, or ``oom`` when its memory
+cgroup's ``oom_kill`` counter rose or the kernel log names it (the OS out-of-memory killer; the
+evidence is in the error). SIGINT / SIGTERM to the sweep stop it: the running jobs get the signal
+and record ``interrupted``, the jobs not started yet are recorded ``not_run``, the temp files are
+removed, and the sweep exits with 128 + the signal. Every sweep ends with one line counting the
+jobs by status; ``memlab`` then exits 1 when a job ``failed`` or was ``killed``
+(:func:`sweep_exit_status`): a crash needs a look, an oom or an invalid combination is a result.
 
 This module is imported by Hydra at start-up: it must stay light (no torch import).
 """
@@ -14,10 +24,12 @@ This module is imported by Hydra at start-up: it must stay light (no torch impor
 import logging
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -31,6 +43,9 @@ from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
+from memlab.measure.outcome import FAILING, OomWatch, count_line, killed_status
+from memlab.measure.summary import read_summary, write_summary
+
 log = logging.getLogger(__name__)
 
 
@@ -42,20 +57,78 @@ class MemlabLauncherConf:
     devices: list[Any] = field(default_factory=list)
     """GPU ids handed out one per running job (CUDA_VISIBLE_DEVICES); empty = inherit."""
     python: str | None = None
-    """Interpreter for the jobs; None = the one running the sweep."""
+    """Interpreter for the jobs (or a wrapper that execs one); None = the one running the sweep."""
     env: dict[str, str] = field(default_factory=dict)
-    """Extra environment variables for every job (e.g. OMP_NUM_THREADS)."""
+    """Extra environment variables for every job (e.g. OMP_NUM_THREADS). A job's own config may
+    set its own (an experiment file's ``hydra.launcher.env``)."""
     timeout_min: float | None = None
-    """Kill a job after this many minutes (recorded as failed); None = no limit."""
+    """Stop a job after this many minutes (status ``timeout``, with what it measured so far);
+    None = no limit. A job's own config may set its own."""
+    stop_grace_s: float = 30.0
+    """Seconds a job stopped by a timeout or an interrupted sweep has to record itself before
+    it is killed (SIGKILL)."""
 
 
 ConfigStore.instance().store(group="hydra/launcher", name="memlab", node=MemlabLauncherConf,
                              provider="memlab")
 
+_ENDED: list[str] = []
+"""The status of every job this process's sweeps have run (for :func:`sweep_exit_status`)."""
+
+
+def sweep_exit_status() -> int:
+    """1 when a job of a sweep run by this process ``failed`` or was ``killed``, else 0 (also
+    when no sweep ran)."""
+    return 1 if any(s in FAILING for s in _ENDED) else 0
+
+
+@dataclass
+class _Job:
+    idx: int
+    overrides: list[str]
+    config: DictConfig
+    dir: Path
+    timeout_s: float | None
+    env: dict[str, str]
+    proc: subprocess.Popen | None = None
+    result: Path | None = None
+    started: float = 0.0
+    device: str | None = None
+    watch: OomWatch | None = None
+    stopped_by: str | None = None
+    """None, ``"timeout"`` or ``"interrupt"`` (the launcher sent the stop signal)."""
+    stop_signal: str | None = None
+    stop_sent: float = 0.0
+
+
+class _SweepStop:
+    """SIGINT / SIGTERM to the sweep: remembered (``signum``, ``count``), never raised, so the
+    launcher stops its jobs in order. Main thread only; previous handlers restored on exit."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.count = 0
+        self._saved: dict[int, Any] = {}
+
+    def __enter__(self) -> "_SweepStop":
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._saved[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, old in self._saved.items():
+            signal.signal(sig, old)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.signum = self.signum or signum
+        self.count += 1
+
 
 class MemlabLauncher(Launcher):
     def __init__(self, parallel: int = 1, devices: Sequence[Any] = (), python: str | None = None,
-                 env: dict[str, str] | None = None, timeout_min: float | None = None) -> None:
+                 env: dict[str, str] | None = None, timeout_min: float | None = None,
+                 stop_grace_s: float = 30.0) -> None:
         self.parallel = max(1, int(parallel))
         self.devices = [str(d) for d in devices]
         if self.devices and self.parallel > len(self.devices):
@@ -63,6 +136,7 @@ class MemlabLauncher(Launcher):
         self.python = python or sys.executable
         self.env = dict(env or {})
         self.timeout_s = None if timeout_min is None else float(timeout_min) * 60
+        self.grace_s = float(stop_grace_s)
         self.config: DictConfig | None = None
         self.task_function: TaskFunction | None = None
         self.hydra_context: HydraContext | None = None
@@ -79,6 +153,17 @@ class MemlabLauncher(Launcher):
             spec = getattr(main_mod, "__spec__", None)
             module = spec.name if spec is not None else "__main__"
         return module, fn.__qualname__
+
+    def _job_settings(self, sweep_config: DictConfig) -> tuple[float | None, dict[str, str]]:
+        """This job's time limit and environment: its own config's ``hydra.launcher`` values
+        (an experiment file or a sweep override may set them per job)."""
+        own = OmegaConf.select(sweep_config, "hydra.launcher") or {}
+        timeout_s = self.timeout_s
+        if "timeout_min" in own:
+            minutes = own["timeout_min"]
+            timeout_s = None if minutes is None else float(minutes) * 60
+        env = {**self.env, **{str(k): str(v) for k, v in (own.get("env") or {}).items()}}
+        return timeout_s, env
 
     def launch(self, job_overrides: Sequence[Sequence[str]],
                initial_job_idx: int) -> Sequence[JobReturn]:
@@ -104,98 +189,197 @@ class MemlabLauncher(Launcher):
                 # pin what the job process would otherwise resolve again (``${now:}``)
                 sweep_config.hydra.sweep.dir = str(sweep_dir)
                 sweep_config.hydra.sweep.subdir = subdir
-            job_dir = sweep_dir / subdir
-            jobs.append((idx, list(overrides), sweep_config, job_dir))
+            timeout_s, env = self._job_settings(sweep_config)
+            jobs.append(_Job(idx, list(overrides), sweep_config, sweep_dir / subdir, timeout_s,
+                             env))
         results: dict[int, JobReturn] = {}
         pending = list(jobs)
-        running: list[tuple[Any, ...]] = []
+        running: list[_Job] = []
         free_devices = list(self.devices)
         tmp = Path(tempfile.mkdtemp(prefix="memlab_launch_"))
-        while pending or running:
-            while pending and len(running) < self.parallel:
-                idx, overrides, sweep_config, job_dir = pending.pop(0)
-                device = free_devices.pop(0) if free_devices else None
-                log.info(f"\t#{idx} : {' '.join(filter_overrides(overrides))}"
-                         + (f"  [device {device}]" if device is not None else ""))
-                proc, res_path, t0 = self._start(idx, sweep_config, module, qualname, tmp,
-                                                 job_dir, device)
-                running.append((proc, res_path, t0, idx, overrides, sweep_config, job_dir,
-                                device))
-            time.sleep(0.2)
-            for item in list(running):
-                proc, res_path, t0, idx, overrides, sweep_config, job_dir, device = item
-                if proc.poll() is None and self.timeout_s and time.time() - t0 > self.timeout_s:
-                    proc.kill()
-                    proc.wait()
-                if proc.poll() is None:
-                    continue
-                running.remove(item)
-                if device is not None:
-                    free_devices.append(device)
-                results[idx] = self._collect(proc.returncode, res_path, overrides, sweep_config,
-                                             job_dir, time.time() - t0)
-        import shutil
+        stop = _SweepStop()
+        try:
+            with stop:
+                while running or (pending and stop.signum is None):
+                    while stop.signum is None and pending and len(running) < self.parallel:
+                        job = pending.pop(0)
+                        job.device = free_devices.pop(0) if free_devices else None
+                        log.info(f"\t#{job.idx} : {' '.join(filter_overrides(job.overrides))}"
+                                 + (f"  [device {job.device}]" if job.device is not None
+                                    else ""))
+                        self._start(job, module, qualname, tmp)
+                        running.append(job)
+                    time.sleep(0.2)
+                    for job in list(running):
+                        self._supervise(job, stop)
+                        if job.proc.poll() is None:
+                            continue
+                        running.remove(job)
+                        if job.device is not None:
+                            free_devices.append(job.device)
+                        results[job.idx] = self._collect(job, sweep_dir)
+                for job in pending:  # never started: the sweep was interrupted
+                    results[job.idx] = self._not_run(job, sweep_dir, stop.signum)
+        finally:
+            for job in running:  # only on an error in this loop: leave no orphan behind
+                _kill_group(job.proc)
+            shutil.rmtree(tmp, ignore_errors=True)
+        ended = [str((results[j.idx].return_value or {}).get("status")) for j in jobs]
+        _ENDED.extend(ended)
+        how = (f"interrupted by {signal.Signals(stop.signum).name}" if stop.signum
+               else "finished")
+        print(f"[memlab] sweep {how}: {count_line(_ENDED)}; summaries under {sweep_dir} "
+              f"(memlab report {sweep_dir})", flush=True)
+        if stop.signum is not None:
+            raise SystemExit(128 + stop.signum)
+        return [results[j.idx] for j in jobs]
 
-        shutil.rmtree(tmp, ignore_errors=True)
-        return [results[j[0]] for j in jobs]
-
-    def _start(self, idx, sweep_config, module, qualname, tmp: Path, job_dir: Path, device):
-        payload = tmp / f"job_{idx}.pkl"
-        res_path = tmp / f"job_{idx}.result.pkl"
+    def _start(self, job: _Job, module: str, qualname: str, tmp: Path) -> None:
+        payload = tmp / f"job_{job.idx}.pkl"
+        job.result = tmp / f"job_{job.idx}.result.pkl"
         with open(payload, "wb") as f:
-            pickle.dump({"config": sweep_config,
-                         "module": module, "qualname": qualname, "result": str(res_path)}, f)
-        env = {**os.environ, **self.env}
-        if device is not None:
-            env["CUDA_VISIBLE_DEVICES"] = device
+            pickle.dump({"config": job.config, "module": module, "qualname": qualname,
+                         "result": str(job.result), "parent": os.getpid()}, f)
+        env = {**os.environ, **job.env}
+        if job.device is not None:
+            env["CUDA_VISIBLE_DEVICES"] = job.device
         out = None
         if self.parallel > 1:
-            job_dir.mkdir(parents=True, exist_ok=True)
-            out = open(job_dir / "job.log", "w")  # noqa: SIM115 - closed with the process
-        proc = subprocess.Popen(
+            job.dir.mkdir(parents=True, exist_ok=True)
+            out = open(job.dir / "job.log", "w")  # noqa: SIM115 - closed with the process
+        # its own session: a Ctrl-C reaches the launcher only, which stops the job in order
+        job.proc = subprocess.Popen(
             [self.python, "-m", "hydra_plugins.memlab_launcher.worker", str(payload)],
             env=env, stdout=out, stderr=subprocess.STDOUT if out else None, cwd=os.getcwd(),
+            start_new_session=True,
         )
-        return proc, res_path, time.time()
+        if out is not None:
+            out.close()  # the child has its own copy
+        job.started = time.time()
+        job.watch = OomWatch(job.proc.pid)
 
-    def _collect(self, code: int, res_path: Path, overrides, sweep_config, job_dir: Path,
-                 seconds: float) -> JobReturn:
-        if code == 0 and res_path.exists():
-            with open(res_path, "rb") as f:
+    def _supervise(self, job: _Job, stop: _SweepStop) -> None:
+        """Stop the job when the sweep is interrupted or its time is up (the stop signal first,
+        SIGKILL after the grace period or at a second interrupt)."""
+        proc = job.proc
+        if proc.poll() is not None:
+            return
+        job.watch.observe()  # a cgroup the job moved into (e.g. by a wrapper) gets a baseline
+        now = time.time()
+        if job.stopped_by is None:
+            if stop.signum is not None:
+                job.stopped_by, job.stop_signal = "interrupt", signal.Signals(stop.signum).name
+            elif job.timeout_s is not None and now - job.started > job.timeout_s:
+                job.stopped_by, job.stop_signal = "timeout", "SIGTERM"
+                log.warning(f"job #{job.idx}: {job.timeout_s / 60:g} min are up; stopping it")
+            if job.stopped_by is not None:
+                job.stop_sent = now
+                _signal(proc, getattr(signal, job.stop_signal))
+        elif now - job.stop_sent > self.grace_s or stop.count > 1:
+            job.stop_signal = "SIGKILL"
+            _kill_group(proc)
+
+    def _collect(self, job: _Job, sweep_dir: Path) -> JobReturn:
+        """The job's record, completed with what only the launcher knows."""
+        code = job.proc.returncode
+        seconds = time.time() - job.started
+        ret = None
+        if code == 0 and job.result is not None and job.result.exists():
+            with open(job.result, "rb") as f:
                 ret = pickle.load(f)
-            if isinstance(ret, JobReturn):
-                return ret
-        # The process died before returning: record it, keep the sweep going.
-        if code < 0:
-            sig = signal.Signals(-code).name
-            why = f"job process killed by {sig}"
-            status = "oom" if -code == signal.SIGKILL else "failed"
-            if status == "oom":
-                why += " (most likely the OS out-of-memory killer)"
+        own = None
+        if isinstance(ret, JobReturn) and ret.status == JobStatus.COMPLETED and isinstance(
+                ret._return_value, dict):
+            own = ret._return_value
+        if own is None:
+            own = read_summary(job.dir / "summary.json")
+        if job.stopped_by == "timeout":
+            status = "timeout"
+            why = (f"stopped by the launcher after timeout_min={job.timeout_s / 60:g} "
+                   f"({seconds:.0f} s, {job.stop_signal})")
+            if own and own.get("train"):
+                why += f"; recorded {own['train'].get('steps')} step(s) before it stopped"
+        elif job.stopped_by == "interrupt":
+            status = "interrupted"
+            why = (own or {}).get("error") if (own or {}).get("status") == "interrupted" else (
+                f"the sweep was interrupted by {job.stop_signal} while this job ran")
+        elif own is not None and code == 0:
+            return self._return(job, own, write=ret is None)
+        elif code < 0:
+            status, why = killed_status(-code, job.watch)
+        elif own is not None and own.get("status") not in (None, "ok"):
+            return self._return(job, own, write=False)  # it recorded its end (interrupted...)
+        elif own is not None and code in (130, 143):
+            return self._return(job, own, write=False)  # stopped right after a complete record
         else:
-            why, status = f"job process exited with code {code} before writing a result", \
-                "failed"
-        summary_path = job_dir / "summary.json"
-        summary = None
-        if summary_path.exists():
-            import json
+            status = "failed"
+            why = (f"job process exited with code {code} before writing a result "
+                   f"(see {job.dir}/memlab.log)")
+        record = dict(own) if own else self._skeleton(job, sweep_dir)
+        if own and own.get("status") != status:
+            record["recorded_status"] = own.get("status")
+        record.update(status=status, error=why, exit_code=code)
+        record.setdefault("wall_time_s", seconds)
+        if job.stop_signal or code < 0:
+            record["signal"] = job.stop_signal if job.stopped_by else _signame(-code)
+        log.warning(f"job #{job.idx} ({job.dir}): {status}: {why}")
+        return self._return(job, record, write=True)
 
+    def _not_run(self, job: _Job, sweep_dir: Path, signum: int | None) -> JobReturn:
+        record = self._skeleton(job, sweep_dir)
+        sig = signal.Signals(signum).name if signum else "a stop signal"
+        record.update(status="not_run",
+                      error=f"not started: the sweep was interrupted by {sig} before its turn")
+        return self._return(job, record, write=True)
+
+    def _skeleton(self, job: _Job, sweep_dir: Path) -> dict[str, Any]:
+        """A record for a job that wrote none: what it was, nothing measured."""
+        return {**dict.fromkeys(("memory", "throughput", "data", "train", "versions", "device",
+                                 "wall_time_s")),
+                "status": None, "error": None, "overrides": list(job.overrides),
+                "choices": _user_choices(job.config), "run_dir": str(job.dir),
+                "job": {"name": str(OmegaConf.select(job.config, "hydra.job.name")),
+                        "num": job.idx, "sweep_dir": str(sweep_dir.resolve())}}
+
+    def _return(self, job: _Job, record: dict[str, Any], write: bool) -> JobReturn:
+        if write:
             try:
-                summary = json.loads(summary_path.read_text())
-            except ValueError:
-                summary = None
-        if summary is None or summary.get("status") == "ok":
-            summary = {**dict.fromkeys(("memory", "throughput", "data", "train", "versions",
-                                        "device", "job")),
-                       "status": status, "error": why, "overrides": list(overrides),
-                       "choices": _user_choices(sweep_config),
-                       "run_dir": str(job_dir), "wall_time_s": seconds}
-            _write_json_atomic(summary_path, summary)
-        log.warning(f"job {job_dir.name}: {why}")
-        ret = JobReturn(overrides=list(overrides), cfg=None, hydra_cfg=None,
-                        working_dir=str(job_dir), task_name="", status=JobStatus.COMPLETED)
-        ret.return_value = summary
+                where, why = write_summary(job.dir / "summary.json", record)
+                if why:
+                    log.warning(why)
+            except OSError as e:
+                log.error(f"job #{job.idx}: its record could not be written anywhere ({e}): "
+                          f"{record}")
+        ret = JobReturn(overrides=list(job.overrides), cfg=None, hydra_cfg=None,
+                        working_dir=str(job.dir), task_name="", status=JobStatus.COMPLETED)
+        ret.return_value = record
         return ret
+
+
+def _signal(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        proc.send_signal(sig)
+    except ProcessLookupError:
+        pass
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the job and whatever it started (its own session), then reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        _signal(proc, signal.SIGKILL)
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def _signame(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 def _user_choices(sweep_config: DictConfig) -> dict[str, str]:
@@ -204,16 +388,3 @@ def _user_choices(sweep_config: DictConfig) -> dict[str, str]:
     choices = OmegaConf.to_container(sweep_config.hydra.runtime.choices) or {}
     return {str(k): str(v) for k, v in choices.items()
             if v is not None and "/" not in str(k) and "@" not in str(k)}
-
-
-def _write_json_atomic(path: Path, obj: Any) -> None:
-    import json
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".summary.", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=2, default=str)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # readable like any file the user writes (mkstemp: 0600)
-    os.replace(tmp, path)

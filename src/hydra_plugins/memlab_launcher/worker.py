@@ -1,13 +1,31 @@
 """One sweep job in its own process: ``python -m hydra_plugins.memlab_launcher.worker JOB.pkl``.
 
 Rebuilds the job's config, imports the task function by name and runs it through Hydra's
-``run_job`` (output dir, .hydra/ files, logging, callbacks), then pickles the JobReturn."""
+``run_job`` (output dir, .hydra/ files, logging, callbacks), then pickles the JobReturn. On Linux
+the job gets SIGTERM when the launcher dies (killed itself, say): it records ``interrupted``
+instead of running on as an orphan."""
 
 from __future__ import annotations
 
 import importlib
+import os
 import pickle
+import signal
 import sys
+
+
+def _stop_with_parent() -> None:
+    """SIGTERM to this process when its parent dies (Linux ``PR_SET_PDEATHSIG``)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def main(payload_path: str) -> int:
@@ -15,6 +33,7 @@ def main(payload_path: str) -> int:
     from hydra.core.utils import run_job, setup_globals
     from hydra.types import HydraContext
 
+    _stop_with_parent()
     setup_globals()
     with open(payload_path, "rb") as f:
         payload = pickle.load(f)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 
 @dataclass(kw_only=True)
@@ -20,6 +20,17 @@ class Attention:
     def implementation(self) -> str:
         """The string passed to transformers as ``attn_implementation``."""
         return self.name  # type: ignore[attr-defined]
+
+    def shares_prefix(self) -> bool:
+        """Whether a document can also see a prefix stored before it in its row (a preference
+        pair's shared prompt: :class:`memlab.trainer.batch.Segments` entries ``(n, a, b)``)."""
+        return False
+
+    def document_mask(self, segments, width: int, device) -> Any:
+        """The ``attention_mask`` to pass for rows described by ``segments`` (``width`` tokens
+        each), or None when the backend keeps documents apart by itself (position ids, or
+        memlab's per-document attention reading the segments)."""
+        return None
 
     def validate(self, ctx) -> list[str]:
         errors = []
@@ -63,6 +74,9 @@ class VarlenAttention(Attention):
     varlen: bool = True
     """Per-document attention in packed / padding-free rows (cost sum(L_i^2)); false:
     transformers' one block-diagonal [N, N] mask for the whole row (cost N^2)."""
+
+    def shares_prefix(self) -> bool:
+        return self.varlen
 
     def implementation(self) -> str:
         name = self.name  # type: ignore[attr-defined]

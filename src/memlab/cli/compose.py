@@ -4,6 +4,8 @@ app (the same config a run with the same overrides gets), and the command line w
 
 from __future__ import annotations
 
+import argparse
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -83,3 +85,18 @@ def split_hydra_flags(argv: Sequence[str]) -> tuple[list[str], list[str]]:
         else:
             rest.append(arg)
     return hydra_args, rest
+
+
+def parse_command(argv: Sequence[str] | None, parser: argparse.ArgumentParser, prog: str
+                  ) -> tuple[list[str], argparse.Namespace, list[str]] | None:
+    """A subcommand's command line: ``(Hydra's flags, this command's options, the overrides)``,
+    or None after printing the usage for an unknown ``--option`` (the caller exits 2)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    hydra_args, rest = split_hydra_flags(argv)
+    args, rest = parser.parse_known_args(rest)
+    unknown = [a for a in rest if a.startswith("-")]
+    if unknown:
+        parser.print_usage(sys.stderr)
+        print(f"{prog}: unknown option(s): {' '.join(unknown)}", file=sys.stderr)
+        return None
+    return hydra_args, args, rest

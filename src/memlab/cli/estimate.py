@@ -38,7 +38,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from memlab.cli.compose import app_argv, compose, split_hydra_flags
+from memlab.cli.compose import app_argv, compose, parse_command
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -184,15 +184,10 @@ def _job(cfg, opts, as_json: bool, done: list[tuple[Path, dict[str, Any], str]])
 def main(argv: list[str] | None = None) -> int:
     """Run ``memlab estimate``; see the module docstring for the exit status."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    argv = list(sys.argv[1:] if argv is None else argv)
-    hydra_args, rest = split_hydra_flags(argv)
-    parser = build_parser()
-    args, rest = parser.parse_known_args(rest)
-    unknown = [a for a in rest if a.startswith("-")]
-    if unknown:
-        parser.print_usage(sys.stderr)
-        print(f"memlab estimate: unknown option(s): {' '.join(unknown)}", file=sys.stderr)
+    parsed = parse_command(argv, build_parser(), "memlab estimate")
+    if parsed is None:
         return 2
+    hydra_args, args, rest = parsed
     if args.cards:
         print(_cards_table())
         return 0

@@ -161,7 +161,11 @@ def main(argv: Sequence[str] | None = None, prog: str = "memlab") -> int:
 
     sys.argv = [prog if sys.argv[0] in ("", "-c") else sys.argv[0], *rest]
     app()
-    return 0
+    # a sweep through memlab's launcher: 1 when a job failed or was killed (a single run exits
+    # with its own status inside app())
+    from hydra_plugins.memlab_launcher.memlab_launcher import sweep_exit_status
+
+    return sweep_exit_status()
 
 
 if __name__ == "__main__":

@@ -1,12 +1,51 @@
-"""Shared helpers of the data sources: row validation with row/field names, limits."""
+"""Shared helpers of the data sources: the source protocol, row validation with row/field
+names, limits."""
 
 from __future__ import annotations
 
-from typing import Any
+import re
+from typing import Any, Protocol
 
 
 class DataError(ValueError):
-    """A malformed dataset row; the message names the row index and the field."""
+    """A malformed dataset (status ``invalid``): the message names the file and line, or the row,
+    and the field. ``row``: the row of the loaded dataset it is about (None: not one row); a
+    message that starts with ``row N:`` (the convention of every row check) says it."""
+
+    def __init__(self, message: str, row: int | None = None):
+        super().__init__(message)
+        if row is None:
+            m = re.match(r"row (\d+):", message)
+            row = int(m.group(1)) if m else None
+        self.row = row
+
+
+class DataSource(Protocol):
+    """What every ``data=`` option provides."""
+
+    name: str
+
+    def validate(self, ctx) -> list[str]:
+        """Problems found before anything is read (each names its fix)."""
+        ...
+
+    def load(self, ctx) -> Any:
+        """The rows, as a ``datasets.Dataset``."""
+        ...
+
+    def locate(self, ds: Any, row: int) -> str:
+        """Where row ``row`` of ``ds`` (what :meth:`load` returned) comes from, in words: a
+        file and line, a hub dataset's row."""
+        ...
+
+
+def original_row(ds: Any, row: int) -> int:
+    """The index, in the source as read, of row ``row`` of ``ds`` after :func:`limit` (datasets
+    keeps a selection or a shuffle as an indices mapping over the rows read)."""
+    mapping = getattr(ds, "_indices", None)
+    if mapping is None:
+        return row
+    return int(mapping.column(0)[row].as_py())
 
 
 def limit(ds, max_examples: int | None, seed: int | None = None):

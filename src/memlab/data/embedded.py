@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from memlab.registry import register
+from memlab.registry import PositiveInt, Seed, register
 
 
 @register("data", "embedded")
@@ -17,10 +17,10 @@ class Embedded:
 
     kind: Literal["auto", "chat", "text", "preference"] = "auto"
     """auto = what the method trains on (chat for SFT, preference pairs for DPO/Reward/KTO)."""
-    n_examples: int = 2000
-    seed: int = 0
-    median_tokens: int = 300
-    max_tokens: int = 6000
+    n_examples: PositiveInt = 2000
+    seed: Seed = 0
+    median_tokens: PositiveInt = 300
+    max_tokens: PositiveInt = 6000
 
     def validate(self, ctx) -> list[str]:
         errors = []
@@ -33,6 +33,9 @@ class Embedded:
                 f"{'/'.join(want)}; set data.kind=auto"
             )
         return errors
+
+    def locate(self, ds, row: int) -> str:
+        return f"generated example {row} (data=embedded, seed {self.seed})"
 
     def load(self, ctx):
         import datasets

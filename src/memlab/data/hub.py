@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memlab.data.base import limit
-from memlab.registry import register
+from memlab.data.base import limit, original_row
+from memlab.registry import PositiveInt, Seed, register
 
 
 @register("data", "hub")
@@ -20,12 +20,16 @@ class Hub:
     split: str = "train"
     revision: str | None = None
     data_dir: str | None = None
-    max_examples: int | None = None
+    max_examples: PositiveInt | None = None
     """Keep only this many rows (a seeded sample when shuffle_seed is set)."""
-    shuffle_seed: int | None = None
+    shuffle_seed: Seed | None = None
 
     def validate(self, ctx) -> list[str]:
         return [] if self.path else ["data.path must name a hub dataset, e.g. trl-lib/Capybara"]
+
+    def locate(self, ds, row: int) -> str:
+        name = f"{self.path}" + (f" ({self.config_name})" if self.config_name else "")
+        return f"{name} split {self.split!r} row {original_row(ds, row)}"
 
     def load(self, ctx):
         import datasets

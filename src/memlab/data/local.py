@@ -1,13 +1,20 @@
-"""`data=local`: your own jsonl / json / parquet / csv file(s) through ``datasets``."""
+"""`data=local`: your own jsonl / json / parquet / csv file(s) through ``datasets``.
+
+A file ``datasets`` cannot read is read again here to say where and why: the file and line of
+malformed JSON, a row that is not an object, a field whose type changes between rows. An empty
+file is reported before anything loads; a row that a method rejects is named by file and line
+(:meth:`Local.locate`).
+"""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from memlab.data.base import limit
-from memlab.registry import register
+from memlab.data.base import DataError, limit, original_row
+from memlab.registry import PositiveInt, Seed, register
 
 _BY_SUFFIX = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -21,8 +28,8 @@ class Local:
     path: str = "???"
     """A file, a glob, or a directory of files of one format."""
     format: Literal["auto", "json", "parquet", "csv"] = "auto"
-    max_examples: int | None = None
-    shuffle_seed: int | None = None
+    max_examples: PositiveInt | None = None
+    shuffle_seed: Seed | None = None
 
     def _files(self) -> list[str]:
         p = Path(self.path).expanduser()
@@ -45,11 +52,116 @@ class Local:
             return [f"data.path={self.path!r}: no such file (or no jsonl/json/parquet/csv in it)"]
         if self.format == "auto" and Path(files[0]).suffix not in _BY_SUFFIX:
             return [f"data.path={self.path!r}: unknown format; set data.format=json|parquet|csv"]
-        return []
+        return [f"data.path={self.path!r}: {f} is empty; give it rows (or remove it)"
+                for f in files if _is_empty(Path(f))]
 
     def load(self, ctx):
         import datasets
 
         files = self._files()
-        ds = datasets.load_dataset(self._format(files), data_files=files, split="train")
+        fmt = self._format(files)
+        try:
+            ds = datasets.load_dataset(fmt, data_files=files, split="train")
+        except Exception as e:  # noqa: BLE001 - read again to say where and why
+            problem = _diagnose(files) if fmt == "json" else None
+            if problem is not None:
+                raise DataError(problem) from e
+            raise DataError(f"data.path={self.path!r}: datasets cannot read "
+                            f"{', '.join(files)} as {fmt}: {type(e).__name__}: {e}") from e
         return limit(ds, self.max_examples, self.shuffle_seed)
+
+    def locate(self, ds, row: int) -> str:
+        """``"<file> line <n>"`` (jsonl / csv), ``"<file> item <n>"`` (a JSON array) or
+        ``"<file> row <n>"`` (parquet) of the loaded dataset's row ``row``."""
+        index = original_row(ds, row)
+        files = self._files()
+        fmt = self._format(files)
+        for f in files:
+            places = _places(Path(f), fmt)
+            if index < len(places):
+                return f"{f} {places[index]}"
+            index -= len(places)
+        return f"{', '.join(files)} row {original_row(ds, row)}"
+
+
+def _is_empty(path: Path) -> bool:
+    """No bytes, or (small files) nothing but whitespace."""
+    size = path.stat().st_size
+    return size == 0 or (size < 65536 and not path.read_bytes().strip())
+
+
+def _places(path: Path, fmt: str) -> list[str]:
+    """Where each row of one file is, in the order ``datasets`` reads them."""
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        return [f"row {i}" for i in range(pq.ParquetFile(path).metadata.num_rows)]
+    if fmt == "csv":
+        import csv
+
+        with path.open(newline="", encoding="utf-8") as f:
+            reader = csv.reader(f)
+            next(reader, None)  # the header
+            out = []
+            start = reader.line_num + 1
+            for _ in reader:
+                out.append(f"line {start}")
+                start = reader.line_num + 1
+            return out
+    text = path.read_text(encoding="utf-8")
+    if text.lstrip().startswith("["):
+        return [f"item {i}" for i in range(len(json.loads(text)))]
+    return [f"line {n}" for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+
+
+def _diagnose(files: list[str]) -> str | None:
+    """The first problem that stops JSON files from being read as rows, with its file and line:
+    malformed JSON, a row that is not an object, a field whose type differs from earlier rows
+    (None: none found)."""
+    for name in files:
+        path = Path(name)
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if text.lstrip().startswith("["):  # one JSON array of rows
+            try:
+                rows = json.loads(text)
+            except json.JSONDecodeError as e:
+                return f"{path} line {e.lineno} column {e.colno}: malformed JSON ({e.msg})"
+            numbered = [(f"item {i}", r) for i, r in enumerate(rows)]
+        else:  # JSON lines
+            numbered = []
+            for n, line in enumerate(text.splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
+                    numbered.append((f"line {n}", json.loads(line)))
+                except json.JSONDecodeError as e:
+                    return (f"{path} line {n}: malformed JSON ({e.msg} at column {e.colno}); "
+                            "each line of a .jsonl file must be one JSON object")
+        types: dict[str, tuple[str, str]] = {}
+        for where, row in numbered:
+            if not isinstance(row, dict):
+                return (f"{path} {where}: a row must be a JSON object with named fields, got "
+                        f"{type(row).__name__}")
+            for key, value in row.items():
+                kind = _kind(value)
+                if kind == "null":
+                    continue
+                seen = types.setdefault(key, (kind, where))
+                if seen[0] != kind:
+                    return (f"{path} {where}: field '{key}' is {kind}, but {seen[1]} has "
+                            f"{seen[0]}; every row must give a field the same type")
+    return None
+
+
+def _kind(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "a list"
+    return "an object"

@@ -45,6 +45,8 @@ from typing import ClassVar, Literal, Protocol
 import torch
 from torch import nn
 
+from memlab.registry import Port, PositiveInt
+
 
 class Distributed(Protocol):
     """What every ``distributed=`` option provides (module docstring)."""
@@ -87,13 +89,13 @@ def external_launch() -> bool:
 class Ranks:
     """What every multi-process option shares: how many ranks, the process group, sums."""
 
-    nproc: int | None = None
+    nproc: PositiveInt | None = None
     """Ranks on this machine. None: one per visible GPU on CUDA, 2 on CPU."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """auto: nccl on CUDA, gloo on CPU."""
-    timeout_s: int = 1800
+    timeout_s: PositiveInt = 1800
     """How long a rank waits in a collective before the run fails (a dead peer)."""
-    master_port: int = 0
+    master_port: Port = 0
     """Rendezvous port on 127.0.0.1; 0 picks a free one."""
 
     owns_step: ClassVar[bool] = False

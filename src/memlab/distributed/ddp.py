@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from memlab.distributed.base import Ranks
-from memlab.registry import register
+from memlab.registry import PositiveFloat, register
 from memlab.trainer.routing import Routed
 
 
@@ -28,7 +28,7 @@ from memlab.trainer.routing import Routed
 class DDP(Ranks):
     """Data parallel: every rank a full replica, gradients all-reduced in backward."""
 
-    bucket_cap_mb: float = 25.0
+    bucket_cap_mb: PositiveFloat = 25.0
     """Gradient bucket size: larger buckets, fewer all-reduce calls, more memory in flight."""
     gradient_as_bucket_view: bool = True
     """Gradients are views into the buckets (saves one gradient-sized copy)."""

@@ -34,13 +34,13 @@ import contextlib
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import torch
 from torch import nn
 
 from memlab.distributed.base import Ranks, env_rank
-from memlab.registry import register
+from memlab.registry import NonNegativeInt, PositiveInt, Range, register
 from memlab.trainer.optim import build_optimizer
 from memlab.trainer.routing import Routed, unwrap
 
@@ -78,7 +78,7 @@ class DeepSpeed(Ranks):
     owns_step: ClassVar[bool] = True
     checkpoint_format: ClassVar[str] = "native"
 
-    zero_stage: int = 2
+    zero_stage: Annotated[int, Range(ge=0, le=3)] = 2
     """0: replicate everything; 1: shard optimizer state; 2: + gradients; 3: + parameters."""
     offload_optimizer: Literal["none", "cpu"] = "none"
     """ZeRO-Offload: optimizer state and the optimizer step on the host (CUDA runs, stage >= 1)."""
@@ -90,22 +90,22 @@ class DeepSpeed(Ranks):
     """Overlap gradient reduction with backward (more bucket memory in flight)."""
     contiguous_gradients: bool = True
     """Copy gradients into one contiguous buffer as they are produced (less fragmentation)."""
-    reduce_bucket_size: int | None = None
+    reduce_bucket_size: PositiveInt | None = None
     """Elements reduced at a time. With ``contiguous_gradients`` DeepSpeed allocates a buffer of
     this many gradient elements up front (its own default, 5e8, is 2 GB in fp32 whatever the
     model). None: hidden_size^2, like the Hugging Face integration's "auto"."""
-    allgather_bucket_size: int | None = None
+    allgather_bucket_size: PositiveInt | None = None
     """Elements all-gathered at a time after the step (stages 1-2). None: hidden_size^2."""
-    stage3_prefetch_bucket_size: int | None = None
+    stage3_prefetch_bucket_size: NonNegativeInt | None = None
     """Elements of upcoming layers gathered ahead (stage 3). None: 0.9 x hidden_size^2."""
-    stage3_param_persistence_threshold: int | None = None
+    stage3_param_persistence_threshold: NonNegativeInt | None = None
     """Parameters smaller than this stay gathered on every rank (stage 3: norms, biases).
     None: 10 x hidden_size."""
-    stage3_max_live_parameters: int = 1_000_000_000
+    stage3_max_live_parameters: PositiveInt = 1_000_000_000
     """Most gathered elements alive at once (stage 3). Measured here: a model below it stays
     gathered through forward and backward (the shards *plus* the whole weights at the peak);
     ``memlab estimate`` models the gathered bytes as min(all weights, max(two units, this))."""
-    stage3_max_reuse_distance: int = 1_000_000_000
+    stage3_max_reuse_distance: NonNegativeInt = 1_000_000_000
     """A gathered parameter used again within this many gathered elements is not released
     (stage 3). Lowering it did not lower the measured CPU peak of a 29M-weight model."""
     config: dict[str, Any] = field(default_factory=dict)
@@ -199,6 +199,7 @@ class DeepSpeed(Ranks):
             if get_accelerator().device_name() != "cpu":
                 raise RuntimeError("DeepSpeed selected a GPU accelerator for a CPU run; set "
                                    "DS_ACCELERATOR=cpu")
+            _skip_shm_comm()
         deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
 
     def wrap(self, model: nn.Module, ctx) -> nn.Module:
@@ -329,3 +330,26 @@ class DeepSpeed(Ranks):
 
     def shards_states(self) -> bool:
         return self.zero_stage >= 1
+
+
+def _skip_shm_comm() -> None:
+    """Keep DeepSpeed from building its CPU shared-memory all-reduce kernel.
+
+    DeepSpeed's comm layer compiles that kernel (a JIT C++ build, about a minute on 2 cores) the
+    first time it starts on the CPU, every rank waiting on torch's extension lock. Only its
+    inference all-reduce uses the kernel; training goes through the gloo process group. A build
+    that is stopped half-way (a rank killed by the launcher, a CI timeout) leaves the lock file
+    behind, and every later DeepSpeed run then waits on it forever. DeepSpeed reads which ops it
+    may build from ``deepspeed.ops.__compatible_ops__`` (one dict, kept once probed); marking
+    the kernel unavailable there is DeepSpeed's own fallback for machines that cannot build it.
+    """
+    import deepspeed.ops
+    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+
+    ops = deepspeed.ops.__compatible_ops__
+    if ShareMemCommBuilder.NAME not in ops:
+        raise RuntimeError(f"deepspeed {deepspeed.__version__} no longer lists "
+                           f"{ShareMemCommBuilder.NAME!r} among its ops; memlab's CPU setup "
+                           "needs updating")
+    ops[ShareMemCommBuilder.NAME] = False
+

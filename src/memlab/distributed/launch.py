@@ -11,8 +11,12 @@ their own; sweeps would also need one torchrun per job. Here the Hydra job stays
     run_dir/ranks/rank<r>.log      ranks >= 1 (rank 0 prints to the terminal)
     run_dir/summary.json           the merge: rank 0's record, per-rank memory, summed speed
 
-A rank that fails (an OOM on one GPU included) fails the run with that rank's error; the other
-ranks, stuck in a collective, are stopped after ``GRACE_S`` seconds.
+A rank that fails (an OOM on one GPU included) ends the run with that rank's status and error:
+when several ranks end badly, the first cause wins (:data:`CAUSES`: a rank killed by the OS
+out-of-memory killer or by someone, ``killed``, before the collective errors it causes in the
+others); the other ranks, stuck in a collective, are stopped after ``GRACE_S`` seconds. When the
+run itself is stopped (SIGINT / SIGTERM), its ranks are stopped too and record ``interrupted``
+with what they measured, which is merged before the run records its own end.
 
 Under an external launcher (``torchrun``) every process is a rank already
 (``memlab.run.run_external``); :func:`merge` combines their records the same way.
@@ -32,9 +36,17 @@ from typing import Any
 
 GRACE_S = 20.0
 
+CAUSES = ("oom", "killed", "nan", "invalid", "failed", "timeout", "interrupted")
+"""Rank statuses from the most to the least likely root cause of a run's end."""
+
 
 class RankFailed(RuntimeError):
-    """A rank did not finish; the message is that rank's error (OOMs keep their wording)."""
+    """A rank did not finish; the message is that rank's error (OOMs keep their wording),
+    ``status`` the run's status and ``signal`` the signal that ended that rank (if one did)."""
+
+    def __init__(self, message: str, status: str = "failed", signal: str | None = None):
+        super().__init__(message)
+        self.status, self.signal = status, signal
 
 
 def free_port() -> int:
@@ -46,6 +58,7 @@ def free_port() -> int:
 def launch(ctx, summary: dict[str, Any], worker: str) -> None:
     """Start ``ctx.world_size`` ranks of the job in ``summary`` (each ``python -m <worker>
     RUN_DIR``) and merge their results into it. Raises RankFailed when a rank failed."""
+    from memlab.measure.outcome import Interrupted, OomWatch
     from memlab.measure.summary import write_atomic
 
     n = ctx.world_size
@@ -62,6 +75,7 @@ def launch(ctx, summary: dict[str, Any], worker: str) -> None:
     if os.environ.get("PYTHONPATH"):
         path.append(os.environ["PYTHONPATH"])
     procs: list[subprocess.Popen] = []
+    watches: list[OomWatch] = []
     logs = []
     try:
         for r in range(n):
@@ -75,14 +89,22 @@ def launch(ctx, summary: dict[str, Any], worker: str) -> None:
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", worker, str(run_dir)], env=env,
                 stdout=out, stderr=subprocess.STDOUT if out else None))
+            watches.append(OomWatch(procs[-1].pid))
         codes = _wait(procs)
+    except Interrupted:  # the run is stopped: so are its ranks, which record what they measured
+        codes = _stop(procs)
+        try:
+            merge(summary, ranks, n, codes, watches)
+        except RankFailed:
+            pass
+        raise
     except BaseException:
         _stop(procs)
         raise
     finally:
         for f in logs:
             f.close()
-    merge(summary, ranks, n, codes)
+    merge(summary, ranks, n, codes, watches)
 
 
 def _wait(procs: list[subprocess.Popen]) -> list[int | None]:
@@ -100,7 +122,9 @@ def _wait(procs: list[subprocess.Popen]) -> list[int | None]:
         time.sleep(0.1)
 
 
-def _stop(procs: list[subprocess.Popen]) -> None:
+def _stop(procs: list[subprocess.Popen]) -> list[int | None]:
+    """SIGTERM to every rank still running (each records ``interrupted``), SIGKILL after 10 s;
+    every exit code."""
     for p in procs:
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
@@ -111,10 +135,14 @@ def _stop(procs: list[subprocess.Popen]) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+    return [p.returncode for p in procs]
 
 
-def merge(summary: dict[str, Any], ranks: Path, n: int, codes: list[int | None]) -> None:
-    """Rank 0's record, plus what differs per rank; throughput summed over ranks."""
+def merge(summary: dict[str, Any], ranks: Path, n: int, codes: list[int | None],
+          watches: list[Any] | None = None) -> None:
+    """Rank 0's record, plus what differs per rank; throughput summed over ranks. Raises
+    :class:`RankFailed` with the run's status when a rank did not finish (``watches``: each
+    rank's :class:`memlab.measure.outcome.OomWatch`, to tell the OOM killer from a kill)."""
     recs: list[dict[str, Any] | None] = []
     for r in range(n):
         f = ranks / f"rank{r}.json"
@@ -153,8 +181,29 @@ def merge(summary: dict[str, Any], ranks: Path, n: int, codes: list[int | None])
         summary["throughput"] = thr
         summary["data"]["tokens_trained"] = sum(x["data"]["tokens_trained"] for x in ok)
     if bad:
-        r, rec = bad[0]
-        if rec is None:
-            raise RankFailed(f"rank {r} exited with code {codes[r]} and wrote no summary "
-                             f"(killed? see {ranks}/rank{r}.log)")
-        raise RankFailed(f"rank {r} {rec['status']}: {rec.get('error')}")
+        raise _first_cause(bad, codes, ranks, watches)
+
+
+def _first_cause(bad: list[tuple[int, dict[str, Any] | None]], codes: list[int | None],
+                 ranks: Path, watches: list[Any] | None) -> RankFailed:
+    """The error of the rank whose end most likely caused the others' (:data:`CAUSES`)."""
+    from memlab.measure.outcome import killed_status
+
+    found = []
+    for r, rec in bad:
+        code = codes[r] if r < len(codes) else None
+        if rec is not None:
+            status, why, sig = rec["status"], rec.get("error"), rec.get("signal")
+        elif code is not None and code < 0:
+            status, why = killed_status(-code, watches[r] if watches else None)
+            try:
+                sig = signal.Signals(-code).name
+            except ValueError:
+                sig = None
+        else:
+            status, why, sig = "failed", (f"exited with code {code} and wrote no summary "
+                                          f"(see {ranks}/rank{r}.log)"), None
+        rank_of = CAUSES.index(status) if status in CAUSES else len(CAUSES)
+        found.append((rank_of, r, status, why, sig))
+    _, r, status, why, sig = min(found)
+    return RankFailed(f"rank {r} {status}: {why}", status=status, signal=sig)

@@ -35,16 +35,22 @@ packing, the packing strategy's own ``apply``), so shapes and masks cannot drift
   no padding (a DPO pair of one row), in its last completion only, with the same shapes;
   ``widest`` = the rows with the longest value of each token column together (a collate that
   pads a prompt block and a completion block separately, like GKD's, is widest so).
+- methods whose units pack in groups (preference pairs:
+  :class:`~memlab.packing.groups.GroupPacked`) with packing: ``fullest pack`` = of the
+  micro-batches (one item each) ``packing.apply`` makes of the ``4 * batch_size`` longest
+  generated units, the one with the most token slots (``batch_size`` full rows when the pairs
+  are long).
 
 A candidate that collates to a batch needing no more memory than another one (the same mask
 decisions and documents, no dimension larger: :func:`signature`, :func:`dominated`) is dropped.
 ``--from-data`` (:func:`run_batches`) measures the run's own micro-batches the same way: every
 micro-batch its steps draw from its :class:`~memlab.trainer.batch.BatchStream`, dominated ones
-dropped. Later kinds of rows (e.g. packed preference pairs) add a branch to :func:`candidates`.
+dropped.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -58,6 +64,7 @@ from memlab.estimate.options import EstimateError
 from memlab.measure.data import DataStats
 from memlab.method._online import join
 from memlab.method.base import shifted_labels
+from memlab.packing.groups import GroupPacked
 from memlab.trainer.batch import Batch, Segments
 
 
@@ -99,7 +106,12 @@ def candidates(ctx, tokenizer, length: int, docs_per_row: int | None = None
     """The worst-case candidates of one micro-batch (module docstring), in the order measured;
     duplicates in memory are not removed here (:func:`distinct`)."""
     method, packing = ctx.method, ctx.packing
-    if not method.supports_packing:
+    if isinstance(method, GroupPacked) and packing.packs:
+        return [Candidate("fullest pack", [_largest_pack(ctx, tokenizer, length)],
+                          f"the fullest of the micro-batches packing={packing.name} makes of "
+                          f"the longest generated {method.data_kinds[0]} rows "
+                          f"({ctx.train.batch_size} rows of up to {length} tokens)")]
+    if not method.supports_packing or isinstance(method, GroupPacked):
         return _generic_candidates(ctx, tokenizer, length)
     if packing.packs:
         counts = [docs_per_row] if docs_per_row else sorted({1, min(2, length)})
@@ -132,6 +144,22 @@ def _packed(ctx, tokenizer, length: int, docs: int) -> Candidate:
                                  f"(packing={packing.name})")
 
 
+def _largest_pack(ctx, tokenizer, length: int) -> dict:
+    """The packed item (one micro-batch) that collates to the most token slots (then real
+    tokens), of the ``4 * batch_size`` longest generated units packed by the run's option."""
+    more = dataclasses.replace(ctx, train=dataclasses.replace(
+        ctx.train, batch_size=4 * ctx.train.batch_size))
+    ds = _generic_prepared(more, tokenizer, length)
+    size = _sizes(ctx, ds)
+    order = sorted(range(len(ds)), key=lambda i: -size[i])
+    units = datasets.Dataset.from_list(_pick(ds, order, 4 * ctx.train.batch_size))
+    packed, _ = ctx.packing.apply(units, DataStats(rows=len(units), examples=len(units)), ctx)
+    items = [packed[i] for i in range(len(packed))]
+    sizes = [(b.total_tokens, b.real_tokens)
+             for b in (ctx.method.collate([item], tokenizer, ctx) for item in items)]
+    return items[max(range(len(items)), key=sizes.__getitem__)]
+
+
 def _generic_prepared(ctx, tokenizer, length: int):
     """Generated rows of the method's data kind around ``length`` tokens through its own
     ``prepare`` (format, tokenize, truncate or drop)."""
@@ -155,6 +183,15 @@ def _generic_prepared(ctx, tokenizer, length: int):
 def _token_columns(row: dict) -> list[str]:
     return [c for c, v in row.items() if (c.endswith("_ids") or c == "input_ids")
             and isinstance(v, list)]
+
+
+def _sizes(ctx, ds) -> list[int]:
+    """Tokens of each prepared row: all its token columns (methods that generate their
+    completions: its prompt)."""
+    cols = _token_columns(ds[0])
+    sized = ["prompt_ids"] if ctx.method.generates() and "prompt_ids" in cols else cols
+    lens = [ds[c] for c in sized]
+    return [sum(len(col[i]) for col in lens) for i in range(len(ds))]
 
 
 def _pick(ds, order: list[int], bs: int) -> list[dict]:
@@ -201,8 +238,7 @@ def _generic_candidates(ctx, tokenizer, length: int) -> list[Candidate]:
     bs, kind = ctx.train.batch_size, ctx.method.data_kinds[0]
     cols = _token_columns(ds[0])
     lens = {c: [len(x) for x in ds[c]] for c in cols}
-    sized = ["prompt_ids"] if ctx.method.generates() and "prompt_ids" in cols else cols
-    total = [sum(lens[c][i] for c in sized) for i in range(len(ds))]
+    total = _sizes(ctx, ds)
     by_total = sorted(range(len(ds)), key=lambda i: -total[i])
     rows = _pick(ds, by_total, bs)
     what = f"generated {kind} rows through method.prepare (max_length={length})"

@@ -325,7 +325,7 @@ def run_fake_step(ctx, opts: EstimateOptions, notes: list[str]) -> dict[str, Any
         with mode, hooks():
             yield
 
-    bs, world = ctx.train.batch_size, ctx.world_size
+    world = ctx.world_size
     prepare = None  # from_data: the run's own data preparation
     if cands is not None:
         rows = [r for c in cands for r in c.rows * world]  # each rank's slice: the candidate
@@ -368,10 +368,13 @@ def run_fake_step(ctx, opts: EstimateOptions, notes: list[str]) -> dict[str, Any
             notes.append("method.before_training ran on the synthetic rows (untracked, as "
                          f"before step 0) and added {', '.join(added)}; models kept for "
                          f"training: {', '.join(sorted(models))}")
-        for k, c in enumerate(cands):  # the rows as the pipeline prepared them
-            cols = pipe.dataset[k * bs * world: k * bs * world + bs]
-            c.rows = [{name: cols[name][i] for name in cols} for i in range(bs)]
+        start = 0
+        for c in cands:  # the rows as the pipeline prepared them (a packed group: one item)
+            n = len(c.rows)
+            cols = pipe.dataset[start: start + n]
+            c.rows = [{name: cols[name][i] for name in cols} for i in range(n)]
             c.batch = collate(c.rows)
+            start += n * world
         cands = distinct(cands, key=lambda c: c.batch)
     micro = min(max(1, ctx.train.grad_accum), 2)
     if ctx.train.grad_accum > 2:

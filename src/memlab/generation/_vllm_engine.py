@@ -109,8 +109,11 @@ def engine_kwargs(*, model: str, dtype: str, max_model_len: int | None,
 
 def sampling_kwargs(p: SamplingParams) -> dict[str, Any]:
     """vLLM ``SamplingParams`` keywords equal to ``p``: one completion, at most
-    ``max_new_tokens``, stopping at (and keeping) ``eos``, the sampled token's log-prob."""
-    return dict(n=1, max_tokens=p.max_new_tokens,
+    ``max_new_tokens``, stopping at (and keeping) ``eos`` and at nothing else, the sampled
+    token's log-prob. ``ignore_eos``: vLLM would otherwise also stop at the model config's
+    ``eos_token_id`` (even with ``generation_config='vllm'`` and no tokenizer), where
+    transformers' generate, given ``eos_token_id`` (or None), stops only at that one."""
+    return dict(n=1, max_tokens=p.max_new_tokens, ignore_eos=True,
                 temperature=0.0 if p.greedy else p.temperature,
                 top_p=1.0 if p.greedy else p.top_p,
                 top_k=0 if p.greedy or not p.top_k else p.top_k,

@@ -26,13 +26,13 @@ Importing this module never imports vLLM; the colocated engine imports it when i
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
 
 from memlab.generation._vllm_engine import INSTALL, ColocateEngine
 from memlab.generation.vllm_client import ServerEngine
-from memlab.registry import register
+from memlab.registry import PositiveFloat, PositiveInt, Range, Seed, register
 
 
 @register("generation", "vllm")
@@ -43,15 +43,15 @@ class Vllm:
     mode: Literal["colocate", "server"] = "colocate"
     """colocate: an engine in the training process; server: a `memlab vllm-serve` process."""
     # ---- the colocated engine (the server takes the same knobs on its own command line)
-    gpu_memory_utilization: float = 0.3
+    gpu_memory_utilization: Annotated[float, Range(gt=0, le=1)] = 0.3
     """Share of the GPU's memory vLLM may take for weights + KV cache (TRL's colocate default
     0.3). On CPU vLLM reads it as a share of host memory, used only without kv_cache_space_gib."""
-    kv_cache_space_gib: float | None = None
+    kv_cache_space_gib: PositiveFloat | None = None
     """KV-cache size in GiB (vLLM's ``kv_cache_memory_bytes``; on CPU what VLLM_CPU_KVCACHE_SPACE
     sets). None: 1 GiB on CPU, gpu_memory_utilization decides on CUDA."""
-    max_model_len: int | None = None
+    max_model_len: PositiveInt | None = None
     """Longest prompt + completion the engine holds; None = the model's context length."""
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: PositiveInt = 1
     """GPUs one engine is split over (server mode; colocate runs one engine per rank)."""
     enable_sleep_mode: bool = False
     """CUDA only: release the engine's weights and KV cache during the training step."""
@@ -65,16 +65,16 @@ class Vllm:
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
     """Log-probs vLLM returns: of the model (temperature 1, as the trainer computes them) or of
     the sampling distribution after temperature / top-p / top-k."""
-    seed: int | None = None
+    seed: Seed | None = None
     """Sampling seed of the engine; None = train.seed (+ rank)."""
     # ---- server mode
     host: str = "127.0.0.1"
-    port: int = 8000
-    server_timeout_s: float = 240.0
+    port: Annotated[int, Range(ge=1, le=65535)] = 8000
+    server_timeout_s: PositiveFloat = 240.0
     """How long the client waits for the server to answer its first health check."""
-    request_timeout_s: float = 600.0
+    request_timeout_s: PositiveFloat = 600.0
     """Longest one request (a generation batch, a weight chunk) may take."""
-    weight_chunk_mib: int = 64
+    weight_chunk_mib: PositiveInt = 64
     """Size of one weight upload (safetensors bytes) to the server."""
     # ---- sampler / trainer mismatch
     importance_sampling_correction: bool = False
@@ -82,7 +82,7 @@ class Vllm:
     ``vllm_importance_sampling_correction``)."""
     importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate",
                                       "sequence_mask"] = "token_truncate"
-    importance_sampling_cap: float = 3.0
+    importance_sampling_cap: PositiveFloat = 3.0
     """Ratios above the cap are cut to it (truncate) or zeroed (mask)."""
 
     # ------------------------------------------------------------------ validation

@@ -2,8 +2,9 @@
 
 Token level (:mod:`memlab.losses.token`):
 
-* :func:`token_logps`, :func:`sequence_logps`, :func:`segment_logps` -- label log-probs per
-  token, per (padded) sequence and per packed segment, without extra ``[..., V]`` copies.
+* :func:`token_logps` (:func:`forked_token_logps`: a second label at some positions),
+  :func:`sequence_logps`, :func:`segment_logps` -- label log-probs per token, per (padded)
+  sequence and per packed segment, without extra ``[..., V]`` copies.
 * :func:`chunked_linear_cross_entropy` / :class:`ChunkedCrossEntropy` -- cross-entropy of
   ``hidden @ weight.T`` computed over token chunks, never materializing the ``[N, V]`` logits.
 
@@ -26,6 +27,7 @@ from memlab.losses.token import (  # noqa: E402
     ChunkedCrossEntropy,
     LinearCrossEntropyFunction,
     chunked_linear_cross_entropy,
+    forked_token_logps,
     segment_logps,
     sequence_logps,
     token_logps,
@@ -38,6 +40,7 @@ __all__ = [
     "bradley_terry_loss",
     "chunked_linear_cross_entropy",
     "dpo_loss",
+    "forked_token_logps",
     "kto_kl_estimate",
     "kto_loss",
     "segment_logps",

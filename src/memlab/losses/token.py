@@ -28,6 +28,7 @@ __all__ = [
     "ChunkedCrossEntropy",
     "LinearCrossEntropyFunction",
     "chunked_linear_cross_entropy",
+    "forked_token_logps",
     "segment_logps",
     "sequence_logps",
     "token_logps",
@@ -69,12 +70,15 @@ def _chunks(n: int, size: int) -> list[tuple[int, int]]:
 
 
 class _TokenLogps(torch.autograd.Function):
-    """``logits[..., label] - logsumexp(logits)`` in fp32, masked; saves no ``[..., V]`` copy."""
+    """``logits[..., label] - logsumexp(logits)`` in fp32, masked; saves no ``[..., V]`` copy.
+    Also scores ``extra_labels`` at the flat positions ``extra_index`` (a second label at a
+    position), so that backward writes one gradient of the logits' size for both."""
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: FunctionCtx, logits: Tensor, labels: Tensor, ignore_index: int, chunk_tokens: int
-    ) -> Tensor:
+        ctx: FunctionCtx, logits: Tensor, labels: Tensor, ignore_index: int, chunk_tokens: int,
+        extra_index: Tensor, extra_labels: Tensor,
+    ) -> tuple[Tensor, Tensor]:
         valid = labels != ignore_index
         safe = labels.masked_fill(~valid, 0)
         x3 = _as_3d(logits)
@@ -86,16 +90,19 @@ class _TokenLogps(torch.autograd.Function):
         lse = lse.view(labels.shape)
         target = logits.gather(-1, safe.unsqueeze(-1)).squeeze(-1).to(acc)
         out = (target - lse).masked_fill_(~valid, 0.0)
-        ctx.save_for_backward(logits, safe, valid, lse)
+        at = torch.unravel_index(extra_index, labels.shape)
+        extra = logits[(*at, extra_labels)].to(acc) - lse[at]
+        ctx.save_for_backward(logits, safe, valid, lse, extra_index, extra_labels)
         ctx.chunk_tokens = chunk_tokens  # type: ignore[attr-defined]
-        return out
+        return out, extra
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: FunctionCtx, grad_out: Tensor) -> tuple[Tensor | None, None, None, None]:
-        logits, safe, valid, lse = ctx.saved_tensors  # type: ignore[attr-defined]
+    def backward(ctx: FunctionCtx, grad_out: Tensor, grad_extra: Tensor
+                 ) -> tuple[Tensor | None, None, None, None, None, None]:
+        logits, safe, valid, lse, extra_index, extra_labels = ctx.saved_tensors  # type: ignore[attr-defined]
         if not ctx.needs_input_grad[0]:  # type: ignore[attr-defined]
-            return None, None, None, None
+            return None, None, None, None, None, None
         # d logp_t / d logits_t = onehot(label_t) - softmax(logits_t)
         x3 = _as_3d(logits)
         col = (*x3.shape[:-1], 1)  # same [B, T] walk as forward, one column
@@ -109,7 +116,13 @@ class _TokenLogps(torch.autograd.Function):
                 p.mul_(-g3[b, s:e])
                 p.scatter_add_(-1, lab3[b, s:e], g3[b, s:e])
                 grad3[b, s:e].copy_(p)
-        return grad, None, None, None
+        if extra_index.numel():  # the extra labels' terms, added at their positions
+            at = torch.unravel_index(extra_index, safe.shape)
+            ge = grad_extra.to(lse.dtype).unsqueeze(-1)
+            p = (logits[at].to(lse.dtype) - lse[at].unsqueeze(-1)).exp_().mul_(-ge)
+            p.scatter_add_(-1, extra_labels.unsqueeze(-1), ge)
+            grad.index_put_(at, p.to(grad.dtype), accumulate=True)
+        return grad, None, None, None, None, None
 
 
 def token_logps(
@@ -138,7 +151,26 @@ def token_logps(
         chunk_tokens = max(1, _LOGPS_CHUNK_ELEMENTS // max(1, logits.shape[-1]))
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-    return _TokenLogps.apply(logits, labels, ignore_index, chunk_tokens)
+    none = torch.zeros(0, dtype=torch.long, device=labels.device)
+    return _TokenLogps.apply(logits, labels, ignore_index, chunk_tokens, none, none)[0]
+
+
+def forked_token_logps(
+    logits: Tensor, labels: Tensor, extra_index: Tensor, extra_labels: Tensor,
+    ignore_index: int = -100, chunk_tokens: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """:func:`token_logps` plus a second label at some positions: ``(per-token log-probs,
+    log p(extra_labels[k]) at flat position extra_index[k] of labels.shape)``. A shared prompt's
+    last token predicts the first token of every completion after it; scoring those forks here,
+    not by indexing the logits, keeps backward at one ``[..., V]`` gradient."""
+    if logits.shape[:-1] != labels.shape or extra_index.shape != extra_labels.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} / labels {tuple(labels.shape)}, "
+                         f"extra_index {tuple(extra_index.shape)} / extra_labels "
+                         f"{tuple(extra_labels.shape)} do not match")
+    if chunk_tokens is None:
+        chunk_tokens = max(1, _LOGPS_CHUNK_ELEMENTS // max(1, logits.shape[-1]))
+    return _TokenLogps.apply(logits, labels, ignore_index, chunk_tokens, extra_index.long(),
+                             extra_labels.long())
 
 
 def sequence_logps(

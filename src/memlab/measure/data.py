@@ -18,6 +18,9 @@ class DataStats:
     examples_dropped: int = 0
     fill_ratio: float | None = None
     packing_seconds: float | None = None
+    trainable_tokens: int | None = None
+    """Tokens the loss trains on (labels, or the tokens of non-empty completions); None where
+    the method does not count them (online methods generate what they train on)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:

@@ -42,6 +42,62 @@ def write_atomic(path: Path | str, obj: Any) -> None:
         raise
 
 
+FALLBACK_ENV = "MEMLAB_FALLBACK_DIR"
+"""Where summaries go first when their own directory cannot be written (default: the temp dir's
+``memlab-unsaved/``, then ``~/.memlab/unsaved/``)."""
+
+
+def fallback_paths(path: Path | str) -> list[Path]:
+    """The places, in order, for a record meant for ``path`` that cannot be written there; the
+    file is named after the whole path it was meant for, so records of different runs never
+    collide and a launcher finds its job's record again."""
+    full = os.path.abspath(str(path))
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", full.strip("/"))
+    if len(name) > 200:  # file names have a limit; keep the end (the run's own dirs) + a hash
+        import hashlib
+
+        name = hashlib.sha1(full.encode()).hexdigest()[:12] + "_" + name[-180:]
+    dirs = [os.environ.get(FALLBACK_ENV), os.path.join(tempfile.gettempdir(), "memlab-unsaved"),
+            os.path.join(os.path.expanduser("~"), ".memlab", "unsaved")]
+    return [Path(d) / name for d in dirs if d]
+
+
+def write_summary(path: Path | str, obj: dict[str, Any]) -> tuple[Path, str | None]:
+    """:func:`write_atomic` ``obj`` to ``path``; when that fails (the run dir is unwritable, gone,
+    full...), to the first of :func:`fallback_paths` that works, with ``obj["write_error"]``
+    naming both. Returns ``(where it was written, the error or None)``; raises the first
+    OSError only when nothing could be written anywhere."""
+    path = Path(path)
+    try:
+        write_atomic(path, obj)
+        return path, None
+    except OSError as first:
+        error = first
+    for alt in fallback_paths(path):
+        obj["write_error"] = (f"could not write {path} ({type(error).__name__}: {error}); "
+                              f"this record was written to {alt} instead")
+        try:
+            write_atomic(alt, obj)
+            return alt, obj["write_error"]
+        except OSError:
+            continue
+    obj.pop("write_error", None)
+    raise error
+
+
+def read_summary(path: Path | str) -> dict[str, Any] | None:
+    """The record written for ``path`` (there, or at a fallback path); None when there is none
+    or it cannot be read."""
+    for p in (Path(path), *fallback_paths(path)):
+        try:
+            data = json.loads(p.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict):
+            return data
+    return None
+
+
 class _suppress:
     def __enter__(self):
         return self
@@ -172,8 +228,17 @@ def format_table(s: dict[str, Any]) -> str:
             + (f", fill {fill:.3f}" if fill is not None else "")
         )
     tr = s.get("train") or {}
-    if tr.get("final_loss") is not None:
-        lines.append(f"train: {tr.get('steps')} steps, final loss {tr['final_loss']:.4f}")
+    if tr:
+        steps, planned = tr.get("steps"), tr.get("steps_planned")
+        done = f"{steps} of {planned}" if planned not in (None, steps) else f"{steps}"
+        loss = (f", final loss {tr['final_loss']:.4f}" if tr.get("final_loss") is not None
+                else "")
+        nan = f", non-finite loss at step {tr['nan_step']}" if tr.get("nan_step") else ""
+        lines.append(f"train: {done} steps{loss}{nan}")
+    for err in (s.get("checkpoint") or {}).get("errors") or []:
+        lines.append(f"checkpoint NOT written: {err}")
+    if s.get("write_error"):
+        lines.append(f"summary: {s['write_error']}")
     width = max(len(x) for x in lines)
     bar = "=" * min(width, 100)
     return "\n".join([bar, *lines, bar])

@@ -19,7 +19,7 @@ value and carries the policy gradient).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import torch
 from torch import nn
@@ -27,23 +27,23 @@ from torch import nn
 from memlab.data.base import DataError, check_messages, check_text
 from memlab.generation.base import GenerationEnv, Samples, SamplingParams
 from memlab.losses import token_logps
-from memlab.method import _preference as P
-from memlab.method import _rewards
+from memlab.method import _overrides, _reference, _rewards, _rows
 from memlab.method.base import IGNORE, Batch, DataStats, ModelFactory, model_inputs
+from memlab.registry import NonNegativeFloat, PositiveFloat, PositiveInt, Range
 
 
 @dataclass(kw_only=True)
 class Online:
     """Knobs every online method has, named as in TRL's GRPOConfig / RLOOConfig."""
 
-    num_generations: int = 4
+    num_generations: PositiveInt = 4
     """Completions sampled per prompt (the group whose mean reward is the baseline)."""
-    max_prompt_length: int | None = 256
+    max_prompt_length: PositiveInt | None = 256
     """Prompt tokens kept, cut from the left. None = no limit."""
-    max_completion_length: int = 64
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int | None = None
+    max_completion_length: PositiveInt = 64
+    temperature: PositiveFloat = 1.0
+    top_p: Annotated[float, Range(gt=0, le=1)] = 1.0
+    top_k: PositiveInt | None = None
     rewards: list[str] = field(default_factory=lambda: ["length"])
     """Built-in reward names (length, finished, reference_f1) or 'package.module:function'."""
     reward_models: list[dict[str, Any]] = field(default_factory=list)
@@ -52,17 +52,17 @@ class Online:
     model=hf (its own tokenizer) or ``{hidden_size: 64, seed: 3}`` for model=tiny. A model
     scores the prompt text + the completion text (its tokenizer, no extra special tokens), in
     the generate phase; each is one more model in memory."""
-    reward_weights: list[float] | None = None
+    reward_weights: list[Annotated[float, Range()]] | None = None
     """One weight per reward function, then one per reward model (default 1 each)."""
-    target_length: int = 24
+    target_length: PositiveInt = 24
     """Completion length (tokens) the built-in 'length' reward peaks at."""
-    beta: float = 0.0
+    beta: NonNegativeFloat = 0.0
     """KL strength to the reference; 0 loads no reference model."""
     reference: Literal["copy", "adapter_disabled"] = "copy"
     """With beta > 0: a frozen copy, or the LoRA policy with its adapter off."""
     mask_truncated_completions: bool = False
     """Leave completions that hit max_completion_length without EOS out of the loss."""
-    num_iterations: int = 1
+    num_iterations: PositiveInt = 1
     """Optimizer steps per generation batch (TRL's num_iterations, PPO's num_ppo_epochs): the
     step's rollouts are generated once and trained on this many times; from the second
     step on the policy has moved, so the probability ratio to the log-probs recorded at
@@ -82,7 +82,7 @@ class Online:
 
     # ------------------------------------------------------------------ validation
     def validate(self, ctx) -> list[str]:
-        errors = P.length_errors(self, ["max_prompt_length", "max_completion_length"])
+        errors = _rows.length_errors(self, ["max_prompt_length", "max_completion_length"])
         if self.num_generations < self.min_generations:
             errors.append(f"method.num_generations must be >= {self.min_generations}: the "
                           f"advantage compares completions of the same prompt (got "
@@ -119,7 +119,7 @@ class Online:
                           f"method.num_iterations={self.num_iterations} (checkpoints are taken "
                           "between generation batches)")
         if self.beta > 0:
-            errors += P.reference_errors(self, ctx)
+            errors += _reference.reference_errors(self, ctx)
         return errors
 
     def _reward_model_errors(self, ctx) -> list[str]:
@@ -130,10 +130,10 @@ class Online:
                 errors.append(f"{where} must be a mapping of model-group overrides, e.g. "
                               f"{{name_or_path: my/reward-model}} (got {entry!r})")
                 continue
-            unknown = P.override_key_errors(ctx, entry, where)
+            unknown = _overrides.override_key_errors(ctx, entry, where)
             errors += unknown
             if not unknown and entry:
-                errors += P.overridden_model_errors(ctx, entry, where)
+                errors += _overrides.overridden_model_errors(ctx, entry, where)
         return errors
 
     # ------------------------------------------------------------------ data
@@ -149,7 +149,7 @@ class Online:
 
         def fn(row: dict, idx: int) -> list[dict]:
             prompt, reference = _prompt_and_reference(row, idx)
-            ids = P.encode_prompt(tokenizer, prompt, idx)
+            ids = _rows.encode_prompt(tokenizer, prompt, idx)
             n_in = len(ids)
             if limit is not None and len(ids) > limit:
                 ids = ids[len(ids) - limit:]
@@ -157,7 +157,7 @@ class Online:
                      "prompt_text": tokenizer.decode(ids, skip_special_tokens=False)}]
 
         key = ("grpo", limit, tokenizer.name_or_path, len(tokenizer))
-        out = P.map_rows(ds, fn, ["prompt_ids", "reference", "n_in", "prompt_text"], key,
+        out = _rows.map_rows(ds, fn, ["prompt_ids", "reference", "n_in", "prompt_text"], key,
                          "tokenize prompts")
         n_in = sum(out["n_in"])
         kept = sum(len(x) for x in out["prompt_ids"])
@@ -187,7 +187,7 @@ class Online:
 
     # ------------------------------------------------------------------ models
     def extra_models(self, policy, ctx, build: ModelFactory) -> dict[str, nn.Module]:
-        models = P.reference_models(self, policy, ctx, build) if self.beta > 0 else {}
+        models = _reference.reference_models(self, policy, ctx, build) if self.beta > 0 else {}
         return {**models, **self.reward_model_instances(build)}
 
     def reward_model_instances(self, build: ModelFactory) -> dict[str, nn.Module]:
@@ -206,6 +206,9 @@ class Online:
 
     def row_length(self) -> int | None:
         return self.max_prompt_length
+
+    def pad_multiple(self) -> int | None:
+        return None
 
     def packs_rows(self, ctx) -> bool:
         return False
@@ -407,8 +410,8 @@ def _prompt_and_reference(row: dict, idx: int) -> tuple[Any, str]:
 class Clipped(Online):
     """Online methods with a clipped probability-ratio surrogate (GRPO, RLOO)."""
 
-    epsilon: float = 0.2
-    epsilon_high: float | None = None
+    epsilon: PositiveFloat = 0.2
+    epsilon_high: PositiveFloat | None = None
     """Upper clip (DAPO's clip-higher); None = epsilon."""
 
     def validate(self, ctx) -> list[str]:

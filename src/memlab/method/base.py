@@ -87,6 +87,9 @@ class Method(Protocol):
     def row_length(self) -> int | None:
         """The longest prepared row it keeps (an online method: its prompts), or None."""
         ...
+    def pad_multiple(self) -> int | None:
+        """Padded widths are rounded up to this multiple (None: not rounded)."""
+        ...
 
 
 class Generating(Method, Protocol):
@@ -120,6 +123,9 @@ class Offline:
 
     def row_length(self) -> int | None:
         return self.max_length  # type: ignore[attr-defined]
+
+    def pad_multiple(self) -> int | None:
+        return self.pad_to_multiple_of  # type: ignore[attr-defined]
 
     def extra_models(self, policy, ctx, build) -> dict[str, nn.Module]:
         return {}
@@ -175,9 +181,10 @@ def pad_batch(
     """Right-pad ``rows`` to the longest row (rounded up to ``multiple``).
 
     ``columns`` maps per-token column -> pad value. Without ``with_positions`` an
-    attention_mask is returned; with it (packed rows), ``position_ids`` restart in the padding
-    tail, no attention_mask is given (each document is isolated by its positions) and the rows'
-    document ``segments`` are computed here, once.
+    attention_mask is returned; with it (packed rows, which carry ``seq_lengths``), the rows'
+    document ``segments`` (the padding tail one more) and ``position_ids`` restarting at each
+    document are built here, once, and no attention_mask is given (each document is isolated
+    by its segments).
     Returns (tensors, real tokens, total slots).
     """
     lengths = [len(r["input_ids"]) for r in rows]
@@ -189,10 +196,10 @@ def pad_batch(
             t[i, : lengths[i]] = torch.tensor(r[col], dtype=torch.long)
         out[col] = t
     if with_positions:
-        positions = [list(r["position_ids"]) + list(range(width - n))
-                     for r, n in zip(rows, lengths, strict=True)]
-        out["position_ids"] = torch.tensor(positions, dtype=torch.long)
-        out["segments"] = Segments.from_positions(positions)
+        segs = Segments.from_lengths([list(r["seq_lengths"]) + [width - n]
+                                      for r, n in zip(rows, lengths, strict=True)])
+        out["position_ids"] = torch.tensor(segs.positions(), dtype=torch.long)
+        out["segments"] = segs
     else:
         mask = torch.zeros((len(rows), width), dtype=torch.long)
         for i, n in enumerate(lengths):
@@ -208,24 +215,23 @@ def flatten_batch(
     columns: dict[str, int],
 ) -> tuple[dict[str, Any], int, int]:
     """Padding-free: every row of the batch concatenated into one [1, N] row, position_ids
-    restarting at each document (rows' own ``position_ids`` when packed), no attention mask,
-    and the row's document ``segments``. A pad tail (for ``multiple``) gets its own restarting
-    positions and ignored labels."""
+    restarting at each document (a packed row's documents: its ``seq_lengths``), no attention
+    mask, and the row's document ``segments``. A pad tail (for ``multiple``) gets its own
+    restarting positions and ignored labels."""
     cols: dict[str, list[int]] = {c: [] for c in columns}
-    pos: list[int] = []
+    docs: list[int] = []
     for r in rows:
-        n = len(r["input_ids"])
         for c in columns:
             cols[c].extend(r[c])
-        pos.extend(r["position_ids"] if "position_ids" in r else range(n))
-    real = len(pos)
+        docs.extend(r["seq_lengths"] if "seq_lengths" in r else [len(r["input_ids"])])
+    real = sum(docs)
     width = round_up(real, multiple)
     tail = width - real
     for c, pad in columns.items():
         cols[c].extend([pad] * tail)
-    pos.extend(range(tail))
+    segs = Segments.from_lengths([[*docs, tail]])
     out: dict[str, Any] = {c: torch.tensor([v], dtype=torch.long) for c, v in cols.items()}
-    out["position_ids"] = torch.tensor([pos], dtype=torch.long)
-    out["segments"] = Segments.from_positions(pos)
+    out["position_ids"] = torch.tensor(segs.positions(), dtype=torch.long)
+    out["segments"] = segs
     return out, real, width
 

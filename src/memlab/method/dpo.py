@@ -9,6 +9,18 @@ the batch's chosen and rejected sequences in ONE forward, either padded ``[2B, T
 first) or padding-free (all ``2B`` sequences in one ``[1, N]`` row with restarting
 position_ids; per-sequence log-probs by segment).
 
+Packing (``packing=bfd | bfd_split``, :mod:`memlab.packing.groups`): the unit is the pair; a
+micro-batch is ``train.batch_size`` rows of at most ``max_length`` tokens, every pair's two
+sequences in the same micro-batch. ``bfd`` places each pair whole in one row, cutting both
+completions from the right to a common length when the pair does not fit (counted in
+``data.tokens_dropped``; a pair whose prompt leaves no room is dropped); ``bfd_split`` never
+cuts beyond the per-sequence limits above: a pair too long for one row goes as its two
+sequences into two rows of the same micro-batch. ``share_prompt`` stores the prompt once per
+pair (:mod:`memlab.method._layout`): chosen and rejected attend to it and to themselves only;
+log-probs equal the unshared ones; the prompt counts once in ``data.*`` and, where it is stored
+once, in tokens/s (which counts the tokens stored: a pair ``bfd_split`` had to split holds its
+prompt in both rows).
+
 Reference (``reference``): ``copy`` (a frozen copy of the initial policy: one more set of
 weights, visible as "parameters" in the memory summary), ``adapter_disabled`` (the policy with
 its LoRA adapter off: no extra weights, needs peft=lora/qlora) or ``precomputed`` (reference
@@ -25,52 +37,59 @@ completion log-probs).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import torch
 
 from memlab.data.base import DataError
-from memlab.method import _preference as P
+from memlab.method import _collate, _layout, _liger, _logps, _reference, _rows
 from memlab.method.base import Batch, DataStats, Offline
-from memlab.registry import register
+from memlab.packing.groups import GroupPacked
+from memlab.registry import PositiveFloat, PositiveInt, Range, register
 
 
 @register("method", "dpo")
 @dataclass(kw_only=True)
-class DPO(Offline):
+class DPO(Offline, GroupPacked):
     """DPO knobs, named as in TRL's DPOConfig where one exists."""
 
-    beta: float = 0.1
+    beta: PositiveFloat = 0.1
     """KL strength / inverse temperature of the implicit reward."""
     loss_type: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"
     """sigmoid = DPO; ipo = IPO on length-averaged log-probs; hinge = SLiC."""
-    label_smoothing: float = 0.0
+    label_smoothing: Annotated[float, Range(ge=0, lt=0.5)] = 0.0
     """Conservative DPO: probability that a preference label is flipped (sigmoid only)."""
     reference: Literal["copy", "adapter_disabled", "precomputed"] = "copy"
     """copy: frozen copy of the initial policy; adapter_disabled: the policy with its LoRA adapter
     off (peft=lora/qlora); precomputed: reference log-probs computed once before training."""
-    max_length: int | None = 1024
-    """Longest prompt + completion; the completion is cut to fit. None = no limit."""
-    max_prompt_length: int | None = 512
+    max_length: Annotated[int, Range(ge=2)] | None = 1024
+    """Longest prompt + completion; the completion is cut to fit; with packing also the row
+    capacity. None = no limit."""
+    max_prompt_length: PositiveInt | None = 512
     """Prompt tokens kept (its end). None = no limit."""
-    max_completion_length: int | None = None
+    max_completion_length: PositiveInt | None = None
     """Completion tokens kept (its start). None = no limit."""
     padding_free: bool = False
     """All 2B sequences of a batch in one row, restarting position_ids, no padding."""
-    pad_to_multiple_of: int | None = None
+    pad_to_multiple_of: PositiveInt | None = None
     """Round padded lengths (or the flat row) up to a multiple."""
     use_liger_kernel: bool = False
     """Liger's fused linear DPO loss (CUDA + the gpu extra); never materialises the logits."""
+    share_prompt: bool = False
+    """Store each pair's prompt once: chosen and rejected attend to it and to themselves only."""
 
     data_kinds: ClassVar[tuple[str, ...]] = ("preference",)
     head: ClassVar[str] = "causal_lm"
-    supports_packing: ClassVar[bool] = False
+    supports_packing: ClassVar[bool] = True
     supports_padding_free: ClassVar[bool] = True
     items_name: ClassVar[str] = "pairs"
 
     # ------------------------------------------------------------------ capabilities
     def packs_rows(self, ctx) -> bool:
-        return self.padding_free
+        return self.padding_free or self.share_prompt or ctx.packing.packs
+
+    def unit_pieces(self) -> int:
+        return 2
 
     def uses_liger(self) -> bool:
         return self.use_liger_kernel
@@ -89,12 +108,13 @@ class DPO(Offline):
         if self.label_smoothing and self.loss_type != "sigmoid":
             errors.append(f"method.label_smoothing applies to loss_type=sigmoid only, not "
                           f"{self.loss_type}; set method.label_smoothing=0")
-        errors += P.length_errors(self, ("max_length", "max_prompt_length",
+        errors += _rows.length_errors(self, ("max_length", "max_prompt_length",
                                          "max_completion_length"))
         if self.pad_to_multiple_of is not None and self.pad_to_multiple_of <= 0:
             errors.append("method.pad_to_multiple_of must be a positive integer or null")
-        errors += P.reference_errors(self, ctx)
-        errors += P.liger_errors(self, ctx, "DPO")
+        errors += _reference.reference_errors(self, ctx)
+        errors += _layout.layout_errors(self, ctx)
+        errors += _liger.liger_errors(self, ctx, "DPO")
         if self.use_liger_kernel and (self.loss_type != "sigmoid" or self.label_smoothing):
             errors.append("method.use_liger_kernel=true implements loss_type=sigmoid without "
                           "label smoothing; set method.loss_type=sigmoid, "
@@ -110,44 +130,67 @@ class DPO(Offline):
                             f"(preference pairs); this dataset has columns {sorted(cols)}")
         explicit = "prompt" in cols
         limits = (self.max_prompt_length, self.max_completion_length, self.max_length)
+        fit = _layout.fits_row(ctx)  # packing=bfd: a pair fills one row
+        shared = self.share_prompt
 
         def fn(row: dict, idx: int) -> list[dict]:
             if explicit:
                 prompt, chosen, rejected = row["prompt"], row["chosen"], row["rejected"]
             else:
-                prompt, chosen, rejected = P.split_implicit_prompt(row["chosen"],
-                                                                   row["rejected"], idx)
-            p = P.encode_prompt(tokenizer, prompt, idx)
-            c = P.encode_completion(tokenizer, prompt, p, chosen, idx, "chosen")
-            r = P.encode_completion(tokenizer, prompt, p, rejected, idx, "rejected")
-            n_in = 2 * len(p) + len(c) + len(r)
-            cut = P.truncate(p, [c, r], *limits)
+                prompt, chosen, rejected = _rows.split_implicit_prompt(row["chosen"],
+                                                                       row["rejected"], idx)
+            p = _rows.encode_prompt(tokenizer, prompt, idx)
+            c = _rows.encode_completion(tokenizer, prompt, p, chosen, idx, "chosen")
+            r = _rows.encode_completion(tokenizer, prompt, p, rejected, idx, "rejected")
+            n_in = (1 if shared else 2) * len(p) + len(c) + len(r)
+            cut = _rows.truncate(p, [c, r], *limits)
+            if cut is not None and fit:
+                fitted = _rows.fit_row(len(cut[0]), cut[1], self.max_length, shared)
+                cut = None if fitted is None else (cut[0], fitted[0], 0)
             if cut is None:
                 return [{"prompt_ids": [], "chosen_ids": [], "rejected_ids": [], "keep": False,
-                         "n_in": n_in, "n_dropped": n_in}]
-            p, (c, r), dropped = cut
+                         "n_in": n_in, "n_dropped": n_in, "n_train": 0, "n_empty": 0}]
+            p, (c, r), _ = cut
+            kept = (1 if shared else 2) * len(p) + len(c) + len(r)
+            (tc, ec), (tr, er) = _rows.content_tokens(chosen, c), _rows.content_tokens(rejected, r)
             return [{"prompt_ids": p, "chosen_ids": c, "rejected_ids": r, "keep": True,
-                     "n_in": n_in, "n_dropped": dropped}]
+                     "n_in": n_in, "n_dropped": n_in - kept, "n_train": tc + tr,
+                     "n_empty": ec + er}]
 
-        key = ("dpo", explicit, limits, tokenizer.name_or_path, len(tokenizer))
-        out = P.map_rows(ds, fn, ("prompt_ids", "chosen_ids", "rejected_ids", "keep", "n_in",
-                                  "n_dropped"), key, "tokenize pairs")
+        key = ("dpo", explicit, limits, fit, shared, tokenizer.name_or_path, len(tokenizer))
+        out = _rows.map_rows(ds, fn, ("prompt_ids", "chosen_ids", "rejected_ids", "keep", "n_in",
+                                      "n_dropped", "n_train", "n_empty"), key, "tokenize pairs")
         n_in, n_dropped, keep = out["n_in"], out["n_dropped"], out["keep"]
-        out = P.keep_rows(out, drop=("n_in", "n_dropped"))
+        n_train, n_empty = out["n_train"], out["n_empty"]
+        out = _rows.keep_rows(out, drop=("n_in", "n_dropped", "n_train", "n_empty"))
         stats = DataStats(examples=len(out), rows=len(out), tokens_in=int(sum(n_in)),
                           tokens_dropped=int(sum(n_dropped)),
-                          examples_dropped=int(len(keep) - sum(keep)))
+                          examples_dropped=int(len(keep) - sum(keep)),
+                          trainable_tokens=int(sum(n_train)),
+                          extra={"empty_completions": int(sum(n_empty))})
         return out, stats
+
+    def unit_sizes(self, ds, ctx) -> tuple[list[int], list[list[int]]]:
+        """A pair in one row (the prompt once with ``share_prompt``), and its two sequences."""
+        k = 1 if self.share_prompt else 2
+        whole, pieces = [], []
+        for p, c, r in zip(ds["prompt_ids"], ds["chosen_ids"], ds["rejected_ids"], strict=True):
+            whole.append(k * len(p) + len(c) + len(r))
+            pieces.append([len(p) + len(c), len(p) + len(r)])
+        return whole, pieces
 
     # ------------------------------------------------------------------ batches
     def collate(self, rows: list[dict], tokenizer, ctx) -> Batch:
         return self._collate(rows, tokenizer.pad_token_id)
 
     def _collate(self, rows: list[dict], pad_id: int) -> Batch:
-        seqs = [P.sequence(r["prompt_ids"], r["chosen_ids"]) for r in rows]
-        seqs += [P.sequence(r["prompt_ids"], r["rejected_ids"]) for r in rows]
-        t, real, total = P.collate_sequences(seqs, pad_id, self.pad_to_multiple_of,
-                                             self.padding_free)
+        units, rows_of = _layout.units_of(rows)
+        if rows_of is not None or self.share_prompt:
+            return self._collate_layout(units, rows_of, pad_id)
+        seqs = [_collate.sequence(r["prompt_ids"], r["chosen_ids"]) for r in rows]
+        seqs += [_collate.sequence(r["prompt_ids"], r["rejected_ids"]) for r in rows]
+        t, real, total = _collate.collate_sequences(seqs, pad_id, self.pad_to_multiple_of,
+                                                    self.padding_free)
         if "ref_chosen_logps" in rows[0]:
             t["ref_logps"] = torch.tensor([r["ref_chosen_logps"] for r in rows]
                                           + [r["ref_rejected_logps"] for r in rows],
@@ -156,30 +199,54 @@ class DPO(Offline):
         return Batch(t, num_items=len(rows), real_tokens=real, total_tokens=total, size_key=key,
                      meta={"samples": len(rows)})
 
+    def _collate_layout(self, units: list[dict], rows_of: list[list[int]] | None,
+                        pad_id: int) -> Batch:
+        """Packed rows (``rows_of``: the row of each pair's pieces) or, unpacked with
+        ``share_prompt``, one pair per row (padded) / all pairs in one row (padding-free)."""
+        b = len(units)
+        rows_of = rows_of or [[i] for i in range(b)]
+        docs = [_layout.unit_docs(u["prompt_ids"], [u["chosen_ids"], u["rejected_ids"]],
+                                  [i, b + i], shared=self.share_prompt and len(rows_of[i]) == 1)
+                for i, u in enumerate(units)]
+        # real tokens: those stored (a shared prompt once; a split pair's prompt in each row)
+        t, real, total = _layout.collate_rows(_layout.place(docs, rows_of), pad_id,
+                                              self.pad_to_multiple_of, self.padding_free)
+        if "ref_chosen_logps" in units[0]:
+            t["ref_logps"] = torch.tensor([u["ref_chosen_logps"] for u in units]
+                                          + [u["ref_rejected_logps"] for u in units],
+                                          dtype=torch.float32)
+        key = (total,) if self.padding_free else (total, t["input_ids"].shape[1])
+        return Batch(t, num_items=b, real_tokens=real, total_tokens=total, size_key=key,
+                     meta={"samples": b})
+
     # ------------------------------------------------------------------ models
     def extra_models(self, policy, ctx, build) -> dict[str, Any]:
-        return P.reference_models(self, policy, ctx, build)
+        return _reference.reference_models(self, policy, ctx, build)
 
     def before_training(self, models, ds, ctx):
         """reference=precomputed: reference log-probs of every pair, as dataset columns."""
         if self.reference != "precomputed":
             return None
-        pad = P.pad_id_of(models)
+        pad = _collate.pad_id_of(models)
 
-        def run(model, batch: Batch) -> dict[str, torch.Tensor]:
-            logps, _ = P.completion_logps(model, batch.tensors, 2 * batch.num_items)
+        def run(model, batch: Batch, items: list[dict]) -> dict[str, list]:
             b = batch.num_items
-            return {"ref_chosen_logps": logps[:b], "ref_rejected_logps": logps[b:]}
+            logps = _logps.completion_logps(model, batch.tensors, 2 * b,
+                                            attention=ctx.attention)[0].float().tolist()
+            return {"ref_chosen_logps": _layout.per_item(logps[:b], items),
+                    "ref_rejected_logps": _layout.per_item(logps[b:], items)}
 
-        return P.precompute(self, models, ds, ctx, lambda rows: self._collate(rows, pad), run)
+        return _reference.precompute(self, models, ds, ctx,
+                                     lambda rows: self._collate(rows, pad), run)
 
     # ------------------------------------------------------------------ loss
-    def reference_logps(self, models, t: dict[str, torch.Tensor], n: int) -> torch.Tensor:
+    def reference_logps(self, models, t: dict[str, torch.Tensor], n: int,
+                        attention: Any = None) -> torch.Tensor:
         """Summed completion log-probs of the ``n`` sequences under the reference."""
         if "ref_logps" in t:
             return t["ref_logps"]
-        with P.reference_forward(self, models) as ref:
-            return P.completion_logps(ref, t, n)[0]
+        with _reference.reference_forward(self, models) as ref:
+            return _logps.completion_logps(ref, t, n, attention=attention)[0]
 
     def loss(self, models: dict, batch: Batch, ctx) -> tuple[torch.Tensor, dict[str, float]]:
         from memlab.losses import dpo_loss
@@ -188,8 +255,9 @@ class DPO(Offline):
             return self._liger_loss(models, batch)
         t, b = batch.tensors, batch.num_items
         # reference first: its logits are freed before the policy's graph exists (lower peak)
-        ref = self.reference_logps(models, t, 2 * b)
-        logps, counts = P.completion_logps(models["policy"], t, 2 * b)
+        attention = _layout.attention_of(ctx)
+        ref = self.reference_logps(models, t, 2 * b, attention)
+        logps, counts = _logps.completion_logps(models["policy"], t, 2 * b, attention=attention)
         pol_in, ref_in = logps, ref
         if self.loss_type == "ipo":  # IPO is defined on length-averaged log-probs
             n = counts.clamp(min=1).to(logps.dtype)
@@ -210,13 +278,13 @@ class DPO(Offline):
         """Liger's fused linear DPO: chosen rows first in ``[2B, T, H]``, labels aligned; the loss
         it returns is the mean over pairs, so it is scaled back to a sum."""
         t, b = batch.tensors, batch.num_items
-        hidden, head = P.hidden_and_head(models["policy"], t)
-        with P.reference_forward(self, models) as ref:
-            ref_hidden, ref_head = P.hidden_and_head(ref, t)
-        fn = P.liger_module("LigerFusedLinearDPOLoss", beta=self.beta, use_ref_model=True,
+        hidden, head = _liger.hidden_and_head(models["policy"], t)
+        with _reference.reference_forward(self, models) as ref:
+            ref_hidden, ref_head = _liger.hidden_and_head(ref, t)
+        fn = _liger.liger_module("LigerFusedLinearDPOLoss", beta=self.beta, use_ref_model=True,
                             compute_nll_loss=False, average_log_prob=False,
                             loss_type="sigmoid")
         out = fn(head.weight, hidden, t["labels"], bias=getattr(head, "bias", None),
                  ref_input=ref_hidden, ref_weight=ref_head.weight,
                  ref_bias=getattr(ref_head, "bias", None))
-        return P.liger_loss_value(out) * b, {}
+        return _liger.liger_loss_value(out) * b, {}

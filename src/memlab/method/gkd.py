@@ -22,17 +22,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 
 from memlab.data.base import DataError
 from memlab.generation.base import GenerationEnv, SamplingParams
-from memlab.method import _preference as P
+from memlab.method import _overrides, _reference, _rows
 from memlab.method._online import _prompt_and_reference, join
 from memlab.method.base import IGNORE, Batch, DataStats, model_inputs
-from memlab.registry import register
+from memlab.registry import Fraction, PositiveFloat, PositiveInt, Range, register
 
 
 @register("method", "gkd")
@@ -43,18 +43,18 @@ class GKD:
     teacher: dict[str, Any] | None = None
     """Model-group overrides that make the teacher (None = a second copy of the student's
     initial model, useful only as a control: the loss is then 0 at the start)."""
-    lmbda: float = 0.5
+    lmbda: Fraction = 0.5
     """Share of micro-batches trained on the student's own samples (on-policy)."""
-    beta: float = 0.5
+    beta: Fraction = 0.5
     """JSD interpolation: 0 = forward KL(teacher||student), 1 = reverse KL(student||teacher)."""
-    temperature: float = 0.9
+    temperature: PositiveFloat = 0.9
     """Softmax temperature of both distributions, and of sampling."""
-    max_new_tokens: int = 128
+    max_new_tokens: PositiveInt = 128
     """Length of sampled completions (on-policy / seq_kd)."""
     seq_kd: bool = False
     """Off-policy micro-batches use the teacher's samples instead of the dataset's answers."""
-    max_length: int | None = 1024
-    max_prompt_length: int | None = 512
+    max_length: Annotated[int, Range(ge=2)] | None = 1024
+    max_prompt_length: PositiveInt | None = 512
 
     data_kinds: ClassVar[tuple[str, ...]] = ("chat",)
     head: ClassVar[str] = "causal_lm"
@@ -75,6 +75,9 @@ class GKD:
     def packs_rows(self, ctx) -> bool:
         return False
 
+    def pad_multiple(self) -> int | None:
+        return None
+
     def row_length(self) -> int | None:
         return self.max_prompt_length if self.generates() else self.max_length
 
@@ -92,7 +95,7 @@ class GKD:
 
     # ------------------------------------------------------------------ validation
     def validate(self, ctx) -> list[str]:
-        errors = P.length_errors(self, ["max_length", "max_prompt_length", "max_new_tokens"])
+        errors = _rows.length_errors(self, ["max_length", "max_prompt_length", "max_new_tokens"])
         if not 0 <= self.lmbda <= 1:
             errors.append(f"method.lmbda must be in [0, 1] (got {self.lmbda})")
         if not 0 <= self.beta <= 1:
@@ -100,12 +103,12 @@ class GKD:
         if self.temperature <= 0:
             errors.append(f"method.temperature must be > 0 (got {self.temperature})")
         teacher_cfg = self.teacher or {}
-        errors += P.override_key_errors(ctx, teacher_cfg, "method.teacher")
+        errors += _overrides.override_key_errors(ctx, teacher_cfg, "method.teacher")
         if "vocab_size" in teacher_cfg or "tokenizer" in teacher_cfg:
             errors.append("method.teacher must share the student's tokenizer and vocabulary; "
                           "drop vocab_size / tokenizer from method.teacher")
         if not errors and teacher_cfg:
-            errors += P.overridden_model_errors(ctx, teacher_cfg, "method.teacher")
+            errors += _overrides.overridden_model_errors(ctx, teacher_cfg, "method.teacher")
         return errors
 
     # ------------------------------------------------------------------ data
@@ -119,10 +122,10 @@ class GKD:
 
         def fn(row: dict, idx: int) -> list[dict]:
             prompt, answer = _prompt_and_reference(row, idx)
-            p = P.encode_prompt(tokenizer, prompt, idx)
-            c = P.encode_completion(tokenizer, prompt, p, [{"role": "assistant",
+            p = _rows.encode_prompt(tokenizer, prompt, idx)
+            c = _rows.encode_completion(tokenizer, prompt, p, [{"role": "assistant",
                                                              "content": answer}], idx, "messages")
-            cut = P.truncate(p, [c], self.max_prompt_length, None, self.max_length)
+            cut = _rows.truncate(p, [c], self.max_prompt_length, None, self.max_length)
             if cut is None:
                 return [{"prompt_ids": [], "completion_ids": [], "keep": False,
                          "n_in": len(p) + len(c), "dropped": len(p) + len(c)}]
@@ -132,12 +135,12 @@ class GKD:
 
         key = ("gkd", self.max_prompt_length, self.max_length, tokenizer.name_or_path,
                len(tokenizer))
-        out = P.map_rows(ds, fn, ["prompt_ids", "completion_ids", "keep", "n_in", "dropped"],
+        out = _rows.map_rows(ds, fn, ["prompt_ids", "completion_ids", "keep", "n_in", "dropped"],
                          key, "tokenize conversations")
         stats["n_in"] = sum(out["n_in"])
         stats["dropped"] = sum(out["dropped"])
         n_before = len(out)
-        out = P.keep_rows(out, "keep", drop=["n_in", "dropped"])
+        out = _rows.keep_rows(out, "keep", drop=["n_in", "dropped"])
         return out, DataStats(examples=len(ds), rows=len(out), tokens_in=stats["n_in"],
                               tokens_dropped=stats["dropped"],
                               examples_dropped=n_before - len(out))
@@ -212,7 +215,7 @@ class GKD:
         mask = t["labels"][:, -cw - 1:-1] != IGNORE
         student = models["policy"](**inputs, use_cache=False,
                                    logits_to_keep=cw + 1).logits[:, :-1][mask]
-        with P.frozen_forward(models["teacher"]) as teacher_model:
+        with _reference.frozen_forward(models["teacher"]) as teacher_model:
             teacher = teacher_model(**inputs, use_cache=False,
                                     logits_to_keep=cw + 1).logits[:, :-1][mask]
         loss_sum = generalized_jsd(student, teacher, self.beta, self.temperature).sum()

@@ -23,7 +23,7 @@ from typing import ClassVar, Literal
 import torch
 
 from memlab.losses import token_logps
-from memlab.method import _preference as P
+from memlab.method import _reference
 from memlab.method._online import Clipped
 from memlab.method.base import IGNORE, Batch, model_inputs
 from memlab.registry import register
@@ -59,7 +59,7 @@ class GRPO(Clipped):
         metrics: dict[str, float] = dict(batch.meta.get("rollout", {}))
         metrics["clip_ratio"] = float((active * mask).sum() / mask.sum().clamp(min=1))
         if self.beta > 0:
-            with P.reference_forward(self, models) as ref:
+            with _reference.reference_forward(self, models) as ref:
                 ref_logits = ref(**inputs, use_cache=False).logits[:, :-1]
                 ref_logps = token_logps(ref_logits, labels, IGNORE)
                 del ref_logits

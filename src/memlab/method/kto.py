@@ -12,7 +12,16 @@ reference side can be precomputed). Per micro-batch, ``KL = max(0, mean(policy -
 over the mismatched sequences, both computed without gradient (the term is detached in KTO).
 
 Reference handling is DPO's (``copy | adapter_disabled | precomputed``); precomputed stores
-``ref_logps`` and ``ref_kl_logps`` columns. ``loss()`` returns the SUM of per-example losses;
+``ref_logps`` and ``ref_kl_logps`` columns.
+
+Packing (``packing=bfd | bfd_split``, :mod:`memlab.packing.groups`): the unit is an example with
+its KL sequence. Main and KL sequences keep their two forwards (the KL one without gradient), as
+two lanes of rows: a unit's KL sequence sits in the KL row of the same index as its main
+sequence, so a unit's size is the larger of its two. ``share_prompt`` (paired rows only: the two
+examples of a pair share its prompt) makes the unit the pair: its prompt stored once for the
+chosen and rejected examples (each seeing the prompt and itself only), and once for their two KL
+sequences; ``bfd`` cuts the completions of a pair that does not fit a row to a common length
+(counted), ``bfd_split`` puts its two examples in two rows of one micro-batch. ``loss()`` returns the SUM of per-example losses;
 ``num_items`` = examples. Metrics: kl, rewards/chosen, rewards/rejected, rewards/margins,
 logps/chosen, logps/rejected (per-class means within each micro-batch, 0 when a class is
 absent), desirable_fraction.
@@ -22,14 +31,15 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import torch
 
 from memlab.data.base import DataError
-from memlab.method import _preference as P
+from memlab.method import _collate, _layout, _liger, _logps, _reference, _rows
 from memlab.method.base import Batch, DataStats, Offline
-from memlab.registry import register
+from memlab.packing.groups import GroupPacked
+from memlab.registry import NonNegativeFloat, PositiveFloat, PositiveInt, Range, register
 
 
 def mismatched_partners(prompts: list[list[int]]) -> list[int]:
@@ -50,39 +60,44 @@ def mismatched_partners(prompts: list[list[int]]) -> list[int]:
 
 @register("method", "kto")
 @dataclass(kw_only=True)
-class KTO(Offline):
+class KTO(Offline, GroupPacked):
     """KTO knobs, named as in TRL's KTOConfig where one exists."""
 
-    beta: float = 0.1
+    beta: PositiveFloat = 0.1
     """KL strength of the implicit reward."""
-    desirable_weight: float = 1.0
+    desirable_weight: NonNegativeFloat = 1.0
     """Loss weight of desirable examples (lambda_D)."""
-    undesirable_weight: float = 1.0
+    undesirable_weight: NonNegativeFloat = 1.0
     """Loss weight of undesirable examples (lambda_U)."""
     reference: Literal["copy", "adapter_disabled", "precomputed"] = "copy"
     """As in method=dpo: frozen copy, policy with its LoRA adapter off, or precomputed log-probs."""
-    max_length: int | None = 1024
+    max_length: Annotated[int, Range(ge=2)] | None = 1024
     """Longest prompt + completion; the completion is cut to fit. None = no limit."""
-    max_prompt_length: int | None = 512
+    max_prompt_length: PositiveInt | None = 512
     """Prompt tokens kept (its end). None = no limit."""
-    max_completion_length: int | None = None
+    max_completion_length: PositiveInt | None = None
     """Completion tokens kept (its start). None = no limit."""
     padding_free: bool = False
     """All sequences of a batch in one row, restarting position_ids, no padding."""
-    pad_to_multiple_of: int | None = None
+    pad_to_multiple_of: PositiveInt | None = None
     """Round padded lengths (or the flat row) up to a multiple."""
     use_liger_kernel: bool = False
     """Liger's fused linear KTO loss (CUDA + the gpu extra)."""
+    share_prompt: bool = False
+    """Paired rows: the pair's prompt stored once for its two examples (and their KL sequences)."""
 
     data_kinds: ClassVar[tuple[str, ...]] = ("preference",)
     head: ClassVar[str] = "causal_lm"
-    supports_packing: ClassVar[bool] = False
+    supports_packing: ClassVar[bool] = True
     supports_padding_free: ClassVar[bool] = True
     items_name: ClassVar[str] = "examples"
 
     # ------------------------------------------------------------------ capabilities
     def packs_rows(self, ctx) -> bool:
-        return self.padding_free
+        return self.padding_free or self.share_prompt or ctx.packing.packs
+
+    def unit_pieces(self) -> int:
+        return 2 if self.share_prompt else 1
 
     def uses_liger(self) -> bool:
         return self.use_liger_kernel
@@ -98,12 +113,13 @@ class KTO(Offline):
         for name in ("desirable_weight", "undesirable_weight"):
             if getattr(self, name) < 0:
                 errors.append(f"method.{name} must be >= 0 (got {getattr(self, name)})")
-        errors += P.length_errors(self, ("max_length", "max_prompt_length",
+        errors += _rows.length_errors(self, ("max_length", "max_prompt_length",
                                          "max_completion_length"))
         if self.pad_to_multiple_of is not None and self.pad_to_multiple_of <= 0:
             errors.append("method.pad_to_multiple_of must be a positive integer or null")
-        errors += P.reference_errors(self, ctx)
-        errors += P.liger_errors(self, ctx, "KTO")
+        errors += _reference.reference_errors(self, ctx)
+        errors += _layout.layout_errors(self, ctx)
+        errors += _liger.liger_errors(self, ctx, "KTO")
         if self.use_liger_kernel and (self.desirable_weight != 1 or self.undesirable_weight != 1):
             errors.append("method.use_liger_kernel=true has no class weights; set "
                           "method.desirable_weight=1 and method.undesirable_weight=1")
@@ -124,13 +140,19 @@ class KTO(Offline):
             )
         explicit = "prompt" in cols
         limits = (self.max_prompt_length, self.max_completion_length, self.max_length)
+        if self.share_prompt:
+            if not paired:
+                raise DataError("method.share_prompt=true stores a pair's prompt once for its two "
+                                "examples; this dataset is unpaired ('prompt', 'completion', "
+                                "'label'): set method.share_prompt=false")
+            return self._prepare_pairs(ds, tokenizer, ctx, explicit, limits)
 
         def fn(row: dict, idx: int) -> list[dict]:
             if paired:
                 if explicit:
                     prompt, chosen, rejected = row["prompt"], row["chosen"], row["rejected"]
                 else:
-                    prompt, chosen, rejected = P.split_implicit_prompt(row["chosen"],
+                    prompt, chosen, rejected = _rows.split_implicit_prompt(row["chosen"],
                                                                        row["rejected"], idx)
                 items = [(chosen, True, "chosen"), (rejected, False, "rejected")]
             else:
@@ -139,26 +161,31 @@ class KTO(Offline):
                     raise DataError(f"row {idx}: field 'label' must be true/false (desirable or "
                                     f"not), got {label!r}")
                 items = [(row["completion"], bool(label), "completion")]
-            p = P.encode_prompt(tokenizer, prompt, idx)
+            p = _rows.encode_prompt(tokenizer, prompt, idx)
             out = []
             for completion, label, field in items:
-                c = P.encode_completion(tokenizer, prompt, p, completion, idx, field)
+                c = _rows.encode_completion(tokenizer, prompt, p, completion, idx, field)
                 n_in = len(p) + len(c)
-                cut = P.truncate(p, [c], *limits)
+                cut = _rows.truncate(p, [c], *limits)
                 if cut is None:
                     out.append({"prompt_ids": [], "completion_ids": [], "label": label,
-                                "keep": False, "n_in": n_in, "n_dropped": n_in})
+                                "keep": False, "n_in": n_in, "n_dropped": n_in, "n_train": 0,
+                                "n_empty": 0})
                 else:
                     pp, (cc,), dropped = cut
+                    n_train, n_empty = _rows.content_tokens(completion, cc)
                     out.append({"prompt_ids": pp, "completion_ids": cc, "label": label,
-                                "keep": True, "n_in": n_in, "n_dropped": dropped})
+                                "keep": True, "n_in": n_in, "n_dropped": dropped,
+                                "n_train": n_train, "n_empty": n_empty})
             return out
 
         key = ("kto", paired, explicit, limits, tokenizer.name_or_path, len(tokenizer))
-        out = P.map_rows(ds, fn, ("prompt_ids", "completion_ids", "label", "keep", "n_in",
-                                  "n_dropped"), key, "tokenize examples")
+        out = _rows.map_rows(ds, fn, ("prompt_ids", "completion_ids", "label", "keep", "n_in",
+                                      "n_dropped", "n_train", "n_empty"), key,
+                             "tokenize examples")
         n_in, n_dropped, keep = out["n_in"], out["n_dropped"], out["keep"]
-        out = P.keep_rows(out, drop=("n_in", "n_dropped"))
+        n_train, n_empty = out["n_train"], out["n_empty"]
+        out = _rows.keep_rows(out, drop=("n_in", "n_dropped", "n_train", "n_empty"))
         prompts, completions = out["prompt_ids"], out["completion_ids"]
         kl = []
         for i, j in enumerate(mismatched_partners(prompts)):
@@ -170,21 +197,98 @@ class KTO(Offline):
         stats = DataStats(examples=len(out), rows=len(out), tokens_in=int(sum(n_in)),
                           tokens_dropped=int(sum(n_dropped)),
                           examples_dropped=int(len(keep) - sum(keep)),
+                          trainable_tokens=int(sum(n_train)),
                           extra={"desirable": int(sum(labels)),
-                                 "undesirable": int(len(labels) - sum(labels))})
+                                 "undesirable": int(len(labels) - sum(labels)),
+                                 "empty_completions": int(sum(n_empty))})
         return out, stats
+
+    def _prepare_pairs(self, ds, tokenizer, ctx, explicit: bool, limits: tuple
+                       ) -> tuple[Any, DataStats]:
+        """``share_prompt``: one row per pair, its two examples in lists: prompt_ids,
+        completion_ids [chosen, rejected], label [true, false], kl_completion_ids."""
+        fit = _layout.fits_row(ctx)  # packing=bfd: a pair fills one row
+
+        def fn(row: dict, idx: int) -> list[dict]:
+            if explicit:
+                prompt, chosen, rejected = row["prompt"], row["chosen"], row["rejected"]
+            else:
+                prompt, chosen, rejected = _rows.split_implicit_prompt(row["chosen"],
+                                                                       row["rejected"], idx)
+            p = _rows.encode_prompt(tokenizer, prompt, idx)
+            c = _rows.encode_completion(tokenizer, prompt, p, chosen, idx, "chosen")
+            r = _rows.encode_completion(tokenizer, prompt, p, rejected, idx, "rejected")
+            n_in = len(p) + len(c) + len(r)
+            cut = _rows.truncate(p, [c, r], *limits)
+            if cut is not None and fit:
+                fitted = _rows.fit_row(len(cut[0]), cut[1], self.max_length, True)
+                cut = None if fitted is None else (cut[0], fitted[0], 0)
+            if cut is None:
+                return [{"prompt_ids": [], "completion_ids": [[], []], "label": [True, False],
+                         "keep": False, "n_in": n_in, "n_dropped": n_in, "n_train": 0,
+                         "n_empty": 0}]
+            p, cr, _ = cut
+            (tc, ec), (tr, er) = (_rows.content_tokens(x, ids)
+                                  for x, ids in zip((chosen, rejected), cr, strict=True))
+            return [{"prompt_ids": p, "completion_ids": cr, "label": [True, False],
+                     "keep": True, "n_in": n_in, "n_dropped": n_in - len(p) - sum(map(len, cr)),
+                     "n_train": tc + tr, "n_empty": ec + er}]
+
+        key = ("kto-pairs", explicit, limits, fit, tokenizer.name_or_path, len(tokenizer))
+        out = _rows.map_rows(ds, fn, ("prompt_ids", "completion_ids", "label", "keep", "n_in",
+                                      "n_dropped", "n_train", "n_empty"), key, "tokenize pairs")
+        n_in, n_dropped, keep = out["n_in"], out["n_dropped"], out["keep"]
+        n_train, n_empty = out["n_train"], out["n_empty"]
+        out = _rows.keep_rows(out, drop=("n_in", "n_dropped", "n_train", "n_empty"))
+        prompts = [p for p in out["prompt_ids"] for _ in range(2)]
+        completions = [c for cr in out["completion_ids"] for c in cr]
+        kl: list[list[list[int]]] = []
+        partners = mismatched_partners(prompts)
+        for pair, p in enumerate(out["prompt_ids"]):
+            room = None if self.max_length is None else self.max_length - len(p)
+            pair_kl = [completions[partners[2 * pair + i]][:room] for i in range(2)]
+            if fit:  # the KL lane's row holds the pair's two KL sequences, the prompt once
+                pair_kl = _rows.fit_row(len(p), pair_kl, self.max_length, True)[0]
+            kl.append(pair_kl)
+        fp = hashlib.sha1(repr((out._fingerprint, "kl")).encode()).hexdigest()
+        out = out.add_column("kl_completion_ids", kl, new_fingerprint=fp)
+        stats = DataStats(examples=2 * len(out), rows=len(out), tokens_in=int(sum(n_in)),
+                          tokens_dropped=int(sum(n_dropped)),
+                          examples_dropped=2 * int(len(keep) - sum(keep)),
+                          trainable_tokens=int(sum(n_train)),
+                          extra={"desirable": len(out), "undesirable": len(out),
+                                 "empty_completions": int(sum(n_empty))})
+        return out, stats
+
+    def unit_sizes(self, ds, ctx) -> tuple[list[int], list[list[int]]]:
+        """A unit's tokens in the larger of its main and KL rows: an example (its sequence,
+        its KL sequence), or with ``share_prompt`` a pair (the prompt once per row)."""
+        whole, pieces = [], []
+        for p, c, k in zip(ds["prompt_ids"], ds["completion_ids"], ds["kl_completion_ids"],
+                           strict=True):
+            if not self.share_prompt:
+                size = len(p) + max(len(c), len(k))
+                whole.append(size)
+                pieces.append([size])
+                continue
+            whole.append(len(p) + max(sum(map(len, c)), sum(map(len, k))))
+            pieces.append([len(p) + max(len(ci), len(ki)) for ci, ki in zip(c, k, strict=True)])
+        return whole, pieces
 
     # ------------------------------------------------------------------ batches
     def collate(self, rows: list[dict], tokenizer, ctx) -> Batch:
         return self._collate(rows, tokenizer.pad_token_id)
 
     def _collate(self, rows: list[dict], pad_id: int) -> Batch:
-        main = [P.sequence(r["prompt_ids"], r["completion_ids"]) for r in rows]
-        kl = [P.sequence(r["prompt_ids"], r["kl_completion_ids"]) for r in rows]
-        t, real, total = P.collate_sequences(main, pad_id, self.pad_to_multiple_of,
-                                             self.padding_free)
-        tk, real_kl, total_kl = P.collate_sequences(kl, pad_id, self.pad_to_multiple_of,
+        units, rows_of = _layout.units_of(rows)
+        if rows_of is not None or self.share_prompt:
+            return self._collate_layout(units, rows_of, pad_id)
+        main = [_collate.sequence(r["prompt_ids"], r["completion_ids"]) for r in rows]
+        kl = [_collate.sequence(r["prompt_ids"], r["kl_completion_ids"]) for r in rows]
+        t, real, total = _collate.collate_sequences(main, pad_id, self.pad_to_multiple_of,
                                                     self.padding_free)
+        tk, real_kl, total_kl = _collate.collate_sequences(kl, pad_id, self.pad_to_multiple_of,
+                                                           self.padding_free)
         t.update({f"kl_{k}": v for k, v in tk.items()})
         t["label"] = torch.tensor([bool(r["label"]) for r in rows], dtype=torch.bool)
         if "ref_logps" in rows[0]:
@@ -197,41 +301,84 @@ class KTO(Offline):
         return Batch(t, num_items=len(rows), real_tokens=real, total_tokens=total, size_key=key,
                      meta={"samples": len(rows), "kl_tokens": real_kl})
 
+    def _examples(self, unit: dict, name: str) -> list:
+        """A unit's per-example values of column ``name`` (a pair's two with share_prompt)."""
+        return list(unit[name]) if self.share_prompt else [unit[name]]
+
+    def _collate_layout(self, units: list[dict], rows_of: list[list[int]] | None,
+                        pad_id: int) -> Batch:
+        """Packed rows (``rows_of``: the row of each unit's pieces) or, unpacked with
+        ``share_prompt``, one pair per row (padded) / every pair in one row (padding-free);
+        the KL sequences in the same layout, as their own tensors (``kl_*``)."""
+        rows_of = rows_of or [[i] for i in range(len(units))]
+        main, kl, n = [], [], 0
+        for u, rows in zip(units, rows_of, strict=True):
+            comps = self._examples(u, "completion_ids")
+            seqs = list(range(n, n + len(comps)))
+            n += len(comps)
+            shared = self.share_prompt and len(rows) == 1
+            main.append(_layout.unit_docs(u["prompt_ids"], comps, seqs, shared))
+            kl.append(_layout.unit_docs(u["prompt_ids"], self._examples(u, "kl_completion_ids"),
+                                        seqs, shared))
+        multiple, flat = self.pad_to_multiple_of, self.padding_free
+        t, real, total = _layout.collate_rows(_layout.place(main, rows_of), pad_id, multiple,
+                                              flat)
+        tk, real_kl, total_kl = _layout.collate_rows(_layout.place(kl, rows_of), pad_id,
+                                                     multiple, flat)
+        t.update({f"kl_{k}": v for k, v in tk.items()})
+        t["label"] = torch.tensor([bool(x) for u in units for x in self._examples(u, "label")],
+                                  dtype=torch.bool)
+        if "ref_logps" in units[0]:
+            for name in ("ref_logps", "ref_kl_logps"):
+                t[name] = torch.tensor([x for u in units for x in self._examples(u, name)],
+                                       dtype=torch.float32)
+        key = (total + total_kl,) if flat else (total + total_kl, t["input_ids"].shape[1])
+        return Batch(t, num_items=n, real_tokens=real, total_tokens=total, size_key=key,
+                     meta={"samples": n, "kl_tokens": real_kl})
+
     # ------------------------------------------------------------------ models
     def extra_models(self, policy, ctx, build) -> dict[str, Any]:
-        return P.reference_models(self, policy, ctx, build)
+        return _reference.reference_models(self, policy, ctx, build)
 
     def before_training(self, models, ds, ctx):
         """reference=precomputed: reference log-probs of each example and of its mismatched
         (KL) sequence, as dataset columns."""
         if self.reference != "precomputed":
             return None
-        pad = P.pad_id_of(models)
+        pad = _collate.pad_id_of(models)
 
-        def run(model, batch: Batch) -> dict[str, torch.Tensor]:
-            n = batch.num_items
-            return {"ref_logps": P.completion_logps(model, batch.tensors, n)[0],
-                    "ref_kl_logps": P.completion_logps(model, batch.tensors, n, "kl_")[0]}
+        def run(model, batch: Batch, items: list[dict]) -> dict[str, list]:
+            n, t = batch.num_items, batch.tensors
+            out = {}
+            for name, prefix in (("ref_logps", ""), ("ref_kl_logps", "kl_")):
+                values = _logps.completion_logps(model, t, n, prefix,
+                                                 attention=ctx.attention)[0].float().tolist()
+                if self.share_prompt:  # per unit: the pair's two examples
+                    values = [values[i: i + 2] for i in range(0, n, 2)]
+                out[name] = _layout.per_item(values, items)
+            return out
 
-        return P.precompute(self, models, ds, ctx, lambda rows: self._collate(rows, pad), run)
+        return _reference.precompute(self, models, ds, ctx,
+                                     lambda rows: self._collate(rows, pad), run)
 
     # ------------------------------------------------------------------ loss
-    def reference_logps(self, models, t: dict[str, torch.Tensor], n: int
+    def reference_logps(self, models, t: dict[str, torch.Tensor], n: int, attention: Any = None
                         ) -> tuple[torch.Tensor, torch.Tensor]:
         """Reference log-probs of the examples and of their mismatched sequences."""
         if "ref_logps" in t:
             return t["ref_logps"], t["ref_kl_logps"]
-        with P.reference_forward(self, models) as ref:
-            return (P.completion_logps(ref, t, n)[0],
-                    P.completion_logps(ref, t, n, "kl_")[0])
+        with _reference.reference_forward(self, models) as ref:
+            return (_logps.completion_logps(ref, t, n, attention=attention)[0],
+                    _logps.completion_logps(ref, t, n, "kl_", attention=attention)[0])
 
     def kl_estimate(self, models, t: dict[str, torch.Tensor], n: int,
-                    ref_kl: torch.Tensor) -> torch.Tensor:
+                    ref_kl: torch.Tensor, attention: Any = None) -> torch.Tensor:
         """Detached ``max(0, mean(policy - reference))`` on the mismatched sequences."""
         from memlab.losses import kto_kl_estimate
 
         with torch.no_grad():
-            policy_kl = P.completion_logps(models["policy"], t, n, "kl_")[0]
+            policy_kl = _logps.completion_logps(models["policy"], t, n, "kl_",
+                                                attention=attention)[0]
         return kto_kl_estimate(policy_kl, ref_kl)
 
     def loss(self, models: dict, batch: Batch, ctx) -> tuple[torch.Tensor, dict[str, float]]:
@@ -240,9 +387,10 @@ class KTO(Offline):
         t, n = batch.tensors, batch.num_items
         if self.use_liger_kernel:
             return self._liger_loss(models, batch)
-        ref, ref_kl = self.reference_logps(models, t, n)
-        kl = self.kl_estimate(models, t, n, ref_kl)
-        logps, _ = P.completion_logps(models["policy"], t, n)
+        attention = _layout.attention_of(ctx)
+        ref, ref_kl = self.reference_logps(models, t, n, attention)
+        kl = self.kl_estimate(models, t, n, ref_kl, attention)
+        logps, _ = _logps.completion_logps(models["policy"], t, n, attention=attention)
         desirable = t["label"]
         losses, rewards = kto_loss(logps, ref, desirable, kl, beta=self.beta,
                                    desirable_weight=self.desirable_weight,
@@ -269,14 +417,14 @@ class KTO(Offline):
         the examples are computed inside it from the reference's hidden states); its loss is the
         mean over examples, scaled back to a sum."""
         t, n = batch.tensors, batch.num_items
-        with P.reference_forward(self, models) as ref:
-            ref_kl = P.completion_logps(ref, t, n, "kl_")[0]
-            ref_hidden, ref_head = P.hidden_and_head(ref, t)
+        with _reference.reference_forward(self, models) as ref:
+            ref_kl = _logps.completion_logps(ref, t, n, "kl_")[0]
+            ref_hidden, ref_head = _liger.hidden_and_head(ref, t)
         kl = self.kl_estimate(models, t, n, ref_kl)
-        hidden, head = P.hidden_and_head(models["policy"], t)
-        fn = P.liger_module("LigerFusedLinearKTOLoss", beta=self.beta, use_ref_model=True,
+        hidden, head = _liger.hidden_and_head(models["policy"], t)
+        fn = _liger.liger_module("LigerFusedLinearKTOLoss", beta=self.beta, use_ref_model=True,
                             average_log_prob=False)
         out = fn(hidden, head.weight, t["labels"], bias=getattr(head, "bias", None),
                  preference_labels=t["label"], ref_input=ref_hidden, ref_weight=ref_head.weight,
                  ref_bias=getattr(ref_head, "bias", None), kl=kl)
-        return P.liger_loss_value(out) * n, {"kl": float(kl)}
+        return _liger.liger_loss_value(out) * n, {"kl": float(kl)}

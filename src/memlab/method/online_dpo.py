@@ -11,15 +11,15 @@ the number of pairs (prompts).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 import torch
 
 from memlab.losses import dpo_loss, token_logps
-from memlab.method import _preference as P
+from memlab.method import _reference
 from memlab.method._online import Online
 from memlab.method.base import IGNORE, Batch, model_inputs
-from memlab.registry import register
+from memlab.registry import PositiveFloat, PositiveInt, Range, register
 
 
 @register("method", "online_dpo")
@@ -29,11 +29,11 @@ class OnlineDPO(Online):
 
     reuses_rollouts: ClassVar[bool] = False
 
-    num_generations: int = 2
+    num_generations: PositiveInt = 2
     """Two completions per prompt: the pair."""
-    beta: float = 0.1
+    beta: PositiveFloat = 0.1
     loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
-    missing_eos_penalty: float | None = None
+    missing_eos_penalty: Annotated[float, Range()] | None = None
 
     def validate(self, ctx) -> list[str]:
         errors = super().validate(ctx)
@@ -48,7 +48,7 @@ class OnlineDPO(Online):
         return errors
 
     def extra_models(self, policy, ctx, build):
-        return {**P.reference_models(self, policy, ctx, build),
+        return {**_reference.reference_models(self, policy, ctx, build),
                 **self.reward_model_instances(build)}
 
     def advantages_for(self, models, rewards, t, metrics) -> torch.Tensor:
@@ -72,7 +72,7 @@ class OnlineDPO(Online):
         n = (labels != IGNORE).sum(1).clamp(min=1)
         logits = models["policy"](**inputs, use_cache=False).logits[:, :-1]
         logps = token_logps(logits, labels, IGNORE).sum(1)
-        with P.reference_forward(self, models) as ref:
+        with _reference.reference_forward(self, models) as ref:
             ref_logps = token_logps(ref(**inputs, use_cache=False).logits[:, :-1], labels,
                                     IGNORE).sum(1)
         if self.loss_type == "ipo":  # IPO is defined on length-averaged log-probs

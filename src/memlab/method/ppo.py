@@ -24,15 +24,15 @@ Runs in one process for now (the value model is not wrapped by DDP / FSDP2).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 import torch
 
 from memlab.losses import token_logps
-from memlab.method import _preference as P
+from memlab.method import _reference
 from memlab.method._online import Online
 from memlab.method.base import IGNORE, Batch, model_inputs
-from memlab.registry import register
+from memlab.registry import Fraction, NonNegativeFloat, PositiveFloat, PositiveInt, Range, register
 from memlab.trainer.routing import base_model, call_inside
 
 
@@ -41,17 +41,17 @@ from memlab.trainer.routing import base_model, call_inside
 class PPO(Online):
     """PPO knobs, named as in TRL's PPOConfig."""
 
-    num_generations: int = 1
+    num_generations: PositiveInt = 1
     """Completions per prompt (PPO's baseline is the value model, not a group)."""
-    beta: float = 0.05
+    beta: NonNegativeFloat = 0.05
     """Per-token KL penalty in the reward (TRL's ``kl_coef``)."""
-    cliprange: float = 0.2
-    cliprange_value: float = 0.2
-    vf_coef: float = 0.1
-    gamma: float = 1.0
-    lam: float = 0.95
+    cliprange: PositiveFloat = 0.2
+    cliprange_value: PositiveFloat = 0.2
+    vf_coef: NonNegativeFloat = 0.1
+    gamma: Fraction = 1.0
+    lam: Fraction = 0.95
     whiten_advantages: bool = True
-    missing_eos_penalty: float | None = None
+    missing_eos_penalty: Annotated[float, Range()] | None = None
 
     min_generations: ClassVar[int] = 1
     trains_extra_models: ClassVar[bool] = True
@@ -71,7 +71,7 @@ class PPO(Online):
     def extra_models(self, policy, ctx, build) -> dict[str, Any]:
         """The reference (frozen copy, or the disabled adapter) and the value model (the model
         group with a one-output head, trainable, no PEFT)."""
-        models = P.reference_models(self, policy, ctx, build)
+        models = _reference.reference_models(self, policy, ctx, build)
         models["value"] = build(head="seq_cls", trainable=True)
         return {**models, **self.reward_model_instances(build)}
 
@@ -83,12 +83,12 @@ class PPO(Online):
         labels = t["labels"][:, :-1]
         mask = (labels != IGNORE).float()
         with torch.no_grad():
-            with P.frozen_forward(models["policy"]) as m:
+            with _reference.frozen_forward(models["policy"]) as m:
                 logps = token_logps(m(**inputs, use_cache=False).logits[:, :-1], labels, IGNORE)
-            with P.reference_forward(self, models) as ref:
+            with _reference.reference_forward(self, models) as ref:
                 ref_logps = token_logps(ref(**inputs, use_cache=False).logits[:, :-1], labels,
                                         IGNORE)
-            with P.frozen_forward(models["value"]) as v:
+            with _reference.frozen_forward(models["value"]) as v:
                 values = token_values(v, inputs)[:, :-1] * mask
         score = rewards.to(logps.device, logps.dtype)
         if self.missing_eos_penalty:

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import torch
 
 from memlab.losses import token_logps
-from memlab.method import _preference as P
+from memlab.method import _reference
 from memlab.method._online import Clipped
 from memlab.method.base import IGNORE, Batch, model_inputs
-from memlab.registry import register
+from memlab.registry import NonNegativeFloat, PositiveInt, register
 
 
 @register("method", "rloo")
@@ -29,8 +29,8 @@ from memlab.registry import register
 class RLOO(Clipped):
     """RLOO knobs, named as in TRL's RLOOConfig."""
 
-    num_generations: int = 2
-    beta: float = 0.05
+    num_generations: PositiveInt = 2
+    beta: NonNegativeFloat = 0.05
     """KL strength, applied to the reward (sequence level); 0 loads no reference model."""
     normalize_advantages: bool = False
     """Scale advantages to mean 0, std 1 over the batch."""
@@ -50,9 +50,9 @@ class RLOO(Clipped):
         inputs = model_inputs(t)
         labels = t["labels"][:, :-1]
         with torch.no_grad():
-            with P.frozen_forward(models["policy"]) as m:
+            with _reference.frozen_forward(models["policy"]) as m:
                 pol = token_logps(m(**inputs, use_cache=False).logits[:, :-1], labels, IGNORE)
-            with P.reference_forward(self, models) as ref:
+            with _reference.reference_forward(self, models) as ref:
                 rl = token_logps(ref(**inputs, use_cache=False).logits[:, :-1], labels, IGNORE)
         return (pol - rl).sum(1).float().cpu()
 

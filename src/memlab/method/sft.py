@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +32,7 @@ from memlab.method.base import (
     shifted_labels,
 )
 from memlab.model._liger import liger_errors
-from memlab.registry import register
+from memlab.registry import PositiveInt, Range, register
 from memlab.trainer.routing import call_inside
 
 
@@ -41,7 +41,7 @@ from memlab.trainer.routing import call_inside
 class SFT(Offline):
     """SFT knobs, named as in TRL's SFTConfig where one exists."""
 
-    max_length: int | None = 1024
+    max_length: Annotated[int, Range(ge=2)] | None = 1024
     """Longest sequence (padded runs) or row capacity (packed runs). None = no limit."""
     truncation_mode: Literal["keep_start", "keep_end"] = "keep_start"
     loss_on: Literal["completion", "all"] = "completion"
@@ -50,12 +50,12 @@ class SFT(Offline):
     padding_free: bool | None = None
     """Flatten each batch into one row with restarting position_ids (no padding at all).
     None = on when packing is on, off otherwise."""
-    pad_to_multiple_of: int | None = None
+    pad_to_multiple_of: PositiveInt | None = None
     """Round padded lengths up (tensor-core friendly shapes)."""
     loss_impl: Literal["standard", "chunked"] = "standard"
     """chunked: fused linear + cross-entropy over token chunks; the full [tokens, vocab] logits
     never exist (pure PyTorch, any device)."""
-    chunk_size: int = 1024
+    chunk_size: PositiveInt = 1024
     """Tokens per chunk for loss_impl=chunked."""
     use_liger_kernel: bool = False
     """Liger's Triton kernels (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy). CUDA + the
@@ -130,7 +130,7 @@ class SFT(Offline):
         limit = self.max_length if truncate else None
 
         def fn(batch: dict[str, list], idx: list[int]) -> dict[str, list]:
-            out: dict[str, list] = {"input_ids": [], "labels": [], "n_in": []}
+            out: dict[str, list] = {"input_ids": [], "labels": [], "n_in": [], "n_train": []}
             for j, row in enumerate(idx):
                 ids, mask = self._encode(fmt, {k: v[j] for k, v in batch.items()}, row, tokenizer)
                 out["n_in"].append(len(ids))
@@ -139,8 +139,10 @@ class SFT(Offline):
                         ids, mask = ids[:limit], mask[:limit]
                     else:
                         ids, mask = ids[-limit:], mask[-limit:]
+                labels = shifted_labels(ids, mask)
                 out["input_ids"].append(ids)
-                out["labels"].append(shifted_labels(ids, mask))
+                out["labels"].append(labels)
+                out["n_train"].append(len(labels) - labels.count(IGNORE))
             return out
 
         key = hashlib.sha1(repr((ds._fingerprint, fmt, limit, self.truncation_mode,
@@ -149,12 +151,12 @@ class SFT(Offline):
             fn, batched=True, batch_size=256, with_indices=True, remove_columns=ds.column_names,
             keep_in_memory=True, new_fingerprint=key.hexdigest(), desc="tokenize",
         )
-        n_in = out["n_in"]
+        n_in, n_train = out["n_in"], out["n_train"]
         lens = [len(x) for x in out["input_ids"]]
-        out = out.remove_columns("n_in")
+        out = out.remove_columns(["n_in", "n_train"])
         stats = DataStats(
             examples=len(out), rows=len(out), tokens_in=int(sum(n_in)),
-            tokens_dropped=int(sum(n_in) - sum(lens)),
+            tokens_dropped=int(sum(n_in) - sum(lens)), trainable_tokens=int(sum(n_train)),
         )
         return out, stats
 
@@ -191,7 +193,7 @@ class SFT(Offline):
                                            columns)
             key = (total,)
         else:
-            packed = "position_ids" in rows[0]
+            packed = "seq_lengths" in rows[0]
             t, real, total = pad_batch(rows, tokenizer.pad_token_id, self.pad_to_multiple_of,
                                        columns, with_positions=packed)
             key = (total, t["input_ids"].shape[1])

@@ -10,7 +10,7 @@ from torch import nn
 
 from memlab.model import _files
 from memlab.model.base import Head, auto_class, finish_load, load_kwargs, seeded
-from memlab.registry import register
+from memlab.registry import PositiveInt, Seed, register
 
 
 @register("model", "tiny")
@@ -19,20 +19,20 @@ class Tiny:
     """Architecture sizes of the randomly initialised model."""
 
     arch: Literal["llama", "qwen2"] = "llama"
-    hidden_size: int = 128
-    intermediate_size: int = 384
-    num_layers: int = 4
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    vocab_size: int | None = None
+    hidden_size: PositiveInt = 128
+    intermediate_size: PositiveInt = 384
+    num_layers: PositiveInt = 4
+    num_heads: PositiveInt = 4
+    num_kv_heads: PositiveInt = 2
+    vocab_size: PositiveInt | None = None
     """None = the tokenizer's size; larger values add unused rows (to study large vocabularies)."""
-    max_position_embeddings: int = 16384
+    max_position_embeddings: PositiveInt = 16384
     tie_word_embeddings: bool = False
     tokenizer: str | None = None
     """Tokenizer dir; None = the BPE tokenizer shipped in memlab/assets/tokenizer."""
     chat_template: str | None = None
     """A Jinja chat template file that replaces the tokenizer's own; None = the tokenizer's."""
-    seed: int | None = None
+    seed: Seed | None = None
     """Init seed; None = train.seed."""
 
     def validate(self, ctx) -> list[str]:

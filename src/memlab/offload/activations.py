@@ -13,7 +13,7 @@ from torch import nn
 
 from memlab.offload.base import Placement
 from memlab.offload.hooks import ActivationOffloader
-from memlab.registry import register
+from memlab.registry import NonNegativeInt, register
 
 
 @register("offload", "activations")
@@ -21,14 +21,14 @@ from memlab.registry import register
 class Activations:
     """Offloading knobs."""
 
-    min_bytes: int = 1 << 20
+    min_bytes: NonNegativeInt = 1 << 20
     """Tensors smaller than this stay on the device (copies of tiny tensors cost more than they
     save)."""
     use_streams: bool = True
     """CUDA: copy on side streams overlapping compute (false: synchronous copies)."""
     pin_memory: bool = True
     """CUDA: pinned host buffers (faster, asynchronous copies)."""
-    prefetch: int = 2
+    prefetch: NonNegativeInt = 2
     """Backward: how many offloaded tensors are brought back ahead of use."""
     allow_cpu: bool = False
     """On CPU activations already live in host memory, so offloading saves nothing; true runs

@@ -1,5 +1,9 @@
 """`packing=bfd_split`: long sequences are first split into chunks of at most max_length (positions
-restart in each chunk), then Best-Fit Decreasing; no token is lost."""
+restart in each chunk), then Best-Fit Decreasing; no token is lost.
+
+Preference methods (units of several sequences, packing/groups.py): a unit larger than a row is
+split into its sequences (never cut), placed in rows of the same micro-batch; no token the
+method's own limits keep is lost."""
 
 from __future__ import annotations
 

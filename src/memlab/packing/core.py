@@ -34,8 +34,11 @@ Empty sequences produce no piece (as in TRL). Two entry points:
 * :func:`plan` works on lengths only and returns a :class:`PackPlan`: flat numpy arrays of
   *pieces* (``seq_index``, ``start``, ``end`` token offsets inside the source sequence) grouped
   into rows CSR-style by ``row_offsets``.
-* :func:`apply` packs a tokenized :class:`datasets.Dataset` following such a plan, building the
-  Arrow list columns directly from offsets (no per-row Python lists).
+* :func:`apply` packs a tokenized :class:`datasets.Dataset` following such a plan: each output
+  buffer is allocated once at its final size and filled by numpy copies of whole runs of
+  tokens, grouped by run length (no Python per row, piece or token; see ``_arrow``); value
+  types are kept (int32 stays int32). The output can be built, and written to an Arrow file,
+  shard by shard while the plan stays global (``shard_rows``, ``output_path``).
 
 Best-fit runs in ``O(n log n)``: pieces are grouped by length (at most ``max_length`` distinct
 values) and each group is placed in bulk. Within a group of ``k`` pieces of length ``L``, the
@@ -48,305 +51,35 @@ FIFO ties among rows of equal remaining capacity (the rule TRL uses), and it is 
 
 from __future__ import annotations
 
-import bisect
 import hashlib
+import os
 import time
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from memlab.packing import _arrow
+from memlab.packing.plan import STRATEGIES, PackPlan, Strategy, plan
 
 if TYPE_CHECKING:
     import datasets
 
-Strategy = Literal["bfd", "bfd_split", "wrapped"]
-STRATEGIES: tuple[str, ...] = ("bfd", "bfd_split", "wrapped")
+__all__ = [
+    "DEFAULT_SHARD_TOKENS",
+    "STRATEGIES",
+    "PackPlan",
+    "PackStats",
+    "Strategy",
+    "apply",
+    "plan",
+]
 
-__all__ = ["STRATEGIES", "PackPlan", "PackStats", "Strategy", "apply", "plan"]
-
-
-# --------------------------------------------------------------------------------------------
-# The plan
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, eq=False)
-class PackPlan:
-    """Where every token goes: pieces of source sequences, grouped into rows.
-
-    Piece ``p`` is tokens ``[start[p], end[p])`` of source sequence ``seq_index[p]``; row ``r``
-    holds pieces ``row_offsets[r]:row_offsets[r + 1]``, in this order. All arrays are int64.
-    """
-
-    seq_index: np.ndarray
-    start: np.ndarray
-    end: np.ndarray
-    row_offsets: np.ndarray
-    max_length: int
-    strategy: str
-    tokens_in: int
-    """Total tokens of the input sequences (before any truncation)."""
-
-    @property
-    def num_rows(self) -> int:
-        """Number of packed rows."""
-        return int(self.row_offsets.shape[0] - 1)
-
-    @property
-    def num_pieces(self) -> int:
-        """Number of pieces (sequences, or chunks of them) over all rows."""
-        return int(self.seq_index.shape[0])
-
-    @property
-    def piece_lengths(self) -> np.ndarray:
-        """Length in tokens of every piece."""
-        return self.end - self.start
-
-    @property
-    def tokens_out(self) -> int:
-        """Real tokens placed into rows."""
-        return int(self.piece_lengths.sum())
-
-    @property
-    def tokens_dropped(self) -> int:
-        """Tokens lost (only ``"bfd"`` drops: the overflow of sequences over ``max_length``)."""
-        return self.tokens_in - self.tokens_out
-
-    @property
-    def fill_ratio(self) -> float:
-        """Real tokens in rows / (``num_rows * max_length``); 0.0 when there is no row."""
-        if self.num_rows == 0:
-            return 0.0
-        return self.tokens_out / (self.num_rows * self.max_length)
-
-    def row_lengths(self) -> np.ndarray:
-        """Tokens in each row (int64 array of ``num_rows``)."""
-        csum = np.zeros(self.num_pieces + 1, dtype=np.int64)
-        np.cumsum(self.piece_lengths, out=csum[1:])
-        return csum[self.row_offsets[1:]] - csum[self.row_offsets[:-1]]
-
-    def rows(self) -> list[list[tuple[int, int, int]]]:
-        """Rows as Python lists of ``(seq_index, start, end)`` (for inspection and tests)."""
-        triples = list(zip(self.seq_index.tolist(), self.start.tolist(), self.end.tolist()))
-        offs = self.row_offsets.tolist()
-        return [triples[offs[r] : offs[r + 1]] for r in range(self.num_rows)]
-
-
-def _as_lengths(lengths: Sequence[int] | np.ndarray) -> np.ndarray:
-    arr = np.asarray(lengths)
-    if arr.ndim != 1:
-        raise ValueError(f"lengths must be one-dimensional, got shape {arr.shape}")
-    if arr.size == 0:
-        return np.zeros(0, dtype=np.int64)
-    if not np.issubdtype(arr.dtype, np.integer):
-        raise TypeError(f"lengths must be integers, got dtype {arr.dtype}")
-    arr = arr.astype(np.int64, copy=False)
-    if arr.min() < 0:
-        raise ValueError("lengths must be >= 0")
-    return arr
-
-
-def plan(
-    lengths: Sequence[int] | np.ndarray,
-    max_length: int,
-    strategy: Strategy = "bfd",
-) -> PackPlan:
-    """Plan how to pack sequences of the given lengths into rows of at most ``max_length``.
-
-    Args:
-        lengths: token count of every source sequence (index = ``seq_index``).
-        max_length: capacity of a row, in tokens (>= 1).
-        strategy: ``"bfd"``, ``"bfd_split"`` or ``"wrapped"`` (see the module docstring).
-
-    Returns:
-        A :class:`PackPlan`; identical inputs give identical plans.
-    """
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown packing strategy {strategy!r}; choose one of {STRATEGIES}")
-    max_length = int(max_length)
-    if max_length < 1:
-        raise ValueError(f"max_length must be >= 1, got {max_length}")
-    lens = _as_lengths(lengths)
-    tokens_in = int(lens.sum())
-    if strategy == "wrapped":
-        seq, start, end, row_offsets = _plan_wrapped(lens, max_length)
-    else:
-        seq, start, end = _pieces(lens, max_length, split=strategy == "bfd_split")
-        order, row_offsets = _best_fit_decreasing(end - start, max_length)
-        seq, start, end = seq[order], start[order], end[order]
-    return PackPlan(
-        seq_index=seq,
-        start=start,
-        end=end,
-        row_offsets=row_offsets,
-        max_length=max_length,
-        strategy=strategy,
-        tokens_in=tokens_in,
-    )
-
-
-def _pieces(
-    lens: np.ndarray, max_length: int, *, split: bool
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Pieces to pack: each non-empty sequence truncated, or split into ``max_length`` chunks."""
-    if not split:
-        seq = np.flatnonzero(lens > 0).astype(np.int64)
-        return seq, np.zeros_like(seq), np.minimum(lens[seq], max_length)
-    n_chunks = -(-lens // max_length)  # ceil; 0 for empty sequences
-    seq = np.repeat(np.arange(lens.shape[0], dtype=np.int64), n_chunks)
-    first = np.cumsum(n_chunks) - n_chunks  # index of each sequence's first chunk
-    chunk_no = np.arange(seq.shape[0], dtype=np.int64) - np.repeat(first, n_chunks)
-    start = chunk_no * max_length
-    end = np.minimum(start + max_length, lens[seq])
-    return seq, start, end
-
-
-def _take_front(bucket: deque[np.ndarray], n: int) -> np.ndarray:
-    """Remove and return the first ``n`` row ids of a FIFO bucket of id chunks."""
-    out: list[np.ndarray] = []
-    while n > 0:
-        head = bucket[0]
-        if head.shape[0] <= n:
-            out.append(bucket.popleft())
-            n -= head.shape[0]
-        else:
-            out.append(head[:n])
-            bucket[0] = head[n:]
-            n = 0
-    return out[0] if len(out) == 1 else np.concatenate(out)
-
-
-def _best_fit_decreasing(plen: np.ndarray, max_length: int) -> tuple[np.ndarray, np.ndarray]:
-    """Best-fit-decreasing bin packing of piece lengths in ``[1, max_length]``.
-
-    Returns ``(order, row_offsets)``: ``order`` lists piece indices row by row (rows in the
-    order they were opened, pieces in the order they were placed) and ``row_offsets`` is the
-    CSR index of rows into ``order``.
-    """
-    n = plen.shape[0]
-    if n == 0:
-        return np.zeros(0, dtype=np.int64), np.zeros(1, dtype=np.int64)
-    # Processing order: longest first, ties by index (a stable sort on the negated length;
-    # 16-bit keys make numpy use its radix sort).
-    key_dtype = np.uint16 if max_length < 2**16 else np.int64
-    by_len = np.argsort((max_length - plen).astype(key_dtype), kind="stable")
-    group_sizes = np.bincount(plen, minlength=max_length + 1)
-    group_lens = np.flatnonzero(group_sizes)[::-1].tolist()
-    group_sizes_l = group_sizes.tolist()
-    min_len = group_lens[-1]
-
-    buckets: dict[int, deque[np.ndarray]] = {}  # remaining capacity -> FIFO chunks of row ids
-    counts: dict[int, int] = {}  # remaining capacity -> number of rows in that bucket
-    open_caps: list[int] = []  # sorted non-empty capacities (only those >= min_len are kept)
-    row_of = np.empty(n, dtype=np.int64)  # row of each piece, in processing order
-    next_row = 0
-    pos = 0
-
-    def put(cap: int, rows: np.ndarray) -> None:
-        if cap < min_len:  # nothing left to place can ever fit: forget the rows
-            return
-        if cap in counts:
-            buckets[cap].append(rows)
-            counts[cap] += rows.shape[0]
-        else:
-            buckets[cap] = deque((rows,))
-            counts[cap] = rows.shape[0]
-            bisect.insort(open_caps, cap)
-
-    for length in group_lens:
-        left = group_sizes_l[length]
-        placed: list[np.ndarray] = []
-        i = bisect.bisect_left(open_caps, length)
-        consumed = 0  # open_caps[i:i + consumed] get emptied by this group
-        moves: list[tuple[int, np.ndarray]] = []  # deferred: inserting now would shift open_caps
-        while left > 0 and i + consumed < len(open_caps):
-            cap = open_caps[i + consumed]
-            per_row = cap // length
-            avail = counts[cap]
-            full = left // per_row
-            if full >= avail:  # the whole bucket is filled down to below `length`
-                rows = _take_front(buckets.pop(cap), avail)
-                del counts[cap]
-                consumed += 1
-                placed.append(np.repeat(rows, per_row))
-                moves.append((cap - per_row * length, rows))
-                left -= avail * per_row
-                continue
-            if full:
-                rows = _take_front(buckets[cap], full)
-                placed.append(np.repeat(rows, per_row))
-                moves.append((cap - per_row * length, rows))
-                left -= full * per_row
-                counts[cap] -= full
-            if left:  # one more row takes the last `left` (< per_row) pieces
-                rows = _take_front(buckets[cap], 1)
-                placed.append(np.repeat(rows, left))
-                moves.append((cap - left * length, rows))
-                counts[cap] -= 1
-                left = 0
-            if counts[cap] == 0:
-                del counts[cap], buckets[cap]
-                consumed += 1
-        del open_caps[i : i + consumed]
-        if left > 0:  # open new rows, each filled with as many pieces as fit
-            per_row = max_length // length
-            n_full, rest = divmod(left, per_row)
-            n_new = n_full + (rest > 0)
-            rows = np.arange(next_row, next_row + n_new, dtype=np.int64)
-            next_row += n_new
-            placed.append(np.repeat(rows, per_row)[:left])
-            if n_full:
-                moves.append((max_length - per_row * length, rows[:n_full]))
-            if rest:
-                moves.append((max_length - rest * length, rows[n_full:]))
-        for cap, rows in moves:
-            put(cap, rows)
-        k = group_sizes_l[length]
-        row_of[pos : pos + k] = placed[0] if len(placed) == 1 else np.concatenate(placed)
-        pos += k
-
-    # Rows in opening order; within a row, pieces in placement (= processing) order.
-    within = np.argsort(row_of, kind="stable")
-    order = by_len[within]
-    row_offsets = np.zeros(next_row + 1, dtype=np.int64)
-    np.cumsum(np.bincount(row_of, minlength=next_row), out=row_offsets[1:])
-    return order.astype(np.int64, copy=False), row_offsets
-
-
-def _plan_wrapped(
-    lens: np.ndarray, max_length: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Cut the concatenation of all sequences into consecutive ``max_length`` blocks."""
-    doc_bounds = np.zeros(lens.shape[0] + 1, dtype=np.int64)
-    np.cumsum(lens, out=doc_bounds[1:])
-    total = int(doc_bounds[-1])
-    if total == 0:
-        empty = np.zeros(0, dtype=np.int64)
-        return empty, empty, empty, np.zeros(1, dtype=np.int64)
-    row_bounds = np.arange(0, total, max_length, dtype=np.int64)
-    # Pieces start at every non-empty document start and at every row start inside a document.
-    # Both lists are sorted, so merge them with searchsorted instead of a (slow) set union.
-    docs = np.flatnonzero(lens > 0)
-    doc_starts = doc_bounds[docs]
-    at = np.minimum(np.searchsorted(doc_starts, row_bounds), doc_starts.shape[0] - 1)
-    mid = row_bounds[doc_starts[at] != row_bounds]  # row starts falling inside a document
-    mid_slot = np.searchsorted(doc_starts, mid) + np.arange(mid.shape[0])
-    is_mid = np.zeros(doc_starts.shape[0] + mid.shape[0], dtype=bool)
-    is_mid[mid_slot] = True
-    starts = np.empty(is_mid.shape[0], dtype=np.int64)
-    starts[is_mid] = mid
-    starts[~is_mid] = doc_starts
-    seq = np.empty_like(starts)
-    seq[is_mid] = docs[np.searchsorted(doc_starts, mid, side="right") - 1]
-    seq[~is_mid] = docs
-    ends = np.empty_like(starts)
-    ends[:-1] = starts[1:]
-    ends[-1] = total
-    offset = starts - doc_bounds[seq]
-    row_offsets = np.searchsorted(starts, np.append(row_bounds, total)).astype(np.int64)
-    return seq, offset, offset + (ends - starts), row_offsets
+DEFAULT_SHARD_TOKENS = 1 << 27
+"""Tokens per output shard when :func:`apply` writes to a file and no ``shard_rows`` is given
+(with int32 ids: ~512 MiB of ids plus as much of position ids per shard)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -371,72 +104,54 @@ class PackStats:
         return asdict(self)
 
 
-def _list_parts(column: Any) -> tuple[np.ndarray, Any]:
-    """Offsets (int64, rebased to 0) and flat values of a pyarrow (large) list column."""
-    import pyarrow as pa
-
-    if isinstance(column, pa.ChunkedArray):
-        column = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
-    if not (pa.types.is_list(column.type) or pa.types.is_large_list(column.type)):
-        raise TypeError(f"packing needs list columns, got type {column.type}")
-    if column.null_count:
-        raise ValueError("packing needs list columns without null rows")
-    offsets = column.offsets.to_numpy().astype(np.int64)
-    values = column.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
-    return offsets - offsets[0], values
-
-
-def _gather(values: Any, starts: np.ndarray, lengths: np.ndarray, large: bool) -> Any:
-    """Concatenate the runs ``values[starts[i]:starts[i] + lengths[i]]`` into one Arrow array.
-
-    A list-view over ``values`` flattened by Arrow copies each run with one memcpy, about twice
-    as fast as a per-token index gather in numpy; older pyarrow (no list views) gets the latter.
-    """
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    if not isinstance(values, pa.Array):
-        values = pa.array(values)
-    off_type = np.int64 if large else np.int32
-    view_cls = getattr(pa, "LargeListViewArray" if large else "ListViewArray", None)
-    if view_cls is not None:
-        view = view_cls.from_arrays(
-            pa.array(starts.astype(off_type)), pa.array(lengths.astype(off_type)), values
-        )
-        return view.flatten()
-    bounds = np.zeros(lengths.shape[0] + 1, dtype=np.int64)
-    np.cumsum(lengths, out=bounds[1:])
-    index = np.arange(bounds[-1], dtype=off_type)
-    index += np.repeat((starts - bounds[:-1]).astype(off_type), lengths)
-    return pc.take(values, pa.array(index))
-
-
 def apply(
     dataset: datasets.Dataset,
     max_length: int,
     strategy: Strategy = "bfd",
     columns: Sequence[str] = ("input_ids",),
+    *,
+    shard_rows: int | None = None,
+    output_path: str | os.PathLike[str] | None = None,
+    position_ids: bool = True,
 ) -> tuple[datasets.Dataset, PackStats]:
     """Pack a tokenized dataset into rows of at most ``max_length`` tokens.
 
     Every column in ``columns`` must hold, per row, a list as long as the first column's (e.g.
     ``input_ids``, ``completion_mask``, ``labels``); they are all cut and concatenated the
-    same way. Other columns are dropped. Each output row holds the packed columns plus:
+    same way and keep their value type. Other columns are dropped. Each output row holds the
+    packed columns plus:
 
     * ``position_ids`` -- 0, 1, 2, ... restarting at every piece start, i.e. at each sequence
       (or ``bfd_split`` chunk) start. For ``"wrapped"`` positions also restart at every row
       start, so a sequence continued from the previous row starts over at 0 (rows are
-      independent training examples; no position ever reaches ``max_length``).
+      independent training examples; no position ever reaches ``max_length``). int32.
     * ``seq_lengths`` -- the piece lengths in the row, summing to the row length (what
       varlen / flash-attention kernels need as ``cu_seqlens``).
 
-    Rows are not padded (the collator pads). Dataset formatting is not carried over.
+    Rows are not padded (the collator pads). Dataset formatting is not carried over. The plan
+    is always global (one :func:`plan` over every row); only the output is built in shards.
+
+    Args:
+        dataset: the tokenized dataset, in memory or memory-mapped (Arrow files are read in
+            place, pieces copied straight from the mapped files). An indices mapping from
+            ``select``/``shuffle`` is applied first, which copies the selected columns.
+        max_length: row capacity in tokens.
+        strategy: ``"bfd"``, ``"bfd_split"`` or ``"wrapped"`` (see the module docstring).
+        columns: the per-token list columns to pack.
+        shard_rows: build the output this many rows at a time, one Arrow record batch each.
+            Default: all rows at once in memory, or :data:`DEFAULT_SHARD_TOKENS` ``//
+            max_length`` rows when writing to ``output_path``.
+        output_path: write the packed rows to this new Arrow file (an IPC stream, the format
+            of ``datasets`` cache files) shard by shard and return a dataset memory-mapped from
+            it, so that memory holds one shard of output at a time, not all of it.
+        position_ids: write the ``position_ids`` column (the default). ``False`` leaves it
+            out: it is as large as ``input_ids`` (int32 per token) and follows from
+            ``seq_lengths`` alone, so a collator can build it per batch instead.
 
     Returns:
         ``(packed_dataset, stats)``.
     """
     import datasets as hf_datasets
-    import pyarrow as pa
 
     t0 = time.perf_counter()
     columns = list(columns)
@@ -448,51 +163,60 @@ def apply(
     for name in ("position_ids", "seq_lengths"):
         if name in columns:
             raise ValueError(f"column {name!r} is produced by packing; do not pass it in columns")
-
-    # One Arrow table of just these columns, with any select/shuffle indices applied.
-    table = dataset.select_columns(columns).with_format("arrow")[:]
-    parts = [_list_parts(table.column(c)) for c in columns]
-    offsets = parts[0][0]
-    for name, (other, _) in zip(columns[1:], parts[1:]):
-        if not np.array_equal(other, offsets):
-            raise ValueError(f"column {name!r} has per-row lengths differing from {columns[0]!r}")
-
-    pp = plan(np.diff(offsets), max_length, strategy)
-    plen = pp.piece_lengths
-    piece_bounds = np.zeros(pp.num_pieces + 1, dtype=np.int64)
-    np.cumsum(plen, out=piece_bounds[1:])
-    n_tok = int(piece_bounds[-1])
-    large = max(n_tok, int(offsets[-1]), max_length) >= 2**31 - 1
-    row_offsets = piece_bounds[pp.row_offsets]
-    if strategy == "wrapped":  # the stream is the input itself: reuse its buffers (zero-copy)
-        packed_values = [values for _, values in parts]
-    else:
-        src_start = offsets[pp.seq_index] + pp.start
-        packed_values = [_gather(values, src_start, plen, large) for _, values in parts]
-    positions = _gather(np.arange(max_length, dtype=np.int32), np.zeros_like(plen), plen, large)
-
-    list_cls = pa.LargeListArray if large else pa.ListArray
-    row_offs = pa.array(row_offsets.astype(np.int64 if large else np.int32))
-    arrays = [list_cls.from_arrays(row_offs, v) for v in [*packed_values, positions]]
-    arrays.append(
-        pa.ListArray.from_arrays(
-            pa.array(pp.row_offsets.astype(np.int32)), pa.array(plen.astype(np.int32))
+    if shard_rows is not None and (isinstance(shard_rows, bool) or int(shard_rows) < 1):
+        raise ValueError(f"shard_rows must be a positive number of rows, got {shard_rows!r}")
+    path = None if output_path is None else Path(output_path)
+    if path is not None and path.exists():
+        raise FileExistsError(
+            f"output_path {str(path)!r} already exists; remove it or pass a new path"
         )
+
+    # Just these columns, with any select/shuffle indices applied (zero-copy otherwise).
+    table = dataset.select_columns(columns).with_format("arrow")[:]
+    cols = [_arrow.read_column(table.column(c), c) for c in columns]
+    del table
+    lengths = cols[0].lengths
+    for col in cols[1:]:
+        if not np.array_equal(col.lengths, lengths):
+            raise ValueError(
+                f"column {col.name!r} has per-row lengths differing from {columns[0]!r}; "
+                "pack only per-token columns (one value per token of every row)"
+            )
+
+    pp = plan(lengths, max_length, strategy)
+    piece_bounds = np.zeros(pp.num_pieces + 1, dtype=np.int64)
+    np.cumsum(pp.piece_lengths, out=piece_bounds[1:])
+    n_tok = int(piece_bounds[-1])
+    large = max(n_tok, pp.tokens_in, pp.max_length) >= 2**31 - 1
+    if shard_rows is None:
+        shard_rows = DEFAULT_SHARD_TOKENS // pp.max_length if path is not None else pp.num_rows
+    shard_rows = max(1, int(shard_rows))
+    edges = [*range(0, pp.num_rows, shard_rows), pp.num_rows] if pp.num_rows else [0, 0]
+    names = [*columns, *(["position_ids"] if position_ids else []), "seq_lengths"]
+    shards = (
+        _arrow.build_shard(cols, pp, piece_bounds, r0, r1, large, names)
+        for r0, r1 in zip(edges[:-1], edges[1:])
     )
-    out_table = pa.Table.from_arrays(arrays, names=[*columns, "position_ids", "seq_lengths"])
+
     # Without an explicit fingerprint, datasets would hash the whole table (seconds at 100k rows).
     src_fp = (
         getattr(dataset, "_fingerprint", None)
         or hf_datasets.fingerprint.generate_random_fingerprint()
     )
     key = f"memlab.packing:{src_fp}:{max_length}:{strategy}:{','.join(columns)}"
-    packed = hf_datasets.Dataset(
-        hf_datasets.table.InMemoryTable(out_table),
-        fingerprint=hashlib.sha256(key.encode()).hexdigest()[:16],
-    )
+    key += "" if position_ids else ":no-position-ids"
+    fingerprint = hashlib.sha256(key.encode()).hexdigest()[:16]
+    if path is None:
+        import pyarrow as pa
+
+        data = hf_datasets.table.InMemoryTable(pa.Table.from_batches(list(shards)))
+    else:
+        _arrow.write_stream(path, shards)
+        data = hf_datasets.table.MemoryMappedTable.from_file(str(path))
+    packed = hf_datasets.Dataset(data, fingerprint=fingerprint)
     stats = PackStats(
         rows=pp.num_rows,
-        sequences=int(offsets.shape[0] - 1),
+        sequences=int(lengths.shape[0]),
         fill_ratio=pp.fill_ratio,
         tokens_dropped=pp.tokens_dropped,
         tokens_in=pp.tokens_in,

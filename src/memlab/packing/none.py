@@ -16,9 +16,13 @@ class NoPacking:
 
     packs: ClassVar[bool] = False
     keeps_overflow: ClassVar[bool] = False
+    cuts_sequences: ClassVar[bool] = False
 
     def validate(self, ctx) -> list[str]:
         return []
+
+    def batch_items(self, ctx) -> int:
+        return ctx.train.batch_size
 
     def apply(self, ds, stats: DataStats, ctx) -> tuple[Any, DataStats]:
         return ds, stats

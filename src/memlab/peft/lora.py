@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 from torch import nn
 
-from memlab.registry import register
+from memlab.registry import PositiveInt, Range, register
 
 
 @register("peft", "lora")
@@ -18,9 +18,9 @@ class Lora:
     quantizes_base: ClassVar[bool] = False
     """The frozen base is stored quantized (bitsandbytes): it cannot be merged with adapters."""
 
-    r: int = 16
-    alpha: int = 32
-    dropout: float = 0.0
+    r: PositiveInt = 16
+    alpha: PositiveInt = 32
+    dropout: Annotated[float, Range(ge=0, lt=1)] = 0.0
     target_modules: str | list[str] = "all-linear"
     """'all-linear' (every linear layer but the output head) or a list of module names."""
     modules_to_save: list[str] | None = None

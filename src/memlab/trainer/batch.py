@@ -17,11 +17,39 @@ import torch
 
 
 class Segments(tuple):
-    """Per row, the lengths of the documents that share it (a packed / padding-free row), in
-    order, summing to the row's width. Computed once per batch by the collator on the host, so
-    attention that runs per document needs no device-to-host read at every layer."""
+    """Per row, the documents that share it (a packed / padding-free row), in order, their
+    lengths summing to the row's width. Computed once per batch by the collator on the host, so
+    attention that runs per document needs no device-to-host read at every layer.
+
+    A row is a tuple of entries, one per document: ``n`` (an int) is a plain document of ``n``
+    tokens (causal attention inside it, nothing outside it); ``(n, a, b)`` is a document of
+    ``n`` tokens that also sees the row's tokens ``[a, b)``, which lie before it: every one of
+    its tokens attends to all of ``[a, b)`` and causally to its own document. That expresses a
+    shared prefix (a preference pair's prompt stored once: the chosen tokens continue the prompt
+    as one plain document, the rejected tokens are a document that also sees the prompt, and not
+    the chosen tokens). Only plain ints and tuples are stored, so the structure survives being
+    copied as a plain nested tuple (:meth:`of` restores the class)."""
 
     __slots__ = ()
+
+    @classmethod
+    def of(cls, value) -> Segments:
+        """``value`` as Segments (a plain nested tuple, e.g. after a wrapper copied it)."""
+        return value if isinstance(value, Segments) else cls(tuple(r) for r in value)
+
+    @classmethod
+    def from_lengths(cls, rows: list[list[int]]) -> Segments:
+        """Per row, its documents' lengths (a packed row's ``seq_lengths``, then any pad tail)."""
+        return cls(tuple(int(n) for n in row if n) for row in rows)
+
+    def positions(self) -> list[list[int]]:
+        """Position ids restarting at every document (what packed rows feed the model); a
+        document that also sees a prefix ``[a, b)`` continues it (from ``b - a``), as the
+        completion after a shared prompt does."""
+        def run(e: int | tuple[int, int, int]) -> range:
+            return range(e) if isinstance(e, int) else range(e[2] - e[1], e[2] - e[1] + e[0])
+
+        return [[t for e in row for t in run(e)] for row in self]
 
     @classmethod
     def from_positions(cls, positions: list[list[int]] | list[int]) -> Segments:
@@ -41,12 +69,39 @@ class Segments(tuple):
             out.append(tuple(lengths))
         return cls(out)
 
+    @staticmethod
+    def length(entry: int | tuple[int, int, int]) -> int:
+        """Tokens of one document entry."""
+        return entry if isinstance(entry, int) else entry[0]
+
     def bounds(self, row: int) -> list[tuple[int, int]]:
         """``(start, end)`` of each document of ``row``."""
         out, start = [], 0
-        for n in self[row]:
+        for entry in self[row]:
+            n = self.length(entry)
             out.append((start, start + n))
             start += n
+        return out
+
+    def shares_prefixes(self) -> bool:
+        """Whether any document also sees a prefix (False: plain documents only)."""
+        return any(not isinstance(e, int) for row in self for e in row)
+
+    def documents(self, row: int) -> list[tuple[int, int, tuple[int, int] | None]]:
+        """``(start, end, prefix)`` of each document of ``row``; ``prefix`` is the ``(a, b)``
+        token range it also sees, or None."""
+        out, start = [], 0
+        for entry in self[row]:
+            if isinstance(entry, int):
+                out.append((start, start + entry, None))
+                start += entry
+            else:
+                n, a, b = entry
+                if not 0 <= a < b <= start:
+                    raise ValueError(f"row {row}: a document at {start} cannot see [{a}, {b}); "
+                                     "a shared prefix lies before the document")
+                out.append((start, start + n, (a, b)))
+                start += n
         return out
 
 

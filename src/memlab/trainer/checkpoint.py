@@ -1,21 +1,34 @@
-"""Resumable checkpoints of a training run (``trainer``: the
-:class:`memlab.trainer.loop.Trainer` being saved or restored): trainable weights, optimizer, schedule, loss
-scaler, data position, RNG states and the loss curve so far.
+"""Checkpoints of a training run: a Hugging Face directory of the policy plus everything resuming
+needs, written without pickles and read without running code.
 
-Three formats, by what the distributed option declares (``checkpoint_format``):
+``run_dir/checkpoints/step_<n>/`` holds
 
-- ``torch``: one replica's state dicts (single process, DDP: every rank holds the same state;
-  rank 0 writes it, every rank can load it);
-- ``by_name``: the weights and optimizer state gathered from FSDP2's shards by name (a
-  collective), written by rank 0, re-sharded on load;
-- ``native``: the wrapper writes its own shards (DeepSpeed), plus the whole trainable weights in
-  ``state.pt`` so they are readable without DeepSpeed.
+- the Hugging Face directory (:mod:`memlab.trainer.export`): the model or the PEFT adapter, the
+  tokenizer, optionally ``merged/``;
+- ``memlab_state.json``: step, the configuration the checkpoint was made with
+  (:mod:`memlab.trainer.config_record`), schedule, loss scaler, data position, loss curve and
+  the non-tensor parts of the optimizer state and random states, as plain JSON;
+- ``memlab_state.safetensors`` (random generator states), ``optimizer.safetensors`` (optimizer
+  state) and ``trainable.safetensors`` (trainable weights the Hugging Face files do not already
+  hold under their own names: adapters, a PPO value model);
+- ``deepspeed/``: DeepSpeed's own shards (``distributed=deepspeed``). DeepSpeed reads them with
+  pickle, so every file is first opened with ``torch.load(weights_only=True)`` (DeepSpeed's two
+  plain-data classes allowed): a file that would run code is refused before DeepSpeed sees it.
+
+Three kinds of state, by what the distributed option declares (``checkpoint_format``):
+``torch`` (one replica's state: single process, DDP), ``by_name`` (gathered from FSDP2's shards
+by parameter name: a collective, written by rank 0, re-sharded on load), ``native`` (DeepSpeed's
+shards). A checkpoint is written to a temporary directory and renamed when complete.
 """
 
 from __future__ import annotations
 
+import importlib
+import json
 import random
 import shutil
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +36,108 @@ import numpy as np
 import torch
 from torch import nn
 
+from memlab.registry import ConfigErrors
+from memlab.trainer import config_record, export
 from memlab.trainer.routing import unwrap
 
 KINDS = {"torch": "a replicated run (single or ddp)", "by_name": "a sharded run (distributed=fsdp2)",
          "native": "distributed=deepspeed"}
+STATE = "memlab_state.json"
+STATE_TENSORS = "memlab_state.safetensors"
+OPTIMIZER = "optimizer.safetensors"
+TRAINABLE = "trainable.safetensors"
+FORMAT, VERSION = "memlab-checkpoint", 1
+
+DEEPSPEED_SAFE_GLOBALS = ("deepspeed.runtime.fp16.loss_scaler.LossScaler",
+                          "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+                          "deepspeed.runtime.zero.config.ZeroStageEnum",
+                          "deepspeed.utils.tensor_fragment.fragment_address")
+"""Plain-data classes DeepSpeed pickles into its checkpoints (allowed when its files are
+checked with ``weights_only=True``)."""
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used; the message says which file and why."""
+
+
+# ----------------------------------------------------------------------- tensors <-> JSON
+def to_tree(obj: Any, tensors: dict[str, torch.Tensor], path: str = "") -> Any:
+    """``obj`` as plain JSON; its tensors go to ``tensors`` (referenced by key). Tuples, dicts with
+    non-string keys and numpy arrays are tagged so that :func:`from_tree` restores them."""
+    if isinstance(obj, torch.Tensor):
+        key = path or "tensor"
+        while key in tensors:
+            key += "+"
+        tensors[key] = obj
+        return {"__tensor__": key}
+    if isinstance(obj, np.ndarray):
+        return {"__ndarray__": obj.tolist(), "dtype": str(obj.dtype)}
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, tuple):
+        return {"__tuple__": [to_tree(v, tensors, f"{path}/{i}") for i, v in enumerate(obj)]}
+    if isinstance(obj, list):
+        return [to_tree(v, tensors, f"{path}/{i}") for i, v in enumerate(obj)]
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) and not k.startswith("__") for k in obj):
+            return {k: to_tree(v, tensors, f"{path}/{k}") for k, v in obj.items()}
+        return {"__items__": [[to_tree(k, tensors, f"{path}/key"),
+                               to_tree(v, tensors, f"{path}/{k}")] for k, v in obj.items()]}
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    raise TypeError(f"checkpoint: cannot store a {type(obj).__name__} (at {path or 'top'})")
+
+
+def from_tree(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """The inverse of :func:`to_tree` (builds only tensors, arrays, tuples, lists, dicts)."""
+    if isinstance(tree, list):
+        return [from_tree(v, tensors) for v in tree]
+    if not isinstance(tree, dict):
+        return tree
+    if "__tensor__" in tree:
+        return tensors[tree["__tensor__"]]
+    if "__ndarray__" in tree:
+        return np.asarray(tree["__ndarray__"], dtype=np.dtype(tree["dtype"]))
+    if "__tuple__" in tree:
+        return tuple(from_tree(v, tensors) for v in tree["__tuple__"])
+    if "__items__" in tree:
+        return {_hashable(from_tree(k, tensors)): from_tree(v, tensors)
+                for k, v in tree["__items__"]}
+    return {k: from_tree(v, tensors) for k, v in tree.items()}
+
+
+def _hashable(key: Any) -> Any:
+    return tuple(key) if isinstance(key, list) else key
+
+
+def _save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    out: dict[str, torch.Tensor] = {}
+    storages: set[int] = set()
+    for k, v in tensors.items():
+        t = v.detach().cpu().contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        if t.numel() and ptr in storages:  # safetensors refuses tensors that share memory
+            t = t.clone()
+        storages.add(t.untyped_storage().data_ptr())
+        out[k] = t
+    save_file(out, str(path))
+
+
+def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    if not path.is_file():
+        return {}
+    try:
+        return load_file(str(path))
+    except Exception as e:  # noqa: BLE001 - a damaged or foreign file
+        raise CheckpointError(f"{path} is not a readable safetensors file ({type(e).__name__}: "
+                              f"{e}); the checkpoint is damaged or not memlab's") from e
+
+
+# ----------------------------------------------------------------------------- helpers
 def named_trainable(models: dict[str, nn.Module]) -> dict[str, nn.Parameter]:
     """Trainable parameters by name: the policy's as named in the unwrapped model, other
     models' prefixed with their role (``value::...``)."""
@@ -41,9 +150,55 @@ def named_trainable(models: dict[str, nn.Module]) -> dict[str, nn.Parameter]:
     return out
 
 
+def step_dirs(root: Path) -> list[Path]:
+    """The complete checkpoints directly in ``root`` (a run's ``checkpoints/``), oldest first."""
+    found = [p for p in root.glob("step_*") if (p / STATE).is_file()]
+    return sorted(found, key=lambda p: p.name)
+
+
+def read_state(path: Path | str) -> dict[str, Any]:
+    """``memlab_state.json`` of checkpoint ``path``, checked to be one (CheckpointError naming
+    what is wrong otherwise). Reads JSON only."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such checkpoint directory")
+    file = path / STATE
+    if not file.is_file():
+        if (path / "state.pt").is_file():
+            raise CheckpointError(
+                f"{path} holds a pickled state.pt (memlab before checkpoints became safetensors "
+                "+ JSON); memlab does not unpickle checkpoints, so it is not loaded. Retrain, or "
+                "start a new run from its weights")
+        raise CheckpointError(f"{path} is not a memlab checkpoint (no {STATE}); give a "
+                              "run_dir/checkpoints/step_<n> directory")
+    try:
+        state = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file} is not valid JSON ({e}); the checkpoint is damaged") from e
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise CheckpointError(f"{file} is not a memlab checkpoint state")
+    if state.get("version", 0) > VERSION:
+        raise CheckpointError(f"{path} was written by a newer memlab (format version "
+                              f"{state['version']}); upgrade memlab to resume it")
+    return state
+
+
+def read_weights(path: Path | str) -> dict[str, torch.Tensor]:
+    """The trainable weights checkpoint ``path`` holds, by name (as :func:`named_trainable`
+    names them): ``trainable.safetensors`` plus those the saved model files hold."""
+    path = Path(path)
+    state = read_state(path)
+    weights = _load_tensors(path / TRAINABLE)
+    in_model = state.get("weights_in_model") or []
+    if in_model:
+        weights.update(export.read_model_weights(path, set(in_model)))
+    return weights
+
+
+# ------------------------------------------------------------------------------- saving
 def save(trainer: Any) -> Path:
     """Write ``run_dir/checkpoints/step_<n>`` (atomically: a temp dir renamed); every rank calls
-    it (gathering may be a collective), rank 0 writes the shared files."""
+    it (gathering may be a collective), rank 0 writes the files."""
     ctx, dist = trainer.ctx, trainer.dist
     root = Path(ctx.run_dir) / "checkpoints"
     final = root / f"step_{trainer.step_idx:06d}"
@@ -51,6 +206,10 @@ def save(trainer: Any) -> Path:
     fmt = dist.checkpoint_format
     weights = optim = None
     if fmt == "native":  # every rank writes its own shards, then meets
+        if ctx.rank == 0 and tmp.exists():
+            shutil.rmtree(tmp)
+        if ctx.world_size > 1:
+            torch.distributed.barrier()
         dist.save_states(trainer.policy, tmp)
         weights = dist.full_weights(trainer.policy)
         if ctx.world_size > 1:
@@ -59,34 +218,178 @@ def save(trainer: Any) -> Path:
         weights, optim = dist.full_state(trainer.policy, trainer.opt)
     if ctx.rank != 0:
         return final
-    if fmt == "torch":
-        weights = {n: p.detach().cpu() for n, p in named_trainable(trainer.models).items()}
-        optim = trainer.opt.state_dict()
+    if fmt != "native" and tmp.exists():
+        shutil.rmtree(tmp)
     tmp.mkdir(parents=True, exist_ok=True)
+    exported = export.write(ctx, unwrap(trainer.policy), weights, tmp)
+    in_model = export.weight_names(tmp) if exported["kind"] == "model" else set()
+    if fmt == "torch":
+        trainable: dict[str, torch.Tensor] = dict(named_trainable(trainer.models))
+        optim = trainer.opt.state_dict()
+    else:
+        trainable = dict(weights or {})
+    covered = sorted(n for n in trainable if n in in_model)  # read back from the model files
+    rest = {n: t for n, t in trainable.items() if n not in in_model}
+    if rest:
+        _save_tensors(tmp / TRAINABLE, rest)
+    tensors: dict[str, torch.Tensor] = {}
     state: dict[str, Any] = {
+        "format": FORMAT, "version": VERSION,
         "step": trainer.step_idx,
-        "weights": weights,
-        "optimizer": optim,
+        "saved_at": time.time(),
         "optimizer_format": fmt,
-        "scheduler": trainer.sched.state_dict(),
-        "scaler": trainer.scaler.state_dict() if trainer.scaler else None,
+        "config": config_record.record(ctx),
+        "export": exported,
+        "weights_in_model": covered,
+        "scheduler": to_tree(trainer.sched.state_dict(), tensors, "scheduler"),
+        "scaler": to_tree(trainer.scaler.state_dict() if trainer.scaler else None, tensors,
+                          "scaler"),
         "stream": trainer.stream.state(),
-        "losses": trainer.result.losses,
-        "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
-                "numpy": np.random.get_state(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+        "losses": list(trainer.result.losses),
+        "curves": trainer.result.curves,
+        "rng": to_tree({"torch": torch.get_rng_state(), "python": random.getstate(),
+                        "numpy": np.random.get_state(),
+                        "cuda": (torch.cuda.get_rng_state_all() if torch.cuda.is_available()
+                                 else None)}, tensors, "rng"),
     }
-    torch.save(state, tmp / "state.pt")
+    if optim is not None:
+        opt_tensors: dict[str, torch.Tensor] = {}
+        state["optimizer"] = to_tree(optim, opt_tensors, "optimizer")
+        _save_tensors(tmp / OPTIMIZER, opt_tensors)
+    _save_tensors(tmp / STATE_TENSORS, tensors)
+    (tmp / STATE).write_text(json.dumps(state, indent=1) + "\n")
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)
+    if ctx.train.keep_last:
+        prune(root, ctx.train.keep_last)
     return final
 
 
-def resolve(run_dir: Path | str, where: str) -> Path:
-    """``train.resume_from``: a checkpoint dir, or ``latest`` under this run dir."""
+def prune(root: Path, keep: int) -> list[Path]:
+    """Delete all but the newest ``keep`` checkpoints in ``root``; returns the deleted dirs."""
+    old = step_dirs(root)[:-keep]
+    for p in old:
+        shutil.rmtree(p)
+    return old
+
+
+# ------------------------------------------------------------------------------ resuming
+@dataclass
+class ResumePlan:
+    """Where a run resumes from and what it changes (``summary.json``'s ``resume``)."""
+
+    path: Path
+    requested: str
+    step: int
+    changed: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"from": str(self.path), "requested": self.requested, "step": self.step,
+                "changed": self.changed}
+
+
+def _format_problem(path: Path, state: dict[str, Any], want: str) -> str | None:
+    fmt = state.get("optimizer_format", "torch")
+    if fmt == want:
+        return None
+    return (f"checkpoint {path} was written by {KINDS.get(fmt, fmt)}; resume it with the same "
+            f"kind of setup (this run is {KINDS.get(want, want)})")
+
+
+def search_roots(ctx, roots: list[Path] | None) -> list[Path]:
+    """Where ``resume_from=latest`` looks: ``train.resume_root``, else ``roots`` (the caller's
+    outputs tree), else the run dir's parent."""
+    if ctx.train.resume_root:
+        return [Path(ctx.train.resume_root)]
+    return list(roots) if roots else [Path(ctx.run_dir).absolute().parent]
+
+
+def find(roots: list[Path]) -> list[tuple[Path, dict[str, Any]]]:
+    """Every complete checkpoint under ``roots`` (recursively) with its state, newest first."""
+    seen: set[Path] = set()
+    out = []
+    for root in roots:
+        if not root.is_dir():
+            continue
+        for file in root.rglob(f"checkpoints/step_*/{STATE}"):
+            d = file.parent.resolve()
+            if d in seen:
+                continue
+            seen.add(d)
+            try:
+                out.append((d, read_state(d)))
+            except CheckpointError:
+                continue
+    out.sort(key=lambda x: (x[1].get("saved_at", 0.0), x[1].get("step", 0)), reverse=True)
+    return out
+
+
+def plan_resume(ctx, roots: list[Path] | None = None) -> ResumePlan | None:
+    """Check ``train.resume_from`` against the checkpoint before anything loads: the
+    checkpoint exists and is memlab's, its kind of state suits this run, and its configuration
+    differs from this run's only in the settings ``train.resume_allow`` names. ``latest``: the
+    newest such checkpoint under :func:`search_roots`. Raises ConfigErrors (one message listing
+    every difference) otherwise."""
+    where = ctx.train.resume_from
+    if not where:
+        return None
+    allow = list(ctx.train.resume_allow)
+    new = config_record.record(ctx)
+    base = config_record.defaults(ctx)
+    want = ctx.distributed.checkpoint_format
+
+    def refused(state: dict[str, Any]) -> list[config_record.Difference]:
+        diffs = config_record.differences(state.get("config") or {}, new, base)
+        return [d for d in diffs if not config_record.matches(d.key, allow)]
+
     if where == "latest":
-        found = sorted((Path(run_dir) / "checkpoints").glob("step_*"))
+        roots = search_roots(ctx, roots)
+        found = find(roots)
+        match = next(((p, s) for p, s in found
+                      if not refused(s) and _format_problem(p, s, want) is None), None)
+        if match is None:
+            msg = (f"train.resume_from=latest: no checkpoint of this configuration under "
+                   f"{', '.join(map(str, roots))}")
+            if found:
+                p, s = found[0]
+                diffs = refused(s)
+                msg += (f" ({len(found)} of other configurations; the newest, {p}, differs in: "
+                        + "; ".join(d.line() for d in diffs[:8])
+                        + ("; ..." if len(diffs) > 8 else "")
+                        + (f"; {_format_problem(p, s, want)}" if _format_problem(p, s, want)
+                           else "") + ")")
+            msg += ("; start without train.resume_from, name a checkpoint directory, set "
+                    "train.resume_root, or list the settings you mean to change in "
+                    "train.resume_allow")
+            raise ConfigErrors([msg])
+        path, state = match
+    else:
+        path = Path(where).expanduser()
+        try:
+            state = read_state(path)
+        except CheckpointError as e:
+            raise ConfigErrors([f"train.resume_from={where}: {e}"]) from None
+        errors = []
+        problem = _format_problem(path, state, want)
+        if problem:
+            errors.append(problem)
+        diffs = refused(state)
+        if diffs:
+            errors.append(config_record.refusal(where, diffs))
+        if errors:
+            raise ConfigErrors(errors)
+    changed = {d.key: {"checkpoint": d.checkpoint, "run": d.run}
+               for d in config_record.differences(state.get("config") or {}, new, base)}
+    return ResumePlan(path=path.absolute(), requested=where, step=int(state["step"]),
+                      changed=changed)
+
+
+def resolve(run_dir: Path | str, where: str) -> Path:
+    """``train.resume_from`` as a directory (``latest``: the newest checkpoint of this run dir;
+    a run resolves ``latest`` across the outputs tree first, see :func:`plan_resume`)."""
+    if where == "latest":
+        found = step_dirs(Path(run_dir) / "checkpoints")
         if not found:
             raise FileNotFoundError("train.resume_from=latest: no checkpoint under "
                                     f"{run_dir}/checkpoints")
@@ -94,31 +397,87 @@ def resolve(run_dir: Path | str, where: str) -> Path:
     return Path(where)
 
 
+def check_pickles(directory: Path) -> None:
+    """Open every ``*.pt`` file under ``directory`` with ``torch.load(weights_only=True)``
+    (memory-mapped: no tensor data is read): a file that would run code, or holds anything but
+    tensors, plain data and :data:`DEEPSPEED_SAFE_GLOBALS`, raises CheckpointError."""
+    allowed = []
+    for qual in DEEPSPEED_SAFE_GLOBALS:
+        module, _, name = qual.rpartition(".")
+        try:
+            allowed.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):
+            continue
+    for f in sorted(directory.rglob("*.pt")):
+        try:
+            with torch.serialization.safe_globals(allowed):
+                torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as e:  # noqa: BLE001 - refused, whatever the unpickler said
+            first = str(e).strip().splitlines()
+            raise CheckpointError(
+                f"refused {f}: it is not plain tensors and data ({type(e).__name__}: "
+                f"{first[-1] if first else ''}); memlab loads no checkpoint file that could run "
+                "code. Use checkpoints you wrote yourself") from e
+
+
+def _apply_hyperparameters(trainer: Any) -> None:
+    """The optimizer's and schedule's settings from this run's config (loading a state dict
+    restores the checkpoint's; an allowed change of ``train.lr`` / ``weight_decay`` / ``betas``
+    takes effect here). Unchanged settings give back exactly the loaded values."""
+    cfg, opt, sched = trainer.ctx.train, trainer.opt, trainer.sched
+    sched.base_lrs = [cfg.lr for _ in opt.param_groups]
+    for i, g in enumerate(opt.param_groups):
+        g["initial_lr"] = cfg.lr
+        g["lr"] = cfg.lr * sched.lr_lambdas[i](sched.last_epoch)
+        if "weight_decay" in g:
+            g["weight_decay"] = cfg.weight_decay
+        if "betas" in g:
+            g["betas"] = tuple(cfg.betas)
+    sched._last_lr = [g["lr"] for g in opt.param_groups]
+
+
 def load(trainer: Any, path: Path) -> None:
-    """Restore ``trainer`` from checkpoint dir ``path`` (written by :func:`save`)."""
+    """Restore ``trainer`` from checkpoint dir ``path`` (written by :func:`save`). Reads JSON
+    and safetensors only (DeepSpeed's shards after :func:`check_pickles`)."""
+    path = Path(path)
     dist = trainer.dist
-    state = torch.load(Path(path) / "state.pt", map_location="cpu", weights_only=False)
-    fmt, want = state.get("optimizer_format", "torch"), dist.checkpoint_format
-    if fmt != want:
-        raise ValueError(f"checkpoint {path} was written by {KINDS.get(fmt, fmt)}; resume "
-                         f"it with the same kind of setup (this run is {KINDS[want]})")
+    state = read_state(path)
+    problem = _format_problem(path, state, dist.checkpoint_format)
+    if problem:
+        raise CheckpointError(problem)
+    fmt = state["optimizer_format"]
+    optim = None
+    if fmt != "native":
+        opt_tensors = _load_tensors(path / OPTIMIZER)
+        optim = from_tree(state["optimizer"], opt_tensors)
     if fmt == "native":
+        check_pickles(path / "deepspeed")
         dist.load_states(trainer.policy, path)
     elif fmt == "by_name":
-        dist.load_full_state(trainer.policy, trainer.opt, state["weights"], state["optimizer"])
+        dist.load_full_state(trainer.policy, trainer.opt, read_weights(path), optim)
     else:
+        weights = read_weights(path)
         named = named_trainable(trainer.models)
+        missing = sorted(set(named) - set(weights))
+        if missing:
+            raise CheckpointError(f"{path} holds no weights for {len(missing)} trainable "
+                                  f"parameter(s) of this run (e.g. {missing[0]}); was it made "
+                                  "with another model or peft setting?")
         with torch.no_grad():
-            for n, t in state["weights"].items():
-                named[n].copy_(t.to(named[n].device, named[n].dtype))
-        trainer.opt.load_state_dict(state["optimizer"])
-    trainer.sched.load_state_dict(state["scheduler"])
-    if trainer.scaler and state["scaler"]:
-        trainer.scaler.load_state_dict(state["scaler"])
+            for n, p in named.items():
+                p.copy_(weights[n].to(p.device, p.dtype))
+        trainer.opt.load_state_dict(optim)
+    tensors = _load_tensors(path / STATE_TENSORS)
+    trainer.sched.load_state_dict(from_tree(state["scheduler"], tensors))
+    _apply_hyperparameters(trainer)
+    scaler = from_tree(state["scaler"], tensors)
+    if trainer.scaler and scaler:
+        trainer.scaler.load_state_dict(scaler)
     trainer.stream.load_state(state["stream"])
-    trainer.step_idx = state["step"]
+    trainer.step_idx = int(state["step"])
     trainer.result.losses = list(state["losses"])
-    rng = state["rng"]
+    trainer.result.curves = {k: list(v) for k, v in (state.get("curves") or {}).items()}
+    rng = from_tree(state["rng"], tensors)
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])
     np.random.set_state(rng["numpy"])

@@ -25,7 +25,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from memlab import faults
 from memlab.measure.memory import MemoryProbe
+from memlab.measure.outcome import NonFiniteLoss
 from memlab.trainer import checkpoint
 from memlab.trainer.batch import Batch, BatchStream
 from memlab.trainer.optim import build_optimizer, build_scheduler
@@ -70,6 +72,9 @@ class TrainResult:
     """Tokens/s of each timed step (their spread says how far two runs' speeds can be told
     apart)."""
     throughput_note: str = ""
+    checkpoint_errors: list[str] = field(default_factory=list)
+    """Checkpoints that could not be written (an unwritable or full disk): the training and its
+    measurements went on; the run reports them."""
 
     def throughput(self) -> dict[str, Any]:
         if self.timed_seconds <= 0:
@@ -297,8 +302,7 @@ class Trainer:
             self.step_idx += 1
             res.steps = self.step_idx
             if not math.isfinite(metrics["train/loss"]):
-                raise FloatingPointError(f"loss is {metrics['train/loss']} at step "
-                                         f"{self.step_idx}; lower train.lr or check the data")
+                raise NonFiniteLoss(self.step_idx, metrics["train/loss"])
             if self.logger is not None and self.step_idx % ctx.train.log_every == 0:
                 self.logger.log({**metrics, **self.probe.step_metrics(self.step_idx - 1)},
                                 step=self.step_idx)
@@ -306,8 +310,9 @@ class Trainer:
                 bar.set_postfix(loss=f"{metrics['train/loss']:.4f}",
                                 tok_s=f"{metrics['throughput/tokens_per_s']:.0f}")
                 bar.update(1)
+            faults.reach(f"step:{self.step_idx}")
             if ctx.train.save_every and self.step_idx % ctx.train.save_every == 0:
-                self.save_checkpoint()
+                self.try_save_checkpoint()
         if bar is not None:
             bar.close()
         if res.timed_steps == 0:
@@ -318,7 +323,19 @@ class Trainer:
 
     def save_checkpoint(self):
         """A resumable checkpoint of the current step (:mod:`memlab.trainer.checkpoint`)."""
+        faults.reach("checkpoint")
         return checkpoint.save(self)
+
+    def try_save_checkpoint(self):
+        """:meth:`save_checkpoint`, but a checkpoint that cannot be written (OSError: an
+        unwritable, missing or full disk) is recorded in ``result.checkpoint_errors`` and the
+        training goes on; returns the checkpoint's dir or None."""
+        try:
+            return self.save_checkpoint()
+        except OSError as e:
+            self.result.checkpoint_errors.append(
+                f"step {self.step_idx}: {type(e).__name__}: {e}")
+            return None
 
     def _progress(self):
         if not self.ctx.train.progress or self.ctx.rank != 0:

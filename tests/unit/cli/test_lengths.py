@@ -194,12 +194,6 @@ def test_preference_columns():
     assert set(res["parts"]) == {"prompt", "chosen", "rejected"}
     assert res["stats"]["total_tokens"] == 12
 
-    class Hook:
-        def sequence_lengths(self, ds):
-            return {"total": [9, 9]}
-
-    assert L.lengths_of(ds, Hook())["total"].tolist() == [9, 9]
-
 
 def test_bad_config_exits_2(tmp_path, capsys):
     assert L.main(["data=local", "--out", str(tmp_path)]) == 2

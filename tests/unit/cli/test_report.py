@@ -382,7 +382,7 @@ def test_main_writes_reports_and_plots(sweep: Path, capsys: pytest.CaptureFixtur
     table_rows = [line for line in md.splitlines() if line.startswith("| ")]
     assert len(table_rows) == 1 + 5  # header + one row per job
     assert "fixed: method=sft" in md
-    assert "## Failed jobs" in md
+    assert "## Jobs that did not end ok" in md
     assert "File train.py, line 3" in md  # the full reason, not only its first line
     assert "### job 2: `missing`" in md
 

@@ -7,7 +7,7 @@ Layers, top to bottom (DESIGN.md; issue 13):
     2  memlab.pipeline                      (the one assembly)
     3  technique packages: method, generation, packing, attention, precision, offload, peft,
        distributed, model, data, logger
-    4  trainer, losses, measure, registry, config, _guards, memlab (the package)
+    4  trainer, losses, measure, registry, config, _guards, faults, memlab (the package)
 
 Every import of every module is read with ``ast`` (module level and inside functions); an import
 of a higher layer fails the test, and so does any import cycle (between modules, and between the
@@ -25,7 +25,7 @@ SRC = Path(__file__).resolve().parents[3] / "src" / "memlab"
 
 TECHNIQUES = ("method", "generation", "packing", "attention", "precision", "offload", "peft",
               "distributed", "model", "data", "logger")
-BOTTOM = ("trainer", "losses", "measure", "registry", "config", "_guards", "conf")
+BOTTOM = ("trainer", "losses", "measure", "registry", "config", "_guards", "conf", "faults")
 
 
 def layer(module: str) -> int:

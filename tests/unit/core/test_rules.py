@@ -34,9 +34,22 @@ def test_packing_an_online_method_is_one_message_naming_it(method):
     assert f"method={method}" in packing[0]
 
 
-def test_packing_a_preference_method_points_to_padding_free():
-    errors = _errors(["method=dpo", "packing=bfd"])
-    assert len(errors) == 1 and "method.padding_free=true" in errors[0]
+@pytest.mark.parametrize("method", ["dpo", "kto", "reward"])
+def test_preference_methods_pack_whole_sequences_only(method):
+    """bfd / bfd_split keep every sequence whole; wrapped cuts them: one message, with the
+    reason and the fix."""
+    for packing in ("bfd", "bfd_split"):
+        assert _errors([f"method={method}", f"packing={packing}"]) == []
+    errors = _errors([f"method={method}", "packing=wrapped"])
+    assert len(errors) == 1 and "cuts sequences" in errors[0] and f"method={method}" in errors[0]
+    assert "packing=bfd" in errors[0]
+
+
+def test_bfd_split_needs_room_for_a_split_pair_in_a_micro_batch():
+    errors = _errors(["method=dpo", "packing=bfd_split", "train.batch_size=1"])
+    assert len(errors) == 1 and "train.batch_size >= 2" in errors[0]
+    assert _errors(["method=dpo", "packing=bfd", "train.batch_size=1"]) == []
+    assert _errors(["method=kto", "packing=bfd_split", "train.batch_size=1"]) == []  # 1 piece
 
 
 def test_a_second_trained_model_is_refused_by_every_multi_rank_wrapper():

@@ -12,6 +12,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from memlab.losses import (
     ChunkedCrossEntropy,
     chunked_linear_cross_entropy,
+    forked_token_logps,
     segment_logps,
     sequence_logps,
     token_logps,
@@ -138,6 +139,66 @@ def test_segment_logps_packed_row_equals_per_sequence() -> None:
     torch.testing.assert_close(sums_3d, sums.detach())
     torch.testing.assert_close(sums_tok, sums.detach())
     assert counts_tok.tolist() == counts.tolist()
+
+
+def test_forked_token_logps_equals_log_softmax_with_a_second_label() -> None:
+    """Per-token log-probs as token_logps, plus log p(extra label) at flat positions (repeats
+    allowed); gradients equal log_softmax's, on a strided view and in chunks."""
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(2, 8, 11, generator=g, dtype=torch.float64).requires_grad_()
+    labels = torch.randint(0, 11, (2, 7), generator=g)
+    labels[0, 0] = IGNORE
+    index, extra = torch.tensor([3, 10, 3]), torch.tensor([5, 1, 2])
+    w_tok, w_extra = torch.randn(2, 7, generator=g, dtype=torch.float64), torch.tensor(
+        [0.5, 2.0, -1.0], dtype=torch.float64)
+    per, ex = forked_token_logps(base[:, :-1], labels, index, extra, chunk_tokens=3)
+    ((per * w_tok).sum() + (ex * w_extra).sum()).backward()
+    grad, base.grad = base.grad.clone(), None
+    ls = torch.log_softmax(base[:, :-1], -1)
+    ref = ls.gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1).masked_fill(labels < 0, 0)
+    ref_ex = ls.reshape(-1, 11)[index, extra]
+    torch.testing.assert_close(per, ref)
+    torch.testing.assert_close(per, token_logps(base[:, :-1], labels))
+    torch.testing.assert_close(ex, ref_ex)
+    ((ref * w_tok).sum() + (ref_ex * w_extra).sum()).backward()
+    torch.testing.assert_close(grad, base.grad)
+    with pytest.raises(ValueError, match="do not match"):
+        forked_token_logps(base, labels, index, extra[:2])
+
+
+def test_forked_token_logps_backward_holds_one_logits_gradient() -> None:
+    """Scoring the forks inside the one autograd function: backward's peak is the logits, one
+    [T, V] gradient and a chunk block; reading them by indexing the logits adds a second
+    gradient of the logits' size (what shared-prompt log-probs did before)."""
+    t, v = 512, 4096
+    logits = torch.randn(1, t, v).requires_grad_()
+    labels = torch.randint(0, v, (1, t))
+    index, extra = torch.tensor([10, 300]), torch.tensor([1, 2])
+
+    def peak(fn) -> int:
+        tracker = MemTracker()
+        tracker.track_external(logits, labels, index, extra)
+        with tracker:
+            fn().backward()
+        logits.grad = None
+        (p,) = (snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values())
+        return p
+
+    def fused():
+        per, ex = forked_token_logps(logits, labels, index, extra, chunk_tokens=64)
+        return per.sum() + ex.sum()
+
+    def indexed():
+        flat = logits.reshape(-1, v)[index]
+        return (token_logps(logits, labels, chunk_tokens=64).sum()
+                + token_logps(flat, extra).sum())
+
+    size = t * v * 4
+    fused_peak, indexed_peak = peak(fused), peak(indexed)
+    block = 64 * v * 4  # one chunk's fp32 temporary
+    # the logits, their gradient, chunk blocks, and [T]-sized values (labels, lse, log-probs)
+    assert fused_peak <= 2 * size + 2 * block + 64 * 1024
+    assert indexed_peak - fused_peak >= 0.9 * size
 
 
 def test_segment_logps_closed_form() -> None:

@@ -15,7 +15,7 @@ import torch
 from memlab.data.assets import load_tokenizer
 from memlab.data.base import DataError
 from memlab.losses import sequence_logps
-from memlab.method import _preference as P
+from memlab.method import _liger, _logps, _reference, _rows
 from memlab.method.base import IGNORE, Batch
 from memlab.method.dpo import DPO
 from memlab.registry import ConfigErrors
@@ -48,26 +48,26 @@ def _errors(overrides: list[str]) -> str:
 
 def test_truncate_prompt_from_left_completion_from_right_with_counts():
     prompt, c, r = list(range(10)), list(range(100, 108)), list(range(200, 204))
-    p2, (c2, r2), dropped = P.truncate(prompt, [c, r], 6, 5, None)
+    p2, (c2, r2), dropped = _rows.truncate(prompt, [c, r], 6, 5, None)
     assert p2 == [4, 5, 6, 7, 8, 9]  # the prompt's end is kept
     assert c2 == [100, 101, 102, 103, 104] and r2 == r  # completions keep their start
     assert dropped == 2 * 4 + 3  # 4 prompt tokens in each of the 2 sequences, 3 of chosen
 
 
 def test_truncate_max_length_cuts_the_completion_not_the_prompt():
-    p2, (c2, r2), dropped = P.truncate(list(range(6)), [list(range(10)), [7, 8]], None, None, 9)
+    p2, (c2, r2), dropped = _rows.truncate(list(range(6)), [list(range(10)), [7, 8]], None, None, 9)
     assert len(p2) == 6 and c2 == [0, 1, 2] and r2 == [7, 8]
     assert dropped == 7
     # prompt_length first, then max_length on what is left
-    p3, (c3,), d3 = P.truncate(list(range(20)), [list(range(10))], 8, None, 12)
+    p3, (c3,), d3 = _rows.truncate(list(range(20)), [list(range(10))], 8, None, 12)
     assert p3 == list(range(12, 20)) and c3 == [0, 1, 2, 3] and d3 == 12 + 6
 
 
 def test_truncate_drops_when_the_prompt_fills_max_length():
-    assert P.truncate(list(range(8)), [[1, 2]], None, None, 8) is None
-    assert P.truncate(list(range(8)), [[1, 2]], None, None, 9) is not None
+    assert _rows.truncate(list(range(8)), [[1, 2]], None, None, 8) is None
+    assert _rows.truncate(list(range(8)), [[1, 2]], None, None, 9) is not None
     # max_prompt_length can rescue it
-    assert P.truncate(list(range(8)), [[1, 2]], 4, None, 8) is not None
+    assert _rows.truncate(list(range(8)), [[1, 2]], 4, None, 8) is not None
 
 
 def _string_rows(n_prompt_words: list[int]) -> datasets.Dataset:
@@ -204,11 +204,11 @@ def _batch(tensors=None) -> Batch:
 
 
 def _fake_logps(monkeypatch, values=POLICY):
-    def fake(model, t, n, prefix=""):
+    def fake(model, t, n, prefix="", attention=None):
         assert n == 4
         return torch.tensor(values, requires_grad=True), torch.tensor(COUNTS)
 
-    monkeypatch.setattr(P, "completion_logps", fake)
+    monkeypatch.setattr(_logps, "completion_logps", fake)
 
 
 def _logsig(x: float) -> float:
@@ -256,13 +256,13 @@ def test_on_the_fly_reference_runs_without_grad_in_eval_mode(monkeypatch):
     ref = Ref()
     ref.train()
 
-    def fake(model, t, n, prefix=""):
+    def fake(model, t, n, prefix="", attention=None):
         if model is ref:
             seen["grad"], seen["training"] = torch.is_grad_enabled(), model.training
             return torch.tensor(REF), torch.tensor(COUNTS)
         return torch.tensor(POLICY, requires_grad=True), torch.tensor(COUNTS)
 
-    monkeypatch.setattr(P, "completion_logps", fake)
+    monkeypatch.setattr(_logps, "completion_logps", fake)
     with_ref, _ = DPO().loss({"policy": object(), "reference": ref}, _batch({}), None)
     pre, _ = DPO().loss({"policy": object()}, _batch(), None)
     assert seen == {"grad": False, "training": False}
@@ -278,11 +278,15 @@ def test_validation_messages_name_the_fix():
     assert "adapter_disabled" in text and "peft=lora" in text
     text = _errors(["method=dpo", "method.use_liger_kernel=true"])
     assert "needs a CUDA device and the gpu extra: pip install 'memlab[gpu]'" in text
-    text = _errors(["method=dpo", "packing=bfd"])
-    assert "packing=none" in text and "method.padding_free=true" in text
+    text = _errors(["method=dpo", "packing=wrapped"])
+    assert "cuts sequences" in text and "packing=bfd" in text
+    text = _errors(["method=dpo", "packing=bfd", "method.max_length=null"])
+    assert "set method.max_length" in text
+    text = _errors(["method=dpo", "method.share_prompt=true", "attention.varlen=false"])
+    assert "method.share_prompt=false" in text and "attention.varlen=true" in text
     text = _errors(["method=dpo", "method.loss_type=ipo", "method.label_smoothing=0.1",
                     "method.beta=0"])
-    assert "label_smoothing" in text and "method.beta must be > 0" in text
+    assert "label_smoothing" in text and "method (dpo).beta: must be > 0" in text
     ctx = _validate(["method=dpo", "peft=lora", "method.reference=adapter_disabled",
                      "method.padding_free=true"])
     assert ctx.method.reference == "adapter_disabled"
@@ -319,8 +323,9 @@ def test_liger_missing_names_the_extra(monkeypatch):
     monkeypatch.setattr(_guards, "has", lambda m: False)
     from memlab.config import Platform
 
-    ctx = types.SimpleNamespace(is_cuda=True, peft=types.SimpleNamespace(), platform=Platform())
-    errs = P.liger_errors(DPO(use_liger_kernel=True), ctx, "DPO")
+    ctx = types.SimpleNamespace(is_cuda=True, peft=types.SimpleNamespace(), platform=Platform(),
+                                packing=types.SimpleNamespace(packs=False))
+    errs = _liger.liger_errors(DPO(use_liger_kernel=True), ctx, "DPO")
     assert errs and "pip install 'memlab[gpu]'" in errs[0] and "liger_kernel" in errs[0]
 
 
@@ -385,7 +390,7 @@ def test_reference_copy_must_equal_the_initial_policy(tok):
         return AutoModelForCausalLM.from_config(cfg)
 
     policy = get_peft_model(model(0), LoraConfig(r=4, target_modules="all-linear"))
-    n = P.check_same_weights(policy, model(0))
+    n = _reference.check_same_weights(policy, model(0))
     assert n == len(list(model(0).parameters()))  # every reference weight was compared
     with pytest.raises(ValueError, match="differs from the policy"):
-        P.check_same_weights(policy, model(1))
+        _reference.check_same_weights(policy, model(1))

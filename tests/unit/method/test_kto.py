@@ -14,7 +14,7 @@ import torch
 from memlab.data.assets import load_tokenizer
 from memlab.data.base import DataError
 from memlab.losses import sequence_logps
-from memlab.method import _preference as P
+from memlab.method import _logps
 from memlab.method.base import IGNORE, Batch
 from memlab.method.kto import KTO, mismatched_partners
 
@@ -42,7 +42,7 @@ def test_pairs_become_one_desirable_and_one_undesirable_example(tok):
     out, stats = KTO().prepare(_pairs(3), tok, None)
     assert len(out) == 6 and stats.examples == 6 and stats.examples_dropped == 0
     assert out["label"] == [True, False] * 3
-    assert stats.extra == {"desirable": 3, "undesirable": 3}
+    assert stats.extra == {"desirable": 3, "undesirable": 3, "empty_completions": 0}
     assert out["prompt_ids"][0] == out["prompt_ids"][1]
     assert tok.decode(out["completion_ids"][0]).startswith("careful answer 0")
     assert tok.decode(out["completion_ids"][1]).startswith("whatever")
@@ -106,12 +106,12 @@ def _sig(x: float) -> float:
 def test_loss_is_the_closed_form_sum_with_detached_kl(monkeypatch):
     seen = []
 
-    def fake(model, t, n, prefix=""):
+    def fake(model, t, n, prefix="", attention=None):
         seen.append((prefix, torch.is_grad_enabled()))
         vals = POLICY_KL if prefix == "kl_" else POLICY
         return torch.tensor(vals, requires_grad=torch.is_grad_enabled()), torch.ones(3)
 
-    monkeypatch.setattr(P, "completion_logps", fake)
+    monkeypatch.setattr(_logps, "completion_logps", fake)
     beta, wd, wu = 0.5, 1.5, 0.75
     t = {"label": torch.tensor(LABELS), "ref_logps": torch.tensor(REF),
          "ref_kl_logps": torch.tensor(REF_KL)}

@@ -95,7 +95,7 @@ def _logsig(x: float) -> float:
 
 def test_loss_is_the_bradley_terry_sum(monkeypatch):
     r = [1.0, -0.5, 0.2, 0.5]  # chosen 0, chosen 1, rejected 0, rejected 1
-    monkeypatch.setattr(Reward, "rewards", lambda self, m, t: torch.tensor(r, requires_grad=True))
+    monkeypatch.setattr(Reward, "rewards", lambda self, m, t, attention=None: torch.tensor(r, requires_grad=True))
     t = {"margin": torch.tensor([0.3, 0.0])}
     loss, m = Reward(center_rewards_coefficient=0.1).loss(
         {"policy": None}, Batch(t, num_items=2, real_tokens=1, total_tokens=1), None)

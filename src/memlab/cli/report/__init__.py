@@ -12,7 +12,10 @@ ones are listed once on a ``fixed:`` line), the status with its reason, the memo
 split by category (MiB), throughput with the number of timed steps and their spread, padding
 fraction, final loss, and whether the job is on the memory-vs-throughput Pareto front (less
 memory and *measurably* more tokens/s: throughputs closer than their spread do not count as
-different). Jobs that died before writing a summary (a Hydra job dir with
+different). Every status a run or its launcher records is shown as it is (ok, invalid, oom, nan,
+failed, killed, timeout, interrupted, not_run: :mod:`memlab.measure.outcome`), with the steps
+measured before the end; the last line counts the jobs by status. Jobs that died before writing a
+summary (a Hydra job dir with
 ``.hydra/overrides.yaml`` but no ``summary.json``) show up with status ``missing``; unreadable
 summaries with status ``corrupt`` (:mod:`.load`).
 
@@ -31,7 +34,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from memlab.cli.report.load import MISSING, OK, SUMMARY_NAME, load_summaries
+from memlab.cli.report.load import MISSING, SUMMARY_NAME, load_summaries
 from memlab.cli.report.table import (
     ASSUMED_SPREAD,
     DEFAULT_SORT,
@@ -43,6 +46,7 @@ from memlab.cli.report.table import (
     short_reason,
     sort_table,
 )
+from memlab.measure.outcome import count_line
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -162,8 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = args.out if args.out is not None else (first if first.is_dir() else first.parent)
     written = write_report(df, out_dir, plots=not args.no_plots, budget_bytes=budget,
                            html=args.html)
-    ok = int((df["status"] == OK).sum())
-    print(f"\n{len(df)} job(s), {ok} ok, {len(df) - ok} not ok; wrote:")
+    print(f"\n{count_line(df['status'])}; wrote:")
     for path in written:
         print(f"  {path}")
     return 0

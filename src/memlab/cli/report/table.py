@@ -457,7 +457,7 @@ def format_markdown(df: pd.DataFrame, images: Sequence[str] = ()) -> str:
         out += ["", *(f"![{name}]({name})" for name in images)]
     failures = df.attrs.get("failures") or []
     if failures:
-        out += ["", "## Failed jobs", ""]
+        out += ["", "## Jobs that did not end ok", ""]
         for f in failures:
             out.append(f"### job {f['job']}: `{f['status']}`")
             out.append("")

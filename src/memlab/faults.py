@@ -1,0 +1,50 @@
+"""Fault injection for memlab's reliability tests: two explicit, documented environment variables
+read at a few named points of a run. Nothing else in memlab reads them, and unset (always, outside
+tests) a point costs one dictionary lookup.
+
+``MEMLAB_PAUSE_AT=<point>``
+    At ``<point>`` the run writes ``$MEMLAB_PAUSE_DIR/<point>.<pid>.json`` (``{"point", "pid",
+    "rank"}``) and waits until ``$MEMLAB_PAUSE_DIR/<point>.go`` exists. A test waits for the
+    marker, does what it tests (sends a signal, kills the process, makes the run dir unwritable)
+    and then releases the run, so the run is at a known place without any sleep or timing luck.
+``MEMLAB_FAULT_AT=<point>``
+    At ``<point>`` the run raises :class:`InjectedFault` (a crash stand-in: status ``failed``).
+
+Points: ``data`` (data preparation, before the source is read), ``step:<n>`` (after optimizer
+step ``n`` is done and recorded; steps count from 1), ``checkpoint`` (before a checkpoint is
+written), ``summary`` (before summary.json is written; stop signals are held there, so a signal
+sent while a run waits at ``summary`` is honoured after the record is written).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+PAUSE_AT = "MEMLAB_PAUSE_AT"
+PAUSE_DIR = "MEMLAB_PAUSE_DIR"
+FAULT_AT = "MEMLAB_FAULT_AT"
+
+
+class InjectedFault(RuntimeError):
+    """Raised at ``MEMLAB_FAULT_AT``'s point."""
+
+
+def reach(point: str) -> None:
+    """Called by the run at ``point``: pause or fail there when a test asked for it."""
+    if os.environ.get(FAULT_AT) == point:
+        raise InjectedFault(f"fault injected at {point} (MEMLAB_FAULT_AT)")
+    if os.environ.get(PAUSE_AT) != point:
+        return
+    where = Path(os.environ.get(PAUSE_DIR) or ".")
+    where.mkdir(parents=True, exist_ok=True)
+    rank = os.environ.get("MEMLAB_RANK") or os.environ.get("RANK") or "0"
+    marker = where / f"{point}.{os.getpid()}.json"
+    tmp = marker.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"point": point, "pid": os.getpid(), "rank": int(rank)}))
+    os.replace(tmp, marker)  # the test never reads half a marker
+    go = where / f"{point}.go"
+    while not go.exists():
+        time.sleep(0.01)  # a stop signal interrupts the sleep and is handled at once

@@ -1,0 +1,210 @@
+"""Rows of documents for packed and shared-prompt preference batches (``dpo``, ``kto``,
+``reward``).
+
+Not an option of its own. A *unit* (a preference pair, a KTO example) becomes documents
+(:func:`unit_docs`); the collator places them in rows (a packed micro-batch's rows, one row per
+unit, or one flat row) and :func:`collate_rows` turns the rows into tensors.
+
+* **Unshared**: one document per sequence, ``prompt + completion`` (labels shifted inside it, on
+  the completion only), position ids from 0: the documents of a padded batch, side by side.
+* **Shared prompt** (``method.share_prompt``): the prompt is stored once. The first completion
+  continues it as one document (``prompt + chosen``); every other completion is a document of
+  its own tokens only, with position ids continuing the prompt's, that also sees the prompt
+  (:class:`memlab.trainer.batch.Segments` entry ``(n, a, b)``) and not the other completions.
+  The prompt's last token predicts the first token of EVERY completion: the first completion's
+  through its ordinary label, each other one through a *fork* label (``fork_index`` /
+  ``fork_labels`` / ``fork_segments``: an extra scored token at that position).
+
+Tensors (rows padded to the longest, or one flat row): ``input_ids``, ``labels`` (shifted, per
+document; ``IGNORE`` where nothing is scored), ``segment_ids`` (the sequence each label belongs
+to, -1 elsewhere), ``position_ids``, the rows' ``segments``, the fork labels, and
+``last_index`` (flat index of the token a reward head reads for each sequence) when asked for.
+The pad tail of a row is a plain document of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from memlab.method.base import IGNORE, Segments, round_up, shifted_labels
+from memlab.packing.groups import PACK_ROWS
+
+
+@dataclass
+class Doc:
+    """One document of a row."""
+
+    ids: list[int]
+    labels: list[int]
+    """Aligned, shifted labels; ``IGNORE`` where nothing is scored."""
+    seq: int
+    """The sequence its labels belong to (-1: none)."""
+    first_position: int = 0
+    prefix: tuple[int, int] | None = None
+    """``(document, tokens)``: it also sees the first ``tokens`` tokens of that document of the
+    same unit (given as an offset from its own index: -1 = the document before it)."""
+    fork: tuple[int, int] | None = None
+    """``(label, seq)``: its first token, predicted by the prefix's last token."""
+    pools: list[tuple[int, int]] = field(default_factory=list)
+    """``(seq, index in this document)`` of the tokens a reward head reads."""
+
+
+def unit_docs(prompt: Sequence[int], completions: Sequence[Sequence[int]], seqs: Sequence[int],
+              shared: bool, scored: bool = True, pools: Sequence[int] | None = None
+              ) -> list[Doc]:
+    """The documents of one unit: ``prompt`` followed by each completion (``seqs``: their
+    sequence indices). ``shared``: the prompt stored once (module docstring). ``scored``: labels
+    on the completions (False: none, a reward model's sequences). ``pools``: per completion, the
+    index within ``prompt + completion`` of the token a reward head reads."""
+    p = list(prompt)
+    docs: list[Doc] = []
+    for i, (c, s) in enumerate(zip(completions, seqs, strict=True)):
+        c = list(c)
+        pool = None if pools is None else pools[i]
+        if i == 0 or not shared or not p:
+            ids = p + c
+            labels = (shifted_labels(ids, [0] * len(p) + [1] * len(c)) if scored
+                      else [IGNORE] * len(ids))
+            docs.append(Doc(ids, labels, s, pools=[] if pool is None else [(s, pool)]))
+            continue
+        lead = -len(docs)  # the unit's first document holds the prompt
+        if pool is not None and pool < len(p):  # the read token lies in the shared prompt
+            docs[0].pools.append((s, pool))
+        if not c:
+            continue
+        labels = shifted_labels(c, [1] * len(c)) if scored else [IGNORE] * len(c)
+        docs.append(Doc(c, labels, s, first_position=len(p), prefix=(lead, len(p)),
+                        fork=(c[0], s) if scored else None,
+                        pools=[] if pool is None or pool < len(p) else [(s, pool - len(p))]))
+    return docs
+
+
+def collate_rows(rows: list[list[Doc]], pad_id: int, multiple: int | None, flat: bool,
+                 num_seqs: int | None = None) -> tuple[dict, int, int]:
+    """Tensors of ``rows`` (lists of documents; a document's ``prefix`` points into its own
+    row), padded to the longest row (rounded up to ``multiple``), or, with ``flat``, every row
+    concatenated into one ``[1, N]`` row. ``num_seqs``: also return ``last_index`` for sequences
+    ``0 .. num_seqs-1`` (reward pooling). Returns ``(tensors, stored tokens, slots)``."""
+    if flat:
+        rows = [[d for row in rows for d in row]]
+    lengths = [sum(len(d.ids) for d in row) for row in rows]
+    width = round_up(max(lengths), multiple)
+    n_rows = len(rows)
+    ids = torch.full((n_rows, width), pad_id, dtype=torch.long)
+    labels = torch.full((n_rows, width), IGNORE, dtype=torch.long)
+    seg = torch.full((n_rows, width), -1, dtype=torch.long)
+    pos = torch.zeros((n_rows, width), dtype=torch.long)
+    entries: list[tuple] = []
+    forks: list[tuple[int, int, int]] = []
+    pooled: dict[int, int] = {}
+    for r, row in enumerate(rows):
+        starts, start, entry = [], 0, []
+        for j, d in enumerate(row):
+            n = len(d.ids)
+            starts.append(start)
+            ids[r, start:start + n] = torch.tensor(d.ids, dtype=torch.long)
+            labels[r, start:start + n] = torch.tensor(d.labels, dtype=torch.long)
+            seg[r, start:start + n] = torch.tensor(
+                [d.seq if lab != IGNORE else -1 for lab in d.labels], dtype=torch.long)
+            pos[r, start:start + n] = torch.arange(d.first_position, d.first_position + n)
+            if d.prefix is None:
+                entry.append(n)
+            else:
+                a = starts[j + d.prefix[0]]
+                entry.append((n, a, a + d.prefix[1]))
+                if d.fork is not None:
+                    forks.append((r * width + a + d.prefix[1] - 1, *d.fork))
+            for s, i in d.pools:
+                pooled[s] = r * width + start + i
+            start += n
+        if width > start:  # the pad tail: a document of its own
+            pos[r, start:] = torch.arange(width - start)
+            entry.append(width - start)
+        entries.append(tuple(entry))
+    t = {"input_ids": ids, "labels": labels, "segment_ids": seg, "position_ids": pos,
+         "segments": Segments(entries),
+         "fork_index": torch.tensor([f[0] for f in forks], dtype=torch.long),
+         "fork_labels": torch.tensor([f[1] for f in forks], dtype=torch.long),
+         "fork_segments": torch.tensor([f[2] for f in forks], dtype=torch.long)}
+    if num_seqs is not None:
+        missing = [s for s in range(num_seqs) if s not in pooled]
+        if missing:
+            raise ValueError(f"sequences {missing[:5]} have no pooled token")
+        t["last_index"] = torch.tensor([pooled[s] for s in range(num_seqs)], dtype=torch.long)
+    return t, sum(lengths), n_rows * width
+
+
+def place(units: list[list[Doc]], rows_of: list[list[int]]) -> list[list[Doc]]:
+    """Rows of a packed micro-batch: unit ``u``'s documents go to ``rows_of[u]`` (one row: the
+    whole unit; one row per document: a unit split into its sequences, laid out unshared)."""
+    n_rows = 1 + max(r for rows in rows_of for r in rows)
+    out: list[list[Doc]] = [[] for _ in range(n_rows)]
+    for docs, rows in zip(units, rows_of, strict=True):
+        if len(rows) == 1:
+            out[rows[0]].extend(docs)
+            continue
+        if len(rows) != len(docs) or any(d.prefix is not None for d in docs):
+            raise ValueError("a split unit needs one row per document, laid out unshared")
+        for d, r in zip(docs, rows, strict=True):
+            out[r].append(d)
+    return out
+
+
+def units_of(items: list[dict]) -> tuple[list[dict], list[list[int]] | None]:
+    """The units of a batch's dataset items and, for packed items (micro-batches of
+    :mod:`memlab.packing.groups`), the row of each unit's pieces (rows of later items follow
+    those of earlier ones). Unpacked items are one unit each: ``None``."""
+    if not items or PACK_ROWS not in items[0]:
+        return items, None
+    units, rows_of, offset = [], [], 0
+    for item in items:
+        cols = [c for c in item if c != PACK_ROWS]
+        for i, rows in enumerate(item[PACK_ROWS]):
+            units.append({c: item[c][i] for c in cols})
+            rows_of.append([offset + r for r in rows])
+        offset += 1 + max(r for rows in item[PACK_ROWS] for r in rows)
+    return units, rows_of
+
+
+def layout_errors(method, ctx) -> list[str]:
+    """Checks every preference method shares for packing and ``share_prompt``."""
+    errors = []
+    if ctx.packing.packs and method.max_length is None:
+        errors.append(f"packing={ctx.packing.name} packs rows of method.max_length tokens; set "
+                      "method.max_length (e.g. method.max_length=2048)")
+    if method.share_prompt and not ctx.attention.shares_prefix():
+        errors.append(
+            f"method.share_prompt=true stores a pair's prompt once, the rejected tokens seeing it "
+            f"and not the chosen ones; attention={ctx.attention.name} cannot express that in a "
+            "row; use attention=sdpa or eager (attention.varlen=true) or flex_attention, or set "
+            "method.share_prompt=false")
+    return errors
+
+
+def per_item(values: list, items: list[dict]) -> list:
+    """Per-unit ``values`` (in the order :func:`units_of` gives) regrouped by dataset item: a
+    packed item gets the list of its units' values, an unpacked item its own value."""
+    if not items or PACK_ROWS not in items[0]:
+        return values
+    out, i = [], 0
+    for item in items:
+        n = len(item[PACK_ROWS])
+        out.append(values[i: i + n])
+        i += n
+    return out
+
+
+def fits_row(ctx) -> bool:
+    """Whether a unit must fit one row (``packing=bfd``: packed, no splitting); False without a
+    run context (a method used on its own)."""
+    return ctx is not None and ctx.packing.packs and not ctx.packing.keeps_overflow
+
+
+def attention_of(ctx) -> Any:
+    """The run's attention option (it builds the document masks some backends need), or None
+    without a run context."""
+    return None if ctx is None else ctx.attention

@@ -1,0 +1,187 @@
+"""Preference rows -> token ids, and the length limits that cut them (``dpo``, ``kto``,
+``reward``, and the prompts of the online methods and ``gkd``).
+
+Not an option of its own (the registry skips modules whose name starts with ``_``).
+
+* **Rows -> tokens.** Conversational rows (``prompt`` a list of messages, completions lists of
+  assistant messages): the prompt is rendered with the chat template and
+  ``add_generation_prompt=True``; a completion is the suffix of the rendering of prompt +
+  completion, after checking that this rendering starts with the prompt's (``DataError``
+  naming the row otherwise). Plain-string rows: ``prompt`` and completion tokenized without
+  special tokens, the tokenizer's EOS appended to the completion (as SFT does). Conversational
+  rows without a ``prompt`` column get the longest common message prefix of chosen and rejected
+  as prompt.
+* **Truncation** (all limits optional): the prompt is cut from the LEFT to
+  ``max_prompt_length`` (its end, next to the answer, is kept), each completion from the RIGHT to
+  ``max_completion_length``, then prompt + completion to ``max_length`` by cutting the
+  completion further (keep_start on the completion side: the prompt is never cut by
+  ``max_length``). An example whose prompt alone fills ``max_length`` is dropped and counted.
+* **A unit in one row** (``packing=bfd``: a pair's sequences must fit one row of
+  ``max_length`` tokens, the prompt counted once with ``share_prompt``, else once per
+  sequence): :func:`fit_row` cuts the completions from the right to a common length ``k``, the
+  largest that fits (the shorter ones are cut only if longer than ``k``); the prompt is never
+  cut by it; a unit with no room for one token of each completion is dropped and counted.
+* **Datasets.** :func:`map_rows` runs a row function (0, 1 or more output rows per input row) as
+  one batched ``datasets.map``; :func:`keep_rows` drops the rows a method flagged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from memlab.data import chat
+from memlab.data.base import DataError, check_messages, check_text
+
+
+def length_errors(method, names: Sequence[str]) -> list[str]:
+    """Each named limit must be null or positive (>= 2 for max_length)."""
+    errors = []
+    for name in names:
+        value = getattr(method, name)
+        low = 2 if name == "max_length" else 1
+        if value is not None and value < low:
+            errors.append(f"method.{name} must be >= {low} or null (got {value})")
+    return errors
+
+
+# ----------------------------------------------------------------------------------- rows
+
+
+def split_implicit_prompt(chosen: Any, rejected: Any, idx: int) -> tuple[list, list, list]:
+    """Conversational chosen / rejected without a prompt column: the longest common message
+    prefix is the prompt, the rest are the completions."""
+    check_messages(chosen, idx, "chosen")
+    check_messages(rejected, idx, "rejected")
+    n = 0
+    while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+        n += 1
+    if n == 0 or n == len(chosen) or n == len(rejected):
+        raise DataError(
+            f"row {idx}: without a 'prompt' field, 'chosen' and 'rejected' must share a message "
+            "prefix (the prompt) and differ after it; add a 'prompt' field"
+        )
+    return chosen[:n], chosen[n:], rejected[n:]
+
+
+def encode_prompt(tok, prompt: Any, idx: int) -> list[int]:
+    """Prompt tokens: the chat template with the generation prompt, or plain text."""
+    if isinstance(prompt, list):
+        return chat.prompt_ids(tok, prompt, idx, "prompt")
+    check_text(prompt, idx, "prompt")
+    return list(tok(prompt, add_special_tokens=False)["input_ids"])
+
+
+def encode_completion(tok, prompt: Any, prompt_ids: list[int], completion: Any, idx: int,
+                      field: str) -> list[int]:
+    """Completion tokens that follow ``prompt_ids`` (see the module docstring)."""
+    if isinstance(prompt, list):
+        return chat.completion_ids(tok, prompt, prompt_ids, completion, idx, field)
+    if isinstance(completion, list):
+        raise DataError(f"row {idx}: 'prompt' is a string but '{field}' is a list of messages; "
+                        "use the same format (both strings or both messages)")
+    check_text(completion, idx, field)
+    return list(tok(completion, add_special_tokens=False)["input_ids"]) + [tok.eos_token_id]
+
+
+def encode_full(tok, prompt: Any | None, completion: Any, idx: int, field: str) -> list[int]:
+    """One whole sequence (reward models): prompt + completion, or the completion alone when it
+    is a full conversation / text."""
+    if prompt is None:
+        if isinstance(completion, list):
+            return chat.conversation_ids(tok, completion, idx, field)
+        check_text(completion, idx, field)
+        return list(tok(completion, add_special_tokens=False)["input_ids"]) + [tok.eos_token_id]
+    p = encode_prompt(tok, prompt, idx)
+    return p + encode_completion(tok, prompt, p, completion, idx, field)
+
+
+# ----------------------------------------------------------------------------------- truncation
+
+
+def truncate(prompt: list[int], completions: list[list[int]], max_prompt_length: int | None,
+             max_completion_length: int | None, max_length: int | None
+             ) -> tuple[list[int], list[list[int]], int] | None:
+    """Apply the three limits (module docstring). Returns ``(prompt, completions, dropped)``
+    where ``dropped`` counts removed tokens over all ``prompt + completion`` sequences, or None
+    when the prompt alone fills ``max_length`` (the example cannot be trained on)."""
+    n_in = sum(len(prompt) + len(c) for c in completions)
+    if max_prompt_length is not None and len(prompt) > max_prompt_length:
+        prompt = prompt[len(prompt) - max_prompt_length:]
+    if max_completion_length is not None:
+        completions = [c[:max_completion_length] for c in completions]
+    if max_length is not None:
+        room = max_length - len(prompt)
+        if room <= 0:
+            return None
+        completions = [c[:room] for c in completions]
+    kept = sum(len(prompt) + len(c) for c in completions)
+    return prompt, completions, n_in - kept
+
+
+def fit_row(prompt_len: int, completions: list[list[int]], capacity: int, shared: bool
+            ) -> tuple[list[list[int]], int] | None:
+    """A unit of ``prompt + completion`` sequences cut to fit one row of ``capacity`` tokens
+    (module docstring). Returns ``(completions, tokens cut)``, or None (drop the unit)."""
+    lengths = [len(c) for c in completions]
+    room = capacity - (prompt_len if shared else prompt_len * len(completions))
+    if sum(lengths) <= room:
+        return completions, 0
+    if room < sum(1 for n in lengths if n):
+        return None
+    low, high = 1, max(lengths)  # the largest common length k that fits
+    while low < high:
+        mid = (low + high + 1) // 2
+        if sum(min(n, mid) for n in lengths) <= room:
+            low = mid
+        else:
+            high = mid - 1
+    cut = [c[:low] for c in completions]
+    return cut, sum(lengths) - sum(len(c) for c in cut)
+
+
+# ----------------------------------------------------------------------------------- datasets
+
+
+def is_empty(completion: Any) -> bool:
+    """A completion with nothing in it: a blank string, or messages whose contents are all
+    blank (its tokens are then only the EOS or the template's end-of-turn: nothing to learn)."""
+    if isinstance(completion, str):
+        return not completion.strip()
+    if isinstance(completion, list):
+        return all(isinstance(m, dict) and not str(m.get("content") or "").strip()
+                   for m in completion)
+    return False
+
+
+def content_tokens(completion: Any, ids: list[int]) -> tuple[int, int]:
+    """``(trainable tokens, 1 if empty else 0)`` of one completion and its kept token ids."""
+    return (0, 1) if is_empty(completion) else (len(ids), 0)
+
+
+def map_rows(ds, fn: Callable[[dict, int], list[dict]], columns: Sequence[str], key: Any,
+             desc: str):
+    """``fn(row, idx) -> output rows`` over the dataset (0, 1 or more rows per input row) as one
+    batched ``datasets.map``; output columns ``columns``."""
+
+    def batch_fn(batch: dict[str, list], idx: list[int]) -> dict[str, list]:
+        out: dict[str, list] = {c: [] for c in columns}
+        for j, i in enumerate(idx):
+            for row in fn({k: v[j] for k, v in batch.items()}, i):
+                for c in columns:
+                    out[c].append(row[c])
+        return out
+
+    fp = hashlib.sha1(repr((ds._fingerprint, key)).encode()).hexdigest()
+    return ds.map(batch_fn, batched=True, batch_size=256, with_indices=True,
+                  remove_columns=ds.column_names, keep_in_memory=True, new_fingerprint=fp,
+                  desc=desc)
+
+
+def keep_rows(ds, keep_column: str = "keep", drop: Sequence[str] = ()):
+    """Rows whose ``keep`` flag is set, without the bookkeeping columns."""
+    keep = ds[keep_column]
+    if not all(keep):
+        ds = ds.select([i for i, k in enumerate(keep) if k], keep_in_memory=True)
+    return ds.remove_columns([keep_column, *drop])

@@ -1,0 +1,70 @@
+"""How a whole process ends: ``memlab`` stopped by SIGTERM writes its summary and its table and
+exits 143; a rank of a multi-process run killed with SIGKILL makes the run ``killed`` (the other
+rank's errors are consequences), with what rank 0 measured before."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from memlab_testing import run_job
+from reliability.helpers import (
+    HANG_S,
+    SMOKE,
+    memlab_popen,
+    pause_env,
+    release,
+    wait_for_marker,
+)
+
+pytestmark = pytest.mark.integration
+
+
+def test_sigterm_to_memlab_writes_summary_and_table_then_exits_143(tmp_path):
+    pause, log, run_dir = tmp_path / "pause", tmp_path / "run.log", tmp_path / "run"
+    proc = memlab_popen([*SMOKE, f"hydra.run.dir={run_dir}"], log,
+                        env={"MEMLAB_PAUSE_AT": "data", "MEMLAB_PAUSE_DIR": str(pause)})
+    try:
+        wait_for_marker(pause, "data", proc, log)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=HANG_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = log.read_text()
+    assert code == 143, out[-3000:]
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert s["status"] == "interrupted" and s["signal"] == "SIGTERM"
+    assert "status: interrupted  (interrupted by SIGTERM before training started)" in out
+
+
+@pytest.mark.slow
+def test_a_rank_killed_by_sigkill_makes_the_run_killed(tmp_path, monkeypatch):
+    pause = tmp_path / "pause"
+    pause_env(monkeypatch, pause, "step:1")
+
+    def kill_rank_1():
+        deadline = time.monotonic() + HANG_S
+        while len(list(pause.glob("step:1.*.json"))) < 2:  # both ranks paused after step 1
+            assert time.monotonic() < deadline, "hang guard"
+            time.sleep(0.05)
+        ranks = {json.loads(p.read_text())["rank"]: json.loads(p.read_text())["pid"]
+                 for p in pause.glob("step:1.*.json")}
+        os.kill(ranks[1], signal.SIGKILL)
+        release(pause, "step:1")
+
+    t = threading.Thread(target=kill_rank_1, daemon=True)
+    t.start()
+    s = run_job(tmp_path, [*SMOKE, "distributed=ddp", "distributed.nproc=2"], fast=False)
+    t.join()
+    assert s["status"] == "killed", s["error"]
+    assert s["signal"] == "SIGKILL" and s["error"].startswith("RankFailed: rank 1 killed:")
+    ranks = s["distributed"]["ranks"]
+    assert ranks[1] is None and s["distributed"]["exit_codes"][1] == -signal.SIGKILL
+    assert ranks[0]["status"] in ("failed", "interrupted")  # a consequence, not the cause
+    assert s["train"]["steps"] >= 1 and s["memory"]["peak_bytes"] > 0  # rank 0's record
