@@ -125,3 +125,14 @@ def test_run_micro_batches_counts_what_the_run_draws():
     ctx = _ctx("method=grpo", "train.steps=5", "method.num_iterations=2",
                "train.save_every=0")
     assert run_micro_batches(ctx) == 3  # a prompt batch every second step
+
+
+def test_packed_preference_pairs_measure_the_fullest_pack(tok):
+    ctx = _ctx("method=dpo", "packing=bfd", "train.batch_size=2", *LEN,
+               "method.max_prompt_length=32")
+    (pack,) = candidates(ctx, tok, 64)
+    assert pack.name == "fullest pack" and len(pack.rows) == 1  # one item: one micro-batch
+    t = _collated(ctx, tok, pack)
+    ids = t["input_ids"]
+    # the most token slots a micro-batch can have: batch_size rows of max_length (long pairs)
+    assert ids.numel() == 2 * 64
