@@ -1,18 +1,23 @@
-"""`memlab estimate` against real measurements: on tiny models the fake-tensor estimate's peak
-and categories agree with the CPU tracker of a real run of the same batch shape (within 3%),
-estimates move the right way when a technique is switched on, verdicts, sweeps, the CLI, and a
-1B-parameter estimate with under 1 GiB of real memory (slow; its time is in benchmarks/estimate.py).
+"""`memlab estimate` against real measurements: the estimate's peak and every category agree
+with the CPU tracker of a real run within 1.5% (issue 21), when the real run's batches are the
+worst case the estimate assumes; estimates move the right way when a technique is switched on,
+verdicts, sweeps, the CLI, and a 1B-parameter estimate with under 1 GiB of real memory (slow;
+its time is in benchmarks/estimate.py).
 
-Real runs use long documents (median 3,000 tokens) truncated at max_length, so every row has
-exactly max_length tokens: padded batches are [batch_size, max_length] without padding, packed
-padding-free batches one flat row of batch_size * max_length tokens - the shapes the estimate
-assumes. They run two steps, both tracked (``measure.memory_steps=all``), like the estimate's
-steady-state step 1 after step 0's optimizer update.
+The estimate measures every candidate batch (rows of max_length; the same with one row a token
+shorter, which takes the padding-mask path; packed rows of 1 and 2 documents; ...) and keeps
+the largest peak. So the real runs are given data whose worst batch is known: padded cases
+train on two rows, one longer than max_length (cut to it) and one short, so every batch is
+[2, max_length] and padded; packed / padding-free cases on long documents cut at max_length, so
+every row is one document of max_length. They run two steps, both tracked
+(``measure.memory_steps=all``), like the estimate's steady-state step 1 after step 0's
+optimizer update. ``--from-data`` is checked against runs on heavy-tailed data whose batches
+differ: it finds the run's worst batch, and the default estimate is above it.
 
-Every case agrees to the byte on this CPU build (the printed table shows it); the 3% bound is
-the issue's. LoRA + checkpointing used to differ by ~1.5% per tracked step because MemTracker
-leaked two hidden-state leaves per tracked step (fixed in ``memlab.measure.memory``; its
-regression test is in test_train.py).
+Every case agrees to the byte on this CPU build (the printed table shows it;
+``MEMLAB_ESTIMATE_TABLE=<file.md>`` writes it as Markdown). LoRA + checkpointing used to differ
+by ~1.5% per tracked step because MemTracker leaked two hidden-state leaves per tracked step
+(fixed in ``memlab.measure.memory``; its regression test is in test_train.py).
 """
 
 from __future__ import annotations
@@ -36,6 +41,42 @@ SHAPE = ["model.hidden_size=128", "model.intermediate_size=384", "model.num_laye
          "train.device=cpu", "train.progress=false"]
 LEN = ["method.max_length=256"]
 REAL = ["measure.memory_steps=all", "train.steps=2"]
+NO_GC = ["train.gradient_checkpointing=false"]
+# Two generated rows, one longer than max_length (cut to 256 tokens) and one short: every batch
+# of the real run is the same [2, 256] padded batch (both rows; the order does not matter).
+PADDED_CHAT = ["data.seed=2", "data.median_tokens=200", "data.n_examples=2"]  # 2352, 58 tokens
+PADDED_PAIRS = ["data.seed=2", "data.median_tokens=150", "data.n_examples=2",  # one long pair
+                "method.max_prompt_length=128"]
+TOLERANCE = 0.015
+
+RESULTS: dict[str, tuple[dict, dict]] = {}
+"""case -> (estimate, real memory): the agreement table (``MEMLAB_ESTIMATE_TABLE=<file.md>``
+writes it as Markdown when the module's tests finish)."""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def agreement_table():
+    yield
+    path = os.environ.get("MEMLAB_ESTIMATE_TABLE")
+    if path and RESULTS:
+        from pathlib import Path
+
+        Path(path).write_text(markdown_table(RESULTS))
+
+
+def markdown_table(results: dict[str, tuple[dict, dict]]) -> str:
+    """case | estimate | real | error | each category (estimate / real MiB)."""
+    mib = 2**20
+    head = ["case", "estimate", "real", "error", *CATEGORIES]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for case, (est, real) in results.items():
+        ep, rp = est["peak_bytes"], real["peak_bytes"]
+        cells = [case, f"{ep / mib:.2f} MiB", f"{rp / mib:.2f} MiB", f"{100 * (ep - rp) / rp:+.2f}%"]
+        for cat in CATEGORIES:
+            e, r = est["by_category"][cat], real["by_category"][cat]
+            cells.append(f"{e / mib:.2f} / {r / mib:.2f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def _estimate(tmp_path, overrides, *extra):
@@ -47,42 +88,177 @@ def _estimate(tmp_path, overrides, *extra):
     return est
 
 
-CASES = {
-    "full packed": ["packing=bfd", *LEN],
-    "lora packed": ["packing=bfd", "peft=lora", *LEN],
-    "no checkpointing": ["packing=bfd", "train.gradient_checkpointing=false", *LEN],
-    "bf16": ["packing=bfd", "precision=bf16", *LEN],
-    "chunked loss": ["packing=bfd", "method.loss_impl=chunked", "method.chunk_size=128", *LEN],
-    "padded bf16_mixed eager": ["packing=none", "precision=bf16_mixed", "attention=eager", *LEN],
-    "dpo reference copy": ["packing=none", "method=dpo", *LEN],
-}
-
-
-@pytest.mark.parametrize("case", list(CASES))
-def test_estimate_matches_real_run_within_3_percent(job, tmp_path, case):
-    overrides = SHAPE + CASES[case]
-    est = _estimate(tmp_path, overrides)
-    real = job(overrides + REAL, fast=False)
-    assert real["status"] == "ok", real["error"]
-    assert real["data"]["padding_fraction"] == 0.0  # every real batch has the estimated shape
-    rm = real["memory"]
+def assert_agrees(case: str, est: dict, rm: dict, phases: tuple[str, ...] = ()) -> None:
+    """The estimate's peak, each category at the peak (and each of ``phases``) within
+    :data:`TOLERANCE` of the real run's tracked numbers; the peak in the same phase. Printed and
+    recorded for the agreement table."""
+    RESULTS[case] = (est, rm)
     rp, ep = rm["peak_bytes"], est["peak_bytes"]
     rows = [f"{'peak':12}{ep:>12}{rp:>12}{100 * (ep - rp) / rp:+8.2f}%"]
     for cat in CATEGORIES:
         e, r = est["by_category"][cat], rm["by_category"][cat]
         rows.append(f"{cat:12}{e:>12}{r:>12}" + (f"{100 * (e - r) / r:+8.2f}%" if r else ""))
-    print(f"\n[{case}] estimate vs real (bytes)\n" + "\n".join(rows))
-    assert abs(ep - rp) <= 0.03 * rp, (ep, rp)
+    for ph in phases:
+        e, r = est["by_phase"][ph], rm["by_phase"][ph]
+        rows.append(f"{ph:12}{e:>12}{r:>12}{100 * (e - r) / r:+8.2f}%")
+    print(f"\n[{case}] estimate vs real (bytes); estimate's batch: {est['batch']['peak_from']}\n"
+          + "\n".join(rows))
+    assert abs(ep - rp) <= TOLERANCE * rp, (ep, rp)
     for cat in CATEGORIES:
         e, r = est["by_category"][cat], rm["by_category"][cat]
-        assert abs(e - r) <= 0.03 * r + 64 * 1024, (cat, e, r)
+        assert abs(e - r) <= TOLERANCE * r, (cat, e, r)
+    for ph in phases:
+        assert abs(est["by_phase"][ph] - rm["by_phase"][ph]) <= TOLERANCE * rm["by_phase"][ph], ph
     assert est["peak_at"]["phase"] == rm["peak_at"]["phase"]
 
 
-# Online methods: prompts cut to 64 tokens (the long conversations' prompts all are), 16 new
-# tokens; the tiny random model never samples EOS within 16 tokens at these seeds (asserted), so
-# the real completions have the full length the estimate assumes.
-ONLINE = ["method.max_prompt_length=64", "method.max_completion_length=16"]
+# name -> (overrides, whether the real batches are padded)
+CASES = {
+    "embedded sdpa padded": ([*PADDED_CHAT, *LEN], True),
+    "embedded sdpa padded, no checkpointing": ([*PADDED_CHAT, *LEN, *NO_GC], True),
+    "padded bf16_mixed eager, no checkpointing": (
+        [*PADDED_CHAT, *LEN, *NO_GC, "precision=bf16_mixed", "attention=eager"], True),
+    "padded bf16, no checkpointing": ([*PADDED_CHAT, *LEN, *NO_GC, "precision=bf16"], True),
+    "padded lora, no checkpointing": ([*PADDED_CHAT, *LEN, *NO_GC, "peft=lora"], True),
+    "dpo reference copy, padded pairs, no checkpointing": (
+        ["method=dpo", *PADDED_PAIRS, *LEN, *NO_GC], True),
+    # 2 pairs = 4 examples, one batch: a long pair, and one with a short prompt, a long chosen
+    # and a short rejected answer (padded examples; mismatched KL sequences 256 wide)
+    "kto reference copy, padded": (["method=kto", "data.seed=4", "data.median_tokens=150",
+                                    "data.n_examples=2", "method.max_prompt_length=128",
+                                    "train.batch_size=4", *LEN, *NO_GC], True),
+    "reward, padded pairs": (["method=reward", *PADDED_PAIRS[:-1], *LEN, *NO_GC,
+                              "method.truncation_mode=keep_end"], True),
+    # long documents cut at max_length: one document per packed row, as the estimate assumes
+    "packed bfd": (["packing=bfd", *LEN], False),
+    "packed bfd lora": (["packing=bfd", "peft=lora", *LEN], False),
+    "packed bfd, no checkpointing": (["packing=bfd", *NO_GC, *LEN], False),
+    "packed bfd bf16": (["packing=bfd", "precision=bf16", *LEN], False),
+    "packed bfd chunked loss": (["packing=bfd", "method.loss_impl=chunked",
+                                 "method.chunk_size=128", *LEN], False),
+    "padding-free, no checkpointing": (["method.padding_free=true", *NO_GC, *LEN], False),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_estimate_matches_real_run(job, tmp_path, case):
+    """Padded cases: every real batch is [2, 256] with one short row (padded); the estimate's
+    worst case is the larger of its full and padded candidates. Packed / padding-free cases:
+    every real row is one document of max_length tokens."""
+    overrides, is_padded = CASES[case]
+    overrides = SHAPE + overrides
+    est = _estimate(tmp_path, overrides)
+    real = job(overrides + REAL, fast=False)
+    assert real["status"] == "ok", real["error"]
+    pad = real["data"]["padding_fraction"]
+    assert (pad > 0) if is_padded else (pad == 0.0)  # the real batches are of the kind tested
+    if is_padded:
+        assert real["data"]["tokens_dropped"] > 0  # a row was cut: the batch is max_length wide
+        # the largest of the estimate's candidates is a padded one (eager: the same as full)
+        assert any(c["padded"] and c["peak_bytes"] == est["peak_bytes"]
+                   for c in est["batch"]["candidates"])
+    else:
+        assert "documents" in est["batch"]["rows"] or "rows of" in est["batch"]["rows"]
+    assert_agrees(case, est, real["memory"])
+
+
+# model=hf from local files: a Qwen2-style and a Llama-style model saved with save_pretrained
+# (random weights, memlab's shipped tokenizer), trained on a local chat file of two
+# conversations: one longer than max_length (cut to it), one of ~300 tokens, so every real batch
+# is [2, max_length] and padded. The four cases cover each architecture, each length and each
+# loss mode twice (a half factorial of 2 x 2 x 2), and LoRA on one of them; no checkpointing
+# (where padding costs most: a float mask per layer).
+HF_ARCH = {"qwen2": "Qwen2Config", "llama": "LlamaConfig"}
+
+
+@pytest.fixture(scope="module")
+def hf_files(tmp_path_factory):
+    import transformers
+
+    from memlab.data.assets import load_tokenizer
+    from memlab.data.synthetic import generate_chat
+
+    root = tmp_path_factory.mktemp("estimate_hf")
+    tok = load_tokenizer()
+    paths = {}
+    for arch, cls in HF_ARCH.items():
+        cfg = getattr(transformers, cls)(
+            vocab_size=len(tok), hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+            tie_word_embeddings=arch == "qwen2", pad_token_id=tok.pad_token_id,
+            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+        torch_model = transformers.AutoModelForCausalLM.from_config(cfg)
+        torch_model.save_pretrained(root / arch)
+        tok.save_pretrained(root / arch)
+        paths[arch] = root / arch
+    rows = (generate_chat(1, seed=0, median_tokens=3000, sigma=0.05)  # ~3000 tokens: cut
+            + generate_chat(1, seed=1, median_tokens=300, sigma=0.05))  # ~300: padded
+    data = root / "chat.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    paths["data"] = data
+    return paths
+
+
+HF_CASES = {
+    "hf qwen2 512 loss on all": ("qwen2", 512, "all", []),
+    "hf qwen2 1024 loss on completions": ("qwen2", 1024, "completion", []),
+    "hf llama 512 loss on completions": ("llama", 512, "completion", []),
+    "hf llama 1024 loss on all": ("llama", 1024, "all", []),
+    "hf qwen2 512 lora": ("qwen2", 512, "all", ["peft=lora"]),
+}
+
+
+@pytest.mark.parametrize("case", list(HF_CASES))
+def test_hf_model_estimate_matches_real_run(job, tmp_path, hf_files, case):
+    arch, length, loss_on, extra = HF_CASES[case]
+    overrides = ["model=hf", f"model.name_or_path={hf_files[arch]}", "model.local_files_only=true",
+                 "data=local", f"data.path={hf_files['data']}", f"method.max_length={length}",
+                 f"method.loss_on={loss_on}", "train.batch_size=2", "train.device=cpu",
+                 "train.progress=false", *NO_GC, *extra]
+    est = _estimate(tmp_path, overrides)
+    real = job(overrides + REAL, fast=False)
+    assert real["status"] == "ok", real["error"]
+    assert real["data"]["padding_fraction"] > 0 and real["data"]["tokens_dropped"] > 0
+    assert est["batch"]["peak_from"] == "padded"
+    assert est["model"]["config"]["model_type"] == arch
+    assert_agrees(case, est, real["memory"])
+
+
+# --from-data: the run's own batch stream (heavy-tailed generated rows of a few hundred tokens,
+# four steps of two rows: one epoch of eight), measured batch by batch; the default worst case
+# (rows of max_length) is never below it.
+FROM_DATA = {
+    "padded": ["data.n_examples=8", "data.median_tokens=120", "method.max_length=512",
+               "train.steps=4", *NO_GC],
+    "packed": ["data.n_examples=16", "data.median_tokens=120", "method.max_length=256",
+               "packing=bfd", "train.steps=3", *NO_GC],
+}
+
+
+@pytest.mark.parametrize("case", list(FROM_DATA))
+def test_from_data_is_the_real_worst_batch_and_the_default_bounds_it(job, tmp_path, case):
+    overrides = [o for o in SHAPE if not o.startswith("data.")] + FROM_DATA[case]
+    real = job(overrides + ["measure.memory_steps=all"], fast=False)
+    assert real["status"] == "ok", real["error"]
+    rm = real["memory"]
+    assert len(set(rm["tracked_step_peaks"])) > 1  # the batches differ: there is a worst one
+    data = _estimate(tmp_path, overrides, "--from-data")
+    default = _estimate(tmp_path, overrides)
+    measured = data["batch"]["candidates"]
+    assert data["batch"]["peak_from"] == f"run batch {rm['peak_at']['step']}"
+    assert 1 <= len(measured) <= rm["tracked_steps"][-1] + 1
+    assert any("every micro-batch of its" in a for a in data["assumptions"])
+    assert_agrees(f"{case} run, --from-data", data, rm)
+    assert default["peak_bytes"] > data["peak_bytes"]  # rows of max_length: an upper bound
+    for cat in ("parameters", "optimizer"):
+        assert default["by_category"][cat] == data["by_category"][cat]
+
+
+# Online methods: two prompts, one cut to 64 tokens and one of 39 (left-padded: the padded
+# prompt batch), 16 new tokens; the tiny random model never samples EOS within 16 tokens at
+# these seeds (asserted), so the real completions have the full length the estimate assumes.
+ONLINE = ["data.seed=1", "data.median_tokens=150", "data.n_examples=2",  # prompts of 121, 39
+          "method.max_prompt_length=64", "method.max_completion_length=16"]
 ONLINE_CASES = {
     "grpo": ["method=grpo", *ONLINE],
     "grpo lora kl adapter_disabled": ["method=grpo", *ONLINE, "peft=lora", "method.beta=0.04",
@@ -92,15 +268,21 @@ ONLINE_CASES = {
     "grpo reward model": ["method=grpo", *ONLINE, "method.rewards=[]",
                           "method.reward_models=[{hidden_size: 256, num_layers: 2, seed: 3}]"],
     "ppo value model": ["method=ppo", *ONLINE],
-    "gkd on-policy": ["method=gkd", "method.lmbda=1.0", "method.max_prompt_length=64",
-                      "method.max_new_tokens=16"],
+    # GKD's batches also carry the dataset's completions in their own block (prompt width +
+    # completion width): its worst case takes the longest prompt and the longest completion of
+    # generated rows; these two rows are narrower, so it is compared with --from-data (below)
+    "gkd on-policy": ["method=gkd", "method.lmbda=1.0", "data.seed=1", "data.median_tokens=150",
+                      "data.n_examples=2", "method.max_prompt_length=64",
+                      "method.max_length=80", "method.max_new_tokens=16"],
 }
+FROM_DATA_ONLINE = {"gkd on-policy"}
 
 
 @pytest.mark.parametrize("case", list(ONLINE_CASES))
-def test_online_estimate_matches_real_run_within_3_percent(job, tmp_path, case):
+def test_online_estimate_matches_real_run(job, tmp_path, case):
     """The generate phase (the model's own generate on fake tensors, to the full length) and the
-    training step on the generated batch, against a real run's tracker, phase by phase."""
+    training step on the generated batch, against a real run's tracker, phase by phase; the
+    prompts of the real batches are padded, as in the estimate's padded candidate."""
     overrides = SHAPE + ONLINE_CASES[case]
     est = _estimate(tmp_path, overrides)
     real = job(overrides + REAL, fast=False)
@@ -108,21 +290,17 @@ def test_online_estimate_matches_real_run_within_3_percent(job, tmp_path, case):
     curves = real["train"].get("curves") or {}
     if "completions/mean_length" in curves:  # every completion ran to the full 16 tokens
         assert curves["completions/mean_length"] == [16.0, 16.0]
-    rm = real["memory"]
-    rp, ep = rm["peak_bytes"], est["peak_bytes"]
-    rows = [f"{'peak':12}{ep:>12}{rp:>12}{100 * (ep - rp) / rp:+8.2f}%"]
-    for ph in ("generate", "forward", "backward", "optimizer"):
-        e, r = est["by_phase"][ph], rm["by_phase"][ph]
-        rows.append(f"{ph:12}{e:>12}{r:>12}{100 * (e - r) / r:+8.2f}%")
-    print(f"\n[{case}] estimate vs real (bytes)\n" + "\n".join(rows))
-    assert est["batch"]["shapes"]["input_ids"][1] == 64 + 16
-    assert abs(ep - rp) <= 0.03 * rp, (ep, rp)
-    for ph in ("generate", "forward", "backward", "optimizer"):
-        assert abs(est["by_phase"][ph] - rm["by_phase"][ph]) <= 0.03 * rm["by_phase"][ph], ph
-    for cat in CATEGORIES:
-        e, r = est["by_category"][cat], rm["by_category"][cat]
-        assert abs(e - r) <= 0.03 * r + 64 * 1024, (cat, e, r)
-    assert est["peak_at"]["phase"] == rm["peak_at"]["phase"]
+    assert est["batch"]["shapes"]["input_ids"][1] >= 64 + 16
+    assert any(c["padded"] and c["peak_bytes"] == est["peak_bytes"]
+               for c in est["batch"]["candidates"])
+    phases = ("generate", "forward", "backward", "optimizer")
+    if case in FROM_DATA_ONLINE:
+        assert est["peak_bytes"] >= real["memory"]["peak_bytes"]
+        est = _estimate(tmp_path, overrides + REAL, "--from-data")
+        case += " (--from-data)"
+    else:
+        assert est["batch"]["shapes"]["input_ids"][1] == 64 + 16
+    assert_agrees(case, est, real["memory"], phases)
 
 
 def test_online_estimates_move_the_right_way(tmp_path):
@@ -192,11 +370,14 @@ def test_cuda_model_offload_and_qlora(tmp_path):
 
 def test_exact_masks_remove_the_fake_tensor_mask(tmp_path):
     """Transformers treats fake inputs as tracing and materialises a mask an unpadded real
-    batch never builds; the estimator decides from the real batch values instead."""
-    o = SHAPE + ["packing=none", "attention=sdpa", *LEN]
-    exact = _estimate(tmp_path, o)
-    inexact = _estimate(tmp_path, o, "--inexact-masks")
-    assert inexact["peak_bytes"] > exact["peak_bytes"]
+    batch never builds; the estimator decides from the real batch values instead: the full
+    batch skips the mask, the padded one takes the mask path either way."""
+    o = SHAPE + ["packing=none", "attention=sdpa", *LEN, *NO_GC]
+    exact = {c["name"]: c["peak_bytes"] for c in _estimate(tmp_path, o)["batch"]["candidates"]}
+    inexact = {c["name"]: c["peak_bytes"]
+               for c in _estimate(tmp_path, o, "--inexact-masks")["batch"]["candidates"]}
+    assert inexact["full"] > exact["full"]
+    assert inexact["padded"] == exact["padded"] > exact["full"]
 
 
 def test_verdict_against_a_budget(tmp_path):

@@ -68,11 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard", choices=("none", "ddp", "zero1", "zero2", "zero3", "fsdp"),
                    default=None, help="the same as --zero-stage by name (fsdp = zero3)")
     p.add_argument("--length", type=int, default=None, metavar="N",
-                   help="tokens per row (default: method.max_length)")
+                   help="tokens per row of the worst-case batches (default: method.max_length)")
     p.add_argument("--from-data", action="store_true",
-                   help="prepare the real data and use its longest row if shorter")
-    p.add_argument("--docs-per-row", type=int, default=1, metavar="K",
-                   help="documents per packed row (default 1)")
+                   help="measure the run's own batches (its batch stream over the prepared "
+                        "data, every micro-batch of train.steps) instead of the worst case "
+                        "the settings allow")
+    p.add_argument("--docs-per-row", type=int, default=None, metavar="K",
+                   help="documents per packed row (default: the larger estimate of 1 and 2)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="sets",
                    help="change a field of the model's HF config (repeatable), e.g. "
                         "--set num_hidden_layers=8")
@@ -107,7 +109,7 @@ def options_from(args) -> Any:
         stage = named
     if args.world_size < 1:
         raise ValueError("--world-size must be >= 1")
-    if args.docs_per_row < 1:
+    if args.docs_per_row is not None and args.docs_per_row < 1:
         raise ValueError("--docs-per-row must be >= 1")
     sets = {}
     for item in args.sets:
@@ -270,7 +272,8 @@ def format_table(est: dict[str, Any]) -> str:
                                for i, c in enumerate(r)))
     pa = est.get("peak_at") or {}
     lines.append(f"estimated peak: {fmt_bytes(est['peak_bytes'])} (device={est['device']}, "
-                 f"{pa.get('phase')} of step {pa.get('step')})")
+                 f"{pa.get('phase')} of step {pa.get('step')}"
+                 + (f", {pa['batch']} batch" if pa.get("batch") else "") + ")")
     if est.get("offload"):
         lines.append(f"host memory for offloaded activations: "
                      f"{fmt_bytes(est['offload'].get('host_peak_bytes'))}")

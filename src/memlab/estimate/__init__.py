@@ -4,15 +4,18 @@ How (and why this is not a formula): the estimate builds the configured run thro
 :func:`memlab.pipeline.build` a run uses - data transforms, collator, model with attention +
 dtype, PEFT, checkpointing, offload hooks, the distributed wrap, the method's extra models and
 one-off pass, the trainer - with explicit seams where an estimate must differ (fake weights
-built from the model's config, the worst-case batch, generation to the full length, a fake
+built from the model's config, the worst-case batches, generation to the full length, a fake
 process group), then runs :meth:`memlab.trainer.loop.Trainer.run_step` on fake tensors under the
-run's own memory tracker. A technique changes the estimate exactly as it changes a run, because
-it *is* the run's code. The result has the categories (parameters, gradients, optimizer,
+run's own memory tracker, once per candidate batch (rows of full length, padded rows - which
+take the padding-mask path a run takes -, packed rows of 1 or 2 documents...; or, with
+``--from-data``, the run's own batches), and reports the largest peak and the batch that set
+it. A technique changes the estimate exactly as it changes a run, because it *is* the run's
+code. The result has the categories (parameters, gradients, optimizer,
 activations, other) and per-phase peaks of ``summary.json``'s ``memory`` section.
 
 Modules: :mod:`~memlab.estimate.options` (what is asked, cards, verdict),
 :mod:`~memlab.estimate.standins` (the seams' stand-ins), :mod:`~memlab.estimate.batch` (the
-worst-case batch), :mod:`~memlab.estimate.fake` (the fake-tensor step),
+batches measured), :mod:`~memlab.estimate.fake` (the fake-tensor steps),
 :mod:`~memlab.estimate.sharding` (what is modelled rather than measured); the table and the CLI
 are in :mod:`memlab.cli.estimate`.
 
@@ -75,21 +78,6 @@ def validate_for(cfg, device: str, choices: dict[str, str] | None = None):
     if device == "cuda" and not platform.cuda:  # a CUDA machine with the GPU extras
         platform = Platform.cuda_machine()
     return validate(cfg, ".", choices, platform=platform)
-
-
-def _padding_mask_note(ctx, batch: dict[str, Any]) -> str | None:
-    """What padding would add: the estimate's padded rows are all full length, so sdpa skips
-    the attention mask (its causal kernel); a real batch whose rows differ in length also
-    materialises a boolean ``[rows, 1, T, T]`` mask (eager builds one either way: estimated)."""
-    shape = (batch.get("shapes") or {}).get("input_ids")
-    if ctx.method.packs_rows(ctx) or ctx.attention.name != "sdpa" or not shape \
-            or len(shape) != 2:
-        return None
-    rows, width = shape
-    return (f"padding: these rows are all full length; a batch whose rows differ in length "
-            f"also builds a boolean [{rows}, 1, {width}, {width}] attention mask on sdpa: "
-            f"+{fmt_bytes(rows * width * width)} while the forward's activations are alive "
-            "(not in the peak above)")
 
 
 def _add_other(mem: dict[str, Any], nbytes: int) -> dict[str, Any]:
@@ -174,9 +162,10 @@ def estimate(cfg, opts: EstimateOptions | None = None, choices: dict[str, str] |
     raw = res["raw"]
     mem = {k: raw[k] for k in ("peak_bytes", "by_category", "by_phase", "by_phase_category",
                                 "peak_at")}
-    ran = res["timing"]["steps"]
+    ran, n = res["timing"]["steps"], res["timing"]["batches"]
     notes.insert(0, "measured: training step(s) " + ", ".join(map(str, ran)) + " on fake tensors "
                     "under the run's memory tracker (CPU kernels' shapes)"
+                    + (f", once per batch ({n}; the peak is the largest)" if n > 1 else "")
                     + ("; optimizer state created by the optimizer's own step 0 update"
                        if ran == [1] else ""))
     unsharded = mem
@@ -207,9 +196,6 @@ def estimate(cfg, opts: EstimateOptions | None = None, choices: dict[str, str] |
         overhead = CUDA_CONTEXT_BYTES
         notes.append(f"verdict counts ~{fmt_bytes(CUDA_CONTEXT_BYTES)} of CUDA context outside "
                      "the allocator")
-    mask_note = _padding_mask_note(ctx, res["batch"])
-    if mask_note:
-        notes.append(mask_note)
     offload = res["offload"]
     if offload is not None:
         notes.append(f"activation offload: {fmt_bytes(offload.get('offloaded_bytes', 0))} moved "

@@ -1,20 +1,59 @@
-"""The worst-case batch of an estimate: the prepared rows one micro-batch can hold at most.
+"""The batches an estimate measures: the worst-case candidates the configured data and settings
+can produce (default), or the run's own micro-batches (``--from-data``).
 
-Synthetic rows of the right lengths go through the method's own ``collate`` (and, for packing,
-the packing strategy's own ``apply``), so shapes cannot drift from real runs: SFT-style methods
-(those that pack) get ``batch_size`` rows of ``length`` tokens (padded: ``[batch_size, L]``;
-padding-free / packed: one ``[1, batch_size * L]`` row whose documents restart position_ids,
-``docs_per_row`` documents per packed row, default 1: the worst case for per-document
-attention); other methods get generated rows of their data kind through their own ``prepare``
-(the ``batch_size`` longest); methods whose units pack in groups (preference pairs) with
-packing get the ``4 * batch_size`` longest such rows through ``packing.apply`` and the
-micro-batch with the most token slots (``batch_size`` full rows when the pairs are long).
-``length`` = ``method.max_length`` unless given, or the longest real row with ``from_data``.
+Why candidates and not one "largest" batch: a batch's memory depends on its shapes *and* on the
+path attention takes for it. Rows of different lengths make a padded batch, and a padding mask
+changes the path. Measured with the run's tracker (transformers 5.23, torch 2.13, CPU): sdpa
+gets a boolean ``[rows, 1, T, T]`` mask built once per forward; torch's
+``scaled_dot_product_attention`` converts it to the query's dtype in every layer, and the
+kernel saves that float copy for backward; transformers also passes ``enable_gqa`` only without
+a mask, so with one the key / value heads are repeated to every query head and saved too.
+Without checkpointing that is kept per layer until backward: 16 MiB (mask) + 2 MiB (repeated
+key / value) a layer for 4 x 1024 rows of the default tiny model in fp32; with checkpointing
+only the recomputed layer holds them. A batch whose rows all have the same length skips the
+mask (sdpa's causal kernel); eager builds its float mask either way; flash / flex attention
+build no dense mask (:func:`memlab.estimate.fake.exact_value_hooks`). Which batch is larger
+therefore depends on the backend, so the estimate measures each batch that can occur and takes
+the largest peak (:func:`memlab.estimate.fake.run_fake_step`).
+
+Candidates (:func:`candidates`), every one through the method's own ``collate`` (and, for
+packing, the packing strategy's own ``apply``), so shapes and masks cannot drift from a run:
+
+- SFT-style padded rows: ``full`` = ``batch_size`` rows of ``length`` tokens (no padding) and
+  ``padded`` = the same with the last row one token shorter: the same ``[batch_size, length]``
+  tensors, the padding-mask path, and the most real tokens a padded batch can have (the mask's
+  cost does not depend on how much padding there is; anything that grows with real tokens is
+  largest). One row cannot be padded: ``batch_size=1`` has only ``full``.
+- padding-free rows (one flat row, no mask): ``full`` only (shorter rows only shrink it).
+- packed rows: ``docs_per_row`` documents per row when given, else both 1 (the most attention
+  work per document, with per-document kernels) and 2 (the fewest documents that make
+  transformers' whole-row block mask, ``attention.varlen=false``).
+- other methods (pairs, scored sequences, prompts): ``longest`` = the ``batch_size`` longest
+  generated rows of the method's data kind through its own ``prepare`` (padded already where
+  its sequences differ in length); ``padded`` = the same with one row one token shorter in its
+  completions (methods that generate their completions: in its prompt), or, where that leaves
+  no padding (a DPO pair of one row), in its last completion only, with the same shapes;
+  ``widest`` = the rows with the longest value of each token column together (a collate that
+  pads a prompt block and a completion block separately, like GKD's, is widest so).
+- methods whose units pack in groups (preference pairs:
+  :class:`~memlab.packing.groups.GroupPacked`) with packing: ``fullest pack`` = of the
+  micro-batches (one item each) ``packing.apply`` makes of the ``4 * batch_size`` longest
+  generated units, the one with the most token slots (``batch_size`` full rows when the pairs
+  are long).
+
+A candidate that collates to a batch needing no more memory than another one (the same mask
+decisions and documents, no dimension larger: :func:`signature`, :func:`dominated`) is dropped.
+``--from-data`` (:func:`run_batches`) measures the run's own micro-batches the same way: every
+micro-batch its steps draw from its :class:`~memlab.trainer.batch.BatchStream`, dominated ones
+dropped.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import datasets
@@ -26,7 +65,24 @@ from memlab.measure.data import DataStats
 from memlab.method._online import join
 from memlab.method.base import shifted_labels
 from memlab.packing.groups import GroupPacked
-from memlab.pipeline import prepare_data
+from memlab.trainer.batch import Batch, Segments
+
+
+@dataclass
+class Candidate:
+    """One batch the estimate measures."""
+
+    name: str
+    """Short name (``full``, ``padded``, ``1 document per row``, ``run batch 3``)."""
+    rows: list[dict]
+    """The prepared rows of one micro-batch (what ``method.collate`` gets); empty for a batch
+    taken from the run's stream (``batch`` holds it)."""
+    description: str
+    batch: Batch | None = None
+    """The collated batch, when it comes from the run's own stream (``--from-data``)."""
+
+
+# ----------------------------------------------------------------------------- worst case
 
 
 def _token_rows(lengths: list[int], token: int) -> list[dict[str, list[int]]]:
@@ -45,57 +101,68 @@ def _split(total: int, parts: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
-def longest_real_row(ctx, tokenizer) -> int:
-    """Tokens of the longest row of the real prepared data (``--from-data``)."""
-    ds, _ = prepare_data(ctx, tokenizer)
-    if "input_ids" not in ds.column_names:
-        raise EstimateError("from_data needs prepared rows with input_ids (method=sft-style)")
-    return max(len(x) for x in ds["input_ids"])
-
-
-def synthetic_rows(ctx, tokenizer, length: int, docs_per_row: int = 1
-                   ) -> tuple[list[dict], str]:
-    """The worst-case prepared rows of one micro-batch (what ``method.collate`` gets) and a
-    description of them."""
-    method, packing, bs = ctx.method, ctx.packing, ctx.train.batch_size
-    token = min(100, len(tokenizer) - 1)
+def candidates(ctx, tokenizer, length: int, docs_per_row: int | None = None
+               ) -> list[Candidate]:
+    """The worst-case candidates of one micro-batch (module docstring), in the order measured;
+    duplicates in memory are not removed here (:func:`distinct`)."""
+    method, packing = ctx.method, ctx.packing
     if isinstance(method, GroupPacked) and packing.packs:
-        return ([_largest_pack(ctx, tokenizer, length)],
-                f"the fullest of the micro-batches packing={packing.name} makes of the longest "
-                f"generated {method.data_kinds[0]} rows ({bs} rows of up to {length} tokens)")
+        return [Candidate("fullest pack", [_largest_pack(ctx, tokenizer, length)],
+                          f"the fullest of the micro-batches packing={packing.name} makes of "
+                          f"the longest generated {method.data_kinds[0]} rows "
+                          f"({ctx.train.batch_size} rows of up to {length} tokens)")]
     if not method.supports_packing or isinstance(method, GroupPacked):
-        rows = _generic_rows(ctx, tokenizer, length)
-        return rows, (f"{len(rows)} longest generated {ctx.method.data_kinds[0]} rows through "
-                      f"method.prepare (max_length={length})")
-    if not packing.packs:
-        return _token_rows([length] * bs, token), f"{bs} rows of {length} tokens"
-    docs = [n for _ in range(bs) for n in _split(length, docs_per_row)]
-    ds = datasets.Dataset.from_list(_token_rows(docs, token))
+        return _generic_candidates(ctx, tokenizer, length)
+    if packing.packs:
+        counts = [docs_per_row] if docs_per_row else sorted({1, min(2, length)})
+        return [_packed(ctx, tokenizer, length, k) for k in counts]
+    return _sft_candidates(ctx, tokenizer, length)
+
+
+def _sft_candidates(ctx, tokenizer, length: int) -> list[Candidate]:
+    bs = ctx.train.batch_size
+    token = min(100, len(tokenizer) - 1)
+    out = [Candidate("full", _token_rows([length] * bs, token),
+                     f"{bs} rows of {length} tokens")]
+    if bs > 1 and length > 1 and not ctx.method.packs_rows(ctx):
+        out.append(Candidate("padded", _token_rows([length] * (bs - 1) + [length - 1], token),
+                             f"{bs - 1} rows of {length} tokens + 1 of {length - 1} (padded)"))
+    return out
+
+
+def _packed(ctx, tokenizer, length: int, docs: int) -> Candidate:
+    bs, packing = ctx.train.batch_size, ctx.packing
+    token = min(100, len(tokenizer) - 1)
+    lengths = [n for _ in range(bs) for n in _split(length, docs)]
+    ds = datasets.Dataset.from_list(_token_rows(lengths, token))
     ds, _ = packing.apply(ds, DataStats(rows=len(ds), examples=len(ds)), ctx)
     rows = [ds[i] for i in range(min(bs, len(ds)))]
     while len(rows) < bs:
         rows.append(rows[len(rows) % len(ds)])
-    return rows, (f"{bs} packed rows of {length} tokens, {docs_per_row} document(s) each "
-                  f"(packing={packing.name})")
+    name = f"{docs} document{'s' if docs > 1 else ''} per row"
+    return Candidate(name, rows, f"{bs} packed rows of {length} tokens, {name} "
+                                 f"(packing={packing.name})")
 
 
-def describe_batch(batch, ctx, rows_desc: str, length: int) -> dict[str, Any]:
-    return {
-        "rows": rows_desc,
-        "shapes": {k: list(v.shape) for k, v in batch.tensors.items()
-                   if isinstance(v, torch.Tensor)},
-        "tokens": int(batch.total_tokens),
-        "real_tokens": int(batch.real_tokens),
-        "length": int(length),
-        "batch_size": int(ctx.train.batch_size),
-        "collate": "padding-free (one flat row)" if ctx.method.packs_rows(ctx) else "padded",
-    }
+def _largest_pack(ctx, tokenizer, length: int) -> dict:
+    """The packed item (one micro-batch) that collates to the most token slots (then real
+    tokens), of the ``4 * batch_size`` longest generated units packed by the run's option."""
+    more = dataclasses.replace(ctx, train=dataclasses.replace(
+        ctx.train, batch_size=4 * ctx.train.batch_size))
+    ds = _generic_prepared(more, tokenizer, length)
+    size = _sizes(ctx, ds)
+    order = sorted(range(len(ds)), key=lambda i: -size[i])
+    units = datasets.Dataset.from_list(_pick(ds, order, 4 * ctx.train.batch_size))
+    packed, _ = ctx.packing.apply(units, DataStats(rows=len(units), examples=len(units)), ctx)
+    items = [packed[i] for i in range(len(packed))]
+    sizes = [(b.total_tokens, b.real_tokens)
+             for b in (ctx.method.collate([item], tokenizer, ctx) for item in items)]
+    return items[max(range(len(items)), key=sizes.__getitem__)]
 
 
-def _generic_rows(ctx, tokenizer, length: int) -> list[dict]:
-    """Any method: generated rows of its data kind around ``length`` tokens through its own
-    ``prepare`` (format, tokenize, truncate or drop); the ``batch_size`` longest prepared rows
-    (repeated if fewer survive)."""
+def _generic_prepared(ctx, tokenizer, length: int):
+    """Generated rows of the method's data kind around ``length`` tokens through its own
+    ``prepare`` (format, tokenize, truncate or drop)."""
     kind = ctx.method.data_kinds[0]
     gen = {"chat": synthetic.generate_chat, "text": synthetic.generate_text,
            "preference": synthetic.generate_preference}[kind]
@@ -110,29 +177,173 @@ def _generic_rows(ctx, tokenizer, length: int) -> list[dict]:
     if not parts:
         raise EstimateError(f"method={ctx.method.name} kept none of the generated rows at "
                             f"length {length}; pass --length")
-    ds = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
-    ids = [c for c in ds.column_names if c.endswith("_ids") or c == "input_ids"]
-    if ctx.method.generates() and "prompt_ids" in ids:  # completions come from generation
-        ids = ["prompt_ids"]
-    size = [sum(len(ds[i][c]) for c in ids) for i in range(len(ds))]
-    order = sorted(range(len(ds)), key=lambda i: -size[i])[:bs]
-    rows = [ds[i] for i in order]
+    return datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
+
+
+def _token_columns(row: dict) -> list[str]:
+    return [c for c, v in row.items() if (c.endswith("_ids") or c == "input_ids")
+            and isinstance(v, list)]
+
+
+def _sizes(ctx, ds) -> list[int]:
+    """Tokens of each prepared row: all its token columns (methods that generate their
+    completions: its prompt)."""
+    cols = _token_columns(ds[0])
+    sized = ["prompt_ids"] if ctx.method.generates() and "prompt_ids" in cols else cols
+    lens = [ds[c] for c in sized]
+    return [sum(len(col[i]) for col in lens) for i in range(len(ds))]
+
+
+def _pick(ds, order: list[int], bs: int) -> list[dict]:
+    rows = [ds[i] for i in order[:bs]]
     while len(rows) < bs:
         rows.append(rows[len(rows) % len(order)])
     return rows
 
 
-def _largest_pack(ctx, tokenizer, length: int) -> dict:
-    """The packed item (one micro-batch) that collates to the most token slots (then real
-    tokens), of the ``4 * batch_size`` longest generated units packed by the run's option."""
-    more = dataclasses.replace(ctx, train=dataclasses.replace(
-        ctx.train, batch_size=4 * ctx.train.batch_size))
-    units = datasets.Dataset.from_list(_generic_rows(more, tokenizer, length))
-    packed, _ = ctx.packing.apply(units, DataStats(rows=len(units), examples=len(units)), ctx)
-    items = [packed[i] for i in range(len(packed))]
-    sizes = [(b.total_tokens, b.real_tokens)
-             for b in (ctx.method.collate([item], tokenizer, ctx) for item in items)]
-    return items[max(range(len(items)), key=sizes.__getitem__)]
+def _shorter(rows: list[dict], i: int, columns: list[str]) -> list[dict]:
+    """``rows`` with the last token of ``columns`` dropped in row ``i``."""
+    row = dict(rows[i])
+    for c in columns:
+        if len(row[c]) > 1:
+            row[c] = row[c][:-1]
+    return [*rows[:i], row, *rows[i + 1:]]
+
+
+def _padded_variant(ctx, tokenizer, rows: list[dict], cols: list[str]
+                    ) -> tuple[int, list[str], list[dict]] | None:
+    """The rows with one token less in one row, collated to the same shapes as ``rows`` with
+    padding: every completion column of a row (methods that generate their completions: its
+    prompt), else its last completion column only (one pair: its rejected answer), trying the
+    rows from the last; None if no such batch exists (one sequence per batch, padding-free)."""
+    if ctx.method.generates():
+        tried = [["prompt_ids"]] if "prompt_ids" in cols else [cols]
+    else:
+        rest = [c for c in cols if c != "prompt_ids"] or cols
+        tried = [rest, rest[-1:]]
+    shapes = {k: v.shape for k, v in ctx.method.collate(rows, tokenizer, ctx).tensors.items()
+              if isinstance(v, torch.Tensor)}
+    for i in reversed(range(len(rows))):
+        for columns in tried:
+            shorter = _shorter(rows, i, columns)
+            t = ctx.method.collate(shorter, tokenizer, ctx).tensors
+            if padded(t) and shapes == {k: v.shape for k, v in t.items()
+                                        if isinstance(v, torch.Tensor)}:
+                return i, columns, shorter
+    return None
+
+
+def _generic_candidates(ctx, tokenizer, length: int) -> list[Candidate]:
+    ds = _generic_prepared(ctx, tokenizer, length)
+    bs, kind = ctx.train.batch_size, ctx.method.data_kinds[0]
+    cols = _token_columns(ds[0])
+    lens = {c: [len(x) for x in ds[c]] for c in cols}
+    total = _sizes(ctx, ds)
+    by_total = sorted(range(len(ds)), key=lambda i: -total[i])
+    rows = _pick(ds, by_total, bs)
+    what = f"generated {kind} rows through method.prepare (max_length={length})"
+    out = [Candidate("longest", rows, f"the {len(rows)} longest {what}")]
+    shorter = _padded_variant(ctx, tokenizer, rows, cols)
+    if shorter is not None:
+        i, columns, shorter = shorter
+        out.append(Candidate("padded", shorter, f"{out[0].description}, row {i + 1} one token "
+                                                f"shorter in {', '.join(columns)} (padded)"))
+    if len(cols) > 1 and bs > 1:  # a collate that pads columns separately (a prompt block and
+        # a completion block) is widest with the longest of each column in one batch
+        widest = [max(range(len(ds)), key=lambda i, c=c: (lens[c][i], total[i])) for c in cols]
+        order = list(dict.fromkeys(widest + by_total))
+        out.append(Candidate("widest", _pick(ds, order, bs),
+                             f"the {kind} rows with the longest {', '.join(cols)} and the "
+                             f"longest others ({what})"))
+    return out
+
+
+# ----------------------------------------------------------------------------- batches
+
+
+def padded(tensors: dict[str, Any]) -> bool:
+    """Whether a collated batch carries a padding mask with padding in it (the mask path)."""
+    return any(k.endswith("mask") and isinstance(v, torch.Tensor) and not v.is_floating_point()
+               and bool((v == 0).any()) for k, v in tensors.items())
+
+
+def signature(batch: Batch) -> tuple:
+    """What a batch's memory in a fake step depends on: its tensors' shapes, which padding
+    masks hold padding, and the documents of packed rows (values are never read otherwise)."""
+    t = batch.tensors
+    shapes = tuple(sorted((k, tuple(v.shape)) for k, v in t.items()
+                          if isinstance(v, torch.Tensor)))
+    masks = tuple(sorted(k for k, v in t.items() if padded({k: v})))
+    segs = tuple(sorted((k, tuple(v)) for k, v in t.items() if isinstance(v, Segments)))
+    return shapes, masks, segs
+
+
+def dominated(a: tuple, b: tuple) -> bool:
+    """Whether a batch of signature ``a`` needs no more memory than one of ``b``: the same
+    tensors, mask decisions and documents, every dimension at most ``b``'s."""
+    (sa, ma, da), (sb, mb, db) = a, b
+    if ma != mb or da != db or [k for k, _ in sa] != [k for k, _ in sb]:
+        return False
+    return all(len(x) == len(y) and all(i <= j for i, j in zip(x, y, strict=True))
+               for (_, x), (_, y) in zip(sa, sb, strict=True))
+
+
+def distinct(items: list[Any], key: Callable[[Any], Batch]) -> list[Any]:
+    """``items`` without those whose batch another one dominates (the first of equals kept)."""
+    sigs = [signature(key(x)) for x in items]
+    keep = []
+    for i, s in enumerate(sigs):
+        beaten = any(j != i and dominated(s, t) and (s != t or j < i)
+                     for j, t in enumerate(sigs))
+        if not beaten:
+            keep.append(items[i])
+    return keep
+
+
+def run_micro_batches(ctx) -> int:
+    """How many micro-batches a run draws from its stream: ``grad_accum`` per step (an online
+    method: per generation batch, one every ``num_iterations`` steps)."""
+    steps = ctx.train.steps
+    if ctx.method.generates():
+        steps = math.ceil(steps / max(1, ctx.method.num_iterations))
+    return steps * ctx.train.grad_accum
+
+
+def run_batches(stream, ctx) -> list[Candidate]:
+    """Every micro-batch of the run's steps from its own :class:`BatchStream` (this rank's
+    slice), in order, as candidates (dominated ones removed)."""
+    n = run_micro_batches(ctx)
+    items = [Candidate(f"run batch {i}", [], describe_rows(b), batch=b)
+             for i, b in ((i, next(stream)) for i in range(n))]
+    return distinct(items, key=lambda c: c.batch)
+
+
+def describe_rows(batch: Batch) -> str:
+    t = batch.tensors
+    ids = t.get("input_ids", t.get("prompt_ids"))
+    shape = "x".join(map(str, ids.shape)) if isinstance(ids, torch.Tensor) else "?"
+    return (f"{batch.real_tokens} real tokens in [{shape}]"
+            + (" (padded)" if padded(t) else ""))
+
+
+def trained_batch(batch: Batch) -> dict[str, Any]:
+    """What is kept of a measured batch (no tensor): its shapes and token counts."""
+    return {"shapes": {k: list(v.shape) for k, v in batch.tensors.items()
+                       if isinstance(v, torch.Tensor)},
+            "tokens": int(batch.total_tokens), "real_tokens": int(batch.real_tokens)}
+
+
+def describe_batch(trained: dict[str, Any], ctx, rows_desc: str, length: int | None,
+                   is_padded: bool) -> dict[str, Any]:
+    """The ``batch`` section of estimate.json for a :func:`trained_batch`."""
+    return {
+        "rows": rows_desc,
+        **trained,
+        "padded": is_padded,
+        "length": None if length is None else int(length),
+        "batch_size": int(ctx.train.batch_size),
+        "collate": "padding-free (one flat row)" if ctx.method.packs_rows(ctx) else "padded",
+    }
 
 
 def new_tokens(method) -> int:

@@ -6,9 +6,11 @@ nothing to "allocate", every kernel is replaced by its shape function, and the t
 sees every storage come and go. Two steps are modelled like a real run tracked with
 ``measure.memory_steps=all``: the optimizer's state is created by its own first update on zero
 gradients (:meth:`memlab.trainer.loop.Trainer.init_optimizer_state`), then the steady-state
-step 1 runs under the tracker (``run_first_step`` tracks step 0 as well). With gradient
-accumulation two micro-batches are enough: from the second on, every micro-batch repeats the
-same memory.
+step 1 runs under the tracker (``run_first_step`` tracks step 0 as well), once for every
+candidate batch (:mod:`memlab.estimate.batch`: full, padded, packed... rows, or the run's own
+batches with ``from_data``), each a tracked step of its own; the peak is the largest, and the
+result names the batch that set it. With gradient accumulation two micro-batches are enough:
+from the second on, every micro-batch repeats the same memory.
 
 Value-dependent decisions: a forward reads a few *values* (is the padding mask all ones? is this
 row packed?). Transformers treats fake inputs as tracing and always materialises a full mask.
@@ -39,7 +41,17 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
-from memlab.estimate.batch import describe_batch, synthetic_rows, worst_case_rollout_tensors
+from memlab.estimate.batch import (
+    Candidate,
+    candidates,
+    describe_batch,
+    distinct,
+    padded,
+    run_batches,
+    run_micro_batches,
+    trained_batch,
+    worst_case_rollout_tensors,
+)
 from memlab.estimate.options import CUDA_BLOCK, EstimateError, EstimateOptions
 from memlab.estimate.sharding import shard_units
 from memlab.estimate.standins import (
@@ -54,6 +66,7 @@ from memlab.measure import patches
 from memlab.measure.data import DataStats
 from memlab.measure.memory import tracker_class
 from memlab.pipeline import Seams, build
+from memlab.trainer.batch import Batch
 from memlab.trainer.loop import LoopOptions
 
 
@@ -90,12 +103,15 @@ def _same(values: list[Any]) -> bool:
 
 
 @contextlib.contextmanager
-def exact_value_hooks(real: dict[str, torch.Tensor], fake_mode) -> Iterator[None]:
+def exact_value_hooks(real: dict[str, torch.Tensor], fake_mode,
+                      dense_padding: bool = True) -> Iterator[None]:
     """Evaluate transformers' value-dependent mask decisions (causal-mask skip, packed-sequence
     detection) on the real batch tensors (module docstring). The fake argument is matched to the
     batch tensors of the same kind (``*attention_mask`` / ``*position_ids``) and shape; when
     several match and disagree, the fake-tensor behaviour (a materialised mask: the larger
-    memory) is kept. Scoped: restored on exit."""
+    memory) is kept. ``dense_padding=False`` (sdpa standing in for flash / flex attention,
+    which never build a dense mask: flash unpads the rows, flex builds a block mask) decides
+    as if the rows had no padding. Scoped: restored on exit."""
 
     def decide(orig, suffix, fake, *args, convert=None, **kwargs):
         """orig(real, ...) if every real candidate gives the same answer, else orig(fake)."""
@@ -116,7 +132,8 @@ def exact_value_hooks(real: dict[str, torch.Tensor], fake_mode) -> Iterator[None
         if padding_mask is None:
             return orig(padding_mask, *args, **kwargs)
         return decide(orig, "attention_mask", padding_mask, *args,
-                      convert=lambda t: t.bool(), **kwargs)
+                      convert=(lambda t: t.bool()) if dense_padding else
+                      (lambda t: torch.ones_like(t, dtype=torch.bool)), **kwargs)
 
     with patches.mask_decisions(find_packed, ignore_causal):
         yield
@@ -241,20 +258,35 @@ def fake_process_group(world: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
+def _fake_micro_batches(batch: Batch, micro: int, mode) -> list[Batch]:
+    """``micro`` copies of ``batch`` on fake tensors, each with its own storage (a run collates
+    every micro-batch of a step separately and keeps them all until the step ends)."""
+    return [dataclasses.replace(batch, tensors={
+        n: mode.from_tensor(v.clone()) if isinstance(v, torch.Tensor) else v
+        for n, v in batch.tensors.items()}) for _ in range(micro)]
+
+
 def run_fake_step(ctx, opts: EstimateOptions, notes: list[str]) -> dict[str, Any]:
     """Build the configured run through :func:`memlab.pipeline.build` with the estimator's
     seams and run the tracked training step(s) through
-    :meth:`memlab.trainer.loop.Trainer.run_step`; returns the raw probe result plus model /
+    :meth:`memlab.trainer.loop.Trainer.run_step`, once per candidate batch
+    (:mod:`memlab.estimate.batch`: the worst-case candidates, or with ``from_data`` the run's
+    own micro-batches); returns the raw probe result (the largest peak of them all) plus model /
     batch descriptions. ``ctx`` is the validated context (run on the CPU here)."""
     cuda = opts.device == "cuda"
     mode = estimate_fake_mode()
     standin = ModelStandin(opts.config_overrides, notes, mode)
+    dense_padding = True  # padded rows build a dense [rows, 1, T, T] mask (sdpa, eager)
     if not (ctx.attention.trains_on_cpu and "cpu" in ctx.attention.devices):
         from memlab.registry import lookup
 
         ctx = dataclasses.replace(ctx, attention=lookup("attention", "sdpa")())
+        dense_padding = False
         notes.append("a CUDA-only attention backend is estimated with per-document sdpa (no "
-                     "[L, L] scores, per-document in packed rows, as flash attention)")
+                     "[L, L] scores, per-document in packed rows, as flash attention); its "
+                     "padded rows build no dense mask (flash unpads them into one varlen row, "
+                     "flex builds a block mask), so sdpa runs them without one (a model: "
+                     "flash's unpadded query / key / value copies stand in for the padded ones)")
     if ctx.peft.has_adapter() and ctx.peft.load_kwargs(ctx).get("quantization_config"):
         notes.append("qlora: base linear weights stored as bitsandbytes packs them (4-bit: "
                      "n/2 bytes + absmax state; 8-bit: n bytes + row scales), computed "
@@ -263,45 +295,49 @@ def run_fake_step(ctx, opts: EstimateOptions, notes: list[str]) -> dict[str, Any
     tokenizer = standin.load_tokenizer(ctx)
 
     online = ctx.method.generates()
-    length = opts.length or ctx.method.row_length()  # online: the prompts (then generation)
-    if length is None:
-        raise EstimateError("method.max_length is null: give the row length with --length N "
-                            "(or set method.max_length)")
+    length = None
+    cands: list[Candidate] | None = None
     if opts.from_data:
-        from memlab.estimate.batch import longest_real_row
-
-        longest = longest_real_row(ctx, tokenizer)
-        if longest < length:
-            notes.append(f"from_data: the longest prepared row has {longest} tokens "
-                         f"(< {length}); estimated at {longest}")
-            length = longest
-    rows, rows_desc = synthetic_rows(ctx, tokenizer, length, opts.docs_per_row)
-    real = {k: v for k, v in ctx.method.collate(rows, tokenizer, ctx).tensors.items()
-            if isinstance(v, torch.Tensor)}
+        if opts.length:
+            raise EstimateError("--length and --from-data exclude each other: --from-data "
+                                "measures the run's own batches, whatever their length")
+    else:
+        length = opts.length or ctx.method.row_length()  # online: the prompts (then generation)
+        if length is None:
+            raise EstimateError("method.max_length is null: give the row length with --length "
+                                "N (or set method.max_length), or measure the real batches "
+                                "with --from-data")
+        cands = candidates(ctx, tokenizer, length, opts.docs_per_row)
     if online:
-        real.update(worst_case_rollout_tensors(ctx.method, real))
         notes.append(f"generation: every completion runs to {ctx.method.sampling_length()} new "
                      "tokens (no early EOS), with the model's own generate (KV cache, "
                      "sampling); the training batch is the prompts x completions it makes; "
                      "reward functions and reward models score the decoded worst-case "
                      "completions")
+    real: dict[str, torch.Tensor] = {}  # the values of the batch being measured (hooks read it)
 
     def hooks() -> contextlib.AbstractContextManager:
-        return exact_value_hooks(real, mode) if opts.exact_masks else contextlib.nullcontext()
+        return (exact_value_hooks(real, mode, dense_padding) if opts.exact_masks
+                else contextlib.nullcontext())
 
     @contextlib.contextmanager
     def in_fake_mode() -> Iterator[None]:
         with mode, hooks():
             yield
 
+    world = ctx.world_size
+    prepare = None  # from_data: the run's own data preparation
+    if cands is not None:
+        rows = [r for c in cands for r in c.rows * world]  # each rank's slice: the candidate
+        prepare = lambda c, t: (datasets.Dataset.from_list(rows),  # noqa: E731
+                                DataStats(rows=len(rows), examples=len(rows)))
     token = round_trip_token(tokenizer)
     seams = Seams(
         load_tokenizer=standin.load_tokenizer,
         load_model=standin.load,
         build_context=standin.build_context,
         place_model=standin.place,
-        prepare_data=lambda c, t: (datasets.Dataset.from_list(rows * c.world_size),
-                                   DataStats(rows=len(rows), examples=len(rows))),
+        prepare_data=prepare,
         offload=OFFLOAD,
         engine=lambda c, t, p: WorstCaseEngine(c.distributed, token),
         rng=NoDraw(),
@@ -317,33 +353,67 @@ def run_fake_step(ctx, opts: EstimateOptions, notes: list[str]) -> dict[str, Any
     build_s = time.perf_counter() - t0
     trainer, models = pipe.trainer, pipe.models
     extra = sorted(k for k in models if k != "policy")
-    added = sorted(set(pipe.dataset.column_names) - set(rows[0]))
-    if added:
-        notes.append("method.before_training ran on the synthetic rows (untracked, as before "
-                     f"step 0) and added {', '.join(added)}; models kept for training: "
-                     f"{', '.join(sorted(models))}")
+    collate = pipe.stream.collate
+    if cands is None:
+        drawn = run_micro_batches(ctx)
+        cands = run_batches(pipe.stream, ctx)
+        notes.append(f"from_data: the run's own batch stream over the prepared data (seed "
+                     f"{ctx.train.seed}): every micro-batch of its {ctx.train.steps} step(s) "
+                     f"({drawn} drawn); {len(cands)} of them measured, the others need no more "
+                     "memory than one of these (same mask decisions and documents, no "
+                     "dimension larger)")
+    else:
+        added = sorted(set(pipe.dataset.column_names) - set(rows[0]))
+        if added:
+            notes.append("method.before_training ran on the synthetic rows (untracked, as "
+                         f"before step 0) and added {', '.join(added)}; models kept for "
+                         f"training: {', '.join(sorted(models))}")
+        start = 0
+        for c in cands:  # the rows as the pipeline prepared them (a packed group: one item)
+            n = len(c.rows)
+            cols = pipe.dataset[start: start + n]
+            c.rows = [{name: cols[name][i] for name in cols} for i in range(n)]
+            c.batch = collate(c.rows)
+            start += n * world
+        cands = distinct(cands, key=lambda c: c.batch)
     micro = min(max(1, ctx.train.grad_accum), 2)
-    batches = [next(pipe.stream) for _ in range(micro)]
-    for b in batches:
-        b.tensors = {k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v
-                     for k, v in b.tensors.items()}
     if ctx.train.grad_accum > 2:
         notes.append(f"grad_accum={ctx.train.grad_accum} estimated with 2 micro-batches per "
                      "step (from the second on, every micro-batch repeats the same memory)")
+    elif opts.from_data and micro > 1:
+        notes.append("from_data: each batch is measured as every micro-batch of its step (the "
+                     "second has the gradients of the first alive: the worst place it can take)")
     for m in models.values():
         m.train(m is trainer.policy)
 
+    if ctx.train.steps == 1:  # the run's only step: no optimizer state before its update
+        run_steps = [0]
+    else:
+        run_steps = [0, 1] if opts.run_first_step else [1]
+    ran: list[tuple[int, int]] = []  # (candidate, run step) of each tracked step
+    trained: list[dict] = []  # each candidate's trained batch (online: its rollout)
     t1 = time.perf_counter()
     try:
         with in_fake_mode():
-            if ctx.train.steps == 1 or opts.run_first_step:
-                step_ids = list(range(min(2, ctx.train.steps)))
-            else:  # step 0's optimizer update, by the optimizer itself: creates its state
-                step_ids = [1]
+            if run_steps == [1]:  # step 0's optimizer update, by the optimizer: its state
                 trainer.init_optimizer_state()
-            for step in step_ids:
-                trainer.step_idx = step
-                trainer.run_step(batches, tracked=True)
+            for k, c in enumerate(cands):
+                with unset_fake_temporarily():  # made here, freed after: one batch alive
+                    real.clear()
+                    real.update({n: v for n, v in c.batch.tensors.items()
+                                 if isinstance(v, torch.Tensor)})
+                    if online:
+                        real.update(worst_case_rollout_tensors(ctx.method, real))
+                    batches = _fake_micro_batches(c.batch, micro, mode)
+                for step in run_steps:
+                    if step == 0:  # this candidate as the run's first step: no state yet
+                        trainer.opt.state.clear()
+                    trainer.step_idx = len(ran)
+                    ran.append((k, step))
+                    step_batches = list(batches)  # an online method's rollouts replace them
+                    trainer.run_step(step_batches, tracked=True)
+                trained.append(trained_batch(step_batches[0]))  # no tensor outlives its step
+                del batches, step_batches
     except (torch._subclasses.fake_tensor.DataDependentOutputException,
             torch._subclasses.fake_tensor.DynamicOutputShapeException) as e:
         raise EstimateError(
@@ -355,15 +425,33 @@ def run_fake_step(ctx, opts: EstimateOptions, notes: list[str]) -> dict[str, Any
     if mode.assumed:
         notes.append("value reads answered without values (metrics, logging): " + ", ".join(
             f"{n} {k}" for k, n in sorted(mode.assumed.items())))
+    raw = trainer.probe.result()
+    peaks = [0] * len(cands)
+    for i, (k, _) in enumerate(ran):
+        peaks[k] = max(peaks[k], trainer.probe.step_peaks.get(i, 0))
+    top, top_step = ran[raw["peak_at"]["step"]] if raw.get("peak_at") else (0, run_steps[-1])
+    raw["peak_at"] = {**(raw.get("peak_at") or {}), "step": top_step,
+                      "batch": cands[top].name}
+    if len(cands) > 1:
+        notes.append("batches measured: " + "; ".join(
+            f"{c.name} ({c.description}): {peaks[k] / 2**20:.2f} MiB"
+            for k, c in enumerate(cands)) + f"; the peak is the {cands[top].name} batch's")
     policy = trainer.policy
     return {
-        "raw": trainer.probe.result(),
+        "raw": raw,
         "offload": pipe.offload.stats() if pipe.offload is not None else None,
         "model": {**_param_info(policy),
                   "config": _hf_summary(standin.config(ctx.model, tokenizer)),
                   "shard_units": shard_units(policy), "extra_models": extra,
                   "models_in_training": sorted(models)},
-        "batch": {**describe_batch(batches[0], ctx, rows_desc, length),
+        "batch": {**describe_batch(trained[top], ctx, cands[top].description, length,
+                                   padded(cands[top].batch.tensors)),
+                  "peak_from": cands[top].name,
+                  "candidates": [{"name": c.name, "rows": c.description, "peak_bytes": peaks[k],
+                                  "shapes": trained[k]["shapes"],
+                                  "padded": padded(c.batch.tensors)}
+                                 for k, c in enumerate(cands)],
                   "micro_batches_per_step": micro, "grad_accum": ctx.train.grad_accum},
-        "timing": {"build_s": build_s, "steps_s": step_s, "steps": step_ids},
+        "timing": {"build_s": build_s, "steps_s": step_s,
+                   "steps": sorted({s for _, s in ran}), "batches": len(cands)},
     }

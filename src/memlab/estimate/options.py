@@ -58,11 +58,13 @@ class EstimateOptions:
     zero_stage: Literal[0, 1, 2, 3] = 0
     """ZeRO stage (3 = FSDP full shard) applied to the categories when world_size > 1."""
     length: int | None = None
-    """Tokens per row; None = method.max_length (or the longest real row with from_data)."""
+    """Tokens per row of the worst-case batches; None = method.max_length."""
     from_data: bool = False
-    """Load and prepare the real data and use its longest row if shorter than max_length."""
-    docs_per_row: int = 1
-    """Documents per packed row (position_ids restart at each)."""
+    """Measure the run's own micro-batches (its batch stream over the prepared real data, every
+    micro-batch of its steps) instead of the worst-case batches the settings allow."""
+    docs_per_row: int | None = None
+    """Documents per packed row (position_ids restart at each); None = the larger of 1 and 2
+    (see :mod:`memlab.estimate.batch`)."""
     exact_masks: bool = True
     """Answer transformers' value-dependent mask decisions from the real batch (see
     :mod:`memlab.estimate.fake`); False keeps its fake-tensor (tracing) behaviour."""
