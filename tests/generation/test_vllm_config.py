@@ -61,7 +61,7 @@ def test_bad_knobs_are_reported_together():
                   "generation.weight_chunk_mib=0", "generation.kv_cache_space_gib=-1")
     for knob in ("gpu_memory_utilization", "port", "server_timeout_s", "weight_chunk_mib",
                  "kv_cache_space_gib"):
-        assert f"generation.{knob}" in msg
+        assert f"generation (vllm).{knob}: must be" in msg
     assert "use mode=server" not in msg
     assert "mode=server" in _errors("generation.tensor_parallel_size=2")
 

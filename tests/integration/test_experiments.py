@@ -89,8 +89,16 @@ def test_asset_resolver_names_what_is_shipped():
         asset("../conf")
 
 
+# The estimate of an online method runs every decode step of its generation on fake tensors:
+# for the GRPO experiment (1.5B, 32 rollouts per micro-batch) that takes over 20 minutes on 2
+# cores, even at 32 completion tokens, so it is not in the suite (benchmarks/
+# experiments_estimate.py --only qwen2.5_1.5b_grpo_lora runs it); the online methods' estimate
+# itself is tested on small models in test_estimate.py.
+TOO_SLOW = {"qwen2.5_1.5b_grpo_lora"}
+
+
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n
-                                  for n in EXPERIMENTS if header(n)["card"]])
+                                  for n in EXPERIMENTS if header(n)["card"] and n not in TOO_SLOW])
 def test_experiment_estimates_on_its_card(name):
     from memlab.cli.estimate import build_parser, estimate_one, options_from
 

@@ -143,7 +143,7 @@ def test_malformed_row_names_row_and_field(job, tmp_path):
     rows.append({"messages": [{"role": "user", "content": None}]})
     path.write_text("\n".join(json.dumps(r) for r in rows))
     s = job(["data=local", f"data.path={path}"])
-    assert s["status"] == "failed"
+    assert s["status"] == "invalid"  # bad input, found before training
     assert "row 3" in s["error"] and "messages" in s["error"] and "content" in s["error"]
 
 
