@@ -10,7 +10,8 @@ tests) a point costs one dictionary lookup.
 ``MEMLAB_FAULT_AT=<point>``
     At ``<point>`` the run raises :class:`InjectedFault` (a crash stand-in: status ``failed``).
 
-Points: ``data`` (data preparation, before the source is read), ``step:<n>`` (after optimizer
+Points: ``check:rank<r>`` (rank ``r`` of a torchrun launch, before it checks the config),
+``data`` (data preparation, before the source is read), ``step:<n>`` (after optimizer
 step ``n`` is done and recorded; steps count from 1), ``checkpoint`` (before a checkpoint is
 written), ``summary`` (before summary.json is written; stop signals are held there, so a signal
 sent while a run waits at ``summary`` is honoured after the record is written).

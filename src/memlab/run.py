@@ -430,6 +430,22 @@ def outputs_roots(hc) -> list[str]:
     return roots
 
 
+RANK0_GRACE_S = 60.0
+
+
+def wait_for_rank0(summary: dict[str, Any], grace_s: float = RANK0_GRACE_S) -> None:
+    """A rank other than 0 whose check failed leaves the exit to rank 0, which records the
+    problems: torchrun stops every rank as soon as one exits, so a rank that left first would
+    stop rank 0 while it still checks (its record would read ``interrupted``, seen once under
+    load). Rank 0 finds the same problems and exits; torchrun's SIGTERM then ends this wait.
+    After ``grace_s`` (a failure of this rank alone) the rank exits on its own."""
+    print(f"[memlab] rank {os.environ.get('RANK')}: {summary['status']}: "
+          f"{summary.get('error')}; rank 0 records it", file=sys.stderr, flush=True)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 def run_external(cfg, run_dir: Path, choices: dict[str, str], overrides: list[str],
                  job: dict[str, Any], print_table: bool) -> dict[str, Any]:
     """One rank of a torchrun launch (e.g. across nodes: ``torchrun --nnodes 2
@@ -447,6 +463,7 @@ def run_external(cfg, run_dir: Path, choices: dict[str, str], overrides: list[st
     holder: list = []
 
     def check(_: list) -> None:
+        faults.reach(f"check:rank{rank}")
         ctx = validate(cfg, run_dir, choices, world_size=world, rank=rank)
         if not isinstance(ctx.distributed, Ranks):
             raise ConfigErrors([f"started by an external launcher with WORLD_SIZE={world}, "
@@ -463,6 +480,8 @@ def run_external(cfg, run_dir: Path, choices: dict[str, str], overrides: list[st
     guarded(check, summary, run_dir / "summary.json" if rank == 0 else scratch)
     scratch.unlink(missing_ok=True)  # every rank finds the same problems; rank 0 records them
     if not holder:
+        if rank:
+            wait_for_rank0(summary)
         return summary
     ctx = holder[0]
     ctx.distributed.setup(ctx)

@@ -263,6 +263,7 @@ def test_torchrun_launch_meets_in_rank0_dir(job, tmp_path):
     import os
     import subprocess
     import sys
+    import time
 
     from memlab_testing import FAST, REPO
 
@@ -280,9 +281,25 @@ def test_torchrun_launch_meets_in_rank0_dir(job, tmp_path):
     assert s["status"] == "ok" and len(s["distributed"]["ranks"]) == 2
     single = job(["train.steps=3", "train.batch_size=4"])
     assert s["train"]["loss_curve"] == pytest.approx(single["train"]["loss_curve"], rel=2e-5)
-    bad = subprocess.run([*args, f"hydra.run.dir={tmp_path}/bad"], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert bad.returncode != 0
+    # rank 0 still checks when rank 1 has found the problem: rank 1 waits for rank 0 to record
+    # it (a rank that exited first would make torchrun stop rank 0: "interrupted")
+    pause = tmp_path / "pause"
+    log = tmp_path / "bad.log"
+    with log.open("w") as err:
+        bad = subprocess.Popen([*args, f"hydra.run.dir={tmp_path}/bad"], cwd=REPO,
+                               env={**env, "MEMLAB_PAUSE_AT": "check:rank0",
+                                    "MEMLAB_PAUSE_DIR": str(pause)},
+                               stdout=subprocess.DEVNULL, stderr=err, text=True)
+        try:
+            deadline = time.monotonic() + 240
+            while not (list(pause.glob("check:rank0.*.json"))
+                       and "rank 0 records it" in log.read_text()):
+                assert bad.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.1)
+            (pause / "check:rank0.go").touch()
+            assert bad.wait(timeout=240) != 0
+        finally:
+            bad.kill()
     s = json.loads((tmp_path / "bad" / "summary.json").read_text())
     assert s["status"] == "invalid" and "use distributed=ddp or distributed=fsdp2" in s["error"]
 
