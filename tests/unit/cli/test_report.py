@@ -530,11 +530,30 @@ def test_phase_plot_and_html_page(sweep: Path, tmp_path: Path) -> None:
     out = tmp_path / "r"
     assert main([str(sweep), "--out", str(out), "--html", "--budget", "0.1GiB"]) == 0
     page = (out / "report.html").read_text()
-    assert page.count("<tr class=") == 5 and page.count("data:image/png;base64,") == 3
+    assert page.count("<tr class=") == 5 and page.count("data:image/png;base64,") == 4
     assert "CUDA out of memory" in page and "File train.py, line 3" in page
     assert (out / "memory_by_phase.png").stat().st_size > 1024
     assert "![memory_by_phase.png](memory_by_phase.png)" in (out / "report.md").read_text()
     assert main([str(sweep), "--out", str(out), "--budget", "lots"]) == 2
+
+
+def test_loss_curves_overlaid(sweep: Path, tmp_path: Path) -> None:
+    """One line per ok job with a loss curve (optimizer step from 1 on x), labelled by what
+    varies; the jobs without a curve are named under the plot; a file beside the others."""
+    from memlab.cli.report.plots import loss_curves_figure
+
+    df = build_table(load_summaries([sweep]))
+    assert df.attrs["loss_curves"] == {"0": [3.0, 2.0], "1": [3.0, 2.2], "4": [3.0, 2.1]}
+    ax = loss_curves_figure(df).axes[0]
+    lines = {ln.get_label(): (list(ln.get_xdata()), list(ln.get_ydata())) for ln in ax.lines}
+    assert lines == {"#0 peft=none, gradient_checkpointing=false": ([1, 2], [3.0, 2.0]),
+                     "#1 peft=lora, gradient_checkpointing=false": ([1, 2], [3.0, 2.2]),
+                     "#4 peft=lora, gradient_checkpointing=true": ([1, 2], [3.0, 2.1])}
+    assert any("#2 (missing)" in t.get_text() and "#3 (oom)" in t.get_text() for t in ax.texts)
+    out = tmp_path / "r"
+    assert main([str(sweep), "--out", str(out)]) == 0
+    assert (out / "loss_curves.png").stat().st_size > 1024
+    assert "![loss_curves.png](loss_curves.png)" in (out / "report.md").read_text()
 
 
 @pytest.mark.parametrize(("hidden", "flags", "named"), [

@@ -20,8 +20,8 @@ summary (a Hydra job dir with
 summaries with status ``corrupt`` (:mod:`.load`).
 
 Outputs (in ``--out``, default: the first input dir): ``report.csv``, ``report.md``, the plots
-``memory_by_category.png``, ``memory_by_phase.png`` and ``memory_vs_throughput.png`` (:mod:`.plots`,
-with a ``--budget`` line), and with ``--html`` a self-contained ``report.html`` (:mod:`.page`).
+``memory_by_category.png``, ``memory_by_phase.png``, ``memory_vs_throughput.png`` (:mod:`.plots`,
+with a ``--budget`` line) and ``loss_curves.png``, and with ``--html`` a self-contained ``report.html`` (:mod:`.page`).
 
 This package reads JSON/YAML files only: it never imports torch or transformers, and pandas and
 matplotlib (the ``report`` extra) are imported lazily, so ``import memlab.cli.report`` is cheap.

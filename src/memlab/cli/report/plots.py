@@ -1,6 +1,7 @@
 """``memlab report``, the plots (matplotlib's Agg backend, no pyplot): memory at the peak by
 category and by phase, one bar per job, and memory against throughput with the Pareto front as
-a staircase; every job labelled by what varies across the jobs; ``--budget`` drawn as a line."""
+a staircase; the loss curves overlaid; every job labelled by what varies across the jobs;
+``--budget`` drawn as a line."""
 
 from __future__ import annotations
 
@@ -231,9 +232,43 @@ def memory_vs_throughput_figure(df: pd.DataFrame, budget_mib: float | None = Non
     return fig
 
 
+def plot_loss_curves(df: pd.DataFrame, path: Path,
+                     budget_mib: float | None = None) -> Path | None:
+    """Write :func:`loss_curves_figure` to ``path`` (None: nothing to show; no budget)."""
+    return _save(loss_curves_figure(df), path)
+
+
+def loss_curves_figure(df: pd.DataFrame) -> Any:
+    """The loss of every optimizer step (from 1), one line per ok job that recorded a curve,
+    labelled ``#<job> <what varies>``, overlaid: techniques that keep the training the same
+    draw one line. ``None`` when no job has a curve."""
+    curves = df.attrs.get("loss_curves") or {}
+    shown = [i for i in range(len(df)) if str(df.at[i, "job"]) in curves]
+    if not shown:
+        return None
+    fig = _new_figure(9.5, 5.2)
+    ax = fig.add_subplot()
+    from matplotlib import colormaps
+
+    palette = colormaps["tab20"]
+    for k, i in enumerate(shown):  # 20 colours, then the next line style: every line its own
+        ys = curves[str(df.at[i, "job"])]
+        ax.plot(list(range(1, len(ys) + 1)), ys, marker="o", ms=3, lw=1.2,
+                color=palette(k % 20), ls=("-", "--", ":", "-.")[k // 20 % 4],
+                label=job_label(df, i))
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss")
+    ax.set_title("Loss per optimizer step", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7.5, frameon=False)
+    _add_note(ax, _excluded_note(df, shown))
+    return fig
+
+
 PLOTS = (
     (plot_memory_by_category, "memory_by_category.png"),
     (plot_memory_by_phase, "memory_by_phase.png"),
     (plot_memory_vs_throughput, "memory_vs_throughput.png"),
+    (plot_loss_curves, "loss_curves.png"),
 )
 """Every plot of a report and its file name, in the order a page shows them."""

@@ -269,7 +269,8 @@ def build_table(
     ``params`` (the varying parameter columns), ``failures`` (``[{"job", "status", "error",
     "run_dir"}]`` with the full reason of every non-ok job), ``unmeasured`` (jobs on the plot
     whose tokens/s spread was not measured: the front assumed ``assumed_spread`` of their
-    tokens/s) and ``assumed_spread``.
+    tokens/s), ``assumed_spread`` and ``loss_curves`` (``{job: [loss per optimizer step]}`` of
+    the ok jobs that recorded one).
     """
     import pandas as pd
 
@@ -322,8 +323,11 @@ def build_table(
     for col in FLOAT_COLUMNS:
         df[col] = pd.to_numeric(df[col], errors="coerce").astype("float64")
     df["pareto"] = df["pareto"].astype(bool)
+    curves = {ids[i]: [float(v) for v in _get(s.get("train"), "loss_curve") or []]
+              for i, s in enumerate(summaries) if metrics[i]["status"] == OK}
     df.attrs.update({"fixed": fixed, "params": varying, "failures": failures,
-                     "unmeasured": unmeasured, "assumed_spread": assumed_spread})
+                     "unmeasured": unmeasured, "assumed_spread": assumed_spread,
+                     "loss_curves": {k: v for k, v in curves.items() if v}})
     return sort_table(df, sort or DEFAULT_SORT, desc)
 
 
