@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
@@ -19,19 +17,14 @@ def build_optimizer(params: list[nn.Parameter], cfg, foreach: bool | None = None
                              weight_decay=cfg.weight_decay, foreach=foreach)
 
 
+SCHEDULES = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
+"""``train.scheduler`` -> the name of transformers' schedule (``transformers.get_scheduler``)."""
+
+
 def build_scheduler(opt: torch.optim.Optimizer, cfg) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warm-up over ``train.warmup_steps``, then constant / linear / cosine decay to 0
-    at ``train.steps``."""
-    total, warm = max(1, cfg.steps), cfg.warmup_steps
+    """transformers' schedule (what TRL's trainers step): linear warm-up from 0 over
+    ``train.warmup_steps``, then constant / linear / cosine decay to 0 at ``train.steps``."""
+    from transformers import get_scheduler
 
-    def factor(step: int) -> float:
-        if warm and step < warm:
-            return (step + 1) / warm
-        if cfg.scheduler == "constant":
-            return 1.0
-        progress = min(1.0, (step - warm) / max(1, total - warm))
-        if cfg.scheduler == "linear":
-            return 1.0 - progress
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    return torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    return get_scheduler(SCHEDULES[cfg.scheduler], opt, num_warmup_steps=cfg.warmup_steps,
+                         num_training_steps=max(1, cfg.steps))
