@@ -43,6 +43,14 @@ def worker(run_dir: Path) -> int:
     return code if code in (0, 1) or summary["status"] == "interrupted" else 1
 
 
+def main() -> int:
+    """The rank's process; an exception that escapes the record (a broken install, say) goes
+    to this rank's ``TORCHELASTIC_ERROR_FILE`` (torch's ``record``) as well as to stderr."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    return record(worker)(Path(sys.argv[1]))
+
+
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    sys.exit(worker(Path(sys.argv[1])))
+    sys.exit(main())

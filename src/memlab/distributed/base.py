@@ -96,7 +96,8 @@ class Ranks:
     timeout_s: PositiveInt = 1800
     """How long a rank waits in a collective before the run fails (a dead peer)."""
     master_port: Port = 0
-    """Rendezvous port on 127.0.0.1; 0 picks a free one."""
+    """Port of the rendezvous store the run's process holds on 127.0.0.1 (the ranks connect
+    to it); 0: one the OS gives."""
 
     owns_step: ClassVar[bool] = False
     checkpoint_format: ClassVar[str] = "torch"

@@ -8,7 +8,8 @@ their own; sweeps would also need one torchrun per job. Here the Hydra job stays
 
     run_dir/ranks/job.json         the resolved config every rank trains from
     run_dir/ranks/rank<r>.json     each rank's own summary (memory, throughput, status)
-    run_dir/ranks/rank<r>.log      ranks >= 1 (rank 0 prints to the terminal)
+    run_dir/ranks/rank<r>.log      ranks >= 1: stderr (rank 0 prints to the terminal); .out: stdout
+    run_dir/ranks/rank<r>.error.json   an exception that escaped rank r (torch's error file)
     run_dir/summary.json           the merge: rank 0's record, per-rank memory, summed speed
 
 A rank that fails (an OOM on one GPU included) ends the run with that rank's status and error:
@@ -27,8 +28,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -49,93 +48,129 @@ class RankFailed(RuntimeError):
         self.status, self.signal = status, signal
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def rank_logs(ranks: Path, n: int):
+    """Where each rank's output goes (a torch ``LogsSpecs``): rank 0 prints to the terminal;
+    rank ``r >= 1`` writes ``rank<r>.log`` (stderr: logs, tracebacks) and ``rank<r>.out``
+    (stdout) in the run's ``ranks/`` dir; every rank's error file is ``rank<r>.error.json``
+    (``TORCHELASTIC_ERROR_FILE``: torch's ``record`` writes it on an uncaught exception)."""
+    from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
+
+    class RankLogs(LogsSpecs):
+        def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
+            out = {r: "" if r == 0 else str(ranks / f"rank{r}.out") for r in range(n)}
+            err = {r: "" if r == 0 else str(ranks / f"rank{r}.log") for r in range(n)}
+            return LogsDest(out, err, {}, {}, error_files(ranks, n))
+
+        @property
+        def root_log_dir(self) -> str:
+            return str(ranks)
+
+    return RankLogs(log_dir=str(ranks))
+
+
+def error_files(ranks: Path, n: int) -> dict[int, str]:
+    return {r: str(ranks / f"rank{r}.error.json") for r in range(n)}
 
 
 def launch(ctx, summary: dict[str, Any], worker: str) -> None:
     """Start ``ctx.world_size`` ranks of the job in ``summary`` (each ``python -m <worker>
-    RUN_DIR``) and merge their results into it. Raises RankFailed when a rank failed."""
-    from memlab.measure.outcome import Interrupted, OomWatch
+    RUN_DIR``) through torch's launcher API and merge their results into it. Raises RankFailed
+    when a rank failed.
+
+    The ranks are torch's ``elastic.multiprocessing.start_processes`` (what torchrun's agent
+    runs): standard ``RANK`` / ``LOCAL_RANK`` / ``WORLD_SIZE`` (plus ``MEMLAB_RANK`` & co., which
+    mark memlab's own launch), per-rank log and error files (:func:`rank_logs`), each rank in
+    its own session, stopped with SIGTERM then SIGKILL. The rendezvous store is this process's
+    (``TCPStore`` on port 0, or ``distributed.master_port``; the ranks connect to it as
+    torchrun's agent store: ``TORCHELASTIC_USE_AGENT_STORE``), so no free port is guessed and
+    lost to another program between the choice and the bind. torch registers its own stop
+    handlers when it starts the ranks; memlab's (:class:`memlab.measure.outcome.StopSignals`:
+    a stop is recorded, the ranks record ``interrupted``) are put back at once."""
+    import signal as signals
+
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.multiprocessing import start_processes
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from memlab.measure.outcome import STOP_SIGNALS, Interrupted, OomWatch
     from memlab.measure.summary import write_atomic
 
     n = ctx.world_size
     run_dir = Path(ctx.run_dir)
     ranks = run_dir / "ranks"
     ranks.mkdir(parents=True, exist_ok=True)
-    for old in ranks.glob("rank*.json"):
+    for old in [*ranks.glob("rank*.json"), *ranks.glob("rank*.log"), *ranks.glob("rank*.out")]:
         old.unlink()
     write_atomic(ranks / "job.json", {k: summary[k] for k in
                                       ("config", "choices", "overrides", "job", "run_dir")})
-    port = getattr(ctx.distributed, "master_port", 0) or free_port()
+    store = TCPStore("127.0.0.1", getattr(ctx.distributed, "master_port", 0) or 0,
+                     is_master=True, wait_for_workers=False)
     # the ranks import what this process can (a reward function in the user's module, say)
     path = [p for p in sys.path if p and os.path.isdir(p)]
     if os.environ.get("PYTHONPATH"):
         path.append(os.environ["PYTHONPATH"])
-    procs: list[subprocess.Popen] = []
-    watches: list[OomWatch] = []
-    logs = []
+    errors = error_files(ranks, n)
+    envs = {r: {"MEMLAB_RANK": str(r), "MEMLAB_LOCAL_RANK": str(r), "MEMLAB_WORLD_SIZE": str(n),
+                "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(n),
+                "LOCAL_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True",
+                "TORCHELASTIC_ERROR_FILE": errors[r], "PYTHONPATH": os.pathsep.join(path)}
+            for r in range(n)}
+    ours = {sig: signals.getsignal(sig) for sig in STOP_SIGNALS}
+    pc, watches = None, None
     try:
-        for r in range(n):
-            env = {**os.environ, "MEMLAB_RANK": str(r), "MEMLAB_LOCAL_RANK": str(r),
-                   "MEMLAB_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1",
-                   "MASTER_PORT": str(port), "PYTHONPATH": os.pathsep.join(path)}
-            out = None
-            if r > 0:
-                out = open(ranks / f"rank{r}.log", "w")  # noqa: SIM115 - closed below
-                logs.append(out)
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", worker, str(run_dir)], env=env,
-                stdout=out, stderr=subprocess.STDOUT if out else None))
-            watches.append(OomWatch(procs[-1].pid))
-        codes = _wait(procs)
-    except Interrupted:  # the run is stopped: so are its ranks, which record what they measured
-        codes = _stop(procs)
+        try:
+            pc = start_processes(name="memlab", entrypoint=sys.executable,
+                                 args={r: ("-m", worker, str(run_dir)) for r in range(n)},
+                                 envs=envs, logs_specs=rank_logs(ranks, n))
+        finally:
+            for sig, handler in ours.items():
+                signals.signal(sig, handler)
+        pids = pc.pids()
+        watches = [OomWatch(pids[r]) for r in range(n)]
+        codes = _wait(pc, n)
+    except (Interrupted, SignalException) as e:  # the run is stopped: so are its ranks,
+        codes = _stop(pc, n) if pc else [None] * n  # which record what they measured
         try:
             merge(summary, ranks, n, codes, watches)
         except RankFailed:
             pass
+        if isinstance(e, SignalException):
+            raise Interrupted(e.sigval) from None
         raise
     except BaseException:
-        _stop(procs)
+        if pc:
+            _stop(pc, n)
         raise
     finally:
-        for f in logs:
-            f.close()
+        del store
     merge(summary, ranks, n, codes, watches)
 
 
-def _wait(procs: list[subprocess.Popen]) -> list[int | None]:
+def _codes(pc, n: int) -> list[int | None]:
+    return [pc.subprocess_handlers[r].proc.poll() for r in range(n)]
+
+
+def _wait(pc, n: int) -> list[int | None]:
     """Every exit code; once one rank fails, the others get GRACE_S to finish, then stop."""
     failed_at = None
     while True:
-        codes = [p.poll() for p in procs]
+        codes = _codes(pc, n)
         if all(c is not None for c in codes):
+            pc.close()  # nothing left to stop: closes the log files
             return codes
         if failed_at is None and any(c not in (None, 0) for c in codes):
             failed_at = time.monotonic()
         if failed_at is not None and time.monotonic() - failed_at > GRACE_S:
-            _stop(procs)
-            return [p.wait() for p in procs]
+            return _stop(pc, n)
         time.sleep(0.1)
 
 
-def _stop(procs: list[subprocess.Popen]) -> list[int | None]:
-    """SIGTERM to every rank still running (each records ``interrupted``), SIGKILL after 10 s;
-    every exit code."""
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 10
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-    return [p.returncode for p in procs]
+def _stop(pc, n: int) -> list[int | None]:
+    """SIGTERM to every rank still running (each records ``interrupted``), SIGKILL after 10 s
+    (torch's ``close``); every exit code."""
+    pc.close(signal.SIGTERM, timeout=10)
+    return _codes(pc, n)
 
 
 def merge(summary: dict[str, Any], ranks: Path, n: int, codes: list[int | None],

@@ -1,0 +1,59 @@
+"""memlab's launcher (``memlab.distributed.launch``) on torch's launcher API, with a probe rank
+(tests/launch_probe.py) instead of a training job: the standard environment, the rendezvous
+through the launcher's own store (a port nobody else can take), per-rank logs and error files."""
+
+import json
+import socket
+from types import SimpleNamespace
+
+import pytest
+
+from memlab.distributed.launch import RankFailed, launch
+
+
+def _ctx(tmp_path, n=2, port=0):
+    return SimpleNamespace(world_size=n, run_dir=tmp_path,
+                           distributed=SimpleNamespace(master_port=port))
+
+
+def _summary(tmp_path):
+    return {"config": {}, "choices": {}, "overrides": [], "job": {}, "run_dir": str(tmp_path)}
+
+
+def test_ranks_meet_through_the_launchers_store(tmp_path):
+    summary = _summary(tmp_path)
+    launch(_ctx(tmp_path, n=3), summary, worker="launch_probe")
+    ranks = tmp_path / "ranks"
+    recs = [json.loads((ranks / f"rank{r}.json").read_text()) for r in range(3)]
+    assert [r["sum"] for r in recs] == [3.0, 3.0, 3.0]  # 0 + 1 + 2: one process group
+    for r, rec in enumerate(recs):
+        env = rec["env"]
+        assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["MEMLAB_RANK"]) == (
+            str(r), str(r), "3", str(r))
+        assert env["TORCHELASTIC_ERROR_FILE"] == str(ranks / f"rank{r}.error.json")
+    assert len({rec["env"]["MASTER_PORT"] for rec in recs}) == 1
+    assert summary["distributed"]["exit_codes"] == [0, 0, 0]
+    assert summary["data"]["tokens_trained"] == 3
+    for r in (1, 2):  # ranks >= 1 write their own logs; rank 0 prints to the terminal
+        assert f"probe rank {r} stderr" in (ranks / f"rank{r}.log").read_text()
+        assert f"probe rank {r} stdout" in (ranks / f"rank{r}.out").read_text()
+    assert not (ranks / "rank0.log").exists()
+
+
+def test_master_port_is_where_the_store_listens(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launch(_ctx(tmp_path, port=port), _summary(tmp_path), worker="launch_probe")
+    rec = json.loads((tmp_path / "ranks" / "rank1.json").read_text())
+    assert rec["env"]["MASTER_PORT"] == str(port)
+
+
+def test_an_escaping_exception_lands_in_the_ranks_error_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("PROBE_FAIL", "1")
+    with pytest.raises(RankFailed) as e:
+        launch(_ctx(tmp_path), _summary(tmp_path), worker="launch_probe")
+    assert "rank 1 failed" in str(e.value) and "rank1.log" in str(e.value)
+    err = json.loads((tmp_path / "ranks" / "rank1.error.json").read_text())
+    assert "probe rank 1 fails on purpose" in json.dumps(err)
+    assert "ValueError" in (tmp_path / "ranks" / "rank1.log").read_text()

@@ -1,0 +1,37 @@
+"""A rank for tests/integration/test_launch.py (``python -m launch_probe RUN_DIR``): joins the
+process group through the environment the launcher gave it (``env://``), sums the ranks with
+an all-reduce, and records what it saw as ``ranks/rank<r>.json``. ``PROBE_FAIL=<r>``: rank r
+raises instead (an exception that escapes, for the error file) and the others only record."""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+
+@record
+def main(run_dir: Path) -> int:
+    rank = int(os.environ["RANK"])
+    total = torch.tensor([float(rank)])
+    if os.environ.get("PROBE_FAIL") == str(rank):
+        raise ValueError(f"probe rank {rank} fails on purpose")
+    if not os.environ.get("PROBE_FAIL"):  # with a failing rank, the others skip the group
+        dist.init_process_group("gloo")
+        dist.all_reduce(total)
+        dist.destroy_process_group()
+    print(f"probe rank {rank} stdout", flush=True)
+    print(f"probe rank {rank} stderr", file=sys.stderr, flush=True)
+    seen = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT",
+                                           "MEMLAB_RANK", "TORCHELASTIC_ERROR_FILE")}
+    out = run_dir / "ranks" / f"rank{rank}.json"
+    out.write_text(json.dumps({"status": "ok", "error": None, "env": seen,
+                               "sum": total.item(), "data": {"tokens_trained": 1}}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(Path(sys.argv[1])))
