@@ -103,7 +103,7 @@ def launch(ctx, summary: dict[str, Any], worker: str) -> None:
         old.unlink()
     write_atomic(ranks / "job.json", {k: summary[k] for k in
                                       ("config", "choices", "overrides", "job", "run_dir")})
-    store = TCPStore("127.0.0.1", getattr(ctx.distributed, "master_port", 0) or 0,
+    store = TCPStore("127.0.0.1", ctx.distributed.master_port or 0,
                      is_master=True, wait_for_workers=False)
     # the ranks import what this process can (a reward function in the user's module, say)
     path = [p for p in sys.path if p and os.path.isdir(p)]
