@@ -20,7 +20,7 @@ smoke: setup  ## a 4-step run
 	$(PY) -m memlab debug=smoke
 
 test: setup  ## the whole test suite (what CI runs): two workers, a test file stays on one
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=20
 
 test-fast: setup  ## unit tests only
 	$(PY) -m pytest -q tests/unit
