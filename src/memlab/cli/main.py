@@ -5,11 +5,12 @@ memlab -m sweep=<name>          a ready sweep shipped with memlab (``sweep=`` gr
 memlab report DIR [DIR ...]     table, CSV, Markdown, plots (and HTML) from summaries
 memlab lengths [overrides]      token-length profile of a data config
 memlab estimate [overrides]     predicted peak memory, no GPU needed
+memlab fit --budget SIZE [overrides]   the fastest configuration that fits, measured
 memlab vllm-serve model=... [knob=value ...]   the vLLM server of generation.mode=server
 memlab --version                memlab's version
 memlab -sc install=bash         tab completion for ``memlab`` and ``python -m memlab`` (or zsh)
 
-``mode=estimate`` / ``mode=lengths`` anywhere on a training command line is the same as the
+``mode=estimate`` / ``mode=lengths`` / ``mode=fit`` anywhere on a training command line is the same as the
 subcommand (``python -m memlab mode=estimate peft=lora --budget 24GiB``).
 """
 
@@ -23,9 +24,11 @@ SUBCOMMANDS = {
     "report": "memlab.cli.report",
     "lengths": "memlab.cli.lengths",
     "estimate": "memlab.cli.estimate",
+    "fit": "memlab.cli.fit",
     "vllm-serve": "memlab.generation.vllm_server",
 }
-MODES = {"train": None, "estimate": "memlab.cli.estimate", "lengths": "memlab.cli.lengths"}
+MODES = {"train": None, "estimate": "memlab.cli.estimate", "lengths": "memlab.cli.lengths",
+         "fit": "memlab.cli.fit"}
 COMPLETION_FLAGS = ("-sc", "--shell-completion")
 
 

@@ -214,6 +214,7 @@ def estimate(cfg, opts: EstimateOptions | None = None, choices: dict[str, str] |
         "offload": ({"host_peak_bytes": offload.get("peak_host_bytes"),
                      "offloaded_bytes": offload.get("offloaded_bytes"), "stats": offload}
                     if offload is not None else None),
+        "flops": res["flops"],
         "assumptions": notes,
     })
     usage = resource.getrusage(resource.RUSAGE_SELF)

@@ -70,6 +70,10 @@ class EstimateOptions:
     :mod:`memlab.estimate.fake`); False keeps its fake-tensor (tracing) behaviour."""
     config_overrides: dict[str, Any] = field(default_factory=dict)
     """HF config fields to change (``hidden_size``, ``num_hidden_layers``, ...)."""
+    count_flops: bool = False
+    """Count the floating-point operations of the measured step(s) (torch's
+    ``FlopCounterMode`` over the fake step: matmuls and attention, the recomputation that
+    checkpointing adds included) into ``flops`` (``memlab fit``'s speed model)."""
     run_first_step: bool = False
     """Run (and track) step 0 as well. Default: the optimizer state is created by the
     optimizer's own ``step`` on fake zero gradients, then only the steady-state step 1 runs

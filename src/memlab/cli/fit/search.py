@@ -1,0 +1,212 @@
+"""``memlab fit``'s search: estimate every candidate, rank the ones that fit, measure the best.
+
+1. **Prune** (:func:`estimate_all`): every candidate of the space (:mod:`.space`) is estimated
+   on fake tensors (``memlab estimate``, in this process, no device memory) with its FLOPs
+   counted; it *fits* when its estimated need times ``1 + margin`` is within the budget.
+2. **Rank** (:func:`rank`): the cheap speed model orders the fitting candidates by the FLOPs of
+   one optimizer step counted on the fake step (the recomputation checkpointing adds is in
+   them), then fewer micro-batches per step (each has a fixed cost), then padding-free / packed
+   before padded (the worst-case batch the estimate runs has no padding, so the FLOP count
+   cannot see what padding costs on real data).
+3. **Measure** (:func:`measure`): the best ``measure`` of them, and the configuration as given
+   when it fits, train for a few steps, each in a fresh ``python -m memlab`` process as a sweep
+   job would (its summary.json: peak, tokens/s over the untimed-free steps with their spread,
+   the loss curve). More are measured, down the ranking, while none of the measured fits.
+4. **Choose**: the fastest measured run whose *measured* peak is within the budget. How well
+   the speed model ordered the measured candidates is reported (Spearman's rank correlation of
+   predicted order and measured tokens/s).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from memlab.cli.fit.space import Candidate
+
+
+@dataclass(kw_only=True)
+class FitOptions:
+    budget_bytes: int
+    device: str = "cpu"
+    card: str | None = None
+    allow: tuple[str, ...] = ()
+    margin: float = 0.05
+    """Safety margin on the estimate: a candidate fits when estimate x (1 + margin) <= budget."""
+    measure: int = 3
+    """Candidates measured with real runs (plus the configuration as given, when it fits)."""
+    steps: int = 6
+    """Optimizer steps of each measured run (the first is warm-up, some are tracked)."""
+    estimate_only: bool = False
+
+
+def _short(error: Any, limit: int = 160) -> str:
+    text = " ".join(str(error or "").split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def estimate_all(base: list[str], cands: list[Candidate], opts: FitOptions,
+                 log: Callable[[str], None]) -> None:
+    """Estimate each candidate (``cand.estimate``: status, peak, need, fits, flops, error)."""
+    from memlab.cli.estimate import estimate_one
+    from memlab.estimate import EstimateOptions
+
+    eopts = EstimateOptions(device=opts.device, card=opts.card, budget_bytes=opts.budget_bytes,
+                            count_flops=True)
+    for i, c in enumerate(cands):
+        t0 = time.perf_counter()
+        est = estimate_one([*base, *c.overrides], eopts)
+        need = (est.get("verdict") or {}).get("needed_bytes") or est.get("peak_bytes")
+        c.estimate = {
+            "status": est["status"], "error": _short(est.get("error")),
+            "peak_bytes": est.get("peak_bytes"), "needed_bytes": need,
+            "by_category": est.get("by_category"),
+            "flops_per_step": (est.get("flops") or {}).get("per_step"),
+            "fits": bool(est["status"] == "ok" and need is not None
+                         and need * (1 + opts.margin) <= opts.budget_bytes),
+            "seconds": round(time.perf_counter() - t0, 2),
+        }
+        log(f"[fit] estimate {i + 1}/{len(cands)} {c.label}: {est['status']}"
+            + (f", {need / 2**20:.1f} MiB" if need else f" ({c.estimate['error']})"))
+
+
+def _padded(c: Candidate) -> int:
+    return int("method.padding_free=false" in c.overrides and "packing=bfd_split"
+               not in c.overrides)
+
+
+def _accum(c: Candidate) -> int:
+    for o in c.overrides:
+        if o.startswith("train.grad_accum="):
+            return int(o.split("=", 1)[1])
+    return 1
+
+
+def rank(cands: list[Candidate]) -> list[Candidate]:
+    """The fitting candidates, fastest predicted first (see the module docstring)."""
+    fitting = [c for c in cands if c.estimate.get("fits")]
+    fitting.sort(key=lambda c: (c.estimate.get("flops_per_step") or 0, _accum(c), _padded(c),
+                                c.estimate.get("needed_bytes") or 0))
+    for i, c in enumerate(fitting):
+        c.predicted_rank = i + 1
+    return fitting
+
+
+def run_once(overrides: list[str], steps: int, run_dir: Path) -> dict[str, Any]:
+    """Train ``overrides`` for ``steps`` steps in a fresh process; what its summary says."""
+    cmd = [sys.executable, "-m", "memlab", *overrides, f"train.steps={steps}",
+           "train.progress=false", f"hydra.run.dir={run_dir}"]
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    try:
+        s = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return {"status": "failed", "error": _short(r.stderr[-400:]), "run_dir": str(run_dir),
+                "wall_s": round(time.perf_counter() - t0, 1)}
+    mem, thr = s.get("memory") or {}, s.get("throughput") or {}
+    cuda = mem.get("cuda") or {}
+    peak = cuda.get("peak_reserved_bytes") or mem.get("peak_bytes")
+    return {"status": s["status"], "error": _short(s.get("error")), "run_dir": str(run_dir),
+            "peak_bytes": peak, "tracker_peak_bytes": mem.get("peak_bytes"),
+            "tokens_per_s": thr.get("tokens_per_s"), "tokens_per_s_std": thr.get("tokens_per_s_std"),
+            "timed_steps": thr.get("timed_steps"),
+            "loss_curve": (s.get("train") or {}).get("loss_curve"),
+            "wall_s": round(time.perf_counter() - t0, 1)}
+
+
+def measure(base: list[str], ranked: list[Candidate], baseline: Candidate | None,
+            opts: FitOptions, out_dir: Path, log: Callable[[str], None]) -> list[Candidate]:
+    """Measure the best ``opts.measure`` candidates (and ``baseline``), then further down the
+    ranking while none measured fits; returns the measured candidates."""
+    todo = ranked[: opts.measure]
+    if baseline is not None and baseline not in todo:
+        todo.append(baseline)
+    done: list[Candidate] = []
+    nxt = opts.measure
+    while todo:
+        c = todo.pop(0)
+        run_dir = out_dir / "runs" / str(len(done))
+        log(f"[fit] measure {c.label} ({opts.steps} steps) -> {run_dir}")
+        c.measured = run_once([*base, *c.overrides], opts.steps, run_dir)
+        c.measured["fits"] = bool(c.measured["status"] == "ok" and c.measured["peak_bytes"]
+                                  and c.measured["peak_bytes"] <= opts.budget_bytes)
+        if c.measured["status"] == "ok" and not c.measured.get("tokens_per_s"):
+            c.measured["error"] = ("no timed step (every step was warm-up or tracked): "
+                                   "raise --steps")
+        done.append(c)
+        if not todo and not any(d.measured["fits"] and d.measured.get("tokens_per_s")
+                                for d in done) and nxt < len(ranked) \
+                and nxt < 2 * opts.measure:
+            todo.append(ranked[nxt])
+            nxt += 1
+    return done
+
+
+def spearman(xs: list[float], ys: list[float]) -> float | None:
+    """Spearman's rank correlation (ties share their mean rank); None under 3 points."""
+    if len(xs) < 3:
+        return None
+
+    def ranks(v: list[float]) -> list[float]:
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        out = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2 + 1
+            i = j + 1
+        return out
+
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
+    vx = sum((a - mx) ** 2 for a in rx) ** 0.5
+    vy = sum((b - my) ** 2 for b in ry) ** 0.5
+    return None if not vx or not vy else cov / (vx * vy)
+
+
+def prediction_quality(measured: list[Candidate]) -> dict[str, Any]:
+    """How well the predicted order matched the measured tokens/s (higher rank = slower)."""
+    pts = [(c.predicted_rank, c.measured["tokens_per_s"]) for c in measured
+           if c.predicted_rank is not None and c.measured and c.measured["status"] == "ok"
+           and c.measured.get("tokens_per_s")]
+    rho = spearman([-p for p, _ in pts], [t for _, t in pts])
+    return {"spearman": rho, "points": len(pts),
+            "note": "Spearman's rho between the predicted order (fastest first) and the "
+                    "measured tokens/s; 1 = the same order" if rho is not None
+                    else "fewer than 3 measured candidates: no rank correlation"}
+
+
+def closest(cands: list[Candidate], budget: int, margin: float,
+            k: int = 3) -> list[dict[str, Any]]:
+    """The ``k`` candidates that came nearest the budget, and what would make them fit."""
+    ok = sorted((c for c in cands if c.estimate.get("status") == "ok"),
+                key=lambda c: c.estimate["needed_bytes"])
+    out = []
+    for c in ok[:k]:
+        need, cats = c.estimate["needed_bytes"], c.estimate.get("by_category") or {}
+        top = max(cats, key=cats.get) if cats else "?"
+        advice = {
+            "activations": "shorter sequences (method.max_length) or a smaller effective "
+                           "batch; with --allow sharding the activations stay, the rest shrinks",
+            "parameters": "--allow peft (LoRA / QLoRA: frozen or quantized base), --allow "
+                          "sharding (FSDP2 / ZeRO-3 over several GPUs), or --allow precision",
+            "optimizer": "--allow peft (optimizer state for the adapter only) or --allow "
+                         "sharding (ZeRO shards it)",
+            "gradients": "--allow peft or --allow sharding",
+        }.get(top, "a larger card")
+        out.append({"label": c.label, "overrides": c.overrides, "needed_bytes": need,
+                    "over_by_bytes": int(need * (1 + margin)) - budget, "dominant": top,
+                    "dominant_bytes": cats.get(top), "what_would_fit": advice})
+    return out

@@ -1,0 +1,175 @@
+"""The technique space ``memlab fit`` searches: dimensions of overrides, their product.
+
+A :class:`Dimension` is one decision (gradient checkpointing, micro-batch size, padding-free,
+packing, chunked loss, activation offloading, attention backend; with ``--allow``: PEFT, mixed
+precision, sharding), each option a list of Hydra overrides. A dimension is left out when the
+user fixed it (any of its keys on the command line), when the configuration has nothing to
+choose (a method without ``padding_free``), or when the device cannot run it (offloading and the
+CUDA attention backends on CPU, said in ``notes``). ``exact`` dimensions keep the training the
+same (the loss curve of every option equals the user's configuration's, up to float rounding):
+checkpointing, the micro-batch split of the same effective batch, padding-free, chunked loss,
+offloading; the others change what is trained or on which batches.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+ALLOWABLE = ("peft", "precision", "sharding")
+"""What ``--allow`` may add: they change what is trained (LoRA), the numerics (mixed
+precision) or how many processes train (sharding), so fit never chooses them unasked."""
+
+
+@dataclass(frozen=True)
+class Dimension:
+    name: str
+    keys: tuple[str, ...]
+    """The config keys / groups its overrides set (a user override of one fixes it)."""
+    options: tuple[tuple[str, tuple[str, ...]], ...]
+    """(label, overrides) per option."""
+    exact: bool
+    """Every option trains exactly like the others (same batches, same math)."""
+
+
+@dataclass
+class Candidate:
+    """One point of the space: its overrides (on top of the user's) and a short label."""
+
+    overrides: list[str]
+    label: str
+    exact: bool
+    estimate: dict[str, Any] = field(default_factory=dict)
+    measured: dict[str, Any] | None = None
+    predicted_rank: int | None = None
+
+
+def user_keys(overrides: Iterable[str]) -> set[str]:
+    """The keys / groups a command line sets (``+a.b=1`` -> ``a.b``; ``peft=lora`` -> ``peft``)."""
+    keys = set()
+    for o in overrides:
+        key = o.split("=", 1)[0].lstrip("+~")
+        keys.add(key)
+    return keys
+
+
+def _divisors_desc(n: int, most: int = 3) -> list[int]:
+    """The micro-batch sizes tried for an effective batch ``n``: ``n``, ``n/2``, ``n/4``, ...
+    and always 1 (the least memory), at most ``most`` of them."""
+    out, b = [], n
+    while b >= 1 and len(out) < most:
+        if n % b == 0:
+            out.append(b)
+        b //= 2
+    if 1 not in out and len(out) == most:
+        out[-1] = 1
+    return out
+
+
+def dimensions(cfg: Mapping[str, Any], device: str, allow: Iterable[str] = (),
+               fixed: Iterable[str] = ()) -> tuple[list[Dimension], list[str]]:
+    """The dimensions fit searches for the composed ``cfg`` (a plain dict) on ``device``, and
+    notes on what it leaves out and why."""
+    allow, fixed = set(allow), set(fixed)
+    unknown = allow - set(ALLOWABLE)
+    if unknown:
+        raise ValueError(f"--allow {','.join(sorted(unknown))}: choose from "
+                         f"{', '.join(ALLOWABLE)}")
+    method, train = cfg.get("method", {}), cfg.get("train", {})
+    cuda = device == "cuda"
+    dims: list[Dimension] = []
+    notes: list[str] = []
+
+    def add(dim: Dimension) -> None:
+        hit = sorted(k for k in dim.keys if k in fixed)
+        if hit:
+            notes.append(f"{dim.name}: fixed by the command line ({', '.join(hit)})")
+        elif len(dim.options) > 1:
+            dims.append(dim)
+
+    add(Dimension("checkpointing", ("train.gradient_checkpointing", "train.checkpoint_every"), (
+        ("no checkpointing", ("train.gradient_checkpointing=false",)),
+        ("checkpoint every 2nd layer", ("train.gradient_checkpointing=true",
+                                        "train.checkpoint_every=2")),
+        ("checkpoint every layer", ("train.gradient_checkpointing=true",
+                                    "train.checkpoint_every=1")),
+    ), exact=True))
+    effective = int(train.get("batch_size", 1)) * int(train.get("grad_accum", 1))
+    add(Dimension("micro_batch", ("train.batch_size", "train.grad_accum"), tuple(
+        (f"{b} x {effective // b} accumulated", (f"train.batch_size={b}",
+                                                 f"train.grad_accum={effective // b}"))
+        for b in _divisors_desc(effective)), exact=True))
+    if "padding_free" in method:
+        add(Dimension("padding_free", ("method.padding_free",), (
+            ("padded", ("method.padding_free=false",)),
+            ("padding-free", ("method.padding_free=true",))), exact=True))
+    if "loss_impl" in method:
+        add(Dimension("loss", ("method.loss_impl", "method.chunk_size"), (
+            ("full logits", ("method.loss_impl=standard",)),
+            ("chunked loss", ("method.loss_impl=chunked",))), exact=True))
+    add(Dimension("packing", ("packing",), (
+        ("unpacked", ("packing=none",)), ("packed (bfd_split)", ("packing=bfd_split",))),
+        exact=False))
+    if cuda:
+        add(Dimension("offload", ("offload",), (
+            ("no offload", ("offload=none",)),
+            ("activations offloaded", ("offload=activations",))), exact=True))
+        backends = [("sdpa", ("attention=sdpa",)), ("flex", ("attention=flex_attention",))]
+        if importlib.util.find_spec("flash_attn") is not None:
+            backends.append(("flash-attn 2", ("attention=flash_attention_2",)))
+        add(Dimension("attention", ("attention",), tuple(backends), exact=False))
+    else:
+        notes.append("offload and the CUDA attention backends: not searched on cpu (CUDA only)")
+    if "peft" in allow:
+        opts = [("full fine-tuning", ("peft=none",)), ("LoRA", ("peft=lora",))]
+        if cuda:
+            opts.append(("QLoRA", ("peft=qlora",)))
+        add(Dimension("peft", ("peft",), tuple(opts), exact=False))
+    if "precision" in allow:
+        add(Dimension("precision", ("precision",), (
+            ("as configured", ()), ("bf16 autocast, fp32 master weights",
+                                    ("precision=bf16_mixed",))), exact=False))
+    if "sharding" in allow:
+        add(Dimension("sharding", ("distributed",), (
+            ("one process", ("distributed=single",)),
+            ("FSDP2", ("distributed=fsdp2",)),
+            ("DeepSpeed ZeRO-3", ("distributed=deepspeed", "distributed.zero_stage=3"))),
+            exact=False))
+    left = sorted(set(ALLOWABLE) - allow)
+    if left:
+        notes.append(f"not searched unless allowed (--allow): {', '.join(left)}")
+    return dims, notes
+
+
+def _is_configured(overrides: tuple[str, ...], cfg: Mapping[str, Any],
+                   choices: Mapping[str, str]) -> bool:
+    """Whether ``overrides`` only restate the configuration (group choices and values)."""
+    for o in overrides:
+        key, _, value = o.partition("=")
+        if "." not in key:
+            if str(choices.get(key)) != value:
+                return False
+            continue
+        node: Any = cfg
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, Mapping) else None
+        if str(node).lower() != value.lower():
+            return False
+    return True
+
+
+def candidates(dims: list[Dimension], cfg: Mapping[str, Any],
+               choices: Mapping[str, str]) -> list[Candidate]:
+    """Every combination of one option per dimension. A candidate is ``exact`` when every
+    dimension that changes the training (``exact=False``) keeps the configured option."""
+    out = []
+    for combo in itertools.product(*(d.options for d in dims)):
+        overrides = [o for _, opts in combo for o in opts]
+        label = ", ".join(lbl for lbl, _ in combo) or "as configured"
+        exact = all(d.exact or _is_configured(opts, cfg, choices)
+                    for d, (_, opts) in zip(dims, combo, strict=True))
+        out.append(Candidate(overrides=overrides, label=label, exact=exact))
+    return out

@@ -1,0 +1,94 @@
+"""``memlab fit`` on the tiny default: a budget under the default run's peak gives a measured
+configuration under the budget that trains exactly like the default (only exact techniques are
+searched here); the forbidden techniques never appear; a budget nothing fits gets the closest
+candidates and what would make them fit. One search shared by the assertions."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from memlab.cli.fit import fit, main
+from memlab.cli.fit.search import FitOptions, run_once
+
+pytestmark = pytest.mark.integration
+
+BASE = ["packing=none", "train.batch_size=4"]  # fixed: packing (not exact) and the micro-batch
+BUDGET = 150 * 2**20
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def searched(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fit")
+    record = fit(BASE, FitOptions(budget_bytes=BUDGET, measure=3, steps=STEPS), out,
+                 ["--budget", "150MiB", *BASE])
+    default = run_once(BASE, STEPS, out / "default")
+    return out, record, default
+
+
+def test_the_winner_is_measured_under_the_budget_and_trains_like_the_default(searched):
+    out, record, default = searched
+    assert default["status"] == "ok" and default["peak_bytes"] > BUDGET  # the default does not fit
+    w = record["winner"]
+    assert w is not None and w["exact"], record["nothing_fits"]
+    m = w["measured"]
+    assert m["status"] == "ok" and m["peak_bytes"] <= BUDGET
+    assert m["loss_curve"] == pytest.approx(default["loss_curve"], rel=1e-4)
+    measured = [c for c in record["candidates"] if c["measured"]]
+    assert len(measured) >= 3 and all(c["estimate"]["fits"] for c in measured)
+    fastest = max((c for c in measured if c["measured"]["fits"]
+                   and c["measured"]["tokens_per_s"]),
+                  key=lambda c: c["measured"]["tokens_per_s"])
+    assert fastest["label"] == w["label"]
+    for c in measured:  # the estimate is the worst case the settings allow: never below a run
+        assert c["measured"]["peak_bytes"] <= c["estimate"]["peak_bytes"] * 1.01, c["label"]
+    assert record["prediction"]["points"] == len(measured)
+    assert json.loads((out / "fit.json").read_text())["winner"]["label"] == w["label"]
+
+
+def test_only_the_allowed_space_is_searched(searched):
+    _, record, _ = searched
+    assert {d["name"] for d in record["space"]} == {"checkpointing", "padding_free", "loss"}
+    assert len(record["candidates"]) == 12
+    for c in record["candidates"]:
+        assert not any(o.split("=")[0] in ("peft", "precision", "distributed", "packing",
+                                           "train.batch_size") for o in c["overrides"])
+        assert c["estimate"]["status"] == "ok" and c["estimate"]["flops_per_step"] > 0
+    assert any("not searched unless allowed" in n for n in record["notes"])
+
+
+def test_the_winner_runs_as_an_experiment(searched):
+    out, record, _ = searched
+    r = subprocess.run([sys.executable, "-m", "memlab", "--config-dir", str(out),
+                        "experiment=fit", "train.steps=2", "train.progress=false",
+                        f"hydra.run.dir={out}/again"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    cfg = json.loads((out / "again" / "summary.json").read_text())["config"]
+    for o in record["winner"]["overrides"] + BASE:
+        key, value = o.split("=", 1)
+        if "." in key:
+            section, name = key.split(".")
+            assert str(cfg[section][name]).lower() == value.lower(), o
+
+
+def test_a_budget_nothing_fits_names_the_closest_and_what_would_fit(tmp_path, capsys):
+    code = main(["--budget", "1MiB", "--out", str(tmp_path), "packing=none",
+                 "train.batch_size=4", "train.gradient_checkpointing=true",
+                 "train.checkpoint_every=1"])
+    assert code == 1
+    record = json.loads((tmp_path / "fit.json").read_text())
+    assert record["winner"] is None and not (tmp_path / "runs").exists()
+    closest = record["nothing_fits"]["closest"]
+    assert len(closest) == 3 and all(c["over_by_bytes"] > 0 for c in closest)
+    assert closest[0]["needed_bytes"] <= closest[1]["needed_bytes"]
+    assert all(c["what_would_fit"] for c in closest)
+    assert "nothing fits" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [[], ["--budget", "1GiB", "--allow", "lora"],
+                                  ["--budget", "1GiB", "--steps", "1"],
+                                  ["--budget", "1GiB", "--bogus"]])
+def test_bad_command_lines_exit_2(argv, tmp_path):
+    assert main([*argv, "--out", str(tmp_path)]) == 2

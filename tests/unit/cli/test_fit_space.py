@@ -1,0 +1,59 @@
+"""memlab fit's space and speed-model bookkeeping (no estimates, no runs)."""
+
+import pytest
+
+from memlab.cli.fit.search import spearman
+from memlab.cli.fit.space import _divisors_desc, candidates, dimensions, user_keys
+
+CFG = {"method": {"name": "sft", "padding_free": False, "loss_impl": "standard"},
+       "train": {"batch_size": 4, "grad_accum": 2, "gradient_checkpointing": True,
+                 "checkpoint_every": 1}}
+CHOICES = {"packing": "none", "peft": "none", "precision": "fp32", "distributed": "single"}
+
+
+def names(dims):
+    return [d.name for d in dims]
+
+
+def test_the_space_and_what_fixes_or_allows_a_dimension():
+    dims, notes = dimensions(CFG, "cpu")
+    assert names(dims) == ["checkpointing", "micro_batch", "padding_free", "loss", "packing"]
+    assert any("CUDA only" in n for n in notes) and any("peft" in n for n in notes)
+    micro = next(d for d in dims if d.name == "micro_batch")
+    assert [o for _, o in micro.options] == [("train.batch_size=8", "train.grad_accum=1"),
+                                             ("train.batch_size=4", "train.grad_accum=2"),
+                                             ("train.batch_size=1", "train.grad_accum=8")]
+    fixed, notes = dimensions(CFG, "cpu", fixed=user_keys(["train.checkpoint_every=2",
+                                                           "+packing=bfd", "peft=lora"]))
+    assert names(fixed) == ["micro_batch", "padding_free", "loss"]
+    assert any("checkpointing: fixed" in n for n in notes)
+    allowed, _ = dimensions(CFG, "cuda", allow=["peft", "sharding"])
+    assert names(allowed)[-4:] == ["offload", "attention", "peft", "sharding"]
+    assert "peft=qlora" in [o for _, opts in allowed[-2].options for o in opts]
+    sft_without = {"method": {"name": "grpo"}, "train": {"batch_size": 1, "grad_accum": 1}}
+    assert names(dimensions(sft_without, "cpu")[0]) == ["checkpointing", "packing"]
+    with pytest.raises(ValueError, match="--allow lora"):
+        dimensions(CFG, "cpu", allow=["lora"])
+
+
+def test_candidates_are_the_product_and_exact_only_where_the_training_is_kept():
+    dims, _ = dimensions(CFG, "cpu")
+    cands = candidates(dims, CFG, CHOICES)
+    assert len(cands) == 3 * 3 * 2 * 2 * 2
+    assert len({tuple(c.overrides) for c in cands}) == len(cands)
+    for c in cands:  # packing changes the batches: exact only unpacked
+        assert c.exact == ("packing=bfd_split" not in c.overrides), c.label
+    packed = dict(CHOICES, packing="bfd_split")  # configured packed: then unpacked is not exact
+    assert all(c.exact == ("packing=none" not in c.overrides)
+               for c in candidates(dims, CFG, packed))
+
+
+def test_micro_batch_sizes_and_rank_correlation():
+    """The effective batch, its half, and one row (the least memory) at most."""
+    assert _divisors_desc(8) == [8, 4, 1] and _divisors_desc(6) == [6, 3, 1]
+    assert _divisors_desc(1) == [1] and _divisors_desc(2) == [2, 1]
+    assert _divisors_desc(12) == [12, 6, 1]
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [40, 30, 20, 10]) == pytest.approx(-1.0)
+    assert spearman([1, 2], [1, 2]) is None
+    assert spearman([1, 2, 3], [5, 5, 5]) is None
