@@ -34,9 +34,10 @@ def test_help_is_memlabs_own():
     r = memlab("--help")
     assert r.returncode == 0, r.stderr
     out = r.stdout
-    for sub in ("memlab report", "memlab estimate", "memlab lengths", "memlab -m sweep=<name>"):
+    for sub in ("memlab report", "memlab estimate", "memlab lengths", "memlab fit",
+                "memlab -m sweep=<name>"):
         assert sub in out
-    assert "peft: lora, none, qlora" in out and "sweep: data_parallel, foundation" in out
+    assert "peft: lora, none, qlora" in out and "sweep: data_parallel, dpo_packing, foundation" in out
     assert "method.max_length=1024" in out and "train.gradient_checkpointing=false" in out
     assert "Powered by Hydra" not in out and "Show Hydra's version" not in out
 
@@ -79,7 +80,7 @@ def test_tab_completion_for_memlab_and_python_m_memlab():
     assert got[1] == "qlora"
     assert got[2].split() == ["bfd", "bfd_split"]
     assert got[3] == "packing"
-    assert {"report", "estimate", "lengths", "peft=", "method="} <= set(got[4].split())
+    assert {"report", "estimate", "lengths", "fit", "peft=", "method="} <= set(got[4].split())
     exe = Path(sys.executable).with_name("memlab")
     if not exe.exists():
         pytest.skip("no memlab console script beside this python (pip install -e .)")

@@ -104,8 +104,8 @@ _memlab_completion()
     local word="${args[n-1]}"
     local sub="" extra=""
     if (( n == 1 )); then
-        extra="report estimate lengths"
-    elif [[ " report estimate lengths " == *" ${args[0]} "* ]]; then
+        extra="report estimate lengths fit"
+    elif [[ " report estimate lengths fit " == *" ${args[0]} "* ]]; then
         sub="${args[0]}"; args=("${args[@]:1}")
     fi
     if [[ "$sub" == "report" || "$word" == -* ]]; then
