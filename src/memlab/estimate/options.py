@@ -17,17 +17,25 @@ CUDA_BLOCK = 512
 """The CUDA caching allocator rounds every allocation up to a multiple of 512 bytes."""
 
 CARDS: dict[str, dict[str, Any]] = {
-    # total memory as nvidia-smi reports it (MiB), compute capability major version
-    "t4": {"name": "NVIDIA T4 16GB", "mib": 15360, "sm": 7},
-    "a10g": {"name": "NVIDIA A10G 24GB", "mib": 23028, "sm": 8},
-    "l4": {"name": "NVIDIA L4 24GB", "mib": 23034, "sm": 8},
-    "rtx4090": {"name": "NVIDIA GeForce RTX 4090 24GB", "mib": 24564, "sm": 8},
-    "a100-40gb": {"name": "NVIDIA A100 40GB", "mib": 40960, "sm": 8},
-    "a100-80gb": {"name": "NVIDIA A100 80GB", "mib": 81920, "sm": 8},
-    "h100-80gb": {"name": "NVIDIA H100 80GB", "mib": 81559, "sm": 9},
-    "h200": {"name": "NVIDIA H200 141GB", "mib": 143771, "sm": 9},
+    # total memory as nvidia-smi reports it (MiB), compute capability major version, dense
+    # 16-bit tensor-core TFLOP/s with fp32 accumulation (spec sheets), host link GB/s (PCIe,
+    # one direction, what a copy reaches: ~80% of the link)
+    "t4": {"name": "NVIDIA T4 16GB", "mib": 15360, "sm": 7, "tflops": 65, "host_gbs": 12},
+    "a10g": {"name": "NVIDIA A10G 24GB", "mib": 23028, "sm": 8, "tflops": 70, "host_gbs": 25},
+    "l4": {"name": "NVIDIA L4 24GB", "mib": 23034, "sm": 8, "tflops": 121, "host_gbs": 25},
+    "rtx4090": {"name": "NVIDIA GeForce RTX 4090 24GB", "mib": 24564, "sm": 8, "tflops": 82.6,
+                "host_gbs": 25},
+    "a100-40gb": {"name": "NVIDIA A100 40GB", "mib": 40960, "sm": 8, "tflops": 312,
+                  "host_gbs": 25},
+    "a100-80gb": {"name": "NVIDIA A100 80GB", "mib": 81920, "sm": 8, "tflops": 312,
+                  "host_gbs": 25},
+    "h100-80gb": {"name": "NVIDIA H100 80GB", "mib": 81559, "sm": 9, "tflops": 989,
+                  "host_gbs": 50},
+    "h200": {"name": "NVIDIA H200 141GB", "mib": 143771, "sm": 9, "tflops": 989,
+             "host_gbs": 50},
 }
-"""Cards ``--card`` knows: usable memory as ``nvidia-smi`` shows it."""
+"""Cards ``--card`` knows: usable memory as ``nvidia-smi`` shows it; the compute and host-link
+rates are what ``memlab fit``'s speed model divides by."""
 
 CUDA_CONTEXT_BYTES = 512 * MiB
 """CUDA context + loaded kernels, outside PyTorch's allocator (varies 0.3-0.6 GiB with driver,

@@ -57,3 +57,44 @@ def test_micro_batch_sizes_and_rank_correlation():
     assert spearman([1, 2, 3, 4], [40, 30, 20, 10]) == pytest.approx(-1.0)
     assert spearman([1, 2], [1, 2]) is None
     assert spearman([1, 2, 3], [5, 5, 5]) is None
+
+
+def _cand(label, flops, accum, padded=False, exact=True, need=1, tps=None):
+    from memlab.cli.fit.space import Candidate
+
+    overrides = [f"train.grad_accum={accum}"] + (["method.padding_free=false"] if padded else [])
+    c = Candidate(overrides=overrides, label=label, exact=exact)
+    c.estimate = {"fits": True, "flops_per_step": flops, "needed_bytes": need,
+                  "predicted_s": flops / 1e12}
+    if tps is not None:
+        c.measured = {"status": "ok", "tokens_per_s": tps}
+    return c
+
+
+def test_ranking_measures_one_per_predicted_class_and_scores_with_ties():
+    from memlab.cli.fit.search import prediction_quality, rank, to_measure
+
+    cands = [_cand("b-packed", 10, 1, exact=False), _cand("b-exact", 10, 1, need=2),
+             _cand("c", 10, 2), _cand("a-padded", 10, 1, padded=True), _cand("d", 20, 1),
+             _cand("e", 5, 4)]
+    order = [c.label for c in rank(cands)]
+    assert order == ["e", "b-exact", "b-packed", "a-padded", "c", "d"]
+    assert [c.label for c in to_measure(rank(cands), 3)] == ["e", "b-exact", "a-padded"]
+    assert [c.label for c in to_measure(rank(cands[:2]), 3)] == ["b-exact", "b-packed"]
+    same = [_cand(x, 10, 1, tps=t) for x, t in (("x", 1.0), ("y", 2.0), ("z", 3.0))]
+    rank(same)
+    q = prediction_quality(same)
+    assert q["spearman"] is None and q["classes"] == 1 and "the same" in q["note"]
+    spread = [_cand("p", 5, 1, tps=9.0), _cand("q", 10, 1, tps=5.0), _cand("r", 20, 1, tps=1.0)]
+    rank(spread)
+    assert prediction_quality(spread)["spearman"] == pytest.approx(1.0)
+
+
+def test_offloading_costs_its_host_copies():
+    from memlab.cli.fit.search import predicted_seconds
+
+    assert predicted_seconds(2e12, 0, None) == pytest.approx(2.0)
+    compute = predicted_seconds(33.04e12, 0, "rtx4090")  # 82.6 TFLOP/s x 0.4
+    assert compute == pytest.approx(1.0)
+    assert predicted_seconds(33.04e12, 25e9, "rtx4090") == pytest.approx(3.0)  # 2 x 1 s
+    assert predicted_seconds(None, 0, "rtx4090") is None

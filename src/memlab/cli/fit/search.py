@@ -3,13 +3,15 @@
 1. **Prune** (:func:`estimate_all`): every candidate of the space (:mod:`.space`) is estimated
    on fake tensors (``memlab estimate``, in this process, no device memory) with its FLOPs
    counted; it *fits* when its estimated need times ``1 + margin`` is within the budget.
-2. **Rank** (:func:`rank`): the cheap speed model orders the fitting candidates by the FLOPs of
-   one optimizer step counted on the fake step (the recomputation checkpointing adds is in
-   them), then fewer micro-batches per step (each has a fixed cost), then padding-free / packed
-   before padded (the worst-case batch the estimate runs has no padding, so the FLOP count
-   cannot see what padding costs on real data).
-3. **Measure** (:func:`measure`): the best ``measure`` of them, and the configuration as given
-   when it fits, train for a few steps, each in a fresh ``python -m memlab`` process as a sweep
+2. **Rank** (:func:`rank`): the cheap speed model (:func:`score`) orders the fitting
+   candidates by the predicted seconds of one optimizer step (:func:`predicted_seconds`: the
+   FLOPs counted on the fake step, the recomputation checkpointing adds included, at the
+   card's rate, plus offloaded activations over its host link), then fewer micro-batches per
+   step (each has a fixed cost),
+   then padding-free / packed before padded (the worst-case batch the estimate runs has no
+   padding, so the FLOP count cannot see what padding costs on real data).
+3. **Measure** (:func:`measure`): the best candidate of each of the ``measure`` fastest
+   predicted classes (:func:`to_measure`), and the configuration as given when it fits, train for a few steps, each in a fresh ``python -m memlab`` process as a sweep
    job would (its summary.json: peak, tokens/s over the untimed-free steps with their spread,
    the loss curve). More are measured, down the ranking, while none of the measured fits.
 4. **Choose**: the fastest measured run whose *measured* peak is within the budget. How well
@@ -64,17 +66,42 @@ def estimate_all(base: list[str], cands: list[Candidate], opts: FitOptions,
         t0 = time.perf_counter()
         est = estimate_one([*base, *c.overrides], eopts)
         need = (est.get("verdict") or {}).get("needed_bytes") or est.get("peak_bytes")
+        counted = est.get("flops") or {}
+        flops = counted.get("per_step")
+        # the offloader's counters add up every micro-batch the estimate ran, as the FLOPs do
+        moved = ((est.get("offload") or {}).get("offloaded_bytes") or 0) * max(1, _accum(c)) \
+            // max(1, counted.get("micro_batches") or 1)
         c.estimate = {
             "status": est["status"], "error": _short(est.get("error")),
             "peak_bytes": est.get("peak_bytes"), "needed_bytes": need,
             "by_category": est.get("by_category"),
-            "flops_per_step": (est.get("flops") or {}).get("per_step"),
+            "flops_per_step": flops, "offloaded_bytes_per_step": moved,
+            "predicted_s": predicted_seconds(flops, moved, opts.card),
             "fits": bool(est["status"] == "ok" and need is not None
                          and need * (1 + opts.margin) <= opts.budget_bytes),
             "seconds": round(time.perf_counter() - t0, 2),
         }
         log(f"[fit] estimate {i + 1}/{len(cands)} {c.label}: {est['status']}"
             + (f", {need / 2**20:.1f} MiB" if need else f" ({c.estimate['error']})"))
+
+
+MFU = 0.4
+"""The share of a card's tensor-core rate a training step reaches (the speed model's one
+assumption about efficiency; only the balance of compute and host copies depends on it)."""
+
+
+def predicted_seconds(flops: int | None, offloaded_bytes: int, card: str | None) -> float | None:
+    """Seconds of one optimizer step: its FLOPs at ``MFU`` of the card's rate, plus offloaded
+    activations copied to the host and back over its link, not overlapped (an upper bound).
+    Without a card (CPU): the FLOPs at a nominal 1 TFLOP/s (an order, not a time)."""
+    from memlab.estimate import CARDS
+
+    if flops is None:
+        return None
+    if card is None:
+        return flops / 1e12
+    spec = CARDS[card]
+    return flops / (spec["tflops"] * 1e12 * MFU) + 2 * offloaded_bytes / (spec["host_gbs"] * 1e9)
 
 
 def _padded(c: Candidate) -> int:
@@ -89,14 +116,40 @@ def _accum(c: Candidate) -> int:
     return 1
 
 
+def score(c: Candidate) -> tuple[float, int, int]:
+    """The speed model: smaller is faster (:func:`predicted_seconds` to 3 significant digits,
+    micro-batches per step, padded)."""
+    t = c.estimate.get("predicted_s") or 0.0
+    return (float(f"{t:.3g}"), _accum(c), _padded(c))
+
+
 def rank(cands: list[Candidate]) -> list[Candidate]:
-    """The fitting candidates, fastest predicted first (see the module docstring)."""
+    """The fitting candidates, fastest predicted first (see the module docstring); among
+    candidates the speed model cannot tell apart, those that train exactly as configured, then
+    the smaller estimate, come first."""
     fitting = [c for c in cands if c.estimate.get("fits")]
-    fitting.sort(key=lambda c: (c.estimate.get("flops_per_step") or 0, _accum(c), _padded(c),
-                                c.estimate.get("needed_bytes") or 0))
+    fitting.sort(key=lambda c: (*score(c), not c.exact, c.estimate.get("needed_bytes") or 0))
     for i, c in enumerate(fitting):
         c.predicted_rank = i + 1
     return fitting
+
+
+def to_measure(ranked: list[Candidate], k: int) -> list[Candidate]:
+    """The first of each of the ``k`` fastest predicted classes (candidates with the same
+    :func:`score` are one class: measuring two of them would not test the speed model), then
+    the next in order if there are fewer classes."""
+    picked: list[Candidate] = []
+    seen: set[tuple[float, int, int]] = set()
+    for c in ranked:
+        if score(c) not in seen and len(picked) < k:
+            picked.append(c)
+            seen.add(score(c))
+    for c in ranked:
+        if len(picked) >= k:
+            break
+        if c not in picked:
+            picked.append(c)
+    return picked
 
 
 def run_once(overrides: list[str], steps: int, run_dir: Path) -> dict[str, Any]:
@@ -126,11 +179,11 @@ def measure(base: list[str], ranked: list[Candidate], baseline: Candidate | None
             opts: FitOptions, out_dir: Path, log: Callable[[str], None]) -> list[Candidate]:
     """Measure the best ``opts.measure`` candidates (and ``baseline``), then further down the
     ranking while none measured fits; returns the measured candidates."""
-    todo = ranked[: opts.measure]
+    todo = to_measure(ranked, opts.measure)
+    rest = [c for c in ranked if c not in todo]
     if baseline is not None and baseline not in todo:
         todo.append(baseline)
     done: list[Candidate] = []
-    nxt = opts.measure
     while todo:
         c = todo.pop(0)
         run_dir = out_dir / "runs" / str(len(done))
@@ -142,11 +195,9 @@ def measure(base: list[str], ranked: list[Candidate], baseline: Candidate | None
             c.measured["error"] = ("no timed step (every step was warm-up or tracked): "
                                    "raise --steps")
         done.append(c)
-        if not todo and not any(d.measured["fits"] and d.measured.get("tokens_per_s")
-                                for d in done) and nxt < len(ranked) \
-                and nxt < 2 * opts.measure:
-            todo.append(ranked[nxt])
-            nxt += 1
+        if not todo and rest and len(done) < 2 * opts.measure + 1 and not any(
+                d.measured["fits"] and d.measured.get("tokens_per_s") for d in done):
+            todo.append(rest.pop(0))
     return done
 
 
@@ -178,14 +229,19 @@ def spearman(xs: list[float], ys: list[float]) -> float | None:
 
 def prediction_quality(measured: list[Candidate]) -> dict[str, Any]:
     """How well the predicted order matched the measured tokens/s (higher rank = slower)."""
-    pts = [(c.predicted_rank, c.measured["tokens_per_s"]) for c in measured
+    pts = [(score(c), c.measured["tokens_per_s"]) for c in measured
            if c.predicted_rank is not None and c.measured and c.measured["status"] == "ok"
            and c.measured.get("tokens_per_s")]
-    rho = spearman([-p for p, _ in pts], [t for _, t in pts])
-    return {"spearman": rho, "points": len(pts),
-            "note": "Spearman's rho between the predicted order (fastest first) and the "
-                    "measured tokens/s; 1 = the same order" if rho is not None
-                    else "fewer than 3 measured candidates: no rank correlation"}
+    order = sorted({p for p, _ in pts})
+    rho = spearman([-order.index(p) for p, _ in pts], [t for _, t in pts])
+    if rho is not None:
+        note = ("Spearman's rho between the speed model's order (ties share a rank) and the "
+                "measured tokens/s; 1 = the same order")
+    elif len(pts) < 3:
+        note = "fewer than 3 measured candidates: no rank correlation"
+    else:
+        note = "the speed model ranks every measured candidate the same"
+    return {"spearman": rho, "points": len(pts), "classes": len(order), "note": note}
 
 
 def closest(cands: list[Candidate], budget: int, margin: float,
