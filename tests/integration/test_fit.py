@@ -38,10 +38,11 @@ def test_the_winner_is_measured_under_the_budget_and_trains_like_the_default(sea
     assert m["loss_curve"] == pytest.approx(default["loss_curve"], rel=1e-4)
     measured = [c for c in record["candidates"] if c["measured"]]
     assert len(measured) >= 3 and all(c["estimate"]["fits"] for c in measured)
-    fastest = max((c for c in measured if c["measured"]["fits"]
-                   and c["measured"]["tokens_per_s"]),
-                  key=lambda c: c["measured"]["tokens_per_s"])
-    assert fastest["label"] == w["label"]
+    for c in measured:  # none that fits is faster beyond the measured spread
+        if c["measured"]["fits"] and c["measured"]["tokens_per_s"]:
+            gap = c["measured"]["tokens_per_s"] - m["tokens_per_s"]
+            assert gap <= max(m["tokens_per_s_std"], c["measured"]["tokens_per_s_std"]), c
+    assert record["prediction"]["classes"] >= 2  # one measured per predicted class
     for c in measured:  # the estimate is the worst case the settings allow: never below a run
         assert c["measured"]["peak_bytes"] <= c["estimate"]["peak_bytes"] * 1.01, c["label"]
     assert record["prediction"]["points"] == len(measured)

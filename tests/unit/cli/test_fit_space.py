@@ -98,3 +98,18 @@ def test_offloading_costs_its_host_copies():
     assert compute == pytest.approx(1.0)
     assert predicted_seconds(33.04e12, 25e9, "rtx4090") == pytest.approx(3.0)  # 2 x 1 s
     assert predicted_seconds(None, 0, "rtx4090") is None
+
+
+def test_the_winner_is_the_fastest_beyond_the_measured_spread():
+    from memlab.cli.fit.search import fastest
+
+    def run(label, rank, tps, std, peak=1):
+        c = _cand(label, 10, 1)
+        c.predicted_rank, c.measured = rank, {"tokens_per_s": tps, "tokens_per_s_std": std,
+                                              "peak_bytes": peak}
+        return c
+
+    assert fastest([]) is None
+    assert fastest([run("a", 1, 100, 5), run("b", 2, 130, 5)]).label == "b"
+    # 5120 +- 345 vs 4822 +- 539: one run's spread covers the gap -> the model's order decides
+    assert fastest([run("padded", 4, 5120, 345), run("flat", 1, 4822, 539)]).label == "flat"

@@ -154,7 +154,7 @@ def fit(base: list[str], opts: FitOptions, out_dir: Path, argv: list[str],
         measured = search.measure(base, ranked, baseline, opts, out_dir, log)
     # a run whose every step was warm-up or tracked has no tokens/s: it cannot be ranked
     fits = [c for c in measured if c.measured["fits"] and c.measured.get("tokens_per_s")]
-    best = max(fits, key=lambda c: c.measured["tokens_per_s"]) if fits else None
+    best = search.fastest(fits)
     if best is None and opts.estimate_only and ranked:
         best = ranked[0]
     cmd = "memlab fit " + " ".join(shlex.quote(a) for a in argv)

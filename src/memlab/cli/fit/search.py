@@ -14,8 +14,9 @@
    predicted classes (:func:`to_measure`), and the configuration as given when it fits, train for a few steps, each in a fresh ``python -m memlab`` process as a sweep
    job would (its summary.json: peak, tokens/s over the untimed-free steps with their spread,
    the loss curve). More are measured, down the ranking, while none of the measured fits.
-4. **Choose**: the fastest measured run whose *measured* peak is within the budget. How well
-   the speed model ordered the measured candidates is reported (Spearman's rank correlation of
+4. **Choose** (:func:`fastest`): the fastest measured run whose *measured* peak is within the
+   budget; runs within the measured spread of it are a tie, which the speed model's order
+   breaks. How well the speed model ordered the measured candidates is reported (Spearman's rank correlation of
    predicted order and measured tokens/s).
 """
 
@@ -199,6 +200,19 @@ def measure(base: list[str], ranked: list[Candidate], baseline: Candidate | None
                 d.measured["fits"] and d.measured.get("tokens_per_s") for d in done):
             todo.append(rest.pop(0))
     return done
+
+
+def fastest(fits: list[Candidate]) -> Candidate | None:
+    """The winner among measured candidates that fit: the fastest; when others are within the
+    measured spread of it (the larger std of the two runs' timed steps), the measurement cannot
+    order them and the speed model's order (then the smaller measured peak) decides."""
+    if not fits:
+        return None
+    top = max(fits, key=lambda c: c.measured["tokens_per_s"])
+    t, s = top.measured["tokens_per_s"], top.measured.get("tokens_per_s_std") or 0.0
+    tied = [c for c in fits if t - c.measured["tokens_per_s"]
+            <= max(s, c.measured.get("tokens_per_s_std") or 0.0)]
+    return min(tied, key=lambda c: (c.predicted_rank or 10**9, c.measured["peak_bytes"]))
 
 
 def spearman(xs: list[float], ys: list[float]) -> float | None:
