@@ -90,8 +90,15 @@ def test_fsdp2_shards_parameters_gradients_and_optimizer_state(job):
         assert r["status"] == "ok"
     mine = sharded["memory"]["by_phase_category"]["optimizer"]
     # even split of every parameter's first dimension: exactly half here (all dims are even)
-    assert mine["optimizer"] == pytest.approx(one["optimizer"] / 2, rel=0.01)
     assert mine["gradients"] == pytest.approx(one["gradients"] / 2, rel=0.01)
+    # Adam's moments, read at each run's peak (a backward, the moments already allocated). Not
+    # at the optimizer phase's peak: on gloo the last reduce-scatter's input is released by
+    # the worker thread, sometimes only after the optimizer phase began; that moves the
+    # phase's peak to its start, before foreach's temporaries (seen once in 4 runs on 2 busy
+    # cores: optimizer 2393428 + 2 MiB of that buffer, instead of 3442132 with temporaries)
+    assert sharded["memory"]["by_category"]["optimizer"] == pytest.approx(
+        single["memory"]["by_category"]["optimizer"] / 2, rel=0.01)
+    assert sharded["memory"]["by_category"]["optimizer"] > 0
     assert sharded["memory"]["by_category"]["parameters"] < single["memory"]["by_category"][
         "parameters"]
     assert sharded["memory"]["distributed"]["units"] == 2 + 1  # 2 decoder layers + root
