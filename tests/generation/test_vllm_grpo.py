@@ -60,9 +60,21 @@ def assert_learns_from_the_trained_policy(s: dict) -> None:
     assert s["memory"]["by_phase"]["generate"] > 0
 
 
-def test_grpo_learns_with_a_colocated_vllm_engine(job):
+def test_grpo_learns_with_a_colocated_vllm_engine(job, tmp_path):
     s = job(LEARN + ["generation.mode=colocate"])
     assert_learns_from_the_trained_policy(s)
+    # `memlab estimate` of the same configuration counts what the engine measured holding
+    import json
+
+    from memlab.cli.estimate import main as estimate_main
+    from memlab_testing import FAST
+
+    assert estimate_main([*FAST, *LEARN, "generation.mode=colocate",
+                          "--out", str(tmp_path / "est")]) == 0
+    est = json.loads((tmp_path / "est" / "estimate.json").read_text())
+    engine = s["memory"]["generation_engine"]
+    assert est["generation_engine"]["weights_bytes"] == engine["weights_bytes"]
+    assert est["generation_engine"]["kv_cache_bytes"] == engine["kv_cache_bytes"]
 
 
 def test_grpo_learns_through_a_vllm_server_process(job, tmp_path):

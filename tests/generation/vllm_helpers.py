@@ -16,8 +16,8 @@ from memlab import _guards
 
 SKIP_NO_VLLM = pytest.mark.skipif(
     not _guards.has("vllm"),
-    reason="vllm is not installed here (CPU: `bash scripts/setup_vllm.sh`, then run pytest with "
-           "/work/venvs/vllm/bin/python)")
+    reason="vllm is not installed in this environment; `make test` runs these tests in vLLM's "
+           "own (.venv-vllm: scripts/setup_vllm.sh; `make test-vllm` runs them alone)")
 PAD = 0
 KV_GIB = 0.25
 

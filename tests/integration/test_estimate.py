@@ -324,6 +324,44 @@ def test_online_estimates_move_the_right_way(tmp_path):
     assert any("generation: every completion runs to 16" in a for a in base["assumptions"])
 
 
+def test_a_colocated_vllm_engine_is_counted_as_its_own_category(tmp_path):
+    """generation=vllm colocate: the engine's weights copy and KV cache (the keys a run's
+    ``memory.generation_engine`` measures: tests/generation/test_vllm_grpo.py checks the two
+    agree) are added to every phase, or only to generate with sleep mode; a server adds
+    nothing. vLLM need not be installed for an estimate."""
+    o = SHAPE + ["method=grpo", *ONLINE]
+    hf = _estimate(tmp_path, o)
+    kv = ["generation=vllm", "generation.kv_cache_space_gib=0.25"]
+    colo = _estimate(tmp_path, o + kv)
+    lora = _estimate(tmp_path, o + kv + ["peft=lora"])
+    server = _estimate(tmp_path, o + ["generation=vllm", "generation.mode=server"])
+    weights = 4 * colo["model"]["total"]  # fp32, tied weights once (as vLLM holds them)
+    assert colo["generation_engine"] == {"weights_bytes": weights, "kv_cache_bytes": 2**28,
+                                         "released_in_training": False}
+    for ph, v in hf["by_phase"].items():
+        assert colo["by_phase"][ph] == v + weights + 2**28
+        assert colo["by_phase_category"][ph]["generation_engine"] == weights + 2**28
+    assert colo["peak_bytes"] == hf["peak_bytes"] + weights + 2**28
+    assert {k: v for k, v in colo["by_category"].items() if k != "generation_engine"} == \
+        hf["by_category"]
+    # LoRA: the engine holds the merged base, not the adapters
+    base = lora["model"]["total"] - lora["model"]["trainable"]
+    assert lora["generation_engine"]["weights_bytes"] == 4 * base < weights + 4 * lora[
+        "model"]["trainable"]
+    assert server["generation_engine"] is None and server["peak_bytes"] == hf["peak_bytes"]
+    # on a card, gpu_memory_utilization of its memory; sleep mode holds it only in generate
+    sleep = _estimate(tmp_path, o + ["generation=vllm", "generation.enable_sleep_mode=true"],
+                      "--card", "rtx4090")
+    share = int(0.3 * sleep["card"]["mib"] * 2**20)
+    assert sleep["generation_engine"]["weights_bytes"] + sleep["generation_engine"][
+        "kv_cache_bytes"] == share
+    assert sleep["by_phase_category"]["generate"]["generation_engine"] == share
+    assert all(sleep["by_phase_category"][ph]["generation_engine"] == 0
+               for ph in ("forward", "backward", "optimizer"))
+    assert sleep["peak_at"]["phase"] == "generate"
+    assert sleep["peak_bytes"] == sleep["by_phase"]["generate"] > sleep["by_phase"]["backward"]
+
+
 def test_estimates_move_the_right_way(tmp_path):
     base_o = SHAPE + ["packing=bfd", *LEN]
     base = _estimate(tmp_path, base_o)

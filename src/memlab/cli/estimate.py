@@ -261,7 +261,9 @@ def format_table(est: dict[str, Any]) -> str:
     phases = [ph for ph in ALL_PHASES if ph in PHASES or ph in phc]
     head = ["", *phases, "peak"]
     body = []
-    for cat in CATEGORIES:
+    cats = [*CATEGORIES, *(["generation_engine"] if "generation_engine" in est["by_category"]
+                           else [])]
+    for cat in cats:
         body.append([cat, *(fmt_bytes(phc.get(ph, {}).get(cat)) if ph in phc else "-"
                             for ph in phases), fmt_bytes(est["by_category"].get(cat, 0))])
     body.append(["total", *(fmt_bytes(est["by_phase"].get(ph)) for ph in phases),

