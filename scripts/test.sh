@@ -29,12 +29,12 @@ main=$?
 vllm=0
 if [ "$VLLM" = 1 ]; then
   if wait "$setup"; then
-    cat "$log"
+    grep '^\[setup_vllm\]' "$log" || true
     echo "== vLLM tests ($VLLM_VENV)"
     "$VLLM_VENV/bin/python" -m pytest -q -m vllm tests/generation
     vllm=$?
   else
-    cat "$log"
+    grep -v "^WARNING: Location" "$log" | tail -n 60
     echo "vLLM's environment could not be built (log above): the vllm tests did not run;" \
          "MEMLAB_TEST_VLLM=0 runs the rest alone"
     vllm=1

@@ -56,6 +56,12 @@ def choices_of(cfg) -> dict[str, str]:
     return user_choices(cfg.hydra.runtime.choices)
 
 
+def with_fast(overrides: list[str]) -> list[str]:
+    """:data:`FAST` (less the settings of a group the overrides switch) + ``overrides``."""
+    switched = {o.split("=")[0] for o in overrides if "=" in o and "." not in o.split("=")[0]}
+    return [o for o in FAST if o.split(".")[0] not in switched] + list(overrides)
+
+
 def run_job(tmp_path: Path, overrides: list[str], fast: bool = True, name: str = "run",
             print_table: bool = False) -> dict:
     """Compose + run one job in this process; returns its summary."""
@@ -63,9 +69,7 @@ def run_job(tmp_path: Path, overrides: list[str], fast: bool = True, name: str =
 
     from memlab.run import run
 
-    switched = {o.split("=")[0] for o in overrides if "=" in o and "." not in o.split("=")[0]}
-    base = [o for o in FAST if o.split(".")[0] not in switched] if fast else []
-    cfg = compose(base + overrides)
+    cfg = compose(with_fast(overrides) if fast else list(overrides))
     choices = choices_of(cfg)
     with open_dict(cfg):
         del cfg["hydra"]

@@ -67,9 +67,9 @@ def test_grpo_learns_with_a_colocated_vllm_engine(job, tmp_path):
     import json
 
     from memlab.cli.estimate import main as estimate_main
-    from memlab_testing import FAST
+    from memlab_testing import with_fast
 
-    assert estimate_main([*FAST, *LEARN, "generation.mode=colocate",
+    assert estimate_main([*with_fast(LEARN + ["generation.mode=colocate"]),
                           "--out", str(tmp_path / "est")]) == 0
     est = json.loads((tmp_path / "est" / "estimate.json").read_text())
     engine = s["memory"]["generation_engine"]
