@@ -73,6 +73,13 @@ def test_grpo_learns_with_a_colocated_vllm_engine(job, tmp_path):
                           "--out", str(tmp_path / "est")]) == 0
     est = json.loads((tmp_path / "est" / "estimate.json").read_text())
     engine = s["memory"]["generation_engine"]
+    # the engine starts before step 0 and works inside the probe's `untracked`: its KV cache
+    # (256 MiB) and the weights / buffers its modules hold are not counted again as the
+    # trainer's (they were: generate >= 256 MiB, parameters and other +2 MiB each)
+    mem = s["memory"]
+    assert mem["by_phase"]["generate"] < engine["kv_cache_bytes"]
+    assert mem["by_category"]["parameters"] == mem["models"]["policy"]["bytes"]
+    assert mem["by_category"]["other"] < engine["buffers_bytes"]
     assert est["generation_engine"]["weights_bytes"] == engine["weights_bytes"]
     assert est["generation_engine"]["kv_cache_bytes"] == engine["kv_cache_bytes"]
 

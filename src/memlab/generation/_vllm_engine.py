@@ -243,11 +243,17 @@ class ColocateEngine:
         self._kv_asleep = False
         self.timings: dict[str, float] = {}
         """Seconds of the start: import_s (vLLM), engine_s (LLM built), load_s (weights)."""
+        self._untracked: Any = contextlib.nullcontext
+        """The trainer's ``probe.untracked``: the engine's own work runs inside it."""
 
-    def start(self, model: torch.nn.Module) -> None:
+    def start(self, model: torch.nn.Module, untracked: Any = None) -> None:
         """Build the engine from the policy's config (dummy weights, then the policy's). Keeps
         the trainer's torch RNG and ``torch.set_num_threads`` as they were (vLLM's CPU worker
-        reseeds the first and replaces the second)."""
+        reseeds the first and replaces the second). Once: later calls do nothing."""
+        if untracked is not None:
+            self._untracked = untracked
+        if self.llm is not None:
+            return
         t0 = time.perf_counter()
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         import vllm
@@ -268,7 +274,8 @@ class ColocateEngine:
         devices = [torch.cuda.current_device()] if self.device.startswith("cuda") else []
         with _env(VLLM_ENABLE_V1_MULTIPROCESSING="0"), torch.random.fork_rng(devices=devices):
             try:
-                self.llm = vllm.LLM(**kw)
+                with self._untracked():
+                    self.llm = vllm.LLM(**kw)
             finally:
                 torch.set_num_threads = set_threads
         t2 = time.perf_counter()
@@ -277,10 +284,11 @@ class ColocateEngine:
                         "load_s": time.perf_counter() - t2}
 
     def _load(self, model: torch.nn.Module) -> None:
-        weights = list(policy_weights(model).items())
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights,
-                                                          "is_checkpoint_format": True})
-        self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
+        weights = list(policy_weights(model).items())  # (merged LoRA: the trainer's copies)
+        with self._untracked():
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights,
+                                                              "is_checkpoint_format": True})
+            self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
         self._weights_gone = False
 
     def sync_weights(self, model: torch.nn.Module) -> float:
@@ -291,7 +299,8 @@ class ColocateEngine:
             self.start(model)
             return time.perf_counter() - t0
         if self._weights_gone:
-            self.llm.wake_up(tags=["weights"])
+            with self._untracked():
+                self.llm.wake_up(tags=["weights"])
         self._load(model)
         return time.perf_counter() - t0
 
@@ -304,16 +313,17 @@ class ColocateEngine:
             self.start(model)
         elif self._weights_gone:  # asleep and nobody synced since: the weights are needed now
             self.sync_weights(model)
-        if self._kv_asleep:
-            self.llm.wake_up(tags=["kv_cache"])
-            self._kv_asleep = False
         prompts = [{"prompt_token_ids": p} for p in prompt_lists(prompt_ids, prompt_mask)]
-        outs = self.llm.generate(prompts, VSamplingParams(**sampling_kwargs(params)),
-                                 use_tqdm=False)
-        tokens, lps = read_outputs(outs)
-        if self.cfg.enable_sleep_mode:  # level 2: the next sync reloads the weights anyway
-            self.llm.sleep(level=2)
-            self._weights_gone = self._kv_asleep = True
+        with self._untracked():  # the engine's own memory (memory() reports it)
+            if self._kv_asleep:
+                self.llm.wake_up(tags=["kv_cache"])
+                self._kv_asleep = False
+            outs = self.llm.generate(prompts, VSamplingParams(**sampling_kwargs(params)),
+                                     use_tqdm=False)
+            tokens, lps = read_outputs(outs)
+            if self.cfg.enable_sleep_mode:  # level 2: the next sync reloads the weights anyway
+                self.llm.sleep(level=2)
+                self._weights_gone = self._kv_asleep = True
         return to_samples(tokens, lps, params, prompt_ids.device)
 
     def corrects_sampling(self) -> bool:

@@ -11,8 +11,11 @@ weights are stale.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
@@ -80,6 +83,15 @@ class Engine(Protocol):
     syncs_weights: ClassVar[bool]
     """Whether the engine keeps its own copy of the weights (then the trainer pushes the
     policy's after optimizer steps, and measures how long that takes)."""
+
+    def start(self, model: torch.nn.Module,
+              untracked: Callable[[], AbstractContextManager] = contextlib.nullcontext) -> None:
+        """Get ready to generate from ``model`` (idempotent). The trainer calls it before the
+        first step, outside the memory tracker, and passes ``untracked`` (its probe's): an
+        engine that keeps its own memory in the training process (a colocated vLLM) runs its
+        own work inside it, so its weights, KV cache and decoding buffers are reported by
+        :meth:`memory`, not counted as the trainer's tensors."""
+        ...
 
     def generate(self, model: torch.nn.Module, prompt_ids: torch.Tensor,
                  prompt_mask: torch.Tensor, params: SamplingParams) -> Samples:
@@ -156,6 +168,11 @@ class GenerationEnv:
         self.local = local if local is not None else engine
         self.rng = rng
         self._stale = False
+
+    def start(self, model: torch.nn.Module,
+              untracked: Callable[[], AbstractContextManager] = contextlib.nullcontext) -> None:
+        """Before the first step (see :meth:`Engine.start`)."""
+        self.engine.start(model, untracked)
 
     def weights_changed(self) -> None:
         """The policy took an optimizer step."""

@@ -64,6 +64,9 @@ class HFEngine:
             inner.train(was_training)
         return seqs[:, prompt_ids.shape[1]:]
 
+    def start(self, model, untracked=None) -> None:
+        return None  # the policy is the engine: its generate is the trainer's memory
+
     def generate(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                  params: SamplingParams) -> Samples:
         return samples_from(self.decode(model, prompt_ids, prompt_mask, params), params.eos,

@@ -127,6 +127,13 @@ class ServerEngine:
         self.pushed += 1
         return time.perf_counter() - t0
 
+    def start(self, model: torch.nn.Module, untracked=None) -> None:
+        """Connect and push the policy's weights, once (the server may have started from
+        another checkpoint or random weights). The gathered weights and upload buffers are
+        the trainer process's own memory: tracked."""
+        if self.pushed == 0:
+            self.sync_weights(model)
+
     def generate(self, model: torch.nn.Module, prompt_ids: torch.Tensor,
                  prompt_mask: torch.Tensor, params: SamplingParams) -> Samples:
         """Sample through the server; the first call pushes the policy's weights (the server

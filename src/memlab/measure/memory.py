@@ -16,6 +16,7 @@ whose batch shape is the largest so far - enough to catch the peak of the whole 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -43,6 +44,33 @@ def tracker_class():
         alive for the whole run (measured: +512 KiB per tracked step on the test model). The
         hooks are recorded while tracking and removed when the step ends."""
 
+        paused = False
+        """While True (:meth:`MemoryProbe.untracked`) nothing new is tracked: no allocation,
+        no module's parameters or buffers (frees of tracked tensors still count)."""
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if self.paused:
+                return func(*args, **(kwargs or {}))
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+        def _skips(self, module) -> bool:
+            """A module whose forward ran paused has no stats; its backward hooks can still
+            fire later (ModTracker hooks the inputs: a colocated engine's head reads the
+            policy's own weight tensors)."""
+            return self.paused or (module is not None and module not in self.memory_tracking)
+
+        def _post_fw_hook(self, module, inputs, outputs):
+            if not self._skips(module):
+                super()._post_fw_hook(module, inputs, outputs)
+
+        def _pre_bw_hook(self, module, args):
+            if not self._skips(module):
+                super()._pre_bw_hook(module, args)
+
+        def _post_bw_hook(self, module, args):
+            if not self._skips(module):
+                super()._post_bw_hook(module, args)
+
         def __enter__(self):
             from memlab.measure.patches import recording_multi_grad_hooks
 
@@ -65,6 +93,8 @@ def tracker_class():
                 self._grad_hook_handles = []
 
         def _pre_fw_hook(self, module, inputs):
+            if self.paused:
+                return
             try:
                 super()._pre_fw_hook(module, inputs)
             except NotImplementedError:
@@ -168,6 +198,21 @@ class MemoryProbe:
                 self._active = False
                 self.tracker.reset_mod_stats()
                 self.tracker.__exit__(None, None, None)
+
+    @contextlib.contextmanager
+    def untracked(self) -> Iterator[None]:
+        """Inside, allocations are not the trainer's: a colocated generation engine's own work
+        (its weights reload, its decoding), reported by the engine's own accounting instead.
+        The phase's peak so far is kept."""
+        t = self.tracker if self._active else None
+        if t is None or t.paused:
+            yield
+            return
+        t.paused = True
+        try:
+            yield
+        finally:
+            t.paused = False
 
     def _apply_roles(self) -> None:
         if self.roles is None or self.tracker is None:

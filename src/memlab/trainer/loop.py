@@ -257,6 +257,9 @@ class Trainer:
             checkpoint.load(self, checkpoint.resolve(ctx.run_dir, ctx.train.resume_from))
         for m in self.models.values():
             m.train(m is self.policy)
+        if self.generation is not None:  # an engine's own memory stays out of the tracker
+            with self.dist.generation(self.policy):
+                self.generation.start(self.policy, self.probe.untracked)
         bar = self._progress()
         every = self.method.num_iterations if self.method.generates() else 1
         self._rollouts = None
