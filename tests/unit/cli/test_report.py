@@ -278,6 +278,30 @@ def test_build_table_rows_and_columns(sweep: Path) -> None:
     assert by_job["pareto"].to_dict() == {"0": True, "1": True, "2": False, "3": False, "4": False}
 
 
+def test_a_generation_engines_memory_gets_its_own_column(tmp_path: Path) -> None:
+    """memory.generation_engine (a colocated vLLM engine's weights, buffers and KV cache, not
+    in the tracker's peak) becomes engine_MiB after other_MiB, only where a job has one."""
+    root = tmp_path / "multirun"
+    root.mkdir()
+    plain = make_summary(num=0, peft="none", gc="false", peak_mib=100, tps=1000.0)
+    engine = make_summary(num=1, peft="lora", gc="false", peak_mib=60, tps=800.0)
+    engine["memory"]["generation_engine"] = {"weights_bytes": 7 * 2**20, "buffers_bytes": 2**20,
+                                             "kv_cache_bytes": 2**30, "measured_load_bytes": None}
+    for num, summary in enumerate((plain, engine)):
+        write_job(root, num, summary, summary["overrides"])
+    df = build_table(load_summaries([root])).set_index("job")
+    cols = list(df.columns)
+    assert cols[cols.index("other_MiB") + 1] == "engine_MiB"
+    assert df.loc["1", "engine_MiB"] == pytest.approx(1032.0)
+    assert math.isnan(df.loc["0", "engine_MiB"])
+    assert df.loc["1", "peak_MiB"] == pytest.approx(60.0, 1e-3)  # the peak stays the tracker's
+    lines = report.format_markdown(build_table(load_summaries([root]))).splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("| job |"))
+    cells = [c.strip() for c in lines[head].strip("|").split("|")]
+    align = lines[head + 1].strip("|").split("|")
+    assert align[cells.index("engine_MiB")] == "---:"  # a number column
+
+
 def test_build_table_default_sort_failed_last(sweep: Path) -> None:
     df = build_table(load_summaries([sweep]))
     assert list(df["job"]) == ["1", "0", "4", "2", "3"]

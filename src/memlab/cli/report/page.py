@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from memlab.cli.report.table import FLOAT_COLUMNS, fixed_line, format_cell, notes
+from memlab.cli.report.table import ENGINE_COLUMN, FLOAT_COLUMNS, fixed_line, format_cell, notes
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -44,7 +44,7 @@ def format_html(df: pd.DataFrame, images: Sequence[Path] = (), title: str = "mem
         cells = dict(zip(cols, rec))
         klass = "front" if cells.get("pareto") else ("notok" if cells["status"] != "ok" else "")
         tds = "".join(
-            f'<td class="{"num" if c in FLOAT_COLUMNS else ""}">{esc(format_cell(c, v))}</td>'
+            f'<td class="{"num" if c in FLOAT_COLUMNS or c == ENGINE_COLUMN else ""}">{esc(format_cell(c, v))}</td>'
             for c, v in cells.items())
         rows.append(f'<tr class="{klass}">{tds}</tr>')
     parts = [

@@ -49,6 +49,9 @@ FLOAT_COLUMNS: tuple[str, ...] = (
     "final_loss",
     *(col for _, col in PHASES),
 )
+ENGINE_COLUMN = "engine_MiB"
+"""A generation engine's own memory (``memory.generation_engine``: weights, buffers, KV cache;
+not in the tracker's peak), after ``other_MiB``: only in tables where some job has one."""
 METRIC_COLUMNS: tuple[str, ...] = ("status", "error", *FLOAT_COLUMNS, "pareto")
 """Columns every table has after the ``job`` column and the varying parameters."""
 
@@ -63,7 +66,7 @@ _SORT_ALIASES = {
     "padding": "padding_frac",
 }
 _FORMATS = {
-    **{col: "{:.1f}" for col in FLOAT_COLUMNS},
+    **{col: "{:.1f}" for col in (*FLOAT_COLUMNS, ENGINE_COLUMN)},
     "timed_steps": "{:.0f}",
     "padding_frac": "{:.3f}",
     "final_loss": "{:.4f}",
@@ -247,6 +250,10 @@ def _metrics(summary: Mapping[str, Any]) -> dict[str, Any]:
     row["final_loss"] = _number(_get(summary.get("train"), "final_loss"))
     for phase, col in PHASES:
         row[col] = _mib(_get(by_phase, phase))
+    engine = _get(memory, "generation_engine")  # a vLLM engine's own memory, beside the peak
+    row[ENGINE_COLUMN] = (None if not isinstance(engine, Mapping) else
+                          _mib(sum(_number(engine.get(k)) or 0 for k in
+                                   ("weights_bytes", "buffers_bytes", "kv_cache_bytes"))))
     return row
 
 
@@ -323,6 +330,10 @@ def build_table(
     for col in FLOAT_COLUMNS:
         df[col] = pd.to_numeric(df[col], errors="coerce").astype("float64")
     df["pareto"] = df["pareto"].astype(bool)
+    engine = [m[ENGINE_COLUMN] for m in metrics]
+    if any(v is not None for v in engine):
+        df.insert(list(df.columns).index("other_MiB") + 1, ENGINE_COLUMN,
+                  pd.Series(engine, dtype="float64").to_numpy())
     curves = {ids[i]: [float(v) for v in _get(s.get("train"), "loss_curve") or []]
               for i, s in enumerate(summaries) if metrics[i]["status"] == OK}
     df.attrs.update({"fixed": fixed, "params": varying, "failures": failures,
@@ -405,7 +416,7 @@ def _text_rows(df: pd.DataFrame) -> tuple[list[str], list[list[str]], list[bool]
     cols = [str(c) for c in df.columns if c not in _HIDDEN_IN_TEXT and c != "error"]
     cols.append("error")  # the widest column goes last so the numbers stay readable
     rows = [[format_cell(c, v) for c, v in zip(cols, rec)] for rec in df[cols].itertuples(False)]
-    numeric = [c in FLOAT_COLUMNS for c in cols]
+    numeric = [c in FLOAT_COLUMNS or c == ENGINE_COLUMN for c in cols]
     return cols, rows, numeric
 
 
