@@ -76,3 +76,26 @@ def test_qlora_needs_a_saved_model_and_trains(job, tmp_path):
 def test_fp16_mixed_trains(job):
     s = job(CUDA + ["precision=fp16_mixed"])
     assert s["status"] == "ok", s["error"]
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["packed", "shared-prompt"])
+def test_torch_varlen_kernel_equals_its_reference(shared):
+    """memlab's per-document attention on CUDA in bf16 runs torch's varlen_attn once over the
+    batch (``attention/_varlen.py``); its causal mask must be bottom-right aligned (a completion
+    sees its whole shared prompt) and equal, to bf16 precision, the per-document sdpa reference
+    that tests/unit/attention/test_varlen_kernel.py checks against the CPU loop."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    from memlab.attention._varlen import uses_varlen_kernel, varlen_attention, varlen_reference
+    from memlab.trainer.batch import Segments
+
+    segs = (Segments([(4, 3, (5, 0, 4), 4), (6, 2, (4, 0, 6), 4)]) if shared
+            else Segments([(5, 3, 8), (16,)]))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(2, h, 16, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+               for h in (4, 2, 2))
+    assert uses_varlen_kernel(q, 0.0)
+    fast = varlen_attention(q, k, v, segs, scaling=0.125, kernel=varlen_attn)
+    ref = varlen_attention(q.float(), k.float(), v.float(), segs, scaling=0.125,
+                           kernel=varlen_reference)
+    torch.testing.assert_close(fast.float(), ref, rtol=2e-2, atol=2e-2)

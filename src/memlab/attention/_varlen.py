@@ -23,19 +23,133 @@ prefix). Rows of plain documents take the path above, unchanged.
 For flex_attention, :func:`block_mask` builds the same structure as a ``BlockMask`` (passed to
 the model as its ``attention_mask``, which transformers then uses as it is).
 
+On CUDA with fp16 / bf16 tensors the documents run in one call of torch's own
+variable-length attention (``torch.nn.attention.varlen.varlen_attn``, flash-based; no
+flash-attn package), not one kernel per document: :func:`varlen_plan` turns the segments into
+cumulative sequence offsets once per batch (cached; the device copy has no host read), and a
+document with a shared prefix gets its prefix keys gathered before its own, where flash's
+bottom-right-aligned causal mask shows it the whole prefix and its own tokens causally. On the
+CPU (and in fp32) the per-document loop above stays the path: exact, tested against
+transformers' masks. :func:`varlen_reference` computes what ``varlen_attn`` computes with
+sdpa, one document at a time, so the offsets and gathers are tested on the CPU; the CUDA
+kernel itself is tested in GPU-marked tests (not run here: no GPU was available).
+
 Registered with transformers' AttentionInterface / AttentionMaskInterface under
 ``memlab_eager_varlen`` and ``memlab_sdpa_varlen``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, NamedTuple
 
 import torch
 
 from memlab.trainer.batch import Segments
 
 _REGISTERED = False
+_VARLEN_DTYPES = (torch.float16, torch.bfloat16)
+"""What torch's flash-based varlen kernel takes (fp32 stays on the per-document path)."""
+
+
+class VarlenPlan(NamedTuple):
+    """A batch's documents for a variable-length kernel over the flattened ``[rows * width]``
+    tokens: query document ``i`` is tokens ``cu_q[i]:cu_q[i+1]``; its keys are
+    ``cu_k[i]:cu_k[i+1]`` of the key tokens, which are the flat tokens themselves
+    (``k_index`` None: no shared prefix) or the flat tokens gathered by ``k_index`` (each
+    document's prefix range, then its own tokens)."""
+
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+    k_index: torch.Tensor | None
+
+
+@functools.lru_cache(maxsize=4)
+def _plan_cpu(segments: Segments, width: int) -> VarlenPlan:
+    cu_q, cu_k, index = [0], [0], []
+    max_q = max_k = 0
+    prefixed = segments.shares_prefixes()
+    for r in range(len(segments)):
+        base = r * width
+        for s, e, prefix in segments.documents(r):
+            keys = list(range(base + prefix[0], base + prefix[1])) if prefix else []
+            keys += range(base + s, base + e)
+            cu_q.append(cu_q[-1] + e - s)
+            cu_k.append(cu_k[-1] + len(keys))
+            max_q, max_k = max(max_q, e - s), max(max_k, len(keys))
+            if prefixed:
+                index += keys
+    if cu_q[-1] != len(segments) * width:
+        raise ValueError(f"the segments cover {cu_q[-1]} tokens, the batch has "
+                         f"{len(segments)} x {width}")
+    i32 = torch.int32
+    return VarlenPlan(torch.tensor(cu_q, dtype=i32), torch.tensor(cu_k, dtype=i32), max_q, max_k,
+                      torch.tensor(index, dtype=torch.long) if prefixed else None)
+
+
+@functools.lru_cache(maxsize=4)
+def _plan_on(segments: Segments, width: int, device: torch.device) -> VarlenPlan:
+    plan = _plan_cpu(segments, width)
+    move = (lambda t: None if t is None else t.to(device, non_blocking=True))  # noqa: E731
+    return VarlenPlan(move(plan.cu_q), move(plan.cu_k), plan.max_q, plan.max_k,
+                      move(plan.k_index))
+
+
+def varlen_plan(segments: Segments, width: int, device: torch.device | str = "cpu") -> VarlenPlan:
+    """The :class:`VarlenPlan` of rows ``segments`` of ``width`` tokens, on ``device`` (built
+    once per batch and device: every layer of a forward reuses it)."""
+    return _plan_on(Segments.of(segments), int(width), torch.device(device))
+
+
+def varlen_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
+                     cu_k: torch.Tensor, max_q: int, max_k: int, *, scale: float | None = None,
+                     window_size: tuple[int, int] = (-1, 0),
+                     enable_gqa: bool = False) -> torch.Tensor:
+    """What ``varlen_attn`` computes for causal attention (``window_size=(-1, 0)``: the causal
+    mask aligned to the bottom right, a query sees every key up to its own position counted
+    from the end), with sdpa one document at a time: ``[T_q, H, D]`` queries, ``[T_k, H_kv,
+    D]`` keys and values."""
+    if window_size != (-1, 0):
+        raise ValueError("varlen_reference implements causal attention only")
+    outs = []
+    for i in range(len(cu_q) - 1):
+        qs, qe, ks, ke = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
+        n, m = qe - qs, ke - ks
+        allowed = torch.ones((n, m), dtype=torch.bool, device=q.device).tril(m - n)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q[qs:qe].transpose(0, 1)[None], k[ks:ke].transpose(0, 1)[None],
+            v[ks:ke].transpose(0, 1)[None], attn_mask=allowed, scale=scale,
+            enable_gqa=enable_gqa)
+        outs.append(o[0].transpose(0, 1))
+    return torch.cat(outs, dim=0)
+
+
+def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     segments: Segments, scaling: float | None = None,
+                     kernel: Any = None) -> torch.Tensor:
+    """Per-document causal attention of ``[B, H, T, D]`` rows described by ``segments`` in one
+    variable-length kernel call (``kernel``: torch's ``varlen_attn`` by default); returns
+    ``[B, T, H, D]``, the layout transformers' attention functions return."""
+    if kernel is None:
+        from torch.nn.attention.varlen import varlen_attn as kernel
+    b, h, t, d = query.shape
+    plan = varlen_plan(segments, t, query.device)
+    q = query.transpose(1, 2).reshape(b * t, h, d)
+    k = key.transpose(1, 2).reshape(b * t, key.shape[1], d)
+    v = value.transpose(1, 2).reshape(b * t, value.shape[1], d)
+    if plan.k_index is not None:
+        k, v = k.index_select(0, plan.k_index), v.index_select(0, plan.k_index)
+    out = kernel(q, k, v, plan.cu_q, plan.cu_k, plan.max_q, plan.max_k, scale=scaling,
+                 window_size=(-1, 0), enable_gqa=key.shape[1] != h)
+    return out.reshape(b, t, h, d)
+
+
+def uses_varlen_kernel(query: torch.Tensor, dropout: float) -> bool:
+    """Whether :func:`varlen_attention` runs (CUDA, fp16 / bf16, no dropout); else the
+    per-document loop."""
+    return query.is_cuda and query.dtype in _VARLEN_DTYPES and not dropout
 
 
 def _causal_mask(n: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -75,6 +189,8 @@ def _make(kind: str):
                              f"has {query.shape[0]}")
         # decided once per batch by the collator: no device read here
         segments = Segments.of(memlab_segments)
+        if uses_varlen_kernel(query, dropout):
+            return varlen_attention(query, key, value, segments, scaling), None
         outs = []
         for b in range(query.shape[0]):
             parts = []
