@@ -259,6 +259,8 @@ def memlab_job(req: dict[str, Any]) -> dict[str, Any]:
         out.update(peak_bytes=mem["peak_bytes"], by_category=mem["by_category"],
                    by_phase=mem["by_phase"], peak_at=mem["peak_at"],
                    tracked_steps=mem["tracked_steps"])
+    if req["mode"] == "profile":
+        out["profile"] = summary.get("profile")
     thr = summary.get("throughput") or {}
     data = summary.get("data") or {}
     tr = summary.get("train") or {}
@@ -291,6 +293,7 @@ def trl_job(req: dict[str, Any]) -> dict[str, Any]:
 
     from memlab.data.assets import load_tokenizer
     from memlab.measure.memory import MemoryProbe
+    from memlab.measure.profile import phase_label, profiled
     from memlab.model.base import finish_load, seeded
     from memlab.model.tiny import Tiny
     from memlab.peft.lora import Lora
@@ -317,7 +320,9 @@ def trl_job(req: dict[str, Any]) -> dict[str, Any]:
 
     rec: dict[str, Any] = {"tokens": [], "slots": [], "dt": [], "losses": []}
     probe = MemoryProbe("cpu") if mode == "memory" else None
-    state: dict[str, Any] = {"max_key": (), "t0": 0.0, "stack": None}
+    state: dict[str, Any] = {"max_key": (), "t0": 0.0, "stack": None, "profiling": False,
+                             "prof_stack": None, "profile": None}
+    profile_step = req.get("profile_step") if mode == "profile" else None
 
     def track_rule(step: int, key: tuple[int, ...]) -> bool:
         """memlab's ``measure.memory_steps`` rule (Trainer._tracked), on TRL's batches."""
@@ -352,6 +357,12 @@ def trl_job(req: dict[str, Any]) -> dict[str, Any]:
             padded = "attention_mask" in inputs
             rec["tokens"].append(int(inputs["attention_mask"].sum()) if padded else ids.numel())
             rec["slots"].append(ids.numel())
+            if profile_step is not None:  # memlab's phase labels around TRL's phases
+                self._label_backward()
+                loss = super().training_step(model, inputs, num_items_in_batch)
+                if state["profiling"]:  # clip + step + zero_grad, closed at on_step_end
+                    state["prof_stack"].enter_context(phase_label("optimizer", True))
+                return loss
             if probe is None:
                 return super().training_step(model, inputs, num_items_in_batch)
             step = len(rec["tokens"]) - 1
@@ -376,7 +387,23 @@ def trl_job(req: dict[str, Any]) -> dict[str, Any]:
             stack.enter_context(probe.phase("optimizer"))  # clip + step + zero_grad
             return loss
 
+        def _label_backward(self):
+            if getattr(self.accelerator, "_bench_labelled", False):
+                return
+            orig = self.accelerator.backward
+
+            def backward(loss, **kw):
+                with phase_label("backward", state["profiling"]):
+                    orig(loss, **kw)
+
+            self.accelerator.backward = backward
+            self.accelerator._bench_labelled = True
+
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            if profile_step is not None:
+                with phase_label("forward", state["profiling"]):
+                    return super().compute_loss(model, inputs, return_outputs,
+                                                num_items_in_batch)
             if probe is None:
                 return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
             with probe.phase("forward"):
@@ -384,10 +411,18 @@ def trl_job(req: dict[str, Any]) -> dict[str, Any]:
 
     class Timer(TrainerCallback):
         def on_step_begin(self, args, st, control, **kw):
+            if profile_step is not None and st.global_step == profile_step:
+                state["profiling"] = True
+                state["prof_stack"] = contextlib.ExitStack()
+                state["profile"] = state["prof_stack"].enter_context(
+                    profiled(Path(req["dir"]) / "profile"))
             state["t0"] = time.perf_counter()
 
         def on_step_end(self, args, st, control, **kw):
             rec["dt"].append(time.perf_counter() - state["t0"])
+            if state["profiling"]:
+                state["prof_stack"].close()
+                state["profiling"] = False
             if state["stack"] is not None:
                 state["stack"].close()
                 state["stack"] = None
@@ -427,6 +462,8 @@ def trl_job(req: dict[str, Any]) -> dict[str, Any]:
                        / (len(trainer.train_dataset) * s.max_length)) if packing else None,
         "steps": len(rec["dt"]),
     }
+    if profile_step is not None:
+        out["profile"] = {"step": profile_step, **(state["profile"] or {})}
     if probe is not None:
         mem = probe.result()
         out.update(peak_bytes=mem["peak_bytes"], by_category=mem["by_category"],
@@ -528,6 +565,7 @@ def _mib(x: float | None) -> float | None:
 class Results:
     memory: dict[str, dict] = field(default_factory=dict)        # "memlab:<cfg>" / "trl:<cfg>"
     speed: dict[str, list[dict]] = field(default_factory=dict)   # same keys, one per round
+    profile: dict[str, dict] = field(default_factory=dict)       # same keys: one step each
     round_ratio: dict[str, list[float]] = field(default_factory=dict)
 
 
@@ -549,6 +587,12 @@ def main() -> None:
     ap.add_argument("--skip-memory", action="store_true")
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--workdir", default=None, help="keep run dirs / logs here")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile one step of each configuration on both sides "
+                         "(torch.profiler; memlab's measure.profile_step): time by phase and "
+                         "by kind of work")
+    ap.add_argument("--profile-step", type=int, default=None,
+                    help="the step to profile (default: the second-last)")
     ap.add_argument("--worker", choices=("memlab", "trl"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
@@ -595,16 +639,20 @@ def main() -> None:
     speed_over = ["measure.memory=false"]
 
     def run_memlab(c: Config, mode: str, tag: str) -> dict:
-        over = common + c.memlab + (mem_over if mode == "memory" else speed_over)
+        over = common + c.memlab + {"memory": mem_over, "speed": speed_over,
+                                    "profile": [*speed_over,
+                                                f"measure.profile_step={prof_step}"]}[mode]
         r = mw.run({"mode": mode, "overrides": over, "dir": str(work / "runs"),
                     "name": f"{c.name}-{tag}"})
         _log_run("memlab", c.name, mode, r)
         return r
 
+    prof_step = a.profile_step if a.profile_step is not None else max(2, s.steps - 2)
+
     def run_trl(name: str, mode: str, tag: str) -> dict:
         assert tw is not None
         r = tw.run({"mode": mode, "trl": name, "settings": asdict(s), "data": data["path"],
-                    "dir": str(work / "trl" / f"{name}-{tag}")})
+                    "dir": str(work / "trl" / f"{name}-{tag}"), "profile_step": prof_step})
         _log_run("trl", name, mode, r)
         return r
 
@@ -629,6 +677,11 @@ def main() -> None:
                         r = (run_memlab(c, "speed", f"r{rnd}") if side == "memlab"
                              else run_trl(name, "speed", f"r{rnd}"))
                         res.speed.setdefault(f"{side}:{name}", []).append(r)
+        if a.profile:
+            for c in configs:
+                res.profile[f"memlab:{c.name}"] = run_memlab(c, "profile", "prof")
+                if tw and c.trl and f"trl:{c.trl}" not in res.profile:
+                    res.profile[f"trl:{c.trl}"] = run_trl(c.trl, "profile", "prof")
     finally:
         mw.close()
         if tw:
@@ -779,6 +832,7 @@ def build_report(s: Settings, data: dict, configs: list[Config], res: Results,
             "target": "memlab peak <= 0.8x TRL and tokens/s >= 1.2x TRL, same settings",
         },
         "configs": rows,
+        "profile": {k: r.get("profile") for k, r in res.profile.items()},
         "runtime_s": round(runtime, 1),
     }
 
@@ -808,6 +862,13 @@ def print_table(rep: dict[str, Any]) -> None:
               f" {_fmt(m.get('tokens_per_s'), '8.1f')} "
               f"{_fmt(m.get('tokens_per_s_vs_baseline'), '7.2f')} "
               f"{_fmt(None if pad is None else 100 * pad, '5.1f')}")
+    profiles = {k: p for k, p in (rep.get("profile") or {}).items() if p}
+    if profiles:
+        from memlab.measure.profile import table
+
+        print(f"\nwhere one step's time goes (self time by kind of work; step "
+              f"{next(iter(profiles.values()))['step']})")
+        print(table(profiles))
     pairs = [e for e in rep["configs"] if e.get("trl")]
     for name, d in (rep.get("trl_diagnostics") or {}).items():
         if d and d.get("peak_mib"):

@@ -122,6 +122,31 @@ class MeasureConfig:
     fast), 'all', or the first N."""
     warmup_steps: NonNegativeInt = 1
     """Steps excluded from throughput (compilation, allocator warm-up, lazy init)."""
+    profile_step: NonNegativeInt | None = None
+    """Run this step (0-based) under torch.profiler: a trace, the operator table and the step's
+    time by phase and by kind of work into ``<run dir>/profile/`` and summary.json's
+    ``profile`` (:mod:`memlab.measure.profile`). The step runs without the memory tracker and
+    is left out of tokens/s. null = no profile."""
+
+    def errors(self, train: TrainConfig) -> list[str]:
+        """Problems of the measuring knobs against the training's."""
+        step = self.profile_step
+        if step is None:
+            return []
+        errors = []
+        if step >= train.steps:
+            errors.append(f"measure.profile_step={step} is past the last step (train.steps="
+                          f"{train.steps} runs steps 0..{train.steps - 1}); pick a step below "
+                          f"{train.steps}")
+        mode = self.memory_steps
+        tracked = self.memory and (mode == "all" or (isinstance(mode, int) and step < mode)
+                                   or (mode == "auto" and step < 2))
+        if tracked:
+            errors.append(f"measure.profile_step={step} is a step the memory tracker runs "
+                          f"(measure.memory_steps={mode}), whose dispatch mode would be most of "
+                          "the profile; profile a later step (auto tracks steps 0 and 1) or set "
+                          "measure.memory=false")
+        return errors
 
 
 @dataclass(frozen=True)

@@ -100,6 +100,7 @@ def validate(cfg, run_dir: Path | str = ".", choices: dict[str, str] | None = No
     for group in GROUPS:
         errors += typed[group].validate(ctx)
     errors += train.checkpoint_errors(ctx)
+    errors += measure.errors(train)
     if errors:
         raise ConfigErrors(errors)
     return ctx
@@ -355,6 +356,8 @@ def record_training(summary: dict[str, Any], result, planned_steps: int,
     }
     if result.checkpoint_errors:
         summary["checkpoint"] = {"errors": list(result.checkpoint_errors)}
+    if result.profile is not None:
+        summary["profile"] = result.profile
 
 
 def _param_counts(model) -> dict[str, int]:

@@ -16,10 +16,12 @@ differs between a real run and ``memlab estimate`` comes in as :class:`LoopOptio
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,6 +30,7 @@ from torch import nn
 from memlab import faults
 from memlab.measure.memory import MemoryProbe
 from memlab.measure.outcome import NonFiniteLoss
+from memlab.measure.profile import phase_label, profiled
 from memlab.trainer import checkpoint
 from memlab.trainer.batch import Batch, BatchStream
 from memlab.trainer.optim import build_optimizer, build_scheduler
@@ -75,6 +78,8 @@ class TrainResult:
     checkpoint_errors: list[str] = field(default_factory=list)
     """Checkpoints that could not be written (an unwritable or full disk): the training and its
     measurements went on; the run reports them."""
+    profile: dict[str, Any] | None = None
+    """``measure.profile_step``'s breakdown (:func:`memlab.measure.profile.summarize`)."""
 
     def throughput(self) -> dict[str, Any]:
         if self.timed_seconds <= 0:
@@ -141,6 +146,7 @@ class Trainer:
         self.probe.roles = lambda: self.dist.memory_roles(self.policy)
         self._max_key: tuple[int, ...] = ()
         self._rollouts: list[Batch] | None = None
+        self._profiling = False  # this step runs under measure.profile_step's profiler
 
     # ---------------------------------------------------------------- one step
     def _tracked(self, step: int, key: tuple[int, ...]) -> bool:
@@ -176,7 +182,7 @@ class Trainer:
         sync_s = None
         with self.probe.step(self.step_idx, tracked, inputs):
             if self.method.generates() and not reuse:  # online: generate the training batches
-                with self.probe.phase("generate"):
+                with self.probe.phase("generate"), phase_label("generate", self._profiling):
                     with self.dist.generation(self.policy):  # ZeRO-3 / FSDP2: whole weights
                         sync_s = self.generation.sync(self.policy)
                     with ctx.precision.autocast(device):
@@ -191,11 +197,11 @@ class Trainer:
             scale = world / max(1, total_items)
             for i, b in enumerate(batches):
                 with self.dist.sync(self.policy, last=i == len(batches) - 1):
-                    with self.probe.phase("forward"):
+                    with self.probe.phase("forward"), phase_label("forward", self._profiling):
                         with ctx.precision.autocast(device), self._offload_ctx():
                             loss_sum, metrics = self.method.loss(self.models, b, ctx)
                         loss = loss_sum * scale
-                    with self.probe.phase("backward"):
+                    with self.probe.phase("backward"), phase_label("backward", self._profiling):
                         if self.dist.owns_step:
                             self.dist.backward(self.policy, loss)
                         else:
@@ -208,7 +214,7 @@ class Trainer:
                 del loss
                 if self.offload is not None:
                     self.offload.reset()
-            with self.probe.phase("optimizer"):
+            with self.probe.phase("optimizer"), phase_label("optimizer", self._profiling):
                 gnorm = self._optimizer_step()
             if self.generation is not None:
                 self.generation.weights_changed()
@@ -250,6 +256,15 @@ class Trainer:
     def _offload_ctx(self):
         return self.ctx.offload.forward_context(self.offload)
 
+    def _profile(self) -> contextlib.AbstractContextManager[dict[str, Any] | None]:
+        """torch.profiler around this step when it is ``measure.profile_step`` (its trace and
+        tables under ``<run dir>/profile``, a rank's own ``profile_rank<r>`` beside rank 0's)."""
+        if not self._profiling:
+            return contextlib.nullcontext(None)
+        rank = self.ctx.rank
+        out = Path(self.ctx.run_dir) / ("profile" if rank == 0 else f"profile_rank{rank}")
+        return profiled(out, cuda=self.probe.is_cuda)
+
     # ---------------------------------------------------------------- the loop
     def train(self) -> TrainResult:
         ctx, res = self.ctx, self.result
@@ -272,7 +287,12 @@ class Trainer:
             else:
                 batches = [next(self.stream).to(ctx.device) for _ in range(ctx.train.grad_accum)]
             key = tuple(max(col) for col in zip(*(b.size_key for b in batches), strict=False))
-            tracked = ctx.measure.memory and self._tracked(self.step_idx, key)
+            self._profiling = self.step_idx == ctx.measure.profile_step
+            # the profiled step runs without the tracker (its dispatch mode would be most of
+            # what the profiler sees); its batch shape is not recorded, so a later step of the
+            # same shape is still tracked
+            tracked = (ctx.measure.memory and not self._profiling
+                       and self._tracked(self.step_idx, key))
             if tracked and self.step_idx >= 1:
                 # shapes are compared from step 1 on: step 0 runs without optimizer state, so
                 # a large step-0 batch must not hide a later, slightly smaller one that has it
@@ -280,15 +300,18 @@ class Trainer:
                                                               strict=False))
             if self.probe.is_cuda:
                 torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            metrics = self.run_step(batches, tracked, reuse=reuse)
-            if self.probe.is_cuda:
-                torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
+            with self._profile() as prof:
+                t0 = time.perf_counter()
+                metrics = self.run_step(batches, tracked, reuse=reuse)
+                if self.probe.is_cuda:
+                    torch.cuda.synchronize()
+                dt = time.perf_counter() - t0
+            if prof is not None:
+                res.profile = {"step": self.step_idx, **prof}
             real = sum(b.real_tokens for b in batches)
             res.real_tokens += real
             res.total_tokens += sum(b.total_tokens for b in batches)
-            if self.step_idx >= ctx.measure.warmup_steps and not tracked:
+            if self.step_idx >= ctx.measure.warmup_steps and not (tracked or self._profiling):
                 res.timed_tokens += real
                 res.timed_seconds += dt
                 res.timed_samples += sum(b.meta.get("samples", 0) or 0 for b in batches)
