@@ -43,8 +43,20 @@ LEN = ["method.max_length=256"]
 REAL = ["measure.memory_steps=all", "train.steps=2"]
 NO_GC = ["train.gradient_checkpointing=false"]
 # Two generated rows, one longer than max_length (cut to 256 tokens) and one short: every batch
-# of the real run is the same [2, 256] padded batch (both rows; the order does not matter).
-PADDED_CHAT = ["data.seed=2", "data.median_tokens=200", "data.n_examples=2"]  # 2352, 58 tokens
+# of the real run is the same [2, 256] padded batch (both rows; the order does not matter). The
+# estimate's padded candidate has the most real tokens a padded batch can have, each labelled;
+# SFT's default head_on=labelled runs the output head at the labelled positions only, fewer
+# in the real batch, so these cases put the head on every position (what they check is the
+# accounting of the padded layout; packed cases below check head_on=labelled, and --from-data
+# checks it on the run's own completion-only batches). They keep the padding mask
+# (method.padding_mask=always) to check its accounting; the CAUSAL cases send padded rows
+# without it (the default under sdpa / eager), which needs no more than a full batch.
+PADDED_CHAT = ["data.seed=2", "data.median_tokens=200", "data.n_examples=2",  # 2352, 58 tokens
+               "method.head_on=all", "method.padding_mask=always"]
+CAUSAL_CHAT = [*PADDED_CHAT[:-1], "method.padding_mask=auto"]
+# packed / padding-free rows of one document each: the loss on every token, like the estimate's
+# worst-case rows, so the output head runs at the same labelled positions in both
+ALL_LABELLED = ["method.loss_on=all"]
 PADDED_PAIRS = ["data.seed=2", "data.median_tokens=150", "data.n_examples=2",  # one long pair
                 "method.max_prompt_length=128"]
 TOLERANCE = 0.015
@@ -112,40 +124,49 @@ def assert_agrees(case: str, est: dict, rm: dict, phases: tuple[str, ...] = ()) 
     assert est["peak_at"]["phase"] == rm["peak_at"]["phase"]
 
 
-# name -> (overrides, whether the real batches are padded)
+# name -> (overrides, the real batches: "masked" (padded, with the padding mask), "causal"
+# (padded, no mask), "unpadded")
 CASES = {
-    "embedded sdpa padded": ([*PADDED_CHAT, *LEN], True),
-    "embedded sdpa padded, no checkpointing": ([*PADDED_CHAT, *LEN, *NO_GC], True),
+    "embedded sdpa padded": ([*PADDED_CHAT, *LEN], "masked"),
+    "embedded sdpa padded, no checkpointing": ([*PADDED_CHAT, *LEN, *NO_GC], "masked"),
     "padded bf16_mixed eager, no checkpointing": (
-        [*PADDED_CHAT, *LEN, *NO_GC, "precision=bf16_mixed", "attention=eager"], True),
-    "padded bf16, no checkpointing": ([*PADDED_CHAT, *LEN, *NO_GC, "precision=bf16"], True),
-    "padded lora, no checkpointing": ([*PADDED_CHAT, *LEN, *NO_GC, "peft=lora"], True),
+        [*PADDED_CHAT, *LEN, *NO_GC, "precision=bf16_mixed", "attention=eager"], "masked"),
+    "sdpa padded without the mask": ([*CAUSAL_CHAT, *LEN], "causal"),
+    "sdpa padded without the mask, no checkpointing": ([*CAUSAL_CHAT, *LEN, *NO_GC], "causal"),
+    "eager padded without the mask, lora, no checkpointing": (
+        [*CAUSAL_CHAT, *LEN, *NO_GC, "attention=eager", "peft=lora"], "causal"),
+    "padded bf16, no checkpointing": ([*PADDED_CHAT, *LEN, *NO_GC, "precision=bf16"], "masked"),
+    "padded lora, no checkpointing": ([*PADDED_CHAT, *LEN, *NO_GC, "peft=lora"], "masked"),
     "dpo reference copy, padded pairs, no checkpointing": (
-        ["method=dpo", *PADDED_PAIRS, *LEN, *NO_GC], True),
+        ["method=dpo", *PADDED_PAIRS, *LEN, *NO_GC], "masked"),
     # 2 pairs = 4 examples, one batch: a long pair, and one with a short prompt, a long chosen
     # and a short rejected answer (padded examples; mismatched KL sequences 256 wide)
     "kto reference copy, padded": (["method=kto", "data.seed=4", "data.median_tokens=150",
                                     "data.n_examples=2", "method.max_prompt_length=128",
-                                    "train.batch_size=4", *LEN, *NO_GC], True),
+                                    "train.batch_size=4", *LEN, *NO_GC], "masked"),
     "reward, padded pairs": (["method=reward", *PADDED_PAIRS[:-1], *LEN, *NO_GC,
-                              "method.truncation_mode=keep_end"], True),
+                              "method.truncation_mode=keep_end"], "masked"),
     # long documents cut at max_length: one document per packed row, as the estimate assumes
-    "packed bfd": (["packing=bfd", *LEN], False),
-    "packed bfd lora": (["packing=bfd", "peft=lora", *LEN], False),
-    "packed bfd, no checkpointing": (["packing=bfd", *NO_GC, *LEN], False),
-    "packed bfd bf16": (["packing=bfd", "precision=bf16", *LEN], False),
+    "packed bfd": (["packing=bfd", *ALL_LABELLED, *LEN], "unpadded"),
+    "packed bfd lora": (["packing=bfd", "peft=lora", *ALL_LABELLED, *LEN], "unpadded"),
+    "packed bfd, no checkpointing": (["packing=bfd", *NO_GC, *ALL_LABELLED, *LEN],
+                                      "unpadded"),
+    "packed bfd bf16": (["packing=bfd", "precision=bf16", *ALL_LABELLED, *LEN], "unpadded"),
     "packed bfd chunked loss": (["packing=bfd", "method.loss_impl=chunked",
-                                 "method.chunk_size=128", *LEN], False),
-    "padding-free, no checkpointing": (["method.padding_free=true", *NO_GC, *LEN], False),
+                                 "method.chunk_size=128", *ALL_LABELLED, *LEN], "unpadded"),
+    "padding-free, no checkpointing": (["method.padding_free=true", *NO_GC, *ALL_LABELLED,
+                                        *LEN], "unpadded"),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_estimate_matches_real_run(job, tmp_path, case):
     """Padded cases: every real batch is [2, 256] with one short row (padded); the estimate's
-    worst case is the larger of its full and padded candidates. Packed / padding-free cases:
+    worst case is the larger of its full and padded candidates (with the padding mask: the
+    padded one; without it: the full one, which dominates it). Packed / padding-free cases:
     every real row is one document of max_length tokens."""
-    overrides, is_padded = CASES[case]
+    overrides, kind = CASES[case]
+    is_padded = kind != "unpadded"
     overrides = SHAPE + overrides
     est = _estimate(tmp_path, overrides)
     real = job(overrides + REAL, fast=False)
@@ -154,9 +175,11 @@ def test_estimate_matches_real_run(job, tmp_path, case):
     assert (pad > 0) if is_padded else (pad == 0.0)  # the real batches are of the kind tested
     if is_padded:
         assert real["data"]["tokens_dropped"] > 0  # a row was cut: the batch is max_length wide
-        # the largest of the estimate's candidates is a padded one (eager: the same as full)
-        assert any(c["padded"] and c["peak_bytes"] == est["peak_bytes"]
-                   for c in est["batch"]["candidates"])
+        if kind == "masked":  # the largest candidate is a padded one (eager: same as full)
+            assert any(c["padded"] and c["peak_bytes"] == est["peak_bytes"]
+                       for c in est["batch"]["candidates"])
+        else:  # no mask: the padded candidate needs no more than the full one and is dropped
+            assert [c["name"] for c in est["batch"]["candidates"]] == ["full"]
     else:
         assert "documents" in est["batch"]["rows"] or "rows of" in est["batch"]["rows"]
     assert_agrees(case, est, real["memory"])
@@ -167,7 +190,8 @@ def test_estimate_matches_real_run(job, tmp_path, case):
 # conversations: one longer than max_length (cut to it), one of ~300 tokens, so every real batch
 # is [2, max_length] and padded. The four cases cover each architecture, each length and each
 # loss mode twice (a half factorial of 2 x 2 x 2), and LoRA on one of them; no checkpointing
-# (where padding costs most: a float mask per layer).
+# (where padding costs most: a float mask per layer). The output head on every position and the
+# padding mask kept, as in the padded CASES above.
 HF_ARCH = {"qwen2": "Qwen2Config", "llama": "LlamaConfig"}
 
 
@@ -213,7 +237,8 @@ def test_hf_model_estimate_matches_real_run(job, tmp_path, hf_files, case):
     arch, length, loss_on, extra = HF_CASES[case]
     overrides = ["model=hf", f"model.name_or_path={hf_files[arch]}", "model.local_files_only=true",
                  "data=local", f"data.path={hf_files['data']}", f"method.max_length={length}",
-                 f"method.loss_on={loss_on}", "train.batch_size=2", "train.device=cpu",
+                 f"method.loss_on={loss_on}", "method.head_on=all", "method.padding_mask=always",
+                 "train.batch_size=2", "train.device=cpu",
                  "train.progress=false", *NO_GC, *extra]
     est = _estimate(tmp_path, overrides)
     real = job(overrides + REAL, fast=False)
@@ -409,8 +434,8 @@ def test_cuda_model_offload_and_qlora(tmp_path):
 def test_exact_masks_remove_the_fake_tensor_mask(tmp_path):
     """Transformers treats fake inputs as tracing and materialises a mask an unpadded real
     batch never builds; the estimator decides from the real batch values instead: the full
-    batch skips the mask, the padded one takes the mask path either way."""
-    o = SHAPE + ["packing=none", "attention=sdpa", *LEN, *NO_GC]
+    batch skips the mask, the padded one (with its mask) takes the mask path either way."""
+    o = SHAPE + ["packing=none", "attention=sdpa", "method.padding_mask=always", *LEN, *NO_GC]
     exact = {c["name"]: c["peak_bytes"] for c in _estimate(tmp_path, o)["batch"]["candidates"]}
     inexact = {c["name"]: c["peak_bytes"]
                for c in _estimate(tmp_path, o, "--inexact-masks")["batch"]["candidates"]}

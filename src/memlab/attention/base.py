@@ -16,6 +16,11 @@ class Attention:
     dtypes: ClassVar[tuple[str, ...]] = ("float32", "bfloat16", "float16")
     trains_on_cpu: ClassVar[bool] = True
     package: ClassVar[str | None] = None
+    skips_padding: ClassVar[bool] = True
+    """Given a padding mask, the backend leaves padded positions out of its work
+    (flash-attention unpads the rows, flex skips masked blocks), so a padded batch is worth its
+    mask. False (eager, sdpa): padded positions cost as much with the mask as without, so a
+    method may send right-padded rows of a causal LM without it (``method.padding_mask``)."""
 
     def implementation(self) -> str:
         """The string passed to transformers as ``attn_implementation``."""
@@ -70,6 +75,8 @@ class Attention:
 class VarlenAttention(Attention):
     """eager / sdpa: transformers' kernels, plus memlab's per-document attention for rows that
     hold several documents (memlab/attention/_varlen.py)."""
+
+    skips_padding: ClassVar[bool] = False
 
     varlen: bool = True
     """Per-document attention in packed / padding-free rows (cost sum(L_i^2)); false:

@@ -23,7 +23,9 @@ packing, the packing strategy's own ``apply``), so shapes and masks cannot drift
   ``padded`` = the same with the last row one token shorter: the same ``[batch_size, length]``
   tensors, the padding-mask path, and the most real tokens a padded batch can have (the mask's
   cost does not depend on how much padding there is; anything that grows with real tokens is
-  largest). One row cannot be padded: ``batch_size=1`` has only ``full``.
+  largest). One row cannot be padded: ``batch_size=1`` has only ``full``. Where SFT sends
+  padded rows without their mask (``method.padding_mask=auto`` under eager / sdpa) the padded
+  candidate has one label fewer and the same tensors: ``full`` dominates it and it is dropped.
 - padding-free rows (one flat row, no mask): ``full`` only (shorter rows only shrink it).
 - packed rows: ``docs_per_row`` documents per row when given, else both 1 (the most attention
   work per document, with per-document kernels) and 2 (the fewest documents that make
@@ -63,7 +65,7 @@ from memlab.data import synthetic
 from memlab.estimate.options import EstimateError
 from memlab.measure.data import DataStats
 from memlab.method._online import join
-from memlab.method.base import shifted_labels
+from memlab.method.base import layout_shapes, shifted_labels
 from memlab.packing.groups import GroupPacked
 from memlab.trainer.batch import Batch, Segments
 
@@ -221,14 +223,12 @@ def _padded_variant(ctx, tokenizer, rows: list[dict], cols: list[str]
     else:
         rest = [c for c in cols if c != "prompt_ids"] or cols
         tried = [rest, rest[-1:]]
-    shapes = {k: v.shape for k, v in ctx.method.collate(rows, tokenizer, ctx).tensors.items()
-              if isinstance(v, torch.Tensor)}
+    shapes = layout_shapes(ctx.method.collate(rows, tokenizer, ctx).tensors)
     for i in reversed(range(len(rows))):
         for columns in tried:
             shorter = _shorter(rows, i, columns)
             t = ctx.method.collate(shorter, tokenizer, ctx).tensors
-            if padded(t) and shapes == {k: v.shape for k, v in t.items()
-                                        if isinstance(v, torch.Tensor)}:
+            if padded(t) and shapes == layout_shapes(t):
                 return i, columns, shorter
     return None
 

@@ -66,6 +66,7 @@ from memlab.estimate.standins import (
 from memlab.measure import patches
 from memlab.measure.data import DataStats
 from memlab.measure.memory import tracker_class
+from memlab.method.base import LOSS_INDEX
 from memlab.pipeline import Seams, build
 from memlab.trainer.batch import Batch
 from memlab.trainer.loop import LoopOptions
@@ -398,6 +399,11 @@ def run_fake_step(ctx, opts: EstimateOptions, notes: list[str]) -> dict[str, Any
             c.batch = collate(c.rows)
             start += n * world
         cands = distinct(cands, key=lambda c: c.batch)
+        if any(LOSS_INDEX in c.batch.tensors for c in cands):
+            notes.append("every real token of the generated rows carries a label, so the "
+                         "output head runs at all of them (method.head_on=labelled: a run whose "
+                         "data labels fewer, such as completion-only chat, needs less; "
+                         "--from-data measures its own batches)")
     micro = min(max(1, ctx.train.grad_accum), 2)
     if ctx.train.grad_accum > 2:
         notes.append(f"grad_accum={ctx.train.grad_accum} estimated with 2 micro-batches per "

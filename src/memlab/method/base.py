@@ -23,6 +23,8 @@ A method is a registered dataclass (configuration only: no run-time state) with:
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any, ClassVar, Protocol
 
 import torch
@@ -31,6 +33,7 @@ from torch import nn
 from memlab.losses import IGNORE
 from memlab.measure.data import DataStats
 from memlab.trainer.batch import Batch, Segments
+from memlab.trainer.routing import unwrap
 
 __all__ = ["IGNORE", "Batch", "DataStats", "Generating", "Method", "ModelFactory", "Segments",
            "decoder_hidden", "flatten_batch", "model_inputs", "pad_batch", "round_up",
@@ -139,6 +142,47 @@ def decoder_hidden(model, **inputs: Any) -> torch.Tensor:
     Methods run it through ``memlab.trainer.routing.call_inside`` so that it stays inside a
     distributed wrapper's forward."""
     return model.get_decoder()(**inputs, use_cache=False).last_hidden_state
+
+
+LOSS_INDEX = "loss_index"
+"""Batch tensor: the flat positions (into ``labels.reshape(-1)``) that carry a label, found by
+the collator on the host. A loss that runs the output head only there (:func:`head_at`) then
+never computes logits for prompt or padding positions; its shape is known before the step, so
+an estimate's fake step measures it like any input."""
+
+
+def label_positions(labels: torch.Tensor) -> torch.Tensor:
+    """:data:`LOSS_INDEX` of collated ``labels`` (host tensors, in the collator)."""
+    return (labels.reshape(-1) != IGNORE).nonzero().squeeze(1)
+
+
+def layout_shapes(tensors: dict[str, Any]) -> dict[str, torch.Size]:
+    """Shapes of a batch's tensors that follow its layout (rows x width), not its labels."""
+    return {k: v.shape for k, v in tensors.items()
+            if isinstance(v, torch.Tensor) and k != LOSS_INDEX}
+
+
+@contextlib.contextmanager
+def head_at(model: nn.Module, index: torch.Tensor | None) -> Iterator[None]:
+    """Within the block the model's output head sees only the flat positions ``index`` of its
+    input: ``[B, T, H]`` hidden states become ``[len(index), H]`` before the head, so the
+    model's own forward returns ``[len(index), V]`` logits, after whatever it applies to them
+    (Gemma's soft-capping, Cohere's scale, Granite's divisor: those are per position). A forward
+    pre-hook on the unwrapped model's output embeddings (a LoRA-wrapped head included), added
+    for the block only; None = every position."""
+    if index is None:
+        yield
+        return
+
+    def select(_module: nn.Module, args: tuple) -> tuple:
+        hidden, *rest = args
+        return (hidden.reshape(-1, hidden.shape[-1]).index_select(0, index), *rest)
+
+    handle = unwrap(model).get_output_embeddings().register_forward_pre_hook(select)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")

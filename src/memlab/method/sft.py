@@ -22,11 +22,14 @@ from memlab.data.base import DataError, check_text
 from memlab.losses import chunked_linear_cross_entropy
 from memlab.method.base import (
     IGNORE,
+    LOSS_INDEX,
     Batch,
     DataStats,
     Offline,
     decoder_hidden,
     flatten_batch,
+    head_at,
+    label_positions,
     model_inputs,
     pad_batch,
     shifted_labels,
@@ -57,6 +60,19 @@ class SFT(Offline):
     never exist (pure PyTorch, any device)."""
     chunk_size: PositiveInt = 1024
     """Tokens per chunk for loss_impl=chunked."""
+    head_on: Literal["labelled", "all"] = "labelled"
+    """labelled: the output head (and the loss) runs only at the positions that carry a label,
+    which the collator lists; prompt and padding positions get no logits. The same loss and
+    gradients as ``all`` (every position), with less compute and memory where few positions
+    train (completion-only chat, padded rows)."""
+    padding_mask: Literal["auto", "always"] = "auto"
+    """auto: padded rows go to the model without an attention mask where the attention backend
+    computes padded positions either way (eager, sdpa: ``Attention.skips_padding`` false).
+    Rows are right-padded and the model is causal, so no real token ever attends to a padding
+    position: the mask changes nothing a label sees, and without it sdpa takes its causal
+    kernel (about half the attention work, no ``[rows, 1, T, T]`` mask, no key / value heads
+    repeated for it). always: send the mask (TRL's way; what flash / flex attention get under
+    auto too, as they unpad)."""
     use_liger_kernel: bool = False
     """Liger's Triton kernels (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy). CUDA + the
     gpu extra."""
@@ -197,39 +213,57 @@ class SFT(Offline):
             t, real, total = pad_batch(rows, tokenizer.pad_token_id, self.pad_to_multiple_of,
                                        columns, with_positions=packed)
             key = (total, t["input_ids"].shape[1])
-        n_items = int((t["labels"] != IGNORE).sum())
+            if not packed and self.causal_padding(ctx):
+                del t["attention_mask"]  # positions: the model's own 0..T-1, shared by the rows
+        if self.head_on == "labelled":
+            t[LOSS_INDEX] = label_positions(t["labels"])
+            n_items = t[LOSS_INDEX].numel()
+        else:
+            n_items = int((t["labels"] != IGNORE).sum())
         return Batch(t, num_items=n_items, real_tokens=real, total_tokens=total, size_key=key,
                      meta={"samples": len(rows)})
+
+    def causal_padding(self, ctx) -> bool:
+        """Whether padded rows go without their attention mask (``padding_mask``)."""
+        return self.padding_mask == "auto" and not ctx.attention.skips_padding
 
     # ------------------------------------------------------------------ model
     def loss(self, models: dict, batch: Batch, ctx) -> tuple[torch.Tensor, dict[str, float]]:
         model = models["policy"]
         t = batch.tensors
         inputs = model_inputs(t)
-        labels = t["labels"]
+        index = t.get(LOSS_INDEX)  # head_on=labelled: the positions with a label
+        labels = t["labels"].reshape(-1)
+        if index is not None:
+            labels = labels.index_select(0, index)
         if self.use_liger_kernel or self.loss_impl == "chunked":
             # decoder + head + loss in one call inside the wrapper's forward: under FSDP2 the
             # head's weight is gathered only there
-            loss_sum = call_inside(model, self._fused_head_loss, labels, **inputs)
+            loss_sum = call_inside(model, self._fused_head_loss, labels, index, **inputs)
         else:
-            logits = model(**inputs, use_cache=False).logits
+            with head_at(model, index):
+                logits = model(**inputs, use_cache=False).logits
             loss_sum = F.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
+                logits.reshape(-1, logits.shape[-1]).float(), labels,
                 ignore_index=IGNORE, reduction="sum",
             )
         return loss_sum, {}
 
-    def _fused_head_loss(self, model, labels: torch.Tensor, **inputs: Any) -> torch.Tensor:
-        """Summed token loss from the decoder's hidden states and the output head, never
-        building the [tokens, vocab] logits (Liger's fused kernel, or memlab's chunked one)."""
+    def _fused_head_loss(self, model, labels: torch.Tensor, index: torch.Tensor | None,
+                         **inputs: Any) -> torch.Tensor:
+        """Summed token loss from the decoder's hidden states (at ``index`` only, when given)
+        and the output head, never building the [tokens, vocab] logits (Liger's fused kernel,
+        or memlab's chunked one)."""
         hidden = decoder_hidden(model, **inputs)
         hidden = hidden.reshape(-1, hidden.shape[-1])
+        if index is not None:
+            hidden = hidden.index_select(0, index)
         head = model.get_output_embeddings()
         bias = getattr(head, "bias", None)
         if self.use_liger_kernel:
             from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
             loss_fn = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE, reduction="sum")
-            return loss_fn(head.weight, hidden, labels.reshape(-1), bias)
-        return chunked_linear_cross_entropy(hidden, head.weight, labels.reshape(-1), bias=bias,
+            return loss_fn(head.weight, hidden, labels, bias)
+        return chunked_linear_cross_entropy(hidden, head.weight, labels, bias=bias,
                                             chunk_size=self.chunk_size, reduction="sum")

@@ -18,6 +18,7 @@ from memlab.estimate.batch import (
     run_micro_batches,
     signature,
 )
+from memlab.method.base import layout_shapes
 from memlab.trainer.batch import Batch, Segments
 from memlab_testing import compose
 
@@ -45,15 +46,37 @@ def _collated(ctx, tok, cand) -> dict:
 
 
 def test_padded_sft_rows_have_the_full_shapes_and_a_padding_mask(tok):
-    ctx = _ctx(*LEN)
+    ctx = _ctx(*LEN, "method.padding_mask=always")
     full, pad = candidates(ctx, tok, 64)
     assert (full.name, pad.name) == ("full", "padded")
     tf, tp = _collated(ctx, tok, full), _collated(ctx, tok, pad)
-    assert {k: v.shape for k, v in tf.items()} == {k: v.shape for k, v in tp.items()}
+    assert layout_shapes(tf) == layout_shapes(tp)
+    assert tf["loss_index"].numel() == tp["loss_index"].numel() + 1  # one label fewer
     assert tp["input_ids"].shape == (3, 64)
     assert not padded(tf) and padded(tp)
     # the least padding a padded batch can have: one token in one row (most real tokens)
     assert int((tp["attention_mask"] == 0).sum()) == 1
+
+
+def test_sft_rows_padded_without_a_mask_need_no_more_than_full_rows(tok):
+    """method.padding_mask=auto under sdpa: the padded candidate goes without a mask (causal
+    kernel) and one label fewer: the full one dominates it, so the
+    estimate measures the full one only; flash-style backends keep the mask."""
+    ctx = _ctx(*LEN)
+    full, pad = candidates(ctx, tok, 64)
+    tf, tp = _collated(ctx, tok, full), _collated(ctx, tok, pad)
+    assert "attention_mask" not in tp and not padded(tp)
+    assert set(tp) == {"input_ids", "labels", "loss_index"}
+    assert dominated(signature(_batch(**tp)), signature(_batch(**tf)))
+    assert distinct([full, pad], key=lambda c: ctx.method.collate(c.rows, tok, ctx)) == [full]
+    import dataclasses
+
+    from memlab.attention.flash_attention_2 import FlashAttention2
+
+    flash = dataclasses.replace(ctx, attention=FlashAttention2())
+    assert not flash.method.causal_padding(flash)
+    assert "attention_mask" in _collated(flash, tok, pad)
+    assert not ctx.attention.skips_padding and ctx.method.causal_padding(ctx)
 
 
 def test_one_row_cannot_be_padded_and_flat_rows_have_no_mask(tok):
