@@ -137,3 +137,18 @@ def test_labelled_head_same_loss_curve_less_activation_memory(job):
     assert act["labelled"] < 0.95 * act["all"], act
     assert labelled["memory"]["peak_bytes"] < every["memory"]["peak_bytes"]
 
+
+
+@pytest.mark.integration
+def test_auto_tracking_finds_the_peak_of_labelled_batches(job):
+    """Under head_on=labelled the peak follows the labelled positions, not only the batch
+    shape: the collator's size key carries their count, so ``memory_steps=auto`` tracks the
+    step that reaches the peak ``all`` finds (it missed it when the key was the shape only)."""
+    common = ["train.steps=8", "method.max_length=256", "data.median_tokens=150",
+              "train.batch_size=3", "train.gradient_checkpointing=false"]
+    every = job([*common, "measure.memory_steps=all"])
+    auto = job(common)
+    peaks = every["memory"]["tracked_step_peaks"]
+    assert len(set(peaks)) > 2  # the batches differ
+    assert auto["memory"]["peak_bytes"] == every["memory"]["peak_bytes"] == max(peaks)
+    assert auto["memory"]["tracked_steps"] != every["memory"]["tracked_steps"]  # fewer steps

@@ -215,9 +215,12 @@ class SFT(Offline):
             key = (total, t["input_ids"].shape[1])
             if not packed and self.causal_padding(ctx):
                 del t["attention_mask"]  # positions: the model's own 0..T-1, shared by the rows
+            elif not packed:  # a mask with padding in it takes the (larger) mask path
+                key = (*key, int(real < total))
         if self.head_on == "labelled":
             t[LOSS_INDEX] = label_positions(t["labels"])
             n_items = t[LOSS_INDEX].numel()
+            key = (*key, n_items)  # the head's logits grow with the labelled positions
         else:
             n_items = int((t["labels"] != IGNORE).sum())
         return Batch(t, num_items=n_items, real_tokens=real, total_tokens=total, size_key=key,
