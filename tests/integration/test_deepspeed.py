@@ -64,7 +64,10 @@ def test_each_stage_shards_what_it_should(job):
     stage 0 holds full gradients and Adam's two moments; stage 1 half of the moments plus a
     half-size fp32 master copy, still full gradients; stage 2 also half of the gradients;
     stage 3 also half of the parameters."""
-    o = ["train.steps=2", "train.batch_size=1", "train.grad_accum=2", "measure.memory_steps=2"]
+    # loss on every token of rows cut at max_length: both micro-batches the same size (the
+    # head runs at labelled positions only), so the second one's forward is the larger
+    o = ["train.steps=2", "train.batch_size=1", "train.grad_accum=2", "measure.memory_steps=2",
+         "method.loss_on=all"]
     runs = {s: job(o + DS(s)) for s in (0, 1, 2, 3)}
     _ok(*runs.values())
     fwd = {s: r["memory"]["by_phase_category"]["forward"] for s, r in runs.items()}
@@ -146,7 +149,9 @@ def test_invalid_deepspeed_setups_are_rejected_before_loading(job):
 ESTIMATE_SHAPE = ["model.hidden_size=128", "model.intermediate_size=384", "model.num_layers=2",
                   "train.batch_size=2", "data.n_examples=32", "data.median_tokens=3000",
                   "train.device=cpu", "train.progress=false", "packing=bfd",
-                  "method.max_length=256"]
+                  "method.max_length=256", "method.loss_on=all"]
+# long documents cut at max_length, loss on every token: the estimate's worst-case rows (SFT's
+# head runs at the labelled positions only, so completion-only rows would need less)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

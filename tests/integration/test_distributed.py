@@ -160,7 +160,7 @@ def test_fsdp2_estimate_measures_a_rank_of_the_real_wrap(job, tmp_path):
 
     shape = ["model.hidden_size=64", "model.intermediate_size=128", "model.num_layers=2",
              "method.max_length=128", "train.batch_size=2", "train.device=cpu",
-             "data.n_examples=32", "data.median_tokens=3000"]
+             "data.n_examples=32", "data.median_tokens=3000", "method.loss_on=all"]
     ests = {}
     for name, extra in (("single", []), ("fsdp2", FSDP2)):
         assert estimate_main([*shape, *extra, "--out", str(tmp_path / name)]) == 0

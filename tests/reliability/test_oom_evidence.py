@@ -64,7 +64,7 @@ def test_a_rising_cgroup_counter_is_named_as_evidence(tmp_path):
 def test_the_kernel_log_names_the_process_and_old_lines_do_not_count():
     pid = 424242
     now = time.monotonic()
-    log = (f"[{now - 5000:.6f}] Out of memory: Killed process {pid} (python) total-vm:1kB\n"
+    log = (f"[{now / 2:.6f}] Out of memory: Killed process {pid} (python) total-vm:1kB\n"
            f"[{now + 1:.6f}] Memory cgroup out of memory: Killed process {pid} (python)\n"
            f"[{now + 2:.6f}] Out of memory: Killed process {pid}1 (other)\n")
     assert "Memory cgroup out of memory" in kernel_log_oom(pid, since=now, log=log)
