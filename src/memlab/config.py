@@ -128,6 +128,14 @@ class MeasureConfig:
     ``profile`` (:mod:`memlab.measure.profile`). The step runs without the memory tracker and
     is left out of tokens/s. null = no profile."""
 
+    def always_tracks(self, step: int) -> bool:
+        """Whether the tracker runs ``step`` whatever its batch: every step ('all'), the first
+        N, or auto's first two (step 0: cold; step 1: the first with optimizer state)."""
+        mode = self.memory_steps
+        if mode == "all":
+            return True
+        return step < (mode if isinstance(mode, int) else 2)
+
     def errors(self, train: TrainConfig) -> list[str]:
         """Problems of the measuring knobs against the training's."""
         step = self.profile_step
@@ -138,12 +146,9 @@ class MeasureConfig:
             errors.append(f"measure.profile_step={step} is past the last step (train.steps="
                           f"{train.steps} runs steps 0..{train.steps - 1}); pick a step below "
                           f"{train.steps}")
-        mode = self.memory_steps
-        tracked = self.memory and (mode == "all" or (isinstance(mode, int) and step < mode)
-                                   or (mode == "auto" and step < 2))
-        if tracked:
+        if self.memory and self.always_tracks(step):
             errors.append(f"measure.profile_step={step} is a step the memory tracker runs "
-                          f"(measure.memory_steps={mode}), whose dispatch mode would be most of "
+                          f"(measure.memory_steps={self.memory_steps}), whose dispatch mode would be most of "
                           "the profile; profile a later step (auto tracks steps 0 and 1) or set "
                           "measure.memory=false")
         return errors

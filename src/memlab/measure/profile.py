@@ -102,10 +102,9 @@ def summarize(events: Any, wall_s: float, *, device: bool = False, top: int = 12
 
 
 @contextlib.contextmanager
-def profiled(out_dir: Path, *, cuda: bool = False, device_time: bool | None = None
-             ) -> Iterator[dict[str, Any]]:
+def profiled(out_dir: Path, *, cuda: bool = False) -> Iterator[dict[str, Any]]:
     """Profile the block; on exit write ``trace.json`` and ``ops.txt`` under ``out_dir`` and
-    fill the yielded dict with :func:`summarize`'s result."""
+    fill the yielded dict with :func:`summarize`'s result (``cuda``: kernels' device time)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -121,7 +120,7 @@ def profiled(out_dir: Path, *, cuda: bool = False, device_time: bool | None = No
     events = prof.key_averages()
     sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     (out_dir / "ops.txt").write_text(events.table(sort_by=sort, row_limit=60) + "\n")
-    result.update(summarize(events, wall, device=cuda if device_time is None else device_time))
+    result.update(summarize(events, wall, device=cuda))
     (out_dir / "summary.json").write_text(json.dumps(result, indent=2) + "\n")
 
 

@@ -150,15 +150,12 @@ class Trainer:
 
     # ---------------------------------------------------------------- one step
     def _tracked(self, step: int, key: tuple[int, ...]) -> bool:
-        mode = self.ctx.measure.memory_steps
-        if mode == "all":
+        measure = self.ctx.measure
+        if measure.always_tracks(step):
             return True
-        if isinstance(mode, int):
-            return step < mode
-        first = step < 2  # step 0: cold; step 1: the first with optimizer state
-        bigger = not self._max_key or any(
-            k > m for k, m in zip(key, self._max_key, strict=False))
-        return first or bigger
+        if measure.memory_steps != "auto":
+            return False
+        return not self._max_key or any(k > m for k, m in zip(key, self._max_key, strict=False))
 
     def init_optimizer_state(self) -> None:
         """Create the optimizer's state as its first update does (on zero gradients), without a
@@ -182,7 +179,7 @@ class Trainer:
         sync_s = None
         with self.probe.step(self.step_idx, tracked, inputs):
             if self.method.generates() and not reuse:  # online: generate the training batches
-                with self.probe.phase("generate"), phase_label("generate", self._profiling):
+                with self._phase("generate"):
                     with self.dist.generation(self.policy):  # ZeRO-3 / FSDP2: whole weights
                         sync_s = self.generation.sync(self.policy)
                     with ctx.precision.autocast(device):
@@ -197,11 +194,11 @@ class Trainer:
             scale = world / max(1, total_items)
             for i, b in enumerate(batches):
                 with self.dist.sync(self.policy, last=i == len(batches) - 1):
-                    with self.probe.phase("forward"), phase_label("forward", self._profiling):
+                    with self._phase("forward"):
                         with ctx.precision.autocast(device), self._offload_ctx():
                             loss_sum, metrics = self.method.loss(self.models, b, ctx)
                         loss = loss_sum * scale
-                    with self.probe.phase("backward"), phase_label("backward", self._profiling):
+                    with self._phase("backward"):
                         if self.dist.owns_step:
                             self.dist.backward(self.policy, loss)
                         else:
@@ -214,7 +211,7 @@ class Trainer:
                 del loss
                 if self.offload is not None:
                     self.offload.reset()
-            with self.probe.phase("optimizer"), phase_label("optimizer", self._profiling):
+            with self._phase("optimizer"):
                 gnorm = self._optimizer_step()
             if self.generation is not None:
                 self.generation.weights_changed()
@@ -255,6 +252,12 @@ class Trainer:
 
     def _offload_ctx(self):
         return self.ctx.offload.forward_context(self.offload)
+
+    @contextlib.contextmanager
+    def _phase(self, name: str):
+        """A phase of the step: the probe's memory phase, and its label while profiled."""
+        with self.probe.phase(name), phase_label(name, self._profiling):
+            yield
 
     def _profile(self) -> contextlib.AbstractContextManager[dict[str, Any] | None]:
         """torch.profiler around this step when it is ``measure.profile_step`` (its trace and
