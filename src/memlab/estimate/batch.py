@@ -64,7 +64,6 @@ import torch
 from memlab.data import synthetic
 from memlab.estimate.options import EstimateError
 from memlab.measure.data import DataStats
-from memlab.method._online import join
 from memlab.method.base import layout_shapes, shifted_labels
 from memlab.packing.groups import GroupPacked
 from memlab.trainer.batch import Batch, Segments
@@ -351,15 +350,12 @@ def new_tokens(method) -> int:
     return method.sampling_length()
 
 
-def worst_case_rollout_tensors(method, real: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The real values of the worst-case generated training batch (every completion runs to its
-    full length): the candidates :func:`exact_value_hooks` evaluates the training forward's mask
-    decisions on, as it does for collated batches."""
-    if "prompt_ids" not in real:
+def worst_case_rollout_tensors(ctx, batch: Batch, token: int) -> dict[str, torch.Tensor]:
+    """The real values of the worst-case generated training batch of the prompt ``batch``
+    (every completion runs to its full length, the method's own layout): the candidates
+    :func:`exact_value_hooks` evaluates the training forward's mask decisions on, as it does
+    for collated batches."""
+    if "prompt_ids" not in batch.tensors:
         return {}
-    g = method.rows_per_prompt()
-    prompt = real["prompt_ids"].repeat_interleave(g, 0)
-    pmask = real["prompt_mask"].repeat_interleave(g, 0)
-    comp = torch.zeros(prompt.shape[0], new_tokens(method), dtype=torch.long)
-    t = join(prompt, pmask, comp, torch.ones_like(comp))
-    return {f"rollout_{k}": v for k, v in t.items()}
+    t = ctx.method.worst_case_tensors(batch, new_tokens(ctx.method), token, ctx)
+    return {f"rollout_{k}": v for k, v in t.items() if isinstance(v, torch.Tensor)}

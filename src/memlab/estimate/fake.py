@@ -432,7 +432,7 @@ def run_fake_step(ctx, opts: EstimateOptions, notes: list[str]) -> dict[str, Any
                     real.update({n: v for n, v in c.batch.tensors.items()
                                  if isinstance(v, torch.Tensor)})
                     if online:
-                        real.update(worst_case_rollout_tensors(ctx.method, real))
+                        real.update(worst_case_rollout_tensors(ctx, c.batch, token))
                     batches = _fake_micro_batches(c.batch, micro, mode)
                 for step in run_steps:
                     if step == 0:  # this candidate as the run's first step: no state yet

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import math
 import random
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -218,6 +218,8 @@ class WorstCaseEngine(HFEngine):
     exactly ``max_new_tokens`` on every row (its stop check reads a value; here it reads the
     length), then host copies of that length (token ``token`` repeated), so that the method's
     scoring, counting and reward models run on the worst case."""
+
+    placeholder_samples: ClassVar[bool] = True
 
     def __init__(self, dist: Any, token: int):
         super().__init__(dist)

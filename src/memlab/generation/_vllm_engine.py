@@ -121,10 +121,12 @@ def sampling_kwargs(p: SamplingParams) -> dict[str, Any]:
                 logprobs=0, detokenize=False, skip_special_tokens=False)
 
 
-def prompt_lists(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[list[int]]:
-    """Left-padded ``[N, P]`` rows -> each row's real tokens."""
+def prompt_lists(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, n: int = 1
+                 ) -> list[list[int]]:
+    """Left-padded ``[N, P]`` rows -> each row's real tokens, each ``n`` times in a row (a
+    group's completions; vLLM's prefix caching prefills a repeated prompt once)."""
     ids, mask = prompt_ids.tolist(), prompt_mask.tolist()
-    return [[t for t, m in zip(r, mr) if m] for r, mr in zip(ids, mask)]
+    return [[t for t, m in zip(r, mr) if m] for r, mr in zip(ids, mask) for _ in range(n)]
 
 
 def to_samples(tokens: list[list[int]], logprobs: list[list[float]] | None,
@@ -234,6 +236,7 @@ class ColocateEngine:
     """An in-process vLLM engine beside the policy (one per rank)."""
 
     syncs_weights: ClassVar[bool] = True
+    placeholder_samples: ClassVar[bool] = False
 
     def __init__(self, cfg: Any, *, device: str, seed: int, world_size: int = 1):
         self.cfg, self.device, self.seed, self.world_size = cfg, device, seed, world_size
@@ -306,14 +309,15 @@ class ColocateEngine:
 
     def generate(self, model: torch.nn.Module, prompt_ids: torch.Tensor,
                  prompt_mask: torch.Tensor, params: SamplingParams) -> Samples:
-        """Sample one completion per prompt row with the engine."""
+        """Sample ``params.n`` completions per prompt row with the engine."""
         from vllm import SamplingParams as VSamplingParams
 
         if self.llm is None:
             self.start(model)
         elif self._weights_gone:  # asleep and nobody synced since: the weights are needed now
             self.sync_weights(model)
-        prompts = [{"prompt_token_ids": p} for p in prompt_lists(prompt_ids, prompt_mask)]
+        prompts = [{"prompt_token_ids": p}
+                   for p in prompt_lists(prompt_ids, prompt_mask, params.n)]
         with self._untracked():  # the engine's own memory (memory() reports it)
             if self._kv_asleep:
                 self.llm.wake_up(tags=["kv_cache"])

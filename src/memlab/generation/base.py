@@ -34,6 +34,9 @@ class SamplingParams:
     pad: int = 0
     greedy: bool = False
     """Argmax decoding (tests compare engines with it)."""
+    n: int = 1
+    """Completions per prompt (vLLM's name; a GRPO group): the samples hold ``n`` rows per
+    prompt row, in prompt order, and an engine prefills each prompt once for all of them."""
 
 
 @dataclass
@@ -83,6 +86,10 @@ class Engine(Protocol):
     syncs_weights: ClassVar[bool]
     """Whether the engine keeps its own copy of the weights (then the trainer pushes the
     policy's after optimizer steps, and measures how long that takes)."""
+    placeholder_samples: ClassVar[bool]
+    """Whether its samples stand in for real ones (an estimate's worst case: every completion
+    at full length): a method must then lay out every completion, deciding nothing on their
+    values (as leaving out those whose loss term is zero)."""
 
     def start(self, model: torch.nn.Module,
               untracked: Callable[[], AbstractContextManager] = contextlib.nullcontext) -> None:
@@ -95,7 +102,8 @@ class Engine(Protocol):
 
     def generate(self, model: torch.nn.Module, prompt_ids: torch.Tensor,
                  prompt_mask: torch.Tensor, params: SamplingParams) -> Samples:
-        """One completion per row of the LEFT-padded ``prompt_ids`` ``[N, P]``."""
+        """``params.n`` completions per row of the LEFT-padded ``prompt_ids`` ``[N, P]``
+        (``[N * n, L]``, each prompt's in a row), each prompt prefilled once."""
         ...
 
     def sync_weights(self, model: torch.nn.Module) -> float:

@@ -31,23 +31,45 @@ class HF:
         return None  # generates with the policy itself: its KV cache is the generate phase's
 
 
-def _generate(model, **kwargs: Any) -> torch.Tensor:
-    """``model.generate`` (run inside the distributed wrapper's forward by call_inside)."""
-    return model.generate(**kwargs)
+def _generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, n: int,
+              **kwargs: Any) -> torch.Tensor:
+    """``n`` completions per row of ``input_ids`` with ``model.generate`` (run inside the
+    distributed wrapper's forward by call_inside). With ``n > 1`` every prompt is prefilled
+    once: the model runs over all but each row's last token (left-padded rows end together)
+    with a KV cache, the cache is repeated ``n`` times per row, and ``generate`` continues from
+    it on the repeated rows (it runs only the tokens the cache lacks: the last one). Greedy
+    decoding gives the completions of the repeated prompts prefilled one by one."""
+    if n == 1:
+        return model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    if input_ids.shape[1] > 1:
+        head, mask = input_ids[:, :-1], attention_mask[:, :-1]
+        # the position ids generate gives left-padded rows: real tokens count from 0
+        positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
+        model(input_ids=head, attention_mask=mask, position_ids=positions,
+              cache=cache, use_cache=True, logits_to_keep=1)
+        cache.batch_repeat_interleave(n)
+    return model.generate(input_ids=input_ids.repeat_interleave(n, 0),
+                          attention_mask=attention_mask.repeat_interleave(n, 0),
+                          cache=cache, **kwargs)
 
 
 class HFEngine:
     """transformers' ``generate`` on the policy (module docstring)."""
 
     syncs_weights: ClassVar[bool] = False
+    placeholder_samples: ClassVar[bool] = False
 
     def __init__(self, dist: Any):
         self.dist = dist
 
     def decode(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                params: SamplingParams) -> torch.Tensor:
-        """The raw completions ``[N, L]`` (eval mode, no gradient, KV cache, inside the
-        wrapper; the distributed option's ``generation`` context around the call)."""
+        """The raw completions ``[N * n, L]`` (eval mode, no gradient, KV cache, each prompt
+        prefilled once, inside the wrapper; the distributed option's ``generation`` context
+        around the call)."""
         inner = unwrap(model)
         was_training = inner.training
         inner.eval()
@@ -56,8 +78,7 @@ class HFEngine:
             "top_k": params.top_k or None}
         try:
             with torch.no_grad(), self.dist.generation(model):
-                seqs = call_inside(model, _generate, input_ids=prompt_ids,
-                                   attention_mask=prompt_mask,
+                seqs = call_inside(model, _generate, prompt_ids, prompt_mask, params.n,
                                    max_new_tokens=params.max_new_tokens, pad_token_id=params.pad,
                                    eos_token_id=params.eos, use_cache=True, **sampling)
         finally:

@@ -38,6 +38,7 @@ class ServerEngine:
     generates with the old weights."""
 
     syncs_weights: ClassVar[bool] = True
+    placeholder_samples: ClassVar[bool] = False
 
     def __init__(self, cfg: Any, *, rank: int = 0):
         self.cfg, self.rank = cfg, rank
@@ -140,7 +141,8 @@ class ServerEngine:
         may have started from another checkpoint or random weights)."""
         if self.pushed == 0:
             self.sync_weights(model)
-        out = self._call("/generate", {"prompts": prompt_lists(prompt_ids, prompt_mask),
+        prompts = prompt_lists(prompt_ids, prompt_mask, params.n)
+        out = self._call("/generate", {"prompts": prompts,
                                        "sampling": sampling_kwargs(params)})
         return to_samples(out["tokens"], out["logprobs"], params, prompt_ids.device)
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from memlab.method.base import IGNORE, Segments, round_up, shifted_labels
+from memlab.method.base import IGNORE, Segments, round_up, scored_tensors, shifted_labels
 from memlab.packing.groups import PACK_ROWS
 
 
@@ -84,11 +84,14 @@ def unit_docs(prompt: Sequence[int], completions: Sequence[Sequence[int]], seqs:
 
 
 def collate_rows(rows: list[list[Doc]], pad_id: int, multiple: int | None, flat: bool,
-                 num_seqs: int | None = None) -> tuple[dict, int, int]:
+                 num_seqs: int | None = None, scored: bool = False) -> tuple[dict, int, int]:
     """Tensors of ``rows`` (lists of documents; a document's ``prefix`` points into its own
     row), padded to the longest row (rounded up to ``multiple``), or, with ``flat``, every row
     concatenated into one ``[1, N]`` row. ``num_seqs``: also return ``last_index`` for sequences
-    ``0 .. num_seqs-1`` (reward pooling). Returns ``(tensors, stored tokens, slots)``."""
+    ``0 .. num_seqs-1`` (reward pooling). ``scored``: also every scored token's position, label
+    and sequence (:func:`memlab.method.base.scored_tensors`; a fork listed where it is predicted,
+    before the rest of its sequence, so each sequence's tokens come in order).
+    Returns ``(tensors, stored tokens, slots)``."""
     if flat:
         rows = [[d for row in rows for d in row]]
     lengths = [sum(len(d.ids) for d in row) for row in rows]
@@ -100,6 +103,7 @@ def collate_rows(rows: list[list[Doc]], pad_id: int, multiple: int | None, flat:
     pos = torch.zeros((n_rows, width), dtype=torch.long)
     entries: list[tuple] = []
     forks: list[tuple[int, int, int]] = []
+    listed: list[tuple[int, int, int]] = []  # (position, label, sequence) with ``scored``
     pooled: dict[int, int] = {}
     for r, row in enumerate(rows):
         starts, start, entry = [], 0, []
@@ -118,6 +122,12 @@ def collate_rows(rows: list[list[Doc]], pad_id: int, multiple: int | None, flat:
                 entry.append((n, a, a + d.prefix[1]))
                 if d.fork is not None:
                     forks.append((r * width + a + d.prefix[1] - 1, *d.fork))
+                    if scored:
+                        listed.append(forks[-1])
+            if scored:
+                base = r * width + start
+                listed += [(base + i, lab, d.seq) for i, lab in enumerate(d.labels)
+                           if lab != IGNORE]
             for s, i in d.pools:
                 pooled[s] = r * width + start + i
             start += n
@@ -130,6 +140,8 @@ def collate_rows(rows: list[list[Doc]], pad_id: int, multiple: int | None, flat:
          "fork_index": torch.tensor([f[0] for f in forks], dtype=torch.long),
          "fork_labels": torch.tensor([f[1] for f in forks], dtype=torch.long),
          "fork_segments": torch.tensor([f[2] for f in forks], dtype=torch.long)}
+    if scored:
+        t.update(scored_tensors(listed))
     if num_seqs is not None:
         missing = [s for s in range(num_seqs) if s not in pooled]
         if missing:
@@ -176,13 +188,20 @@ def layout_errors(method, ctx) -> list[str]:
     if ctx.packing.packs and method.max_length is None:
         errors.append(f"packing={ctx.packing.name} packs rows of method.max_length tokens; set "
                       "method.max_length (e.g. method.max_length=2048)")
-    if method.share_prompt and not ctx.attention.shares_prefix():
-        errors.append(
-            f"method.share_prompt=true stores a pair's prompt once, the rejected tokens seeing it "
-            f"and not the chosen ones; attention={ctx.attention.name} cannot express that in a "
-            "row; use attention=sdpa or eager (attention.varlen=true) or flex_attention, or set "
-            "method.share_prompt=false")
+    if method.share_prompt:
+        errors += shared_prompt_errors(ctx, "a pair's prompt once, the rejected tokens seeing it "
+                                       "and not the chosen ones")
     return errors
+
+
+def shared_prompt_errors(ctx, what: str) -> list[str]:
+    """``method.share_prompt=true`` stores ``what``: the attention option must let a document
+    see a prefix stored before it (``Attention.shares_prefix``)."""
+    if ctx.attention.shares_prefix():
+        return []
+    return [f"method.share_prompt=true stores {what}; attention={ctx.attention.name} cannot "
+            "express that in a row; use attention=sdpa or eager (attention.varlen=true) or "
+            "flex_attention, or set method.share_prompt=false"]
 
 
 def per_item(values: list, items: list[dict]) -> list:

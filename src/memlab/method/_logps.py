@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from memlab.losses import forked_token_logps, segment_logps, sequence_logps
-from memlab.method.base import model_inputs
+from memlab.losses import forked_token_logps, segment_logps, sequence_logps, token_logps
+from memlab.method.base import LOSS_INDEX, LOSS_LABELS, LOSS_SEQS, head_logits, model_inputs
 
 
 def document_inputs(t: dict[str, Any], prefix: str = "", attention: Any = None
@@ -37,8 +37,19 @@ def document_inputs(t: dict[str, Any], prefix: str = "", attention: Any = None
 def completion_logps(model: nn.Module, t: dict[str, torch.Tensor], n: int, prefix: str = "",
                      attention: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed completion log-probs and scored-token counts of the ``n`` sequences in ``t``
-    (padded, padding-free, or packed / shared-prompt rows)."""
-    logits = model(**document_inputs(t, prefix, attention), use_cache=False).logits
+    (padded, padding-free, or packed / shared-prompt rows). A batch that lists its scored
+    tokens (``head_on=labelled``: :data:`memlab.method.base.LOSS_INDEX` with their labels and
+    sequences) runs the output head at those positions only."""
+    inputs = document_inputs(t, prefix, attention)
+    if prefix + LOSS_INDEX in t:
+        logits = head_logits(model, inputs, t[prefix + LOSS_INDEX], labelled=True)
+        per_token = token_logps(logits, t[prefix + LOSS_LABELS])
+        seqs = t[prefix + LOSS_SEQS]
+        sums = per_token.new_zeros(n).index_add(0, seqs, per_token)
+        counts = torch.zeros(n, dtype=torch.long, device=seqs.device).index_add_(
+            0, seqs, torch.ones_like(seqs))
+        return sums, counts
+    logits = model(**inputs, use_cache=False).logits
     labels = t[prefix + "labels"]
     if prefix + "fork_index" in t:
         return layout_logps(logits, t, n, prefix)

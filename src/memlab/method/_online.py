@@ -11,9 +11,12 @@ Generation runs in the trainer's ``generate`` phase (measured like forward and b
 through the engine the run's ``generation`` option built (``memlab.generation``: transformers'
 ``generate`` on the policy by default, inside its distributed wrapper). The engine returns host
 copies of the completions' tokens, so scoring and counting read no device tensor.
-``train.batch_size`` counts prompts (each becomes ``num_generations`` sequences). Every method
-here takes one optimisation pass per generation batch (on-policy: the probability ratio is 1 in
-value and carries the policy gradient).
+``train.batch_size`` counts prompts (each becomes ``num_generations`` sequences); the engine
+prefills each prompt once for its whole group (``SamplingParams.n``). Every method here takes one
+optimisation pass per generation batch (on-policy: the probability ratio is 1 in value and
+carries the policy gradient). The training batch and the per-token values its loss reads are
+:mod:`memlab.method._rollout`'s (padded, padding-free or shared-prompt rows; the output head
+only where a completion token is predicted; completions whose loss term is zero left out).
 """
 
 from __future__ import annotations
@@ -26,9 +29,8 @@ from torch import nn
 
 from memlab.data.base import DataError, check_messages, check_text
 from memlab.generation.base import GenerationEnv, Samples, SamplingParams
-from memlab.losses import token_logps
-from memlab.method import _overrides, _reference, _rewards, _rows
-from memlab.method.base import IGNORE, Batch, DataStats, ModelFactory, model_inputs
+from memlab.method import _layout, _overrides, _reference, _rewards, _rollout, _rows
+from memlab.method.base import IGNORE, Batch, DataStats, ModelFactory, drops_padding_mask
 from memlab.registry import NonNegativeFloat, PositiveFloat, PositiveInt, Range
 
 
@@ -68,11 +70,27 @@ class Online:
     step on the policy has moved, so the probability ratio to the log-probs recorded at
     generation time differs from 1 and the clip acts. Those log-probs cost one more no-grad
     forward in the generate phase."""
+    head_on: Literal["labelled", "all"] = "labelled"
+    """labelled: the output head (and PPO's value head) runs only at the positions that predict
+    a completion token, as TRL's ``logits_to_keep``; all: at every position, prompt and
+    padding included (the old way). Same loss and gradients."""
+    padding_mask: Literal["auto", "always"] = "auto"
+    """auto: the training rows (right-padded ``prompt + completion``) go without their
+    attention mask where the attention backend computes padded positions anyway (eager, sdpa);
+    always: send it (``method=sft``'s knob)."""
+    share_prompt: bool = False
+    """Store each prompt once for its ``num_generations`` completions in the training forward
+    and backward: one row per prompt, every completion seeing the prompt and itself only (as
+    ``method=dpo``'s share_prompt does for a pair). Same log-probs as the unshared rows; needs
+    attention that can show a document a prefix (sdpa / eager with varlen, flex)."""
+    padding_free: bool = False
+    """Every training sequence (or, with share_prompt, every prompt's group) as documents of
+    one row: restarting position ids, no padding."""
 
     data_kinds: ClassVar[tuple[str, ...]] = ("chat", "preference")
     head: ClassVar[str] = "causal_lm"
     supports_packing: ClassVar[bool] = False
-    supports_padding_free: ClassVar[bool] = False
+    supports_padding_free: ClassVar[bool] = True
     trains_extra_models: ClassVar[bool] = False
     supports_sampling_correction: ClassVar[bool] = False
     items_name: ClassVar[str] = "completion tokens"
@@ -120,6 +138,10 @@ class Online:
                           "between generation batches)")
         if self.beta > 0:
             errors += _reference.reference_errors(self, ctx)
+        if self.share_prompt:
+            errors += _layout.shared_prompt_errors(
+                ctx, "each prompt once for its completions, each completion seeing it and not "
+                "the other completions")
         return errors
 
     def _reward_model_errors(self, ctx) -> list[str]:
@@ -177,9 +199,11 @@ class Online:
             ids[i, width - n:] = torch.tensor(r["prompt_ids"], dtype=torch.long)
             mask[i, width - n:] = 1
         real = int(mask.sum())
+        # the prompts' tokens drive the training rows (shared / padding-free: their sum)
         return Batch({"prompt_ids": ids, "prompt_mask": mask}, num_items=0, real_tokens=real,
-                     total_tokens=ids.numel(), size_key=(len(rows), width),
+                     total_tokens=ids.numel(), size_key=(len(rows), width, real),
                      meta={"samples": len(rows) * self.num_generations,
+                           "prompt_ids": [list(r["prompt_ids"]) for r in rows],
                            "references": [r["reference"] for r in rows],
                            "prompts": [r["prompt_text"] for r in rows],
                            "eos": tokenizer.eos_token_id, "pad": pad,
@@ -211,7 +235,11 @@ class Online:
         return None
 
     def packs_rows(self, ctx) -> bool:
-        return False
+        return self.padding_free or self.share_prompt
+
+    def labelled(self) -> bool:
+        """Whether the output head runs at the scored positions only (``head_on``)."""
+        return self.head_on == "labelled"
 
     def uses_liger(self) -> bool:
         return False
@@ -230,43 +258,43 @@ class Online:
         """The sampling request of this method for ``batch``'s prompts."""
         return SamplingParams(max_new_tokens=self.max_completion_length,
                               temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                              eos=batch.meta["eos"], pad=batch.meta["pad"])
+                              eos=batch.meta["eos"], pad=batch.meta["pad"],
+                              n=self.num_generations)
 
     def rollout(self, models: dict, batch: Batch, ctx, env: GenerationEnv) -> Batch:
-        """Sample completions with the run's engine, score them, and return the training
-        batch: prompt + completion rows ``[B*G, P+L]`` with advantages and the
-        completion-token mask."""
-        g = self.num_generations
-        prompt = batch.tensors["prompt_ids"].repeat_interleave(g, 0)
-        pmask = batch.tensors["prompt_mask"].repeat_interleave(g, 0)
-        samples = env.engine.generate(models["policy"], prompt, pmask, self.sampling(batch))
+        """Sample ``num_generations`` completions per prompt with the run's engine (each prompt
+        prefilled once), score them, and return the training batch
+        (:meth:`training_batch`)."""
+        samples = env.engine.generate(models["policy"], batch.tensors["prompt_ids"],
+                                      batch.tensors["prompt_mask"], self.sampling(batch))
         rewards, metrics = self.score(batch, samples, models)
-        out = self.training_batch(models, batch, prompt, pmask, samples, rewards, metrics)
+        out = self.training_batch(models, batch, samples, rewards, metrics, ctx,
+                                  real=not env.engine.placeholder_samples)
         if samples.logprobs is not None and env.engine.corrects_sampling():
-            self.correct_sampling(models, out, samples, env.engine, prompt.shape[1])
+            self.correct_sampling(models, out, samples, env.engine, ctx)
         return out
 
-    def correct_sampling(self, models: dict, out: Batch, samples: Samples, engine,
-                         prompt_width: int) -> None:
+    def correct_sampling(self, models: dict, out: Batch, samples: Samples, engine, ctx) -> None:
         """Weight each completion token by the engine's correction of the mismatch between
         the sampler's log-probs and the trainer's (``is_weights``; methods that declare
         ``supports_sampling_correction`` apply them in their loss). The trainer's log-probs are
         those of the policy at generation time (one no-grad forward, shared with
         ``old_logps`` when the method records them)."""
         t = out.tensors
-        labels = t["labels"][:, :-1]
+        mask = t["completion_mask"]
         old = t.get("old_logps")
         if old is None:
             with torch.no_grad():
-                logits = models["policy"](**model_inputs(t), use_cache=False).logits[:, :-1]
-                old = token_logps(logits, labels, IGNORE)
-            del logits
-        sampler = torch.zeros_like(old)
-        width = samples.logprobs.shape[1]
-        sampler[:, prompt_width - 1: prompt_width - 1 + width] = samples.logprobs.to(old)
-        weights, metrics = engine.importance_weights(old, sampler, labels != IGNORE)
+                old = self.completion_logps(models["policy"], t, ctx)
+        sampler = samples.logprobs[:, : mask.shape[1]].to(old)
+        weights, metrics = engine.importance_weights(old, sampler * mask, mask.bool())
         t["is_weights"] = weights.to(old.device)
         out.meta["rollout"].update(metrics)
+
+    def completion_logps(self, model, t: dict[str, Any], ctx) -> torch.Tensor:
+        """``[N, L]`` log-probs of the completion tokens of training tensors ``t`` under
+        ``model`` (:func:`memlab.method._rollout.completion_logps`)."""
+        return _rollout.completion_logps(model, t, self.labelled(), _layout.attention_of(ctx))
 
     def score(self, batch: Batch, samples: Samples, models: dict
               ) -> tuple[torch.Tensor, dict[str, float]]:
@@ -297,23 +325,20 @@ class Online:
             total += w * r
         return total, metrics
 
-    def training_batch(self, models: dict, batch: Batch, prompt: torch.Tensor,
-                       pmask: torch.Tensor, samples: Samples, rewards: torch.Tensor,
-                       metrics: dict[str, float]) -> Batch:
-        """Prompt + completion rows with labels on the completion tokens, the loss mask and the
-        method's advantages (``advantages_for``, which may run the reference / value model).
-        Token counts come from the samples' host copies (no device read)."""
+    def training_batch(self, models: dict, batch: Batch, samples: Samples,
+                       rewards: torch.Tensor, metrics: dict[str, float], ctx,
+                       real: bool = True) -> Batch:
+        """The training batch (:mod:`memlab.method._rollout`) with the completion mask, the
+        method's advantages (``advantages_for``, which may run the reference / value model on
+        it) and, where the method says a completion's loss term is zero, without it. Token
+        counts come from the samples' host copies (no device read). ``real``: the samples are
+        real (an estimate's placeholders: every completion is kept and scored, the worst
+        case)."""
         g = self.num_generations
-        comp, cmask, finished = samples.completion, samples.mask, samples.finished
-        t = join(prompt, pmask, comp, cmask)
-        ids, labels = t["input_ids"], t["labels"]
-        valid = [True] * len(samples.token_ids)
-        loss_mask = torch.ones(comp.shape[0], dtype=torch.bool, device=finished.device)
+        lengths = samples.lengths
+        valid = [True] * len(lengths)
         if self.mask_truncated_completions:
             valid = list(samples.finished_list)
-            loss_mask = finished.clone()
-            labels[~loss_mask.to(labels.device)] = IGNORE
-        lengths = samples.lengths
         n_tokens = sum(n for n, v in zip(lengths, valid, strict=True) if v)
         items = self.num_items(n_tokens, sum(valid))
         metrics.update({
@@ -322,18 +347,59 @@ class Online:
             "completions/mean_length": sum(lengths) / max(1, len(lengths)),
             "completions/finished": sum(samples.finished_list) / max(1, len(lengths)),
         })
-        t.update(seq_valid=loss_mask.to(ids.device), finished=finished.to(ids.device))
-        t["advantages"] = self.advantages_for(models, rewards, t, metrics).to(ids.device)
-        return Batch(t, num_items=items, real_tokens=batch.real_tokens * g + sum(lengths),
-                     total_tokens=ids.numel(), size_key=tuple(ids.shape),
-                     meta={**batch.meta, "rollout": metrics})
+        keep = valid if real else [True] * len(lengths)
+        device = batch.tensors["prompt_ids"].device
+        t, stored, slots = self.layout(batch, samples, keep, ctx, device)
+        laid_out = set(t)
+        t.update(seq_valid=torch.tensor(valid, device=device),
+                 finished=samples.finished.to(device))
+        adv = self.advantages_for(models, rewards, t, metrics, ctx)
+        t["advantages"] = adv.to(device)
+        if real:
+            zero = self.zero_contribution(adv)
+            dropped = [k and z for k, z in zip(keep, zero, strict=True)]
+            if any(dropped):  # the same batch without them (the per-completion values stay)
+                keep = [k and not z for k, z in zip(keep, zero, strict=True)]
+                metrics["completions/skipped"] = sum(dropped) / len(keep)
+                new, stored, slots = self.layout(batch, samples, keep, ctx, device)
+                t = {**{k: v for k, v in t.items() if k not in laid_out}, **new}
+        return Batch(t, num_items=items, real_tokens=stored, total_tokens=slots,
+                     size_key=batch.size_key, meta={**batch.meta, "rollout": metrics})
+
+    def layout(self, batch: Batch, samples: Samples, keep: list[bool], ctx,
+               device: torch.device | str = "cpu") -> tuple[dict[str, Any], int, int]:
+        """The training tensors of the completions ``keep`` marks, laid out on the host and
+        moved to ``device``; the tokens they store and their slots."""
+        t, stored, slots = _rollout.training_tensors(
+            batch.meta["prompt_ids"], samples.token_ids, keep, self.num_generations,
+            batch.meta["pad"], share=self.share_prompt, flat=self.padding_free,
+            mask=not drops_padding_mask(self.padding_mask, ctx),
+            width=samples.completion.shape[1])
+        return ({k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in t.items()},
+                stored, slots)
+
+    def worst_case_tensors(self, batch: Batch, new_tokens: int, token: int, ctx
+                           ) -> dict[str, torch.Tensor]:
+        """The training tensors of ``batch``'s rollout where every completion runs to
+        ``new_tokens`` tokens (``token`` repeated), with real values: what an estimate's fake
+        step lays out (:meth:`training_batch` with placeholder samples)."""
+        n = len(batch.meta["prompt_ids"]) * self.num_generations
+        comp = torch.full((n, new_tokens), token, dtype=torch.long)
+        samples = Samples(comp, torch.ones_like(comp), torch.zeros(n, dtype=torch.bool),
+                          [[token] * new_tokens for _ in range(n)], [False] * n)
+        return self.layout(batch, samples, [True] * n, ctx)[0]
 
     # ------------------------------------------------------------------ per method
     def advantages_for(self, models: dict, rewards: torch.Tensor, t: dict[str, torch.Tensor],
-                       metrics: dict[str, float]) -> torch.Tensor:
+                       metrics: dict[str, float], ctx) -> torch.Tensor:
         """One advantage per completion from ``rewards`` (``[prompts * num_generations]``);
-        ``t`` holds the training tensors (input_ids, attention_mask, position_ids, labels)."""
+        ``t`` holds the training tensors (:mod:`memlab.method._rollout`)."""
         raise NotImplementedError
+
+    def zero_contribution(self, advantages: torch.Tensor) -> list[bool]:
+        """Per completion: whether its loss term (and gradient) is zero whatever the policy, so
+        that it can be left out of the training batch (default: never)."""
+        return [False] * advantages.shape[0]
 
     def num_items(self, completion_tokens: int, completions: int) -> int:
         """The rollout's share of the step's loss normaliser."""
@@ -423,17 +489,23 @@ class Clipped(Online):
     def clip_high(self) -> float:
         return self.epsilon_high if self.epsilon_high is not None else self.epsilon
 
-    def training_batch(self, models: dict, batch: Batch, *args: Any) -> Batch:
+    def training_batch(self, models: dict, batch: Batch, samples: Samples,
+                       rewards: torch.Tensor, metrics: dict[str, float], ctx,
+                       real: bool = True) -> Batch:
         """The rollout's training batch; with ``num_iterations > 1`` also the policy's
         per-token log-probs at generation time (``old_logps``, no gradient)."""
-        out = super().training_batch(models, batch, *args)
+        out = super().training_batch(models, batch, samples, rewards, metrics, ctx, real)
         if self.num_iterations > 1:
-            t = out.tensors
             with torch.no_grad():
-                logits = models["policy"](**model_inputs(t), use_cache=False).logits[:, :-1]
-                t["old_logps"] = token_logps(logits, t["labels"][:, :-1], IGNORE)
-            del logits
+                out.tensors["old_logps"] = self.completion_logps(models["policy"], out.tensors,
+                                                                 ctx)
         return out
+
+    def zero_contribution(self, advantages: torch.Tensor) -> list[bool]:
+        """A completion whose advantage is exactly 0 adds ``-min(ratio * 0, clip * 0) = 0``
+        (and no gradient) to the clipped surrogate; a method that adds a per-token term (GRPO's
+        KL) narrows this."""
+        return (advantages == 0).tolist()
 
     @staticmethod
     def ratio(logps: torch.Tensor, old: torch.Tensor | None) -> torch.Tensor:

@@ -36,8 +36,8 @@ from memlab.trainer.batch import Batch, Segments
 from memlab.trainer.routing import unwrap
 
 __all__ = ["IGNORE", "Batch", "DataStats", "Generating", "Method", "ModelFactory", "Segments",
-           "decoder_hidden", "flatten_batch", "model_inputs", "pad_batch", "round_up",
-           "shifted_labels"]
+           "decoder_hidden", "flatten_batch", "head_logits", "model_inputs", "pad_batch",
+           "round_up", "scored_tensors", "shifted_labels"]
 
 
 class ModelFactory(Protocol):
@@ -114,6 +114,13 @@ class Generating(Method, Protocol):
         :class:`memlab.generation.base.GenerationEnv` (engine, random draws)."""
         ...
 
+    def worst_case_tensors(self, batch: Batch, new_tokens: int, token: int, ctx
+                           ) -> dict[str, torch.Tensor]:
+        """The training tensors ``rollout`` makes of ``batch`` when every completion runs to
+        ``new_tokens`` tokens (``token`` repeated), with real values (an estimate evaluates
+        the training forward's value-dependent decisions on them)."""
+        ...
+
 
 class Offline:
     """Defaults of the methods that train on a fixed dataset (mixed into their dataclasses)."""
@@ -151,15 +158,81 @@ never computes logits for prompt or padding positions; its shape is known before
 an estimate's fake step measures it like any input."""
 
 
+LOSS_LABELS = "loss_labels"
+"""Batch tensor beside :data:`LOSS_INDEX` where a position may carry more than one label (a
+shared prompt's last token predicts the first token of every completion after it): the label
+scored at each listed position (``LOSS_INDEX`` then lists that position once per label)."""
+
+LOSS_SEQS = "loss_seqs"
+"""Batch tensor beside :data:`LOSS_INDEX`: the sequence each scored token belongs to (a
+preference pair's chosen / rejected, a rollout's completion)."""
+
+SCORED_KEYS = (LOSS_INDEX, LOSS_LABELS, LOSS_SEQS)
+
+
 def label_positions(labels: torch.Tensor) -> torch.Tensor:
     """:data:`LOSS_INDEX` of collated ``labels`` (host tensors, in the collator)."""
     return (labels.reshape(-1) != IGNORE).nonzero().squeeze(1)
 
 
+def scored_tensors(scored: list[tuple[int, int, int]], prefix: str = "") -> dict[str, Any]:
+    """:data:`LOSS_INDEX`, :data:`LOSS_LABELS` and :data:`LOSS_SEQS` (named with ``prefix``)
+    from ``(flat position, label, sequence)`` of each scored token, which collators list in
+    plain Python while they lay the rows out: no value is read back from a tensor, so the
+    shapes are exact even where the tensors hold no values (an estimate's fake step)."""
+    cols = list(zip(*scored, strict=True)) if scored else [(), (), ()]
+    return {prefix + k: torch.tensor(list(c), dtype=torch.long)
+            for k, c in zip(SCORED_KEYS, cols, strict=True)}
+
+
+def sequence_scored(labels: list[list[int]], starts: list[int], seqs: list[int] | None = None
+                    ) -> list[tuple[int, int, int]]:
+    """``(flat position, label, sequence)`` of the labelled tokens of sequences laid out from
+    flat offsets ``starts`` (padded rows: ``row * width``; one flat row: their running sum);
+    ``seqs`` names each sequence (default: its index)."""
+    seqs = list(range(len(labels))) if seqs is None else seqs
+    return [(start + j, lab, s) for lab_row, start, s in zip(labels, starts, seqs, strict=True)
+            for j, lab in enumerate(lab_row) if lab != IGNORE]
+
+
 def layout_shapes(tensors: dict[str, Any]) -> dict[str, torch.Size]:
     """Shapes of a batch's tensors that follow its layout (rows x width), not its labels."""
     return {k: v.shape for k, v in tensors.items()
-            if isinstance(v, torch.Tensor) and k != LOSS_INDEX}
+            if isinstance(v, torch.Tensor) and not k.endswith(SCORED_KEYS)}
+
+
+def batch_key(t: dict[str, Any], real: int, total: int, flat: bool) -> tuple[int, ...]:
+    """A collated batch's size key (what ``measure.memory_steps=auto`` compares): its token
+    slots and width; with a padding mask, whether it pads (the mask path is the larger one);
+    with :data:`LOSS_INDEX`, the scored positions (the head's logits grow with them)."""
+    key: tuple[int, ...] = (total,) if flat else (total, t["input_ids"].shape[1])
+    if "attention_mask" in t:
+        key = (*key, int(real < total))
+    if LOSS_INDEX in t:
+        key = (*key, t[LOSS_INDEX].numel())
+    return key
+
+
+def drops_padding_mask(padding_mask: str, ctx) -> bool:
+    """Whether right-padded rows go to the model without their attention mask
+    (``method.padding_mask=auto`` where the backend computes padded positions anyway:
+    ``Attention.skips_padding`` false). In a causal model no real token attends to a later
+    position, so the mask changes nothing a label sees; without it sdpa takes its causal
+    kernel."""
+    return padding_mask == "auto" and not ctx.attention.skips_padding
+
+
+def head_logits(model: nn.Module, inputs: dict[str, Any], index: torch.Tensor,
+                labelled: bool) -> torch.Tensor:
+    """``[len(index), V]`` logits at the flat positions ``index`` of the model's output:
+    ``labelled``: the head runs there only (:func:`head_at`); else over every position, then
+    those rows are read (``head_on=all``, the reference the labelled head is tested against).
+    ``index`` may list a position more than once (a shared prompt's forks)."""
+    if labelled:
+        with head_at(model, index):
+            return model(**inputs, use_cache=False).logits
+    logits = model(**inputs, use_cache=False).logits
+    return logits.reshape(-1, logits.shape[-1]).index_select(0, index)
 
 
 @contextlib.contextmanager

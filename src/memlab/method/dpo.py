@@ -43,7 +43,7 @@ import torch
 
 from memlab.data.base import DataError
 from memlab.method import _collate, _layout, _liger, _logps, _reference, _rows
-from memlab.method.base import Batch, DataStats, Offline
+from memlab.method.base import Batch, DataStats, Offline, batch_key, drops_padding_mask
 from memlab.packing.groups import GroupPacked
 from memlab.registry import PositiveFloat, PositiveInt, Range, register
 
@@ -77,6 +77,14 @@ class DPO(Offline, GroupPacked):
     """Liger's fused linear DPO loss (CUDA + the gpu extra); never materialises the logits."""
     share_prompt: bool = False
     """Store each pair's prompt once: chosen and rejected attend to it and to themselves only."""
+    head_on: Literal["labelled", "all"] = "labelled"
+    """labelled: the output head runs only at the positions that predict a completion token
+    (the collator lists them; prompt and padding positions get no logits); all: at every
+    position (the old way). Same loss and gradients (``method=sft``'s knob)."""
+    padding_mask: Literal["auto", "always"] = "auto"
+    """auto: padded rows (right-padded, causal) go without their attention mask where the
+    attention backend computes padded positions anyway (eager, sdpa); always: send it
+    (``method=sft``'s knob)."""
 
     data_kinds: ClassVar[tuple[str, ...]] = ("preference",)
     head: ClassVar[str] = "causal_lm"
@@ -180,23 +188,31 @@ class DPO(Offline, GroupPacked):
         return whole, pieces
 
     # ------------------------------------------------------------------ batches
-    def collate(self, rows: list[dict], tokenizer, ctx) -> Batch:
-        return self._collate(rows, tokenizer.pad_token_id)
+    def labelled(self) -> bool:
+        """Whether batches list their scored tokens (``head_on=labelled``; Liger's fused loss
+        runs its own head over every position)."""
+        return self.head_on == "labelled" and not self.use_liger_kernel
 
-    def _collate(self, rows: list[dict], pad_id: int) -> Batch:
+    def collate(self, rows: list[dict], tokenizer, ctx) -> Batch:
+        return self._collate(rows, tokenizer.pad_token_id,
+                             not drops_padding_mask(self.padding_mask, ctx))
+
+    def _collate(self, rows: list[dict], pad_id: int, mask: bool = True) -> Batch:
         units, rows_of = _layout.units_of(rows)
         if rows_of is not None or self.share_prompt:
             return self._collate_layout(units, rows_of, pad_id)
         seqs = [_collate.sequence(r["prompt_ids"], r["chosen_ids"]) for r in rows]
         seqs += [_collate.sequence(r["prompt_ids"], r["rejected_ids"]) for r in rows]
         t, real, total = _collate.collate_sequences(seqs, pad_id, self.pad_to_multiple_of,
-                                                    self.padding_free)
+                                                    self.padding_free, scored=self.labelled())
+        if not mask:
+            t.pop("attention_mask", None)
         if "ref_chosen_logps" in rows[0]:
             t["ref_logps"] = torch.tensor([r["ref_chosen_logps"] for r in rows]
                                           + [r["ref_rejected_logps"] for r in rows],
                                           dtype=torch.float32)
-        key = (total,) if self.padding_free else (total, t["input_ids"].shape[1])
-        return Batch(t, num_items=len(rows), real_tokens=real, total_tokens=total, size_key=key,
+        return Batch(t, num_items=len(rows), real_tokens=real, total_tokens=total,
+                     size_key=batch_key(t, real, total, self.padding_free),
                      meta={"samples": len(rows)})
 
     def _collate_layout(self, units: list[dict], rows_of: list[list[int]] | None,
@@ -210,13 +226,14 @@ class DPO(Offline, GroupPacked):
                 for i, u in enumerate(units)]
         # real tokens: those stored (a shared prompt once; a split pair's prompt in each row)
         t, real, total = _layout.collate_rows(_layout.place(docs, rows_of), pad_id,
-                                              self.pad_to_multiple_of, self.padding_free)
+                                              self.pad_to_multiple_of, self.padding_free,
+                                              scored=self.labelled())
         if "ref_chosen_logps" in units[0]:
             t["ref_logps"] = torch.tensor([u["ref_chosen_logps"] for u in units]
                                           + [u["ref_rejected_logps"] for u in units],
                                           dtype=torch.float32)
-        key = (total,) if self.padding_free else (total, t["input_ids"].shape[1])
-        return Batch(t, num_items=b, real_tokens=real, total_tokens=total, size_key=key,
+        return Batch(t, num_items=b, real_tokens=real, total_tokens=total,
+                     size_key=batch_key(t, real, total, self.padding_free),
                      meta={"samples": b})
 
     # ------------------------------------------------------------------ models
@@ -236,8 +253,9 @@ class DPO(Offline, GroupPacked):
             return {"ref_chosen_logps": _layout.per_item(logps[:b], items),
                     "ref_rejected_logps": _layout.per_item(logps[b:], items)}
 
+        mask = not drops_padding_mask(self.padding_mask, ctx)
         return _reference.precompute(self, models, ds, ctx,
-                                     lambda rows: self._collate(rows, pad), run)
+                                     lambda rows: self._collate(rows, pad, mask), run)
 
     # ------------------------------------------------------------------ loss
     def reference_logps(self, models, t: dict[str, torch.Tensor], n: int,

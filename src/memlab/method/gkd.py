@@ -87,6 +87,13 @@ class GKD:
     def rows_per_prompt(self) -> int:
         return 1
 
+    def worst_case_tensors(self, batch: Batch, new_tokens: int, token: int, ctx
+                           ) -> dict[str, torch.Tensor]:
+        """The sampled batch where every completion runs to ``new_tokens`` tokens."""
+        t = batch.tensors
+        comp = torch.full((t["prompt_ids"].shape[0], new_tokens), token, dtype=torch.long)
+        return join(t["prompt_ids"], t["prompt_mask"], comp, torch.ones_like(comp))
+
     def uses_liger(self) -> bool:
         return False
 

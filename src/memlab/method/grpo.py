@@ -22,10 +22,9 @@ from typing import ClassVar, Literal
 
 import torch
 
-from memlab.losses import token_logps
 from memlab.method import _reference
 from memlab.method._online import Clipped
-from memlab.method.base import IGNORE, Batch, model_inputs
+from memlab.method.base import Batch
 from memlab.registry import register
 
 
@@ -40,19 +39,23 @@ class GRPO(Clipped):
     """Divide advantages by the group's reward std, the batch's, or not at all (Dr. GRPO)."""
     loss_type: Literal["dapo", "grpo", "dr_grpo"] = "dapo"
 
-    def advantages_for(self, models, rewards, t, metrics) -> torch.Tensor:
+    def advantages_for(self, models, rewards, t, metrics, ctx) -> torch.Tensor:
         return advantages(rewards, self.num_generations, self.scale_rewards)
+
+    def zero_contribution(self, advantages: torch.Tensor) -> list[bool]:
+        """With ``beta=0`` a completion of advantage 0 adds nothing; the KL term of
+        ``beta > 0`` is per token, whatever the advantage."""
+        if self.beta > 0:
+            return [False] * advantages.shape[0]
+        return super().zero_contribution(advantages)
 
     def num_items(self, completion_tokens: int, completions: int) -> int:
         return completion_tokens if self.loss_type == "dapo" else completions
 
     def loss(self, models: dict, batch: Batch, ctx) -> tuple[torch.Tensor, dict[str, float]]:
         t = batch.tensors
-        inputs = model_inputs(t)
-        labels = t["labels"][:, :-1]
-        logits = models["policy"](**inputs, use_cache=False).logits[:, :-1]
-        logps = token_logps(logits, labels, IGNORE)
-        mask = (labels != IGNORE).to(logps.dtype)
+        logps = self.completion_logps(models["policy"], t, ctx)  # [N, L]
+        mask = t["completion_mask"].to(logps.dtype)
         ratio = self.ratio(logps, t.get("old_logps"))
         adv = t["advantages"].to(logps.dtype)[:, None]
         per_token, active = self.clipped(ratio, adv)
@@ -60,9 +63,7 @@ class GRPO(Clipped):
         metrics["clip_ratio"] = float((active * mask).sum() / mask.sum().clamp(min=1))
         if self.beta > 0:
             with _reference.reference_forward(self, models) as ref:
-                ref_logits = ref(**inputs, use_cache=False).logits[:, :-1]
-                ref_logps = token_logps(ref_logits, labels, IGNORE)
-                del ref_logits
+                ref_logps = self.completion_logps(ref, t, ctx)
             d = ref_logps - logps
             kl = torch.exp(d) - d - 1
             per_token = per_token + self.beta * kl
@@ -79,8 +80,6 @@ class GRPO(Clipped):
         return loss_sum, metrics
 
 
-
-
 def advantages(rewards: torch.Tensor, group: int, scale: str) -> torch.Tensor:
     """Reward minus its group's mean; divided by the group's std (``group``), the batch's
     (``batch``) or nothing (``none``). A group whose rewards are all equal gets 0."""
@@ -90,5 +89,6 @@ def advantages(rewards: torch.Tensor, group: int, scale: str) -> torch.Tensor:
         centered = centered / (r.std(1, keepdim=True) + 1e-4)
     elif scale == "batch":
         centered = centered / (rewards.std() + 1e-4)
-    return centered.reshape(-1)
+    equal = (r == r[:, :1]).all(1, keepdim=True)  # exactly 0, not a rounding of the mean
+    return centered.masked_fill(equal, 0.0).reshape(-1)
 

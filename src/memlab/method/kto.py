@@ -37,7 +37,7 @@ import torch
 
 from memlab.data.base import DataError
 from memlab.method import _collate, _layout, _liger, _logps, _reference, _rows
-from memlab.method.base import Batch, DataStats, Offline
+from memlab.method.base import Batch, DataStats, Offline, batch_key, drops_padding_mask
 from memlab.packing.groups import GroupPacked
 from memlab.registry import NonNegativeFloat, PositiveFloat, PositiveInt, Range, register
 
@@ -85,6 +85,13 @@ class KTO(Offline, GroupPacked):
     """Liger's fused linear KTO loss (CUDA + the gpu extra)."""
     share_prompt: bool = False
     """Paired rows: the pair's prompt stored once for its two examples (and their KL sequences)."""
+    head_on: Literal["labelled", "all"] = "labelled"
+    """labelled: the output head runs only at the positions that predict a completion token
+    (examples and KL sequences); all: at every position. Same loss and gradients
+    (``method=sft``'s knob)."""
+    padding_mask: Literal["auto", "always"] = "auto"
+    """auto: padded rows go without their attention mask where the attention backend computes
+    padded positions anyway (eager, sdpa); always: send it (``method=sft``'s knob)."""
 
     data_kinds: ClassVar[tuple[str, ...]] = ("preference",)
     head: ClassVar[str] = "causal_lm"
@@ -276,27 +283,34 @@ class KTO(Offline, GroupPacked):
         return whole, pieces
 
     # ------------------------------------------------------------------ batches
-    def collate(self, rows: list[dict], tokenizer, ctx) -> Batch:
-        return self._collate(rows, tokenizer.pad_token_id)
+    def labelled(self) -> bool:
+        """Whether batches list their scored tokens (``head_on=labelled``; Liger's fused loss
+        runs its own head over every position)."""
+        return self.head_on == "labelled" and not self.use_liger_kernel
 
-    def _collate(self, rows: list[dict], pad_id: int) -> Batch:
+    def collate(self, rows: list[dict], tokenizer, ctx) -> Batch:
+        return self._collate(rows, tokenizer.pad_token_id,
+                             not drops_padding_mask(self.padding_mask, ctx))
+
+    def _collate(self, rows: list[dict], pad_id: int, mask: bool = True) -> Batch:
         units, rows_of = _layout.units_of(rows)
         if rows_of is not None or self.share_prompt:
             return self._collate_layout(units, rows_of, pad_id)
         main = [_collate.sequence(r["prompt_ids"], r["completion_ids"]) for r in rows]
         kl = [_collate.sequence(r["prompt_ids"], r["kl_completion_ids"]) for r in rows]
-        t, real, total = _collate.collate_sequences(main, pad_id, self.pad_to_multiple_of,
-                                                    self.padding_free)
-        tk, real_kl, total_kl = _collate.collate_sequences(kl, pad_id, self.pad_to_multiple_of,
-                                                           self.padding_free)
+        multiple, flat, scored = self.pad_to_multiple_of, self.padding_free, self.labelled()
+        t, real, total = _collate.collate_sequences(main, pad_id, multiple, flat, scored)
+        tk, real_kl, total_kl = _collate.collate_sequences(kl, pad_id, multiple, flat, scored)
+        if not mask:
+            t.pop("attention_mask", None)
+            tk.pop("attention_mask", None)
         t.update({f"kl_{k}": v for k, v in tk.items()})
         t["label"] = torch.tensor([bool(r["label"]) for r in rows], dtype=torch.bool)
         if "ref_logps" in rows[0]:
             t["ref_logps"] = torch.tensor([r["ref_logps"] for r in rows], dtype=torch.float32)
             t["ref_kl_logps"] = torch.tensor([r["ref_kl_logps"] for r in rows],
                                              dtype=torch.float32)
-        key = ((total + total_kl,) if self.padding_free
-               else (total + total_kl, t["input_ids"].shape[1]))
+        key = batch_key(t, real, total + total_kl, self.padding_free)
         # real_tokens counts the trained sequences; the KL forward is auxiliary work
         return Batch(t, num_items=len(rows), real_tokens=real, total_tokens=total, size_key=key,
                      meta={"samples": len(rows), "kl_tokens": real_kl})
@@ -322,9 +336,9 @@ class KTO(Offline, GroupPacked):
                                         seqs, shared))
         multiple, flat = self.pad_to_multiple_of, self.padding_free
         t, real, total = _layout.collate_rows(_layout.place(main, rows_of), pad_id, multiple,
-                                              flat)
+                                              flat, scored=self.labelled())
         tk, real_kl, total_kl = _layout.collate_rows(_layout.place(kl, rows_of), pad_id,
-                                                     multiple, flat)
+                                                     multiple, flat, scored=self.labelled())
         t.update({f"kl_{k}": v for k, v in tk.items()})
         t["label"] = torch.tensor([bool(x) for u in units for x in self._examples(u, "label")],
                                   dtype=torch.bool)
@@ -332,8 +346,8 @@ class KTO(Offline, GroupPacked):
             for name in ("ref_logps", "ref_kl_logps"):
                 t[name] = torch.tensor([x for u in units for x in self._examples(u, name)],
                                        dtype=torch.float32)
-        key = (total + total_kl,) if flat else (total + total_kl, t["input_ids"].shape[1])
-        return Batch(t, num_items=n, real_tokens=real, total_tokens=total, size_key=key,
+        return Batch(t, num_items=n, real_tokens=real, total_tokens=total,
+                     size_key=batch_key(t, real, total + total_kl, flat),
                      meta={"samples": n, "kl_tokens": real_kl})
 
     # ------------------------------------------------------------------ models
@@ -358,8 +372,9 @@ class KTO(Offline, GroupPacked):
                 out[name] = _layout.per_item(values, items)
             return out
 
+        mask = not drops_padding_mask(self.padding_mask, ctx)
         return _reference.precompute(self, models, ds, ctx,
-                                     lambda rows: self._collate(rows, pad), run)
+                                     lambda rows: self._collate(rows, pad, mask), run)
 
     # ------------------------------------------------------------------ loss
     def reference_logps(self, models, t: dict[str, torch.Tensor], n: int, attention: Any = None

@@ -15,10 +15,10 @@ from typing import Annotated, ClassVar, Literal
 
 import torch
 
-from memlab.losses import dpo_loss, token_logps
+from memlab.losses import dpo_loss
 from memlab.method import _reference
 from memlab.method._online import Online
-from memlab.method.base import IGNORE, Batch, model_inputs
+from memlab.method.base import Batch
 from memlab.registry import PositiveFloat, PositiveInt, Range, register
 
 
@@ -51,7 +51,7 @@ class OnlineDPO(Online):
         return {**_reference.reference_models(self, policy, ctx, build),
                 **self.reward_model_instances(build)}
 
-    def advantages_for(self, models, rewards, t, metrics) -> torch.Tensor:
+    def advantages_for(self, models, rewards, t, metrics, ctx) -> torch.Tensor:
         """+1 for the chosen completion of each pair, -1 for the rejected one."""
         if self.missing_eos_penalty:
             unfinished = (~t["finished"]).to(rewards.device, rewards.dtype)
@@ -67,14 +67,10 @@ class OnlineDPO(Online):
 
     def loss(self, models: dict, batch: Batch, ctx) -> tuple[torch.Tensor, dict[str, float]]:
         t = batch.tensors
-        inputs = model_inputs(t)
-        labels = t["labels"][:, :-1]
-        n = (labels != IGNORE).sum(1).clamp(min=1)
-        logits = models["policy"](**inputs, use_cache=False).logits[:, :-1]
-        logps = token_logps(logits, labels, IGNORE).sum(1)
+        n = t["completion_mask"].sum(1).clamp(min=1)
         with _reference.reference_forward(self, models) as ref:
-            ref_logps = token_logps(ref(**inputs, use_cache=False).logits[:, :-1], labels,
-                                    IGNORE).sum(1)
+            ref_logps = self.completion_logps(ref, t, ctx).sum(1)
+        logps = self.completion_logps(models["policy"], t, ctx).sum(1)
         if self.loss_type == "ipo":  # IPO is defined on length-averaged log-probs
             logps, ref_logps = logps / n, ref_logps / n
         chosen = (t["advantages"] > 0).view(-1, 2)

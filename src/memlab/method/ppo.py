@@ -28,12 +28,10 @@ from typing import Annotated, Any, ClassVar
 
 import torch
 
-from memlab.losses import token_logps
-from memlab.method import _reference
+from memlab.method import _layout, _reference, _rollout
 from memlab.method._online import Online
-from memlab.method.base import IGNORE, Batch, model_inputs
+from memlab.method.base import Batch
 from memlab.registry import Fraction, NonNegativeFloat, PositiveFloat, PositiveInt, Range, register
-from memlab.trainer.routing import base_model, call_inside
 
 
 @register("method", "ppo")
@@ -76,20 +74,18 @@ class PPO(Online):
         return {**models, **self.reward_model_instances(build)}
 
     # ------------------------------------------------------------------ rollout
-    def advantages_for(self, models, rewards, t, metrics) -> torch.Tensor:
-        """Fills ``t`` with old log-probs, values, per-token advantages and returns; returns
-        the per-sequence score (kept for the batch layout; PPO's advantages are per token)."""
-        inputs = model_inputs(t)
-        labels = t["labels"][:, :-1]
-        mask = (labels != IGNORE).float()
+    def advantages_for(self, models, rewards, t, metrics, ctx) -> torch.Tensor:
+        """Fills ``t`` with old log-probs, values, per-token advantages and returns (``[N, L]``
+        completion grids); returns the per-sequence score (kept for the batch layout; PPO's
+        advantages are per token)."""
+        mask = t["completion_mask"].float()
         with torch.no_grad():
             with _reference.frozen_forward(models["policy"]) as m:
-                logps = token_logps(m(**inputs, use_cache=False).logits[:, :-1], labels, IGNORE)
+                logps = self.completion_logps(m, t, ctx)
             with _reference.reference_forward(self, models) as ref:
-                ref_logps = token_logps(ref(**inputs, use_cache=False).logits[:, :-1], labels,
-                                        IGNORE)
+                ref_logps = self.completion_logps(ref, t, ctx)
             with _reference.frozen_forward(models["value"]) as v:
-                values = token_values(v, inputs)[:, :-1] * mask
+                values = self.completion_values(v, t, ctx) * mask
         score = rewards.to(logps.device, logps.dtype)
         if self.missing_eos_penalty:
             score = score - self.missing_eos_penalty * (~t["finished"]).to(score.dtype)
@@ -110,22 +106,24 @@ class PPO(Online):
                         "values/mean": float((values * mask).sum() / mask.sum().clamp(min=1))})
         return score
 
+    def completion_values(self, model, t, ctx) -> torch.Tensor:
+        """``[N, L]`` the value model's values at the positions that predict completion
+        tokens (:func:`memlab.method._rollout.completion_values`)."""
+        return _rollout.completion_values(model, t, self.labelled(), _layout.attention_of(ctx))
+
     def num_items(self, completion_tokens: int, completions: int) -> int:
         return completion_tokens
 
     # ------------------------------------------------------------------ loss
     def loss(self, models: dict, batch: Batch, ctx) -> tuple[torch.Tensor, dict[str, float]]:
         t = batch.tensors
-        inputs = model_inputs(t)
-        labels = t["labels"][:, :-1]
-        mask = (labels != IGNORE).float()
-        logits = models["policy"](**inputs, use_cache=False).logits[:, :-1]
-        logps = token_logps(logits, labels, IGNORE)
+        mask = t["completion_mask"].float()
+        logps = self.completion_logps(models["policy"], t, ctx)
         ratio = torch.exp(logps - t["old_logps"])
         adv = t["token_advantages"]
         pg = -torch.min(ratio * adv, torch.clamp(ratio, 1 - self.cliprange,
                                                  1 + self.cliprange) * adv)
-        vpred = token_values(models["value"], inputs)[:, :-1]
+        vpred = self.completion_values(models["value"], t, ctx)
         old_v = t["old_values"]
         v_clip = old_v + torch.clamp(vpred - old_v, -self.cliprange_value, self.cliprange_value)
         vf = 0.5 * torch.max((vpred - t["returns"]) ** 2, (v_clip - t["returns"]) ** 2)
@@ -135,19 +133,6 @@ class PPO(Online):
         metrics.update({"loss/policy": float((pg.detach() * mask).sum() / n),
                         "loss/value": float((vf.detach() * mask).sum() / n)})
         return loss_sum, metrics
-
-
-def _values(model, **inputs: torch.Tensor) -> torch.Tensor:
-    base = base_model(model)
-    decoder = getattr(base, base.base_model_prefix)
-    hidden = decoder(**inputs, use_cache=False).last_hidden_state
-    return base.score(hidden).squeeze(-1).float()
-
-
-def token_values(model, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The value model's output at every position ``[N, T]`` (its head on each hidden state,
-    not only on the last token as the classification forward pools)."""
-    return call_inside(model, _values, **inputs)
 
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float,

@@ -17,10 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from memlab.losses import token_logps
 from memlab.method import _reference
 from memlab.method._online import Clipped
-from memlab.method.base import IGNORE, Batch, model_inputs
+from memlab.method.base import Batch
 from memlab.registry import NonNegativeFloat, PositiveInt, register
 
 
@@ -35,9 +34,9 @@ class RLOO(Clipped):
     normalize_advantages: bool = False
     """Scale advantages to mean 0, std 1 over the batch."""
 
-    def advantages_for(self, models, rewards, t, metrics) -> torch.Tensor:
+    def advantages_for(self, models, rewards, t, metrics, ctx) -> torch.Tensor:
         if self.beta > 0:
-            kl = self._sequence_kl(models, t)
+            kl = self._sequence_kl(models, t, ctx)
             metrics["kl"] = float(kl.mean())
             rewards = rewards - self.beta * kl.to(rewards.device, rewards.dtype)
         adv = leave_one_out(rewards, self.num_generations)
@@ -45,15 +44,13 @@ class RLOO(Clipped):
             adv = (adv - adv.mean()) / (adv.std() + 1e-4)
         return adv
 
-    def _sequence_kl(self, models, t) -> torch.Tensor:
+    def _sequence_kl(self, models, t, ctx) -> torch.Tensor:
         """Sum over completion tokens of log pi(token) - log pi_ref(token), no gradient."""
-        inputs = model_inputs(t)
-        labels = t["labels"][:, :-1]
         with torch.no_grad():
             with _reference.frozen_forward(models["policy"]) as m:
-                pol = token_logps(m(**inputs, use_cache=False).logits[:, :-1], labels, IGNORE)
+                pol = self.completion_logps(m, t, ctx)
             with _reference.reference_forward(self, models) as ref:
-                rl = token_logps(ref(**inputs, use_cache=False).logits[:, :-1], labels, IGNORE)
+                rl = self.completion_logps(ref, t, ctx)
         return (pol - rl).sum(1).float().cpu()
 
     def num_items(self, completion_tokens: int, completions: int) -> int:
@@ -61,10 +58,7 @@ class RLOO(Clipped):
 
     def loss(self, models: dict, batch: Batch, ctx) -> tuple[torch.Tensor, dict[str, float]]:
         t = batch.tensors
-        inputs = model_inputs(t)
-        labels = t["labels"][:, :-1]
-        logits = models["policy"](**inputs, use_cache=False).logits[:, :-1]
-        logps = token_logps(logits, labels, IGNORE).sum(1)
+        logps = self.completion_logps(models["policy"], t, ctx).sum(1)
         old = t.get("old_logps")
         ratio = self.ratio(logps, None if old is None else old.sum(1))
         adv = t["advantages"].to(logps.dtype)
@@ -80,4 +74,5 @@ def leave_one_out(rewards: torch.Tensor, group: int) -> torch.Tensor:
     """Each reward minus the mean of the other rewards of its group."""
     r = rewards.view(-1, group)
     baseline = (r.sum(1, keepdim=True) - r) / (group - 1)
-    return (r - baseline).reshape(-1)
+    equal = (r == r[:, :1]).all(1, keepdim=True)  # exactly 0, not a rounding of the sum
+    return (r - baseline).masked_fill(equal, 0.0).reshape(-1)

@@ -26,7 +26,9 @@ from memlab.method.base import (
     Batch,
     DataStats,
     Offline,
+    batch_key,
     decoder_hidden,
+    drops_padding_mask,
     flatten_batch,
     head_at,
     label_positions,
@@ -204,31 +206,29 @@ class SFT(Offline):
     # ------------------------------------------------------------------ batches
     def collate(self, rows: list[dict], tokenizer, ctx) -> Batch:
         columns = {"input_ids": tokenizer.pad_token_id, "labels": IGNORE}
-        if self.flat(ctx):
+        flat = self.flat(ctx)
+        if flat:
             t, real, total = flatten_batch(rows, tokenizer.pad_token_id, self.pad_to_multiple_of,
                                            columns)
-            key = (total,)
         else:
             packed = "seq_lengths" in rows[0]
             t, real, total = pad_batch(rows, tokenizer.pad_token_id, self.pad_to_multiple_of,
                                        columns, with_positions=packed)
-            key = (total, t["input_ids"].shape[1])
             if not packed and self.causal_padding(ctx):
                 del t["attention_mask"]  # positions: the model's own 0..T-1, shared by the rows
-            elif not packed:  # a mask with padding in it takes the (larger) mask path
-                key = (*key, int(real < total))
         if self.head_on == "labelled":
             t[LOSS_INDEX] = label_positions(t["labels"])
             n_items = t[LOSS_INDEX].numel()
-            key = (*key, n_items)  # the head's logits grow with the labelled positions
         else:
             n_items = int((t["labels"] != IGNORE).sum())
-        return Batch(t, num_items=n_items, real_tokens=real, total_tokens=total, size_key=key,
-                     meta={"samples": len(rows)})
+        # a mask with padding in it takes the (larger) mask path; the head's logits grow with
+        # the labelled positions
+        return Batch(t, num_items=n_items, real_tokens=real, total_tokens=total,
+                     size_key=batch_key(t, real, total, flat), meta={"samples": len(rows)})
 
     def causal_padding(self, ctx) -> bool:
         """Whether padded rows go without their attention mask (``padding_mask``)."""
-        return self.padding_mask == "auto" and not ctx.attention.skips_padding
+        return drops_padding_mask(self.padding_mask, ctx)
 
     # ------------------------------------------------------------------ model
     def loss(self, models: dict, batch: Batch, ctx) -> tuple[torch.Tensor, dict[str, float]]:
