@@ -59,6 +59,10 @@ CAUSAL_CHAT = [*PADDED_CHAT[:-1], "method.padding_mask=auto"]
 ALL_LABELLED = ["method.loss_on=all"]
 PADDED_PAIRS = ["data.seed=2", "data.median_tokens=150", "data.n_examples=2",  # one long pair
                 "method.max_prompt_length=128"]
+# DPO / KTO head_on=labelled runs the head at the completion positions, fewer in the real
+# pairs than in the estimate's generated ones: the padded cases check the padded layout's
+# accounting with the head on every position and the mask (as the SFT ones do)
+EVERY_POSITION = ["method.head_on=all", "method.padding_mask=always"]
 TOLERANCE = 0.015
 
 RESULTS: dict[str, tuple[dict, dict]] = {}
@@ -138,12 +142,13 @@ CASES = {
     "padded bf16, no checkpointing": ([*PADDED_CHAT, *LEN, *NO_GC, "precision=bf16"], "masked"),
     "padded lora, no checkpointing": ([*PADDED_CHAT, *LEN, *NO_GC, "peft=lora"], "masked"),
     "dpo reference copy, padded pairs, no checkpointing": (
-        ["method=dpo", *PADDED_PAIRS, *LEN, *NO_GC], "masked"),
+        ["method=dpo", *PADDED_PAIRS, *LEN, *NO_GC, *EVERY_POSITION], "masked"),
     # 2 pairs = 4 examples, one batch: a long pair, and one with a short prompt, a long chosen
     # and a short rejected answer (padded examples; mismatched KL sequences 256 wide)
     "kto reference copy, padded": (["method=kto", "data.seed=4", "data.median_tokens=150",
                                     "data.n_examples=2", "method.max_prompt_length=128",
-                                    "train.batch_size=4", *LEN, *NO_GC], "masked"),
+                                    "train.batch_size=4", *LEN, *NO_GC, *EVERY_POSITION],
+                                   "masked"),
     "reward, padded pairs": (["method=reward", *PADDED_PAIRS[:-1], *LEN, *NO_GC,
                               "method.truncation_mode=keep_end"], "masked"),
     # long documents cut at max_length: one document per packed row, as the estimate assumes
@@ -282,8 +287,11 @@ def test_from_data_is_the_real_worst_batch_and_the_default_bounds_it(job, tmp_pa
 # Online methods: two prompts, one cut to 64 tokens and one of 39 (left-padded: the padded
 # prompt batch), 16 new tokens; the tiny random model never samples EOS within 16 tokens at
 # these seeds (asserted), so the real completions have the full length the estimate assumes.
+# The reward differs between the completions of a group, so that none is left out of the
+# training batch for a zero advantage (the estimate's placeholder completions keep them all).
 ONLINE = ["data.seed=1", "data.median_tokens=150", "data.n_examples=2",  # prompts of 121, 39
-          "method.max_prompt_length=64", "method.max_completion_length=16"]
+          "method.max_prompt_length=64", "method.max_completion_length=16",
+          "method.rewards=[memlab_testing:reward_low_ids]"]
 ONLINE_CASES = {
     "grpo": ["method=grpo", *ONLINE],
     "grpo lora kl adapter_disabled": ["method=grpo", *ONLINE, "peft=lora", "method.beta=0.04",
@@ -293,6 +301,11 @@ ONLINE_CASES = {
     "grpo reward model": ["method=grpo", *ONLINE, "method.rewards=[]",
                           "method.reward_models=[{hidden_size: 256, num_layers: 2, seed: 3}]"],
     "ppo value model": ["method=ppo", *ONLINE],
+    # each prompt stored once for its group, every group in one row (per-document attention):
+    # the row holds the real prompt tokens (64 + 39 here, the worst case 2 x 64), so it is
+    # compared with --from-data (below)
+    "grpo shared prompt, padding-free": ["method=grpo", *ONLINE, "method.share_prompt=true",
+                                         "method.padding_free=true"],
     # GKD's batches also carry the dataset's completions in their own block (prompt width +
     # completion width): its worst case takes the longest prompt and the longest completion of
     # generated rows; these two rows are narrower, so it is compared with --from-data (below)
@@ -300,7 +313,7 @@ ONLINE_CASES = {
                       "data.n_examples=2", "method.max_prompt_length=64",
                       "method.max_length=80", "method.max_new_tokens=16"],
 }
-FROM_DATA_ONLINE = {"gkd on-policy"}
+FROM_DATA_ONLINE = {"gkd on-policy", "grpo shared prompt, padding-free"}
 
 
 @pytest.mark.parametrize("case", list(ONLINE_CASES))
@@ -315,15 +328,18 @@ def test_online_estimate_matches_real_run(job, tmp_path, case):
     curves = real["train"].get("curves") or {}
     if "completions/mean_length" in curves:  # every completion ran to the full 16 tokens
         assert curves["completions/mean_length"] == [16.0, 16.0]
-    assert est["batch"]["shapes"]["input_ids"][1] >= 64 + 16
-    assert any(c["padded"] and c["peak_bytes"] == est["peak_bytes"]
-               for c in est["batch"]["candidates"])
+    assert "completions/skipped" not in curves  # every completion trained
+    flat = "method.padding_free=true" in overrides  # one row: its width is the real tokens
+    if not flat:
+        assert est["batch"]["shapes"]["input_ids"][1] >= 64 + 16
+        assert any(c["padded"] and c["peak_bytes"] == est["peak_bytes"]
+                   for c in est["batch"]["candidates"])
     phases = ("generate", "forward", "backward", "optimizer")
     if case in FROM_DATA_ONLINE:
         assert est["peak_bytes"] >= real["memory"]["peak_bytes"]
         est = _estimate(tmp_path, overrides + REAL, "--from-data")
         case += " (--from-data)"
-    else:
+    elif "share_prompt" not in str(overrides):  # padded rows: prompt + 16 new tokens
         assert est["batch"]["shapes"]["input_ids"][1] == 64 + 16
     assert_agrees(case, est, real["memory"], phases)
 
@@ -334,7 +350,11 @@ def test_online_estimates_move_the_right_way(tmp_path):
     longer = _estimate(tmp_path, base_o[:-1] + ["method.max_completion_length=48"])
     more = _estimate(tmp_path, base_o + ["method.num_generations=8"])
     kl = _estimate(tmp_path, base_o + ["method.beta=0.04"])
+    shared = _estimate(tmp_path, base_o + ["method.share_prompt=true"])
     assert longer["batch"]["shapes"]["input_ids"] == [8, 64 + 48]
+    # one row per prompt: the prompt once, its 4 completions after it
+    assert shared["batch"]["shapes"]["input_ids"] == [2, 64 + 4 * 16]
+    assert shared["by_category"]["activations"] < base["by_category"]["activations"]
     assert more["batch"]["shapes"]["input_ids"] == [16, 64 + 16]
     # more rows: a larger prefill and KV cache in generate; longer or more rows: a larger
     # training batch (the generate phase of this tiny model peaks in its prefill)

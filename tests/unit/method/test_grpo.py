@@ -11,7 +11,7 @@ from memlab.data.base import DataError
 from memlab.losses import token_logps
 from memlab.method import _rewards
 from memlab.method._online import RewardModel, _prompt_and_reference
-from memlab.method.base import IGNORE, Batch
+from memlab.method.base import Batch
 from memlab.method.grpo import GRPO, advantages
 
 
@@ -26,20 +26,28 @@ def test_advantages_are_group_relative():
     torch.testing.assert_close(b.view(2, 3).sum(1), torch.zeros(2), atol=1e-6, rtol=0)
 
 
-def _rollout_batch(model, g=3, seed=0):
+def _rollout_batch(model=None, g=3, seed=0):
+    """Two prompts (one shorter: padded rows) with ``g`` completions each (one ended early),
+    laid out as the online methods' training batch, random advantages; and each completion's
+    token log-probs computed alone (prompt + completion, no padding): the reference."""
+    from memlab.method._rollout import training_tensors
+
     torch.manual_seed(seed)
-    ids = torch.randint(3, 60, (2 * g, 9))
-    attn = torch.ones_like(ids)
-    attn[0, :2] = 0  # a left-padded prompt
-    labels = torch.full_like(ids, IGNORE)
-    labels[:, 3:-1] = ids[:, 4:]  # completion tokens from position 4
-    labels[1, 6:] = IGNORE  # a completion that ended early
-    adv = torch.randn(2 * g)
-    t = {"input_ids": ids, "attention_mask": attn,
-         "position_ids": (attn.cumsum(1) - 1).clamp(min=0), "labels": labels,
-         "advantages": adv, "seq_valid": torch.ones(2 * g, dtype=torch.bool)}
-    return Batch(t, num_items=int((labels != IGNORE).sum()), real_tokens=int(attn.sum()),
-                 total_tokens=ids.numel())
+    prompts = [torch.randint(3, 60, (n,)).tolist() for n in (4, 2)]
+    comps = [torch.randint(3, 60, (5,)).tolist() for _ in range(2 * g)]
+    comps[1] = comps[1][:2]
+    t, real, total = training_tensors(prompts, comps, [True] * 2 * g, g, 0, share=False,
+                                      flat=False, mask=True)
+    t.update(advantages=torch.randn(2 * g), seq_valid=torch.ones(2 * g, dtype=torch.bool))
+    batch = Batch(t, num_items=sum(len(c) for c in comps), real_tokens=real, total_tokens=total)
+    alone = None
+    if model is not None:
+        alone = []
+        for i, c in enumerate(comps):
+            p = prompts[i // g]
+            logits = model(input_ids=torch.tensor([p + c])).logits[0, len(p) - 1:-1]
+            alone.append(token_logps(logits, torch.tensor(c)))
+    return batch, alone
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +63,7 @@ def test_on_policy_gradient_is_the_policy_gradient(tiny, loss_type):
     """ratio = exp(logp - logp.detach()) is 1, and its gradient is A * grad logp: the loss's
     gradient equals the REINFORCE formula with group advantages, under each normalisation."""
     method = GRPO(loss_type=loss_type, num_generations=3, max_completion_length=5)
-    batch = _rollout_batch(tiny)
+    batch, _ = _rollout_batch()
     t = batch.tensors
     tiny.zero_grad()
     loss, _ = method.loss({"policy": tiny}, batch, None)
@@ -63,23 +71,20 @@ def test_on_policy_gradient_is_the_policy_gradient(tiny, loss_type):
     ours = [p.grad.clone() for p in tiny.parameters()]
 
     tiny.zero_grad()
-    inputs = {k: t[k] for k in ("input_ids", "attention_mask", "position_ids")}
-    logits = tiny(**inputs).logits[:, :-1]
-    labels = t["labels"][:, :-1]
-    logps = token_logps(logits, labels, IGNORE)
-    mask = (labels != IGNORE).float()
-    a = t["advantages"][:, None]
-    per_seq = (a * logps * mask).sum(1)
+    _, alone = _rollout_batch(tiny)
+    a = t["advantages"]
+    per_seq = torch.stack([a[i] * lp.sum() for i, lp in enumerate(alone)])
+    n_tok = torch.tensor([float(len(lp)) for lp in alone])
     if loss_type == "dapo":
         ref = -per_seq.sum()
     elif loss_type == "grpo":
-        ref = -(per_seq / mask.sum(1)).sum()
+        ref = -(per_seq / n_tok).sum()
     else:
         ref = -per_seq.sum() / 5
     ref.backward()
     # value: the same normalisation of -A per token (ratio is exactly 1)
     n = {"dapo": 1.0, "dr_grpo": 5.0}.get(loss_type)
-    value = -((a * mask).sum(1) / mask.sum(1)).sum() if n is None else -(a * mask).sum() / n
+    value = -(a * n_tok / n_tok).sum() if n is None else -(a * n_tok).sum() / n
     torch.testing.assert_close(loss.detach(), value)
     for g1, p in zip(ours, tiny.parameters(), strict=True):
         torch.testing.assert_close(g1, p.grad, rtol=1e-4, atol=1e-7)
@@ -87,7 +92,7 @@ def test_on_policy_gradient_is_the_policy_gradient(tiny, loss_type):
 
 def test_zero_advantages_give_no_gradient(tiny):
     method = GRPO(num_generations=3)
-    batch = _rollout_batch(tiny)
+    batch, _ = _rollout_batch()
     batch.tensors["advantages"].zero_()
     tiny.zero_grad()
     loss, _ = method.loss({"policy": tiny}, batch, None)
@@ -138,15 +143,15 @@ def test_rloo_gradient_is_sequence_level_reinforce(tiny):
     from memlab.method.rloo import RLOO
 
     method = RLOO(num_generations=3, beta=0.0)
-    batch = _rollout_batch(tiny, seed=1)
+    batch, _ = _rollout_batch(seed=1)
     t = batch.tensors
     tiny.zero_grad()
     loss, _ = method.loss({"policy": tiny}, batch, None)
     loss.backward()
     ours = [p.grad.clone() for p in tiny.parameters()]
     tiny.zero_grad()
-    inputs = {k: t[k] for k in ("input_ids", "attention_mask", "position_ids")}
-    logps = token_logps(tiny(**inputs).logits[:, :-1], t["labels"][:, :-1], IGNORE).sum(1)
+    _, alone = _rollout_batch(tiny, seed=1)
+    logps = torch.stack([lp.sum() for lp in alone])
     (-(t["advantages"] * logps).sum()).backward()
     torch.testing.assert_close(loss.detach(), -t["advantages"].sum())
     for g1, p in zip(ours, tiny.parameters(), strict=True):
@@ -165,22 +170,19 @@ def test_online_dpo_pairs_chosen_and_rejected(tiny):
     t = {"finished": torch.tensor([True, False, True, True])}
     metrics: dict = {}
     # pair 0: 0.2 vs 0.5 - 1 (no EOS) -> first; pair 1: 0.1 vs 0.3 -> second
-    sign = m.advantages_for({}, torch.tensor([0.2, 0.5, 0.1, 0.3]), t, metrics)
+    sign = m.advantages_for({}, torch.tensor([0.2, 0.5, 0.1, 0.3]), t, metrics, None)
     assert sign.tolist() == [1.0, -1.0, -1.0, 1.0]
 
-    batch = _rollout_batch(tiny, g=2, seed=2)  # 4 rows = 2 pairs
+    batch, _ = _rollout_batch(g=2, seed=2)  # 4 rows = 2 pairs
     batch.tensors["advantages"] = sign
     ref = copy.deepcopy(tiny)
     with torch.no_grad():  # a reference that differs from the policy
         for p in ref.parameters():
             p.add_(0.01 * torch.randn_like(p))
     loss, met = m.loss({"policy": tiny, "reference": ref}, batch, None)
-    t = batch.tensors
-    inputs = {k: t[k] for k in ("input_ids", "attention_mask", "position_ids")}
-    lab = t["labels"][:, :-1]
     with torch.no_grad():
-        lp = token_logps(tiny(**inputs).logits[:, :-1], lab, IGNORE).sum(1)
-        rp = token_logps(ref(**inputs).logits[:, :-1], lab, IGNORE).sum(1)
+        lp = torch.stack([x.sum() for x in _rollout_batch(tiny, g=2, seed=2)[1]])
+        rp = torch.stack([x.sum() for x in _rollout_batch(ref, g=2, seed=2)[1]])
     expect, _, _ = dpo_loss(lp[[0, 3]], lp[[1, 2]], rp[[0, 3]], rp[[1, 2]], beta=0.1)
     torch.testing.assert_close(loss.detach(), expect.sum())
     assert 0.0 <= met["rewards/accuracies"] <= 1.0
@@ -239,12 +241,10 @@ def test_reused_rollouts_use_the_generation_time_logps(tiny):
     has moved past the clip (ratio e > 1 + epsilon on every token, positive advantages) the
     surrogate is flat: zero gradient, every token counted in clip_ratio."""
     method = GRPO(num_generations=3, num_iterations=2)
-    batch = _rollout_batch(tiny)
+    batch, _ = _rollout_batch()
     t = batch.tensors
-    inputs = {k: t[k] for k in ("input_ids", "attention_mask", "position_ids")}
-    labels = t["labels"][:, :-1]
     with torch.no_grad():
-        old = token_logps(tiny(**inputs).logits[:, :-1], labels, IGNORE)
+        old = method.completion_logps(tiny, t, None)
 
     def grads(tensors):
         tiny.zero_grad()
@@ -263,3 +263,76 @@ def test_reused_rollouts_use_the_generation_time_logps(tiny):
     _, flat, m = grads(moved)
     assert all(float(g.abs().max()) == 0.0 for g in flat)
     assert m["clip_ratio"] == 1.0
+
+
+def _varlen_tiny():
+    """A tiny Llama with memlab's per-document sdpa (shared-prompt rows need it)."""
+    from memlab.attention._varlen import register
+
+    register()
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2)
+    return LlamaForCausalLM._from_config(cfg, attn_implementation="memlab_sdpa_varlen")
+
+
+def _prompts_and_samples(g: int, rewards: list[float]):
+    from memlab.generation.base import samples_from
+
+    torch.manual_seed(3)
+    prompts = [torch.randint(3, 60, (n,)).tolist() for n in (6, 3, 5)]
+    comp = torch.randint(3, 60, (3 * g, 5))
+    comp[1, 2] = 1  # an EOS: a shorter completion
+    batch = Batch({"prompt_ids": torch.zeros(3, 6, dtype=torch.long)}, num_items=0,
+                  real_tokens=0, total_tokens=0, meta={"prompt_ids": prompts, "pad": 0})
+    return batch, samples_from(comp, 1, 0), torch.tensor(rewards)
+
+
+@pytest.mark.parametrize("share", [False, True], ids=["padded", "share_prompt"])
+@pytest.mark.parametrize("name", ["grpo", "rloo"])
+def test_zero_advantage_completions_are_left_out_with_the_same_loss(name, share):
+    """GRPO with beta=0 and RLOO: a group whose rewards are all equal has advantages exactly 0,
+    adds nothing to the loss and is left out of the training batch (its prompt too); the loss
+    normaliser still counts it, so loss and gradients equal those of the whole batch (an
+    estimate's placeholder samples keep every completion: the comparison). With every group
+    left out one unscored row remains: zero loss, zero gradient."""
+    import types
+
+    from memlab.method.base import LOSS_INDEX
+    from memlab.method.rloo import RLOO
+    from memlab.registry import lookup
+
+    model = _varlen_tiny()
+    ctx = types.SimpleNamespace(attention=lookup("attention", "sdpa")())
+    cls = GRPO if name == "grpo" else RLOO
+    method = cls(num_generations=3, beta=0.0, share_prompt=share)
+    batch, samples, rewards = _prompts_and_samples(3, [0.1, 0.5, 0.4, 0.7, 0.7, 0.7,
+                                                       0.2, 0.9, 0.4])
+
+    def loss_and_grads(real: bool, r: torch.Tensor):
+        metrics: dict = {}
+        out = method.training_batch({"policy": model}, batch, samples, r.clone(), metrics, ctx,
+                                    real)
+        model.zero_grad()
+        loss, _ = method.loss({"policy": model}, out, ctx)
+        (loss / out.num_items).backward()
+        return out, metrics, loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    skip, m_skip, l_skip, g_skip = loss_and_grads(True, rewards)
+    full, m_full, l_full, g_full = loss_and_grads(False, rewards)
+    assert skip.tensors["advantages"][3:6].eq(0).all()  # exactly 0, not a rounding
+    assert m_skip["completions/skipped"] == pytest.approx(1 / 3) and "completions/skipped" \
+        not in m_full
+    assert skip.num_items == full.num_items  # the normaliser counts the left-out group
+    assert skip.tensors[LOSS_INDEX].numel() == full.tensors[LOSS_INDEX].numel() - 15
+    assert skip.real_tokens <= full.real_tokens - 15 - (3 if share else 9)  # and its prompt
+    torch.testing.assert_close(l_skip, l_full, rtol=1e-6, atol=1e-7)
+    for a, b in zip(g_skip, g_full, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert any(float(g.abs().max()) > 0 for g in g_full)
+
+    none, m_none, l_none, g_none = loss_and_grads(True, torch.full((9,), 0.5))
+    assert m_none["completions/skipped"] == 1.0
+    assert none.tensors["input_ids"].shape[0] == 1 and l_none == 0
+    assert none.tensors["completion_mask"].sum() == 0
+    assert all(float(g.abs().max()) == 0 for g in g_none)
