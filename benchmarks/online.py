@@ -28,10 +28,11 @@ padded rows without a mask under sdpa, each prompt prefilled once for its group,
 advantage 0 left out) and ``shared`` (``method.share_prompt=true method.padding_free=true``: each
 prompt stored once for its completions, every group in one row).
 
-Memory: one run each, every step tracked (memlab ``measure.memory_steps=all``; TRL under the
-same tracker class, ``memlab.measure.memory.MemoryProbe``, around each ``training_step``:
-generation, forward, backward and optimizer step, with memlab's phase names). Byte-exact and
-deterministic on the CPU.
+Memory: one run each, under memlab's tracker (``measure.memory_steps=auto``: steps 0 and 1 and
+every step whose prompt batch is larger than those before, the long prompt's included; TRL under
+the same tracker class, ``memlab.measure.memory.MemoryProbe``, around each ``training_step`` of
+the same steps: generation, forward, backward and optimizer step, with memlab's phase names).
+Byte-exact and deterministic on the CPU; the tracked steps are reported for both sides.
 
 Time: ``--rounds`` rounds, each run a fresh process; per round every memlab configuration and
 its TRL run go in alternating order, the configuration order reversed every other round;
@@ -126,7 +127,7 @@ class Settings:
         ]
         if method == "grpo":
             o.append("method.loss_type=dapo")
-        o += (["measure.memory=true", "measure.memory_steps=all"] if memory
+        o += (["measure.memory=true", "measure.memory_steps=auto"] if memory
               else ["measure.memory=false"])
         return o + extra
 
@@ -181,11 +182,27 @@ def write_data(name: str, s: Settings, workdir: Path) -> dict[str, Any]:
                                                                int(0.99 * len(xs)))],
                 "max": xs[-1], "mean": statistics.fmean(xs)}
 
+    keys = [(s.prompts, max(tokens[i] for i in step), sum(tokens[i] for i in step))
+            for step in (trained[k: k + s.prompts] for k in range(0, len(trained), s.prompts))]
     return {"path": str(path), "rows": n, "prompt_tokens": stats(tokens),
+            "tracked_steps": auto_tracked(keys),
             "trained_prompt_tokens": stats([tokens[i] for i in trained]),
             "trained_order": trained,
             "longest_at": {"step": trained.index(slot) // s.prompts,
                            "tokens": tokens[slot]}}
+
+
+def auto_tracked(keys: list[tuple[int, ...]]) -> list[int]:
+    """The steps ``measure.memory_steps=auto`` tracks for prompt batches of size keys ``keys``
+    (memlab's rule, ``Trainer._tracked``: steps 0 and 1, then any step whose key grows past
+    the largest tracked from step 1 on), applied to TRL's steps too."""
+    out, top = [], ()
+    for step, key in enumerate(keys):
+        if step < 2 or not top or any(k > m for k, m in zip(key, top, strict=False)):
+            out.append(step)
+            if step >= 1:
+                top = tuple(max(a, b) for a, b in zip(key, top or key, strict=False))
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -220,7 +237,8 @@ def memlab_job(req: dict[str, Any]) -> dict[str, Any]:
     mem = summary.get("memory") or {}
     if req["mode"] == "memory" and mem:
         out.update(peak_bytes=mem["peak_bytes"], by_category=mem["by_category"],
-                   by_phase=mem["by_phase"], peak_at=mem["peak_at"])
+                   by_phase=mem["by_phase"], peak_at=mem["peak_at"],
+                   tracked_steps=mem["tracked_steps"])
     return out
 
 
@@ -246,7 +264,8 @@ def _trl_model(s: Settings, tok, attention: str = "sdpa"):
 
 
 def _trl_trainer(method: str, s: Settings, model, tok, ds, order: list[int], out_dir: str,
-                 callbacks: list, probe=None, state: dict | None = None):
+                 callbacks: list, probe=None, state: dict | None = None,
+                 tracked: list[int] | None = None):
     """TRL's GRPOTrainer / RLOOTrainer with the benchmark's settings, reading the prompts in
     ``order`` (each ``num_generations`` times in a row); with ``probe``, every training step
     runs under memlab's tracker with memlab's phases."""
@@ -298,7 +317,7 @@ def _trl_trainer(method: str, s: Settings, model, tok, ds, order: list[int], out
             state["step"] = step + 1
             tensors = [v for v in inputs.values() if isinstance(v, torch.Tensor)] \
                 if isinstance(inputs, dict) else []
-            stack.enter_context(probe.step(step, True, tensors))
+            stack.enter_context(probe.step(step, tracked is None or step in tracked, tensors))
             state["stack"] = stack
             loss = super().training_step(model, inputs, num_items_in_batch)
             stack.enter_context(probe.phase("optimizer"))  # clip + step + zero_grad
@@ -344,7 +363,7 @@ def trl_job(req: dict[str, Any]) -> dict[str, Any]:
                 rec["losses"].append(float(logs["loss"]))
 
     trainer = _trl_trainer(req["method"], s, model, tok, ds, req["order"], req["dir"],
-                           [Timer()], probe, state)
+                           [Timer()], probe, state, req.get("tracked"))
     trainer.train()
     timed = rec["dt"][1:]
     out: dict[str, Any] = {"status": "ok", "step_time_s": sum(timed) / max(1, len(timed)),
@@ -352,7 +371,8 @@ def trl_job(req: dict[str, Any]) -> dict[str, Any]:
     if probe is not None:
         mem = probe.result()
         out.update(peak_bytes=mem["peak_bytes"], by_category=mem["by_category"],
-                   by_phase=mem["by_phase"], peak_at=mem["peak_at"])
+                   by_phase=mem["by_phase"], peak_at=mem["peak_at"],
+                   tracked_steps=mem["tracked_steps"])
     return out
 
 
@@ -535,7 +555,7 @@ def main(argv: list[str] | None = None) -> int:
     if not a.no_memory:
         for m, d in cases:
             req = {**base, "method": m, "data": data[d]["path"], "mode": "memory",
-                   "order": data[d]["trained_order"]}
+                   "order": data[d]["trained_order"], "tracked": data[d]["tracked_steps"]}
             row = {"trl": run_fresh("trl", req, workdir, None)}
             for c in configs:
                 row[c] = run_fresh("memlab", {**req, "extra": CONFIGS[c]}, workdir, src)

@@ -218,8 +218,8 @@ def drops_padding_mask(padding_mask: str, ctx) -> bool:
     (``method.padding_mask=auto`` where the backend computes padded positions anyway:
     ``Attention.skips_padding`` false). In a causal model no real token attends to a later
     position, so the mask changes nothing a label sees; without it sdpa takes its causal
-    kernel."""
-    return padding_mask == "auto" and not ctx.attention.skips_padding
+    kernel. Without a run context (a method used on its own) the mask is kept."""
+    return padding_mask == "auto" and ctx is not None and not ctx.attention.skips_padding
 
 
 def head_logits(model: nn.Module, inputs: dict[str, Any], index: torch.Tensor,

@@ -100,12 +100,18 @@ def test_packed_rows_measure_one_and_two_documents_unless_told(tok):
 
 @pytest.mark.parametrize("method", ["dpo", "kto", "reward"])
 def test_preference_methods_get_a_padded_candidate_of_the_longest_rows(tok, method):
-    extra = [] if method == "reward" else ["method.max_prompt_length=32"]
+    """With the padding mask (reward always; DPO / KTO with method.padding_mask=always); DPO /
+    KTO's default sends right-padded rows without it under sdpa: no padded candidate."""
+    extra = [] if method == "reward" else ["method.max_prompt_length=32",
+                                           "method.padding_mask=always"]
     ctx = _ctx(f"method={method}", "train.batch_size=2", *LEN, *extra)
     cands = {c.name: c for c in candidates(ctx, tok, 64)}
     assert {"longest", "padded"} <= set(cands)
     tl, tp = _collated(ctx, tok, cands["longest"]), _collated(ctx, tok, cands["padded"])
     assert padded(tp) and tp["input_ids"].shape == tl["input_ids"].shape
+    if method != "reward":
+        auto = _ctx(f"method={method}", "train.batch_size=2", *LEN, *extra[:1])
+        assert "padded" not in {c.name for c in candidates(auto, tok, 64)}
 
 
 def test_online_prompts_are_padded_on_the_left(tok):
