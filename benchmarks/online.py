@@ -23,10 +23,13 @@ What runs (the same everywhere):
   train), beta 0 (no reference model), GRPO with ``loss_type=dapo`` / RLOO without advantage
   normalisation, AdamW lr 1e-4 cosine without warm-up, max_grad_norm 1, no accumulation.
 
-memlab configurations: ``default`` (the defaults: output head at the completion positions only,
-padded rows without a mask under sdpa, each prompt prefilled once for its group, completions of
-advantage 0 left out) and ``shared`` (``method.share_prompt=true method.padding_free=true``: each
-prompt stored once for its completions, every group in one row).
+memlab configurations: ``default`` (the defaults: each prompt prefilled once for its group; in
+training one row per prompt, the prompt stored once and its completions after it, each seeing
+the prompt and itself only (``share_prompt``, on where the attention can); the output head at
+the completion positions only; completions of advantage exactly 0 left out), ``padding_free``
+(``method.padding_free=true``: every group in one row, no padding) and ``unshared``
+(``method.share_prompt=false``: TRL's layout, one right-padded row per completion, no mask
+under sdpa, the head at the completion positions).
 
 Memory: one run each, under memlab's tracker (``measure.memory_steps=auto``: steps 0 and 1 and
 every step whose prompt batch is larger than those before, the long prompt's included; TRL under
@@ -81,7 +84,8 @@ TARGET_CHARS = 200
 METHODS = ("grpo", "rloo")
 CONFIGS = {
     "default": [],
-    "shared": ["method.share_prompt=true", "method.padding_free=true"],
+    "padding_free": ["method.padding_free=true"],
+    "unshared": ["method.share_prompt=false"],
 }
 
 

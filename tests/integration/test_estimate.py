@@ -294,6 +294,7 @@ ONLINE = ["data.seed=1", "data.median_tokens=150", "data.n_examples=2",  # promp
           "method.rewards=[memlab_testing:reward_low_ids]"]
 ONLINE_CASES = {
     "grpo": ["method=grpo", *ONLINE],
+    "grpo unshared rows": ["method=grpo", *ONLINE, "method.share_prompt=false"],
     "grpo lora kl adapter_disabled": ["method=grpo", *ONLINE, "peft=lora", "method.beta=0.04",
                                       "method.reference=adapter_disabled"],
     "rloo reference copy": ["method=rloo", *ONLINE],
@@ -339,18 +340,21 @@ def test_online_estimate_matches_real_run(job, tmp_path, case):
         assert est["peak_bytes"] >= real["memory"]["peak_bytes"]
         est = _estimate(tmp_path, overrides + REAL, "--from-data")
         case += " (--from-data)"
-    elif "share_prompt" not in str(overrides):  # padded rows: prompt + 16 new tokens
-        assert est["batch"]["shapes"]["input_ids"][1] == 64 + 16
+    elif not flat:  # a row per completion (64 + 16), or per prompt: 64 + each completion
+        shapes = est["batch"]["shapes"]
+        per_row = shapes["completion_mask"][0] // shapes["input_ids"][0]
+        assert shapes["input_ids"][1] == 64 + per_row * 16
     assert_agrees(case, est, real["memory"], phases)
 
 
 def test_online_estimates_move_the_right_way(tmp_path):
-    base_o = SHAPE + ["method=grpo", *ONLINE]
+    base_o = SHAPE + ["method=grpo", *ONLINE, "method.share_prompt=false"]
     base = _estimate(tmp_path, base_o)
-    longer = _estimate(tmp_path, base_o[:-1] + ["method.max_completion_length=48"])
+    longer = _estimate(tmp_path, [o.replace("max_completion_length=16",
+                                            "max_completion_length=48") for o in base_o])
     more = _estimate(tmp_path, base_o + ["method.num_generations=8"])
     kl = _estimate(tmp_path, base_o + ["method.beta=0.04"])
-    shared = _estimate(tmp_path, base_o + ["method.share_prompt=true"])
+    shared = _estimate(tmp_path, base_o[:-1])  # the default: a row per prompt
     assert longer["batch"]["shapes"]["input_ids"] == [8, 64 + 48]
     # one row per prompt: the prompt once, its 4 completions after it
     assert shared["batch"]["shapes"]["input_ids"] == [2, 64 + 4 * 16]

@@ -3,8 +3,8 @@ padding-free, packed rows with shared prompts) and the online methods (GRPO with
 reused rollouts, RLOO, Online DPO, PPO's policy and value passes; padded, padding-free and
 shared-prompt rollouts) give the loss and gradients of the output head on every position
 (``head_on=all``) with the padding mask sent (``always``), and, for the online methods, of the
-unshared padded rollout: ``method.share_prompt`` stores a group's prompt once with the same
-log-probs. A full model and a LoRA one (LoRA on lm_head too: the head's hook sits on the adapter).
+unshared padded rollout: ``method.share_prompt`` (on by default where the attention can) stores
+a group's prompt once with the same log-probs. A full model and a LoRA one (LoRA on lm_head too: the head's hook sits on the adapter).
 fp32 CPU, real configs, models and attention (memlab's per-document sdpa): loss and gradients
 within 1e-5 (online) / 5e-5 (DPO, KTO: :data:`PREFERENCE_TOL`), relative to the loss and to the
 largest gradient entry. Negative control: a completion token moved by one
@@ -130,9 +130,9 @@ ONLINE = {  # method -> overrides (GRPO: a KL term to a reference copy and reuse
     "ppo": ["method=ppo", "method.num_generations=2"],
 }
 ROLLOUTS = {
-    "padded": {},
-    "padding-free": {"padding_free": True},
-    "shared prompt": {"share_prompt": True},
+    "padded": {"share_prompt": False},
+    "padding-free": {"share_prompt": False, "padding_free": True},
+    "shared prompt (the default here)": {},
     "shared prompt, padding-free": {"share_prompt": True, "padding_free": True},
 }
 
@@ -169,7 +169,7 @@ def test_online_rollouts_are_the_padded_full_head(method, lora):
     base = _ctx(*ONLINE[method], *(LORA if lora else ()))
     tok = base.model.load_tokenizer(base)
     models = _models(base, tok)
-    full = _knobs(base, **FULL)
+    full = _knobs(base, **FULL, share_prompt=False)
     g = base.method.num_generations
     batch, samples, rewards = rollout(base, tok, g)
     ref = trained(full.method, models, batch, samples, rewards, full)
@@ -186,6 +186,7 @@ def test_online_rollouts_are_the_padded_full_head(method, lora):
         for k in ("old_logps", "old_values", "token_advantages", "returns"):
             if k in r:  # generation-time values
                 torch.testing.assert_close(t[k], r[k], rtol=1e-5, atol=1e-5, msg=k)
+        assert ctx.method.shares_prompt(ctx) == ("shared" in layout), layout
         if "shared" in layout:  # each prompt stored once: fewer tokens in the forward
             assert ours.real_tokens == ref.real_tokens - (g - 1) * (11 + 4 + 7), layout
         _assert_same(_loss_and_grads(ctx.method, models, ours, ctx), expect)

@@ -78,11 +78,12 @@ class Online:
     """auto: the training rows (right-padded ``prompt + completion``) go without their
     attention mask where the attention backend computes padded positions anyway (eager, sdpa);
     always: send it (``method=sft``'s knob)."""
-    share_prompt: bool = False
+    share_prompt: bool | None = None
     """Store each prompt once for its ``num_generations`` completions in the training forward
     and backward: one row per prompt, every completion seeing the prompt and itself only (as
     ``method=dpo``'s share_prompt does for a pair). Same log-probs as the unshared rows; needs
-    attention that can show a document a prefix (sdpa / eager with varlen, flex)."""
+    attention that can show a document a prefix (sdpa / eager with varlen, flex). None: on
+    where the attention option can (``Attention.shares_prefix``), else off."""
     padding_free: bool = False
     """Every training sequence (or, with share_prompt, every prompt's group) as documents of
     one row: restarting position ids, no padding."""
@@ -138,7 +139,7 @@ class Online:
                           "between generation batches)")
         if self.beta > 0:
             errors += _reference.reference_errors(self, ctx)
-        if self.share_prompt:
+        if self.share_prompt:  # asked for explicitly (None turns on only where it can)
             errors += _layout.shared_prompt_errors(
                 ctx, "each prompt once for its completions, each completion seeing it and not "
                 "the other completions")
@@ -235,7 +236,14 @@ class Online:
         return None
 
     def packs_rows(self, ctx) -> bool:
-        return self.padding_free or self.share_prompt
+        return self.padding_free or self.shares_prompt(ctx)
+
+    def shares_prompt(self, ctx) -> bool:
+        """Whether a group's prompt is stored once (``share_prompt``; None: where the attention
+        can show a document a prefix; without a run context, off)."""
+        if self.share_prompt is not None:
+            return self.share_prompt
+        return ctx is not None and ctx.attention.shares_prefix()
 
     def labelled(self) -> bool:
         """Whether the output head runs at the scored positions only (``head_on``)."""
@@ -372,7 +380,7 @@ class Online:
         moved to ``device``; the tokens they store and their slots."""
         t, stored, slots = _rollout.training_tensors(
             batch.meta["prompt_ids"], samples.token_ids, keep, self.num_generations,
-            batch.meta["pad"], share=self.share_prompt, flat=self.padding_free,
+            batch.meta["pad"], share=self.shares_prompt(ctx), flat=self.padding_free,
             mask=not drops_padding_mask(self.padding_mask, ctx),
             width=samples.completion.shape[1])
         return ({k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in t.items()},
