@@ -53,10 +53,11 @@ Usage::
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/online.py [--rounds 3] [--quick]
         [--methods grpo,rloo] [--data short,long] [--configs default,shared]
-        [--memlab-src /path/to/other/checkout/src]   # the memlab side from another tree
+        [--before-src /path/to/other/checkout/src]   # + memlab's defaults from another tree
         [--out benchmarks/results/online.json]
 
-``--memlab-src`` runs the memlab side from another checkout (its ``src`` and ``tests``): a
+``--before-src`` adds a configuration ``before``: memlab's defaults run from another checkout
+(its ``src``, ``tests`` helpers and configs), interleaved with the others in every round: a
 before / after in one invocation. Writes ``benchmarks/results/online.json``; prints the table.
 """
 
@@ -436,6 +437,8 @@ def replay_job(req: dict[str, Any]) -> dict[str, Any]:
     ctx = types.SimpleNamespace(attention=attention)
     method_cls = lookup("method", req["method"])
     for name, extra in CONFIGS.items():
+        if name == "before":  # another tree's code: not importable here
+            continue
         knobs = dict(x.removeprefix("method.").split("=") for x in extra)
         kw = {k: v == "true" for k, v in knobs.items()}
         m = method_cls(num_generations=g, max_completion_length=s.new_tokens, beta=0.0,
@@ -486,7 +489,8 @@ def worker_main(kind: str, req_path: str) -> None:
 
 def run_fresh(kind: str, req: dict[str, Any], workdir: Path, memlab_src: str | None
               ) -> dict[str, Any]:
-    """One run in a fresh python process."""
+    """One run in a fresh python process (memlab from ``memlab_src``: another checkout's
+    ``src``, with its ``tests`` helpers and configs; None: this one)."""
     d = Path(tempfile.mkdtemp(dir=workdir))
     req = {**req, "dir": str(d), "out": str(d / "out.json")}
     env = dict(os.environ)
@@ -524,8 +528,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="1 round, long data, grpo only")
     ap.add_argument("--no-memory", action="store_true")
     ap.add_argument("--no-replay", action="store_true")
-    ap.add_argument("--memlab-src", default=None,
-                    help="run the memlab side from this checkout's src (before / after)")
+    ap.add_argument("--before-src", default=None,
+                    help="also run memlab's defaults from this checkout's src ('before')")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "online.json"))
     a = ap.parse_args(argv)
     if a.worker:
@@ -535,8 +539,11 @@ def main(argv: list[str] | None = None) -> int:
     methods = ["grpo"] if a.quick else a.methods.split(",")
     datas = ["long"] if a.quick else a.data.split(",")
     configs = a.configs.split(",")
-    if a.memlab_src:
-        configs = ["default"]  # another tree may not know the new knobs
+    srcs = {c: None for c in configs}
+    if a.before_src:  # the defaults of another tree (it may not know the new knobs)
+        configs.append("before")
+        srcs["before"] = a.before_src
+        CONFIGS["before"] = []
     workdir = Path(tempfile.mkdtemp(prefix="memlab-online-"))
     _worker_env()
     t_start = time.perf_counter()
@@ -548,7 +555,6 @@ def main(argv: list[str] | None = None) -> int:
     base = {"settings": asdict(s)}
     results: dict[str, Any] = {"memory": {}, "speed": {}, "replay": {}}
     cases = [(m, d) for d in datas for m in methods]
-    src = a.memlab_src
     if not a.no_replay:
         for m, d in cases:
             r = run_fresh("replay", {**base, "method": m, "data": data[d]["path"],
@@ -562,7 +568,7 @@ def main(argv: list[str] | None = None) -> int:
                    "order": data[d]["trained_order"], "tracked": data[d]["tracked_steps"]}
             row = {"trl": run_fresh("trl", req, workdir, None)}
             for c in configs:
-                row[c] = run_fresh("memlab", {**req, "extra": CONFIGS[c]}, workdir, src)
+                row[c] = run_fresh("memlab", {**req, "extra": CONFIGS[c]}, workdir, srcs[c])
             results["memory"][f"{m}/{d}"] = row
             print(f"[memory {m}/{d}] " + ", ".join(
                 f"{k}: {v.get('peak_bytes', 0) / MIB:.1f} MiB" for k, v in row.items()),
@@ -578,7 +584,8 @@ def main(argv: list[str] | None = None) -> int:
                 sides = sides[::-1]
             for name, c in sides:
                 runs[name] = (run_fresh("trl", req, workdir, None) if c is None else
-                              run_fresh("memlab", {**req, "extra": CONFIGS[c]}, workdir, src))
+                              run_fresh("memlab", {**req, "extra": CONFIGS[c]}, workdir,
+                                        srcs[c]))
             results["speed"].setdefault(f"{m}/{d}", []).append(runs)
             print(f"[speed round {rnd} {m}/{d}] " + ", ".join(
                 f"{k}: {v.get('step_time_s') or float('nan'):.2f} s/step"
@@ -586,7 +593,7 @@ def main(argv: list[str] | None = None) -> int:
     table = summarize(results, configs)
     out = {"settings": asdict(s), "data": {k: {x: y for x, y in v.items() if x != "path"}
                                             for k, v in data.items()},
-           "memlab_src": src or "this checkout", "machine": machine(),
+           "before_src": a.before_src, "machine": machine(),
            "wall_s": time.perf_counter() - t_start, "table": table, "runs": results}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=1) + "\n")

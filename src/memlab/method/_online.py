@@ -366,9 +366,9 @@ class Online:
         if real:
             zero = self.zero_contribution(adv)
             dropped = [k and z for k, z in zip(keep, zero, strict=True)]
+            metrics["completions/skipped"] = sum(dropped) / len(keep)
             if any(dropped):  # the same batch without them (the per-completion values stay)
                 keep = [k and not z for k, z in zip(keep, zero, strict=True)]
-                metrics["completions/skipped"] = sum(dropped) / len(keep)
                 new, stored, slots = self.layout(batch, samples, keep, ctx, device)
                 t = {**{k: v for k, v in t.items() if k not in laid_out}, **new}
         return Batch(t, num_items=items, real_tokens=stored, total_tokens=slots,
