@@ -400,10 +400,11 @@ def run_fake_step(ctx, opts: EstimateOptions, notes: list[str]) -> dict[str, Any
             start += n * world
         cands = distinct(cands, key=lambda c: c.batch)
         if any(LOSS_INDEX in c.batch.tensors for c in cands):
-            notes.append("every real token of the generated rows carries a label, so the "
-                         "output head runs at all of them (method.head_on=labelled: a run whose "
-                         "data labels fewer, such as completion-only chat, needs less; "
-                         "--from-data measures its own batches)")
+            notes.append("the output head runs at the labelled positions of the generated rows "
+                         "(method.head_on=labelled: every real token for SFT, the completions "
+                         "for preference pairs); a run whose data labels fewer, such as "
+                         "completion-only chat or shorter answers, needs less; --from-data "
+                         "measures its own batches")
     micro = min(max(1, ctx.train.grad_accum), 2)
     if ctx.train.grad_accum > 2:
         notes.append(f"grad_accum={ctx.train.grad_accum} estimated with 2 micro-batches per "

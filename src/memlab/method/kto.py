@@ -11,6 +11,9 @@ example in dataset order whose prompt differs - fixed at preparation (as TRL doe
 reference side can be precomputed). Per micro-batch, ``KL = max(0, mean(policy - reference))``
 over the mismatched sequences, both computed without gradient (the term is detached in KTO).
 
+The output head runs only where a completion token is predicted (``head_on=labelled``) and
+right-padded rows go without their mask under eager / sdpa (``padding_mask=auto``), as in DPO.
+
 Reference handling is DPO's (``copy | adapter_disabled | precomputed``); precomputed stores
 ``ref_logps`` and ``ref_kl_logps`` columns.
 
