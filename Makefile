@@ -5,7 +5,7 @@ VLLM_VENV ?= .venv-vllm
 export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: help setup run smoke test test-fast test-vllm lint sweep report bench
+.PHONY: help setup run smoke test test-fast test-vllm lint sweep report bench docs
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -36,6 +36,9 @@ lint: setup  ## ruff
 
 sweep: setup  ## the ready foundation sweep (peft x attention); any other: memlab -m sweep=<name>
 	$(PY) -m memlab -m sweep=foundation
+
+docs: setup  ## build the documentation site into site/ (mkdocs; the reference is generated)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 bench: setup  ## benchmarks (print tables, write benchmarks/results/*.json)
 	$(PY) benchmarks/packing.py

