@@ -6,7 +6,7 @@ the code.
   that group (``memlab.registry``): for each option its module's docstring, and a table of its
   fields: key, type, default (the option's yaml where it sets one, else the dataclass default),
   range (the ``Range`` in the annotation) and help (the field's attribute docstring, read from
-  the source with ``ast``). ``<!-- memlab:options train -->`` / ``measure`` do the same for the
+  the source with ``ast``; where a field has none, the comment beside its key in the yaml). ``<!-- memlab:options train -->`` / ``measure`` do the same for the
   top-level ``TrainConfig`` / ``MeasureConfig`` against ``config.yaml``.
 - ``<!-- memlab:flags COMMAND -->`` becomes the flags of ``memlab COMMAND`` (estimate, fit,
   report, lengths), read from the command's own ``build_parser()``.
@@ -124,9 +124,29 @@ def yaml_value(value: Any) -> str:
 MISSING = object()
 
 
-def field_rows(cls: type, node: dict[str, Any] | None) -> list[tuple[str, str, str, str, str]]:
+def yaml_comments(text: str, under: str | None = None) -> dict[str, str]:
+    """The comment beside each key of a yaml text (top-level keys, or the keys of ``under:``)."""
+    out: dict[str, str] = {}
+    inside = under is None
+    for line in text.splitlines():
+        m = re.match(r"^(\s*)([A-Za-z_]\w*):[^#]*#\s*(.*)$", line) or re.match(
+            r"^(\s*)([A-Za-z_]\w*):", line)
+        if m is None:
+            continue
+        top = not m[1]
+        if under is not None and top:
+            inside = m[2] == under
+            continue
+        if inside and (top if under is None else len(m[1]) == 2) and m.lastindex == 3:
+            out[m[2]] = m[3]
+    return out
+
+
+def field_rows(cls: type, node: dict[str, Any] | None,
+               comments: dict[str, str] | None = None) -> list[tuple[str, str, str, str, str]]:
     """(key, type, default, range, help) of every init field of ``cls``; the default is the
-    yaml's where ``node`` (the option's yaml) sets the key, else the dataclass's."""
+    yaml's where ``node`` (the option's yaml) sets the key, else the dataclass's; the help is
+    the field's docstring, else the comment beside the key in the yaml (``comments``)."""
     from memlab.registry import numeric_knobs
 
     hints = typing.get_type_hints(cls, include_extras=True)
@@ -148,7 +168,7 @@ def field_rows(cls: type, node: dict[str, Any] | None) -> list[tuple[str, str, s
         rng = ranges.get(f.name)
         rows.append((f"`{f.name}`", code_cell(type_text(hints[f.name])),
                      default, rng.describe() if rng else "",
-                     one_line(docs.get(f.name, ""))))
+                     one_line(docs.get(f.name) or (comments or {}).get(f.name, ""))))
     return rows
 
 
@@ -245,7 +265,8 @@ def options_reference(group: str, configs: Configs) -> str:
         cls = {"train": config.TrainConfig, "measure": config.MeasureConfig}[group]
         top = plain(configs.node("config").config) or {}
         doc = one_line(inspect.getdoc(cls) or "")
-        return f"{doc}\n\n" + table(FIELD_HEADER, field_rows(cls, top.get(group)))
+        comments = yaml_comments(configs.text("config"), under=group)
+        return f"{doc}\n\n" + table(FIELD_HEADER, field_rows(cls, top.get(group), comments))
     out = []
     for name in registry.options(group):
         cls = registry.lookup(group, name)
@@ -263,7 +284,8 @@ def options_reference(group: str, configs: Configs) -> str:
         if result is None:
             where += f"; no `{group}/{name}.yaml` (registered only)"
         out.append(f"\nConfig class {where}.\n")
-        out.append(table(FIELD_HEADER, field_rows(cls, node)) if dataclasses.fields(cls)
+        comments = yaml_comments(configs.text(f"{group}/{name}")) if result else {}
+        out.append(table(FIELD_HEADER, field_rows(cls, node, comments)) if dataclasses.fields(cls)
                    else "No knobs.")
         out.append("")
     return "\n".join(out)
