@@ -189,16 +189,15 @@ FIELD_HEADER = ("key", "type", "default", "range", "help")
 # ---------------------------------------------------------------- memlab's configs (Hydra)
 
 class Configs:
-    """memlab's config tree as Hydra sees it (``pkg://memlab.conf`` and its search path)."""
+    """memlab's config tree as Hydra sees it (``conf/``, ``sweeps/`` and its search path)."""
 
     def __init__(self) -> None:
-        from hydra import initialize_config_module
         from hydra.core.global_hydra import GlobalHydra
 
-        from memlab.cli.compose import CONFIG_MODULE
+        from memlab.cli.compose import initialize
 
         GlobalHydra.instance().clear()
-        with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
+        with initialize():
             self.loader = GlobalHydra.instance().config_loader()
             self._cache: dict[str, Any] = {}
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from memlab import _guards
-from memlab import conf as _conf  # noqa: F401 - registers ${memlab.asset:...} for the configs
+from memlab import resolvers as _resolvers  # noqa: F401 - registers ${memlab.asset:...}
 from memlab.registry import (
     NonNegativeFloat,
     NonNegativeInt,

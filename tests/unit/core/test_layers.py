@@ -25,7 +25,7 @@ SRC = Path(__file__).resolve().parents[3] / "src" / "memlab"
 
 TECHNIQUES = ("method", "generation", "packing", "attention", "precision", "offload", "peft",
               "distributed", "model", "data", "logger")
-BOTTOM = ("trainer", "losses", "measure", "registry", "config", "_guards", "conf", "faults")
+BOTTOM = ("trainer", "losses", "measure", "registry", "config", "_guards", "resolvers", "faults")
 
 
 def layer(module: str) -> int:

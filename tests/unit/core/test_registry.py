@@ -7,7 +7,7 @@ import pytest
 from memlab import _guards
 from memlab.registry import GROUPS, ConfigErrors, build, options
 from memlab.run import validate
-from memlab_testing import CONF, FAST, compose
+from memlab_testing import CONF, FAST, SWEEPS, compose
 
 GPU_ONLY = {
     ("attention", "flash_attention_2"), ("attention", "flash_attention_3"),
@@ -114,7 +114,7 @@ def test_experiment_configs_compose_and_validate():
 
 
 def test_every_point_of_every_shipped_sweep_validates():
-    """The ready sweeps (conf/sweep/*.yaml, ``memlab -m sweep=<name>``): each point of the
+    """The ready sweeps (sweeps/*.yaml, ``memlab -m sweep=<name>``): each point of the
     sweeper's grid, composed with ``sweep=<name>`` (so with the sweep's own settings), passes
     validation as a CUDA run (no model loads; some points are CPU-invalid on purpose, e.g.
     activation offloading in techniques.yaml), so a shipped sweep never fails on a typo."""
@@ -124,7 +124,7 @@ def test_every_point_of_every_shipped_sweep_validates():
 
     from memlab.estimate import validate_for
 
-    paths = sorted((CONF / "sweep").glob("*.yaml"))
+    paths = sorted(SWEEPS.glob("*.yaml"))
     assert len(paths) >= 9, paths
     for path in paths:
         params = yaml.safe_load(path.read_text())["hydra"]["sweeper"]["params"]

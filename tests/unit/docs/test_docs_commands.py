@@ -247,13 +247,13 @@ def jobs(overrides: list[str], multirun: bool) -> list[list[str]]:
     of every swept key is in one of them (job i takes the i-th value of each key, cycling)."""
     if not multirun:
         return [overrides]
-    from hydra import compose, initialize_config_module
+    from hydra import compose
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from memlab.cli.compose import CONFIG_MODULE
+    from memlab.cli.compose import initialize
 
-    with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
+    with initialize():
         parser = OverridesParser.create(config_loader=GlobalHydra.instance().config_loader())
         fixed = [o.input_line for o in parser.parse_overrides(overrides)
                  if not o.is_sweep_override()]
@@ -273,12 +273,11 @@ def jobs(overrides: list[str], multirun: bool) -> list[list[str]]:
 @functools.cache
 def group_options(group: str) -> list[str]:
     """The options Hydra finds for a group of memlab's configs (sweep, experiment, debug)."""
-    from hydra import initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
 
-    from memlab.cli.compose import CONFIG_MODULE
+    from memlab.cli.compose import initialize
 
-    with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
+    with initialize():
         return GlobalHydra.instance().config_loader().get_group_options(group)
 
 

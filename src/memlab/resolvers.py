@@ -1,13 +1,14 @@
-"""memlab's Hydra configs (``pkg://memlab.conf``), and the one OmegaConf resolver they use:
-``${memlab.asset:PATH}`` is the absolute path of ``PATH`` under the package's ``assets/`` (e.g.
-``${memlab.asset:model_configs/Qwen2.5-0.5B}``, the architecture a shipped experiment estimates
-with), so a config names a shipped file wherever memlab is installed."""
+"""The one OmegaConf resolver memlab's configs (``conf/``) use, registered on import (by
+:mod:`memlab.config`): ``${memlab.asset:PATH}`` is the absolute path of ``PATH`` under the
+package's ``assets/`` (e.g. ``${memlab.asset:model_configs/Qwen2.5-0.5B}``, the architecture a
+shipped experiment estimates with), so a config names a shipped file wherever memlab is
+installed."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-ASSETS = Path(__file__).resolve().parents[1] / "assets"
+ASSETS = Path(__file__).resolve().parent / "assets"
 
 
 def asset(path: str) -> str:
