@@ -27,7 +27,8 @@ as in TRL, everything the completion adds after the prompt's generation prompt.
   of the two token prefixes.
 
 **When neither works** (:class:`Unsplittable`): with ``data.training_template=auto`` a
-conversation is rendered with memlab's training template for the stock template's family
+conversation (``messages``; prompt-completion rows are split by their own rendering of the
+prompt) is rendered with memlab's training template for the stock template's family
 (:mod:`memlab.data.templates`: Qwen3, Mistral v0.3 / Nemo), which has markers, and counted in
 the run's :class:`Tally`. Otherwise the row is unsplittable: a :class:`ChatTemplateError` (a
 ``DataError``) naming the row, the template property that fails, the text where it fails, and
@@ -41,7 +42,7 @@ template does not render verbatim.
 
 **Rendering settings** of a run (:func:`rendering`): ``data.chat_template_kwargs`` go to every
 rendering; a row's ``tools`` (the ``tools=`` argument of the public functions) too. Messages are
-normalized first (:func:`memlab.data.formats.normalize_messages`). A message's
+normalized first (:func:`memlab.data.base.normalize_messages`). A message's
 ``reasoning_content`` is refused unless the template reads it (it would be dropped silently).
 """
 

@@ -8,12 +8,13 @@ memlab reads the types of TRL's dataset-formats guide, standard (strings) or con
 unpaired preference (``prompt`` + ``completion`` + ``label``). Other shapes are converted:
 
 * **on load, per dataset** (:func:`convert`, row for row, so a row keeps its index):
-  ``data.columns`` renames columns; ShareGPT's ``conversations`` column becomes ``messages``;
-  Alpaca rows (``instruction``, optional ``input`` and ``system``, ``output``) become
+  ``data.columns`` renames columns; ShareGPT's ``conversations`` column becomes ``messages``
+  (and a ``system`` column, when there is one, each conversation's first turn); Alpaca rows (``instruction``, optional ``input`` and ``system``, ``output``) become
   conversational prompt-completion rows: the prompt is the system turn (if any) and one user
   turn, ``instruction`` followed by a blank line and ``input`` when ``input`` is not empty; the
-  completion is one assistant turn, ``output``. Only Alpaca needs a pass over the rows
-  (``datasets.map``, written to the dataset's cache when it has one); renaming is free.
+  completion is one assistant turn, ``output``. Only Alpaca and a ShareGPT ``system`` column
+  need a pass over the rows (``datasets.map``, written to the dataset's cache when it has one);
+  renaming is free.
 * **when a row is read, per message** (:func:`memlab.data.base.normalize_messages`, called by
   every check of a conversational field): ShareGPT's ``from`` / ``value`` become ``role`` / ``content`` (human ->
   user, gpt -> assistant, ...); content given as a list of text parts
@@ -132,10 +133,42 @@ def convert(ds: Any, columns: dict[str, str] | None = None) -> tuple[Any, dict[s
     if "conversations" in names and "messages" not in names:
         ds = ds.rename_column("conversations", "messages")
         done["sharegpt"] = len(ds)
+        if "system" in names:
+            ds = _system_into_messages(ds)
+            done["system"] = len(ds)
     elif {"instruction", "output"} <= names and not names & {"messages", "prompt", "text"}:
         ds = _from_alpaca(ds)
         done["alpaca"] = len(ds)
     return ds, done
+
+
+def _system_into_messages(ds):
+    """A ShareGPT ``system`` column becomes each conversation's first (system) turn, unless the
+    conversation has one already."""
+    import datasets
+
+    features = datasets.Features({k: v for k, v in ds.features.items() if k != "system"})
+    features["messages"] = datasets.List(datasets.Json())
+
+    def fn(batch: dict[str, list], idx: list[int]) -> dict[str, list]:
+        out = []
+        for j, row in enumerate(idx):
+            system, messages = batch["system"][j], batch["messages"][j]
+            if system is not None and not isinstance(system, str):
+                raise DataError(f"row {row}: field 'system' must be a string (a ShareGPT "
+                                f"system prompt), got {type(system).__name__}")
+            first = messages[0] if isinstance(messages, list) and messages else {}
+            has_one = isinstance(first, dict) and "system" in (first.get("role"),
+                                                               first.get("from"))
+            if system and not has_one:
+                messages = [{"role": "system", "content": system}, *messages]
+            out.append(messages)
+        return {"messages": out}
+
+    key = hashlib.sha1(repr(("system", _VERSION, ds._fingerprint)).encode()).hexdigest()
+    return ds.map(fn, batched=True, batch_size=256, with_indices=True, features=features,
+                  remove_columns=["system"], keep_in_memory=not ds.cache_files,
+                  new_fingerprint=key, desc="system prompts into conversations")
 
 
 def _from_alpaca(ds):

@@ -207,11 +207,15 @@ def test_sharegpt_alpaca_content_parts_and_renamed_columns_convert_to_the_same_t
                                                *CONV]}], name="native")
     sharegpt = [{"conversations": [{"from": "system", "value": "Be brief."},
                                    {"from": "human", "value": Q}, {"from": "gpt", "value": A}]}]
+    system_column = [{"system": "Be brief.", "conversations": [{"from": "human", "value": Q},
+                                                               {"from": "gpt", "value": A}]}]
     parts = [{"messages": [{"role": "system", "content": [{"type": "text", "text": "Be "},
                                                           {"type": "text", "text": "brief."}]},
                            *CONV]}]
     renamed = [{"dialog": [{"role": "system", "content": "Be brief."}, *CONV], "id": 7}]
     for name, rows, kw, converted in (("sharegpt", sharegpt, {}, {"sharegpt": 1}),
+                                      ("system", system_column, {},
+                                       {"sharegpt": 1, "system": 1}),
                                       ("parts", parts, {}, None),
                                       ("renamed", renamed, {"columns": {"dialog": "messages"}},
                                        {"columns": 1})):

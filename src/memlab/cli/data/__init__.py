@@ -73,10 +73,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"memlab data: {' '.join(odd)}: expected key=value overrides (Hydra's flags and "
               "sweeps are for runs)", file=sys.stderr)
         return 2
-    return show(args, overrides)
+    return run_show(args, overrides)
 
 
-def show(args: argparse.Namespace, overrides: list[str]) -> int:
+def run_show(args: argparse.Namespace, overrides: list[str]) -> int:
+    """``memlab data show``: compose, validate, inspect, print."""
     from memlab.cli.compose import compose
     from memlab.cli.data.show import as_dict, format_report, inspect
     from memlab.data.base import DataError
