@@ -209,28 +209,15 @@ def _trace(ctx, tokenizer, raw, prepared, tally, rows: list[Row]) -> None:
 
 
 def _header(ctx, stats, n_read: int) -> list[str]:
+    from memlab.measure.summary import data_notes
+
     choices = ctx.choices or {}
     lines = [f"method={ctx.method.name} packing={ctx.packing.name} "
              f"data={choices.get('data', ctx.data.name)}: {n_read} rows read, "
              f"{stats.examples} examples prepared into {stats.rows} rows, "
              f"{stats.tokens_in} tokens ({stats.tokens_dropped} cut by truncation / packing, "
              f"{stats.examples_dropped} examples dropped)"]
-    extra = stats.extra
-    if extra.get("converted"):
-        lines.append("converted on load: " + ", ".join(
-            f"{k} ({v} rows)" for k, v in extra["converted"].items()))
-    if extra.get("chat_template"):
-        ct = extra["chat_template"]
-        lines.append(f"chat template: memlab's {ct['training_template']} training template "
-                     f"rendered {ct['rows']} rows (the stock template cannot split them)")
-    if extra.get("unsplittable"):
-        un = extra["unsplittable"]
-        lines.append(f"skipped: {un['skipped']} rows the chat template cannot split "
-                     f"(first: {'; '.join(un['first'])}): {un['reason']}")
-    if extra.get("sources"):
-        lines.append("mixture: " + ", ".join(f"{k} {v['rows']} rows"
-                                             for k, v in extra["sources"].items()))
-    return lines
+    return lines + data_notes(stats.extra)
 
 
 def format_report(report: Report, tokenizer, color: bool, max_chars: int | None) -> str:
