@@ -26,8 +26,8 @@ class DataSource(Protocol):
     :class:`memlab.data.formats.RowOptions` included)."""
 
     name: str
-    columns: dict[str, str]
-    chat_template_kwargs: dict[str, Any]
+    columns: dict[str, str] | None
+    chat_template_kwargs: dict[str, Any] | None
     training_template: Literal["auto", "off"]
     on_unsplittable: Literal["error", "skip"]
 

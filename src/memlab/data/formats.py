@@ -29,7 +29,7 @@ unpaired preference (``prompt`` + ``completion`` + ``label``). Other shapes are 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from memlab.data.base import DataError, original_row
@@ -56,12 +56,12 @@ them)."""
 class RowOptions:
     """How rows are read and rendered: the fields every ``data=`` option shares."""
 
-    columns: dict[str, str] = field(default_factory=dict)
+    columns: dict[str, str] | None = None
     """Columns renamed on load, ``{name in the data: memlab's name}``, e.g.
     ``data.columns={question: prompt, answer: completion}``. memlab's names: messages, text,
     prompt, completion, chosen, rejected, label, tools, margin, and ShareGPT's conversations /
     Alpaca's instruction, input, output, system (converted after the renaming)."""
-    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    chat_template_kwargs: dict[str, Any] | None = None
     """Extra variables for the chat template (keyword arguments of
     ``apply_chat_template``), e.g. ``data.chat_template_kwargs={enable_thinking: false}``."""
     training_template: Literal["auto", "off"] = "auto"
@@ -77,17 +77,17 @@ class RowOptions:
     def row_errors(self) -> list[str]:
         """Problems of the shared fields (each names its fix)."""
         errors = []
-        bad = {k: v for k, v in self.columns.items()
-               if not isinstance(k, str) or v not in ROW_NAMES}
+        columns = self.columns or {}
+        bad = {k: v for k, v in columns.items() if not isinstance(k, str) or v not in ROW_NAMES}
         if bad:
             errors.append(f"data.columns: {bad} maps onto names memlab does not read; map "
                           f"each column onto one of {', '.join(ROW_NAMES)}")
-        targets = list(self.columns.values())
+        targets = list(columns.values())
         twice = sorted({t for t in targets if targets.count(t) > 1})
         if twice:
             errors.append(f"data.columns maps several columns onto {', '.join(twice)}; map one "
                           "column onto each name")
-        bad_kwargs = [k for k in self.chat_template_kwargs
+        bad_kwargs = [k for k in self.chat_template_kwargs or {}
                       if not str(k).isidentifier() or k in TEMPLATE_ARGUMENTS]
         if bad_kwargs:
             errors.append(f"data.chat_template_kwargs: {bad_kwargs} cannot be template "
