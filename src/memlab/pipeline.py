@@ -44,6 +44,7 @@ from typing import Any
 from torch import nn
 
 from memlab import faults
+from memlab.data import chat
 from memlab.data.base import DataError
 from memlab.generation.base import Engine, GenerationEnv, run_rng
 from memlab.generation.hf import HFEngine
@@ -99,25 +100,55 @@ class Pipeline:
     trainer: Trainer
 
 
-def prepare_data(ctx, tokenizer) -> tuple[Any, DataStats]:
-    """Data source -> method transforms -> packing."""
+def prepare_rows(ctx, tokenizer) -> tuple[Any, Any, DataStats, chat.Tally]:
+    """Data source -> conversion to memlab's row formats -> method transforms (with the data
+    option's chat-template settings): ``(rows as read, prepared rows, stats, what the chat
+    templates did)``. What the conversion and the templates did goes into the stats' extras
+    (``converted``, ``chat_template``, ``unsplittable``)."""
     faults.reach("data")
     raw = ctx.data.load(ctx)
     if len(raw) == 0:
         raise DataError(f"data={ctx.data.name}: the data source has no rows")
     try:
-        ds, stats = ctx.method.prepare(raw, tokenizer, ctx)
+        rows, converted = ctx.data.convert(raw)
+        with chat.rendering(tokenizer, ctx.data) as tally:
+            ds, stats = ctx.method.prepare(rows, tokenizer, ctx)
     except DataError as e:  # name where the row comes from: a file and line, a hub row...
         if e.row is None:
             raise
         raise DataError(f"{ctx.data.locate(raw, e.row)}: {e}", row=e.row) from e
+    if converted:
+        stats.extra["converted"] = converted
+    stats.extra.update(tally.as_dict(lambda row: ctx.data.locate(raw, row)))
+    stats.extra.update(ctx.data.summary(raw))
+    return raw, ds, stats, tally
+
+
+def prepare_data(ctx, tokenizer) -> tuple[Any, DataStats]:
+    """:func:`prepare_rows` -> packing."""
+    _, ds, stats, _ = prepare_rows(ctx, tokenizer)
+    return pack(ctx, ds, stats)
+
+
+def pack(ctx, ds, stats: DataStats) -> tuple[Any, DataStats]:
+    """The packing option applied to prepared rows (DataError when no example is left)."""
     ds, stats = ctx.packing.apply(ds, stats, ctx)
     if len(ds) == 0:
+        skipped = (stats.extra.get("unsplittable") or {}).get("skipped")
         raise DataError(
-            f"no example survived preparation ({stats.examples_dropped} dropped); "
-            "check method.max_length and the data"
+            f"no example survived preparation ({stats.examples_dropped} dropped"
+            + (f", {skipped} skipped as unsplittable by the chat template" if skipped else "")
+            + "); check method.max_length and the data"
         )
     return ds, stats
+
+
+def batch_stream(ctx, tokenizer, ds) -> BatchStream:
+    """The stream of collated micro-batches the trainer receives from prepared rows ``ds``
+    (this rank's slice of every global batch)."""
+    collate = partial(ctx.method.collate, tokenizer=tokenizer, ctx=ctx)
+    return BatchStream(ds, ctx.packing.batch_items(ctx), ctx.train.seed, collate,
+                       shard=(ctx.rank, ctx.world_size))
 
 
 def check_trainable(stats: DataStats) -> None:
@@ -210,7 +241,6 @@ def build(ctx, seams: Seams | None = None, logger: Any = None,
     if on_data is not None:
         on_data(stats)
     check_trainable(stats)
-    collate = partial(ctx.method.collate, tokenizer=tokenizer, ctx=ctx)
     loader = Loader(ctx, tokenizer, seams)
     policy = loader.model(ctx)
     offload = ctx.offload.build(policy, ctx, seams.offload)
@@ -221,8 +251,7 @@ def build(ctx, seams: Seams | None = None, logger: Any = None,
         prepared = ctx.method.before_training(models, ds, ctx)
     if prepared is not None:  # the dataset with columns the method added (e.g. reference logps)
         ds = prepared
-    stream = BatchStream(ds, ctx.packing.batch_items(ctx), ctx.train.seed, collate,
-                         shard=(ctx.rank, ctx.world_size))
+    stream = batch_stream(ctx, tokenizer, ds)
     generation = None
     if ctx.method.generates():
         rng = seams.rng or run_rng(ctx.train.seed, ctx.rank)

@@ -7,12 +7,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from memlab.data.formats import RowOptions
 from memlab.registry import PositiveInt, Seed, register
 
 
 @register("data", "embedded")
 @dataclass(kw_only=True)
-class Embedded:
+class Embedded(RowOptions):
     """Size and shape of the generated set."""
 
     kind: Literal["auto", "chat", "text", "preference"] = "auto"
@@ -23,7 +24,7 @@ class Embedded:
     max_tokens: PositiveInt = 6000
 
     def validate(self, ctx) -> list[str]:
-        errors = []
+        errors = self.row_errors()
         if self.n_examples <= 0:
             errors.append(f"data.n_examples must be positive (got {self.n_examples})")
         want = ctx.method.data_kinds
@@ -34,8 +35,8 @@ class Embedded:
             )
         return errors
 
-    def locate(self, ds, row: int) -> str:
-        return f"generated example {row} (data=embedded, seed {self.seed})"
+    def place(self, index: int) -> str:
+        return f"generated example {index} (data=embedded, seed {self.seed})"
 
     def load(self, ctx):
         import datasets

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from memlab.data.base import DataError, limit, original_row
+from memlab.data.base import DataError, limit
+from memlab.data.formats import RowOptions
 from memlab.registry import PositiveInt, Seed, register
 
 _BY_SUFFIX = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -21,9 +22,10 @@ _BY_SUFFIX = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": 
 
 @register("data", "local")
 @dataclass(kw_only=True)
-class Local:
-    """Files to read; rows use the same fields as hub data (messages / text / prompt+completion
-    for SFT; prompt, chosen, rejected for preference methods)."""
+class Local(RowOptions):
+    """Files to read; rows in any of TRL's dataset types (text / messages, prompt, prompt +
+    completion, prompt + chosen + rejected, prompt + completion + label), ShareGPT or Alpaca
+    (:mod:`memlab.data.formats`), as for hub data."""
 
     path: str = "???"
     """A file, a glob, or a directory of files of one format."""
@@ -45,15 +47,19 @@ class Local:
         return _BY_SUFFIX.get(Path(files[0]).suffix, "json")
 
     def validate(self, ctx) -> list[str]:
+        errors = self.row_errors()
         if self.path in ("???", ""):
-            return ["data=local needs data.path=<file, glob or dir> (jsonl/json/parquet/csv)"]
+            return [*errors, "data=local needs data.path=<file, glob or dir> "
+                    "(jsonl/json/parquet/csv)"]
         files = self._files()
         if not files:
-            return [f"data.path={self.path!r}: no such file (or no jsonl/json/parquet/csv in it)"]
+            return [*errors, f"data.path={self.path!r}: no such file (or no "
+                    "jsonl/json/parquet/csv in it)"]
         if self.format == "auto" and Path(files[0]).suffix not in _BY_SUFFIX:
-            return [f"data.path={self.path!r}: unknown format; set data.format=json|parquet|csv"]
-        return [f"data.path={self.path!r}: {f} is empty; give it rows (or remove it)"
-                for f in files if _is_empty(Path(f))]
+            return [*errors, f"data.path={self.path!r}: unknown format; set "
+                    "data.format=json|parquet|csv"]
+        return errors + [f"data.path={self.path!r}: {f} is empty; give it rows (or remove it)"
+                         for f in files if _is_empty(Path(f))]
 
     def load(self, ctx):
         import datasets
@@ -70,18 +76,18 @@ class Local:
                             f"{', '.join(files)} as {fmt}: {type(e).__name__}: {e}") from e
         return limit(ds, self.max_examples, self.shuffle_seed)
 
-    def locate(self, ds, row: int) -> str:
+    def place(self, index: int) -> str:
         """``"<file> line <n>"`` (jsonl / csv), ``"<file> item <n>"`` (a JSON array) or
-        ``"<file> row <n>"`` (parquet) of the loaded dataset's row ``row``."""
-        index = original_row(ds, row)
+        ``"<file> row <n>"`` (parquet) of row ``index`` of the files as read."""
         files = self._files()
         fmt = self._format(files)
+        rest = index
         for f in files:
             places = _places(Path(f), fmt)
-            if index < len(places):
-                return f"{f} {places[index]}"
-            index -= len(places)
-        return f"{', '.join(files)} row {original_row(ds, row)}"
+            if rest < len(places):
+                return f"{f} {places[rest]}"
+            rest -= len(places)
+        return f"{', '.join(files)} row {index}"
 
 
 def _is_empty(path: Path) -> bool:

@@ -196,6 +196,27 @@ def _device_info(device: str, torch) -> dict[str, Any]:
             "count": 1, "threads": torch.get_num_threads()}
 
 
+def data_notes(d: dict[str, Any]) -> list[str]:
+    """What happened to the rows, from a summary's ``data`` section: rows rendered with a
+    training template, skipped as unsplittable, converted on load, a mixture's sources."""
+    notes = []
+    if d.get("chat_template"):
+        ct = d["chat_template"]
+        notes.append(f"chat template: memlab's {ct['training_template']} training template "
+                     f"rendered {ct['rows']} rows the stock one cannot split")
+    if d.get("unsplittable"):
+        un = d["unsplittable"]
+        notes.append(f"skipped: {un['skipped']} rows the chat template cannot split (first: "
+                     f"{'; '.join(un['first'])}): {un['reason']}")
+    if d.get("converted"):
+        notes.append("converted on load: " + ", ".join(
+            f"{k} ({v} rows)" for k, v in d["converted"].items()))
+    if d.get("sources"):
+        notes.append("mixture: " + ", ".join(f"{k} {v['rows']} rows"
+                                             for k, v in d["sources"].items()))
+    return notes
+
+
 def format_table(s: dict[str, Any]) -> str:
     """Human-readable end-of-run table."""
     lines = []
@@ -227,6 +248,7 @@ def format_table(s: dict[str, Any]) -> str:
             f"{(d.get('padding_fraction') or 0):.1%}, tokens dropped {d.get('tokens_dropped')}"
             + (f", fill {fill:.3f}" if fill is not None else "")
         )
+        lines += [f"  {note}" for note in data_notes(d)]
     tr = s.get("train") or {}
     if tr:
         steps, planned = tr.get("steps"), tr.get("steps_planned")

@@ -149,7 +149,7 @@ class Online:
 
         def fn(row: dict, idx: int) -> list[dict]:
             prompt, reference = _prompt_and_reference(row, idx)
-            ids = _rows.encode_prompt(tokenizer, prompt, idx)
+            ids = _rows.encode_prompt(tokenizer, prompt, idx, row.get("tools"))
             n_in = len(ids)
             if limit is not None and len(ids) > limit:
                 ids = ids[len(ids) - limit:]
@@ -389,7 +389,8 @@ def _prompt_and_reference(row: dict, idx: int) -> tuple[Any, str]:
         last = max((i for i, m in enumerate(msgs) if m["role"] == "user"), default=None)
         if last is None:
             raise DataError(f"row {idx}: field 'messages' has no user turn to prompt with")
-        answer = next((m["content"] for m in msgs[last + 1:] if m["role"] == "assistant"), "")
+        answer = next((m["content"] or "" for m in msgs[last + 1:] if m["role"] == "assistant"),
+                      "")
         return msgs[: last + 1], answer
     prompt = row.get("prompt")
     chosen = row.get("chosen")
@@ -400,7 +401,7 @@ def _prompt_and_reference(row: dict, idx: int) -> tuple[Any, str]:
     else:
         raise DataError(f"row {idx}: field 'prompt' is empty")
     if isinstance(chosen, list):
-        answer = " ".join(m.get("content", "") for m in chosen if isinstance(m, dict))
+        answer = " ".join(m.get("content") or "" for m in chosen if isinstance(m, dict))
     else:
         answer = chosen or ""
     return prompt, answer

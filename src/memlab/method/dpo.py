@@ -139,9 +139,10 @@ class DPO(Offline, GroupPacked):
             else:
                 prompt, chosen, rejected = _rows.split_implicit_prompt(row["chosen"],
                                                                        row["rejected"], idx)
-            p = _rows.encode_prompt(tokenizer, prompt, idx)
-            c = _rows.encode_completion(tokenizer, prompt, p, chosen, idx, "chosen")
-            r = _rows.encode_completion(tokenizer, prompt, p, rejected, idx, "rejected")
+            tools = row.get("tools")
+            p = _rows.encode_prompt(tokenizer, prompt, idx, tools)
+            c = _rows.encode_completion(tokenizer, prompt, p, chosen, idx, "chosen", tools)
+            r = _rows.encode_completion(tokenizer, prompt, p, rejected, idx, "rejected", tools)
             n_in = (1 if shared else 2) * len(p) + len(c) + len(r)
             cut = _rows.truncate(p, [c, r], *limits)
             if cut is not None and fit:

@@ -122,9 +122,11 @@ class GKD:
 
         def fn(row: dict, idx: int) -> list[dict]:
             prompt, answer = _prompt_and_reference(row, idx)
-            p = _rows.encode_prompt(tokenizer, prompt, idx)
+            tools = row.get("tools")
+            p = _rows.encode_prompt(tokenizer, prompt, idx, tools)
             c = _rows.encode_completion(tokenizer, prompt, p, [{"role": "assistant",
-                                                             "content": answer}], idx, "messages")
+                                                             "content": answer}], idx, "messages",
+                                        tools)
             cut = _rows.truncate(p, [c], self.max_prompt_length, None, self.max_length)
             if cut is None:
                 return [{"prompt_ids": [], "completion_ids": [], "keep": False,

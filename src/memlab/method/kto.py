@@ -161,10 +161,11 @@ class KTO(Offline, GroupPacked):
                     raise DataError(f"row {idx}: field 'label' must be true/false (desirable or "
                                     f"not), got {label!r}")
                 items = [(row["completion"], bool(label), "completion")]
-            p = _rows.encode_prompt(tokenizer, prompt, idx)
+            tools = row.get("tools")
+            p = _rows.encode_prompt(tokenizer, prompt, idx, tools)
             out = []
             for completion, label, field in items:
-                c = _rows.encode_completion(tokenizer, prompt, p, completion, idx, field)
+                c = _rows.encode_completion(tokenizer, prompt, p, completion, idx, field, tools)
                 n_in = len(p) + len(c)
                 cut = _rows.truncate(p, [c], *limits)
                 if cut is None:
@@ -215,9 +216,10 @@ class KTO(Offline, GroupPacked):
             else:
                 prompt, chosen, rejected = _rows.split_implicit_prompt(row["chosen"],
                                                                        row["rejected"], idx)
-            p = _rows.encode_prompt(tokenizer, prompt, idx)
-            c = _rows.encode_completion(tokenizer, prompt, p, chosen, idx, "chosen")
-            r = _rows.encode_completion(tokenizer, prompt, p, rejected, idx, "rejected")
+            tools = row.get("tools")
+            p = _rows.encode_prompt(tokenizer, prompt, idx, tools)
+            c = _rows.encode_completion(tokenizer, prompt, p, chosen, idx, "chosen", tools)
+            r = _rows.encode_completion(tokenizer, prompt, p, rejected, idx, "rejected", tools)
             n_in = len(p) + len(c) + len(r)
             cut = _rows.truncate(p, [c, r], *limits)
             if cut is not None and fit:

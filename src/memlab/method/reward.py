@@ -110,8 +110,9 @@ class Reward(Offline, GroupPacked):
 
         def fn(row: dict, idx: int) -> list[dict]:
             prompt = row["prompt"] if has_prompt else None
-            c = _rows.encode_full(tokenizer, prompt, row["chosen"], idx, "chosen")
-            r = _rows.encode_full(tokenizer, prompt, row["rejected"], idx, "rejected")
+            tools = row.get("tools")
+            c = _rows.encode_full(tokenizer, prompt, row["chosen"], idx, "chosen", tools)
+            r = _rows.encode_full(tokenizer, prompt, row["rejected"], idx, "rejected", tools)
             n_in = len(c) + len(r)
             empty = int(_rows.is_empty(row["chosen"])) + int(_rows.is_empty(row["rejected"]))
             out = {"chosen_ids": c, "rejected_ids": r, "keep": True, "n_in": n_in,

@@ -1,8 +1,10 @@
 """`method=sft`: supervised fine-tuning with next-token cross-entropy.
 
-Rows: conversations (``messages``) through the tokenizer's chat template, plain ``text``, or
-``prompt`` + ``completion`` (strings or messages). Loss on completion / assistant tokens only
-by default (``loss_on=all`` for every token). Order: format -> tokenize -> truncate
+Rows: conversations (``messages``, with the row's ``tools``) through the tokenizer's chat
+template, plain ``text``, or ``prompt`` + ``completion`` (strings or messages); plain text starts
+with the tokenizer's BOS when it adds one and ends with its EOS (:mod:`memlab.data.text`). Loss
+on completion / assistant tokens only by default (``loss_on=all`` for every token). A row the
+chat template cannot split is left out under ``data.on_unsplittable=skip``. Order: format -> tokenize -> truncate
 (``max_length``, keep_start | keep_end; skipped when the packing strategy keeps overflow
 tokens itself) -> shifted labels per document -> (packing, by the pipeline) -> collate
 (padded, or padding-free: one flat row with restarting position_ids).
@@ -17,7 +19,7 @@ from typing import Annotated, Any, ClassVar, Literal
 import torch
 import torch.nn.functional as F
 
-from memlab.data import chat
+from memlab.data import chat, text
 from memlab.data.base import DataError, check_text
 from memlab.losses import chunked_linear_cross_entropy
 from memlab.method.base import (
@@ -148,7 +150,11 @@ class SFT(Offline):
         def fn(batch: dict[str, list], idx: list[int]) -> dict[str, list]:
             out: dict[str, list] = {"input_ids": [], "labels": [], "n_in": [], "n_train": []}
             for j, row in enumerate(idx):
-                ids, mask = self._encode(fmt, {k: v[j] for k, v in batch.items()}, row, tokenizer)
+                try:
+                    ids, mask = self._encode(fmt, {k: v[j] for k, v in batch.items()}, row,
+                                             tokenizer)
+                except chat.SkippedRow:
+                    continue
                 out["n_in"].append(len(ids))
                 if limit is not None and len(ids) > limit:
                     if self.truncation_mode == "keep_start":
@@ -177,27 +183,30 @@ class SFT(Offline):
         return out, stats
 
     def _encode(self, fmt: str, row: dict, idx: int, tok) -> tuple[list[int], list[int]]:
-        eos = tok.eos_token_id
         train_completion = self.loss_on == "completion"
+        tools = row.get("tools")
         if fmt == "messages":
             if not train_completion:
-                ids = chat.conversation_ids(tok, row["messages"], idx, "messages")
+                ids = chat.conversation_ids(tok, row["messages"], idx, "messages", tools=tools)
                 return ids, [1] * len(ids)
-            return chat.assistant_mask(tok, row["messages"], idx, "messages")
+            return chat.assistant_mask(tok, row["messages"], idx, "messages", tools=tools)
         if fmt == "text":
             check_text(row["text"], idx, "text")
-            ids = tok(row["text"], add_special_tokens=False)["input_ids"] + [eos]
+            ids = text.document_ids(tok, row["text"])
             return ids, [1] * len(ids)
         prompt, completion = row["prompt"], row["completion"]
         if isinstance(prompt, list):
-            p = chat.prompt_ids(tok, prompt, idx, "prompt")
+            p = chat.prompt_ids(tok, prompt, idx, "prompt", tools=tools)
             full = p + chat.completion_ids(tok, prompt, p, completion, idx, "completion",
-                                           fix=chat.SFT_FIX)
+                                           fix=chat.SFT_FIX, tools=tools)
         else:
             check_text(prompt, idx, "prompt")
+            if isinstance(completion, list):
+                raise DataError(f"row {idx}: 'prompt' is a string but 'completion' is a list of "
+                                "messages; use the same format (both strings or both messages)")
             check_text(completion, idx, "completion")
-            p = tok(prompt, add_special_tokens=False)["input_ids"]
-            full = p + tok(completion, add_special_tokens=False)["input_ids"] + [eos]
+            p = text.start_ids(tok, prompt)
+            full = p + text.end_ids(tok, completion)
         mask = [0] * len(p) + [1] * (len(full) - len(p)) if train_completion else [1] * len(full)
         return full, mask
 

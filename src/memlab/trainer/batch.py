@@ -161,16 +161,21 @@ class BatchStream:
     def __iter__(self) -> Iterator[Batch]:
         return self
 
-    def __next__(self) -> Batch:
+    def next_indices(self) -> list[int]:
+        """Dataset rows of the next micro-batch (this rank's slice), without taking it."""
         if self.pos >= len(self._perm):
             self.epoch += 1
             self.pos = 0
             self._perm = self._permutation(self.epoch)
         idx = self._perm[self.pos : self.pos + self.batch_size * self.world]
-        self.pos += len(idx)
         if self.world > 1:  # this rank's slice; a short last batch is split as evenly
             per = -(-len(idx) // self.world)
             idx = idx[self.rank * per : (self.rank + 1) * per] or idx[-1:]
+        return idx
+
+    def __next__(self) -> Batch:
+        idx = self.next_indices()
+        self.pos += min(self.batch_size * self.world, len(self._perm) - self.pos)
         cols = self.ds[idx]
         rows = [{k: cols[k][i] for k in cols} for i in range(len(idx))]
         return self.collate(rows)

@@ -26,10 +26,12 @@ def _plain(cfg):
 def test_debug_smoke_composes_with_every_method_and_data_source(method, data, tmp_path):
     from memlab.run import validate
 
-    assert len(METHODS) >= 9 and DATA == ["embedded", "hub", "local"]
+    assert len(METHODS) >= 9 and DATA == ["embedded", "hub", "local", "mixture"]
     rows = tmp_path / "rows.jsonl"
     rows.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
-    extra = [f"data.path={rows}"] if data == "local" else []
+    extra = {"local": [f"data.path={rows}"],
+             "mixture": [f"+data.sources.a={{name: local, path: '{rows}', weight: 1}}"]
+             }.get(data, [])
     cfg = compose(["debug=smoke", f"method={method}", f"data={data}", *extra])
     ctx = validate(_plain(cfg))
     assert ctx.train.steps == 4 and ctx.train.device == "cpu"

@@ -14,7 +14,7 @@ GPU_ONLY = {
     ("attention", "kernels"), ("attention", "flex_attention"),
     ("precision", "fp16_mixed"), ("peft", "qlora"), ("offload", "activations"),
 }
-NEEDS_INPUT = {("data", "local")}
+NEEDS_INPUT = {("data", "local"): "data.path", ("data", "mixture"): "data.sources"}
 NEEDS_PACKAGE = {("generation", "vllm"): "vllm"}  # an extra outside [dev] (own env on CPU)
 
 
@@ -42,7 +42,7 @@ def test_every_option_composes_and_validates(group, name):
     fast = [o for o in FAST if not o.startswith(f"{group}.")]
     cfg = _plain(compose(fast + [f"{group}={name}"]))
     if (group, name) in NEEDS_INPUT:
-        with pytest.raises(ConfigErrors, match="data.path"):
+        with pytest.raises(ConfigErrors, match=NEEDS_INPUT[group, name]):
             validate(cfg)
         return
     package = NEEDS_PACKAGE.get((group, name))

@@ -177,6 +177,7 @@ def _job(cfg, args: argparse.Namespace) -> int:
         return 2
     timings["config_s"] = time.perf_counter() - t0
 
+    from memlab.data import chat
     from memlab.data.base import DataError
 
     try:
@@ -189,7 +190,9 @@ def _job(cfg, args: argparse.Namespace) -> int:
         print(f"[memlab lengths] tokenizing {len(raw)} rows of data={choices.get('data', '?')} "
               f"with method={ctx.method.name}'s own prepare (no truncation)...", flush=True)
         t1 = time.perf_counter()
-        lengths = tokenize_lengths(ctx, tokenizer, raw, args.num_proc)
+        rows, _ = ctx.data.convert(raw)
+        with chat.rendering(tokenizer, ctx.data):
+            lengths = tokenize_lengths(ctx, tokenizer, rows, args.num_proc)
         timings["tokenize_s"] = time.perf_counter() - t1
     except DataError as e:
         print(f"memlab lengths: bad data: {e}", file=sys.stderr)
