@@ -27,6 +27,7 @@ has no page with its marker: a new group cannot be left out of the docs silently
 
 from __future__ import annotations
 
+import argparse
 import ast
 import dataclasses
 import importlib
@@ -42,7 +43,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 REPO = Path(__file__).resolve().parents[1]
-COMMANDS = ("estimate", "fit", "report", "lengths")
+COMMANDS = ("estimate", "fit", "report", "lengths", "data")
 """Subcommands whose flags the docs list (each module has ``build_parser()``)."""
 TOPLEVEL = ("train", "measure")
 """Top-level config nodes with a typed config of their own (``memlab.config``)."""
@@ -295,8 +296,18 @@ def _parser(command: str):
 
 
 def flags_reference(command: str) -> str:
-    """The flags and arguments of ``memlab COMMAND``, from its own argparse parser."""
+    """The flags and arguments of ``memlab COMMAND``, from its own argparse parser (a command
+    with subcommands, such as ``memlab data show``: each subcommand's)."""
     parser = _parser(command)
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if subs:
+        return "\n\n".join(f"### `memlab {command} {name}`\n\n" + parser_reference(sub)
+                           for name, sub in subs[0].choices.items())
+    return parser_reference(parser)
+
+
+def parser_reference(parser: argparse.ArgumentParser) -> str:
+    """One argparse parser's usage, flags (spelling, default, choices, help) and epilog."""
     formatter = parser._get_formatter()
     rows = []
     for action in parser._actions:

@@ -32,7 +32,7 @@ FENCE = re.compile(r"^(?P<indent>[ \t]*)```(?P<lang>[\w-]*)[^\n]*\n(?P<body>.*?)
                    re.M | re.S)
 SHELL = ("bash", "sh", "shell", "console")
 ENV = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
-SUBCOMMANDS = ("estimate", "fit", "lengths", "report", "vllm-serve")
+SUBCOMMANDS = ("estimate", "fit", "lengths", "report", "data", "vllm-serve")
 FOR = re.compile(r"^\s*for (\w+) in (\S+)[^;]*; do\s*$")
 """``for X in a b c; do``: X is its first value in the lines that follow."""
 VARIABLE = re.compile(r"\$(\w+)|\$\{(\w+)\}")
@@ -199,6 +199,11 @@ def check_subcommand(name: str, args: list[str]) -> None:
 
         ns, rest = parse_or_bad(build_parser(), rest, known=True)
         convert = options
+    elif name == "data":
+        from memlab.cli.data import build_parser
+
+        ns, rest = parse_or_bad(build_parser(), rest, known=True)
+        convert = None
     elif name == "estimate":
         from memlab.cli.estimate import build_parser, options_from
 
