@@ -13,11 +13,15 @@ patch into a no-op.
 - :func:`mask_decisions` (``memlab estimate``): two value-dependent decisions of transformers'
   mask construction (is this a packed row? is the padding mask all ones?) answered by the
   estimator from the real batch.
+- :func:`deepspeed_on_fake_tensors` (``memlab estimate distributed=deepspeed``): DeepSpeed's
+  engine built and stepped on fake tensors as rank 0 of a fake process group: the engine leaves
+  the model where it is, and the three values it reads are answered as on a healthy rank 0.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -112,3 +116,60 @@ def mask_decisions(find_packed: Callable[[Callable, Any], Any],
             patched(mu, "_ignore_causal_mask_sdpa",
                     lambda *a, **k: ignore_causal(orig_skip, *a, **k)):
         yield
+
+
+@contextlib.contextmanager
+def deepspeed_on_fake_tensors() -> Iterator[list[Any]]:
+    """DeepSpeed's engine on fake weights, as rank 0 of torch's fake process group; yields the
+    engines built inside (their ``skipped_steps`` tell whether a step was lost anyway).
+
+    - The engine is built inside the fake mode of the weights it is given, so what it allocates
+      itself (flat buffers, ZeRO-3's partitions) is fake like them (built outside, ZeRO-3
+      copies fake weights into real partitions, which the fake mode refuses), and with
+      ``dont_change_device=True`` (a constructor argument that ``deepspeed.initialize`` does
+      not pass): its ``module.to(device)`` would have ``nn.Module._apply`` swap every
+      parameter, which a fake tensor refuses ("Cannot swap t1 because it has weakref
+      associated with it"); the weights are on their device already.
+    - The overflow checks answer "finite": ``is_invalid_grad_norm`` (ZeRO 1-2, ZeRO-3, the bf16
+      optimizer, the unfused optimizer of bf16 ZeRO-0), ZeRO 1-2's ``has_overflow`` (bf16) and
+      ``CheckOverflow.has_overflow`` (the unfused optimizer) return False, so the optimizer step
+      is applied as on a healthy run (on fake values the norm reads NaN and the overflow flags
+      are integer reads: the engine would skip the step).
+    - ``get_lst_from_rank0`` (ZeRO-3's checks that every rank recorded the same module and
+      parameter order) answers this rank's own list: this process *is* rank 0, and the fake
+      group's broadcast moves no values to read back.
+    """
+    from deepspeed.runtime import bf16_optimizer, engine
+    from deepspeed.runtime import utils as runtime_utils
+    from deepspeed.runtime.fp16 import unfused_optimizer
+    from deepspeed.runtime.zero import stage3, stage_1_and_2
+    from deepspeed.runtime.zero import utils as zero_utils
+
+    init = check_target(engine.DeepSpeedEngine, "__init__")
+    if "dont_change_device" not in inspect.signature(init).parameters:
+        raise PatchTargetMissing(
+            "memlab builds DeepSpeedEngine with dont_change_device=True, a parameter the "
+            f"installed {_version(engine)} does not have; memlab supports the versions pinned "
+            "in pyproject.toml (or update memlab.measure.patches for this one)")
+    engines: list[Any] = []
+
+    def build_in_place(self, *args: Any, **kwargs: Any) -> None:
+        from torch._subclasses.fake_tensor import maybe_get_fake_mode
+
+        weights = kwargs["model"].parameters()  # deepspeed.initialize passes it by name
+        mode = next((m for p in weights if (m := maybe_get_fake_mode(p)) is not None), None)
+        with mode if mode is not None else contextlib.nullcontext():
+            init(self, *args, **{**kwargs, "dont_change_device": True})
+        engines.append(self)
+
+    def finite(*args: Any, **kwargs: Any) -> bool:
+        return False
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(patched(engine.DeepSpeedEngine, "__init__", build_in_place))
+        for module in (stage_1_and_2, stage3, bf16_optimizer, unfused_optimizer):
+            stack.enter_context(patched(module, "is_invalid_grad_norm", finite))
+        for owner in (stage_1_and_2.DeepSpeedZeroOptimizer, runtime_utils.CheckOverflow):
+            stack.enter_context(patched(owner, "has_overflow", finite))
+        stack.enter_context(patched(zero_utils, "get_lst_from_rank0", lambda lst: list(lst)))
+        yield engines

@@ -8,7 +8,10 @@ import types
 
 import pytest
 
+from memlab._guards import has
 from memlab.measure import patches
+
+DEEPSPEED = pytest.mark.skipif(not has("deepspeed"), reason="needs the deepspeed extra")
 
 
 def test_patched_restores_the_original_and_refuses_a_missing_target():
@@ -41,6 +44,15 @@ def test_a_class_attribute_patch_leaves_no_instance_or_class_residue():
     ("stop_at_length", ("transformers.generation.utils", "StopCheck.__call__")),
     ("mask_decisions", ("transformers.masking_utils", "find_packed_sequence_indices")),
     ("mask_decisions", ("transformers.masking_utils", "_ignore_causal_mask_sdpa")),
+    *[pytest.param("deepspeed_on_fake_tensors", target, marks=DEEPSPEED) for target in [
+        ("deepspeed.runtime.engine", "DeepSpeedEngine.__init__"),
+        ("deepspeed.runtime.zero.stage_1_and_2", "is_invalid_grad_norm"),
+        ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.has_overflow"),
+        ("deepspeed.runtime.zero.stage3", "is_invalid_grad_norm"),
+        ("deepspeed.runtime.bf16_optimizer", "is_invalid_grad_norm"),
+        ("deepspeed.runtime.fp16.unfused_optimizer", "is_invalid_grad_norm"),
+        ("deepspeed.runtime.utils", "CheckOverflow.has_overflow"),
+        ("deepspeed.runtime.zero.utils", "get_lst_from_rank0")]],
 ])
 def test_every_patch_target_exists_in_the_installed_versions(name, target):
     """Each patch's target is where memlab expects it; entering the patch checks it too."""
@@ -52,7 +64,8 @@ def test_every_patch_target_exists_in_the_installed_versions(name, target):
         obj = getattr(obj, part)
     assert callable(obj)
     args = {"recording_multi_grad_hooks": (), "stop_at_length": (lambda: 1,),
-            "mask_decisions": (lambda orig, p: orig(p), lambda orig, *a, **k: orig(*a, **k))}
+            "mask_decisions": (lambda orig, p: orig(p), lambda orig, *a, **k: orig(*a, **k)),
+            "deepspeed_on_fake_tensors": ()}
     with getattr(patches, name)(*args[name]):
         pass
 
@@ -72,4 +85,29 @@ def test_a_renamed_target_fails_the_patch_loudly(monkeypatch):
     monkeypatch.delattr(mu, "_ignore_causal_mask_sdpa")
     with pytest.raises(patches.PatchTargetMissing, match="_ignore_causal_mask_sdpa"):
         with patches.mask_decisions(lambda o, p: o(p), lambda o, *a, **k: o(*a, **k)):
+            pass
+
+
+@DEEPSPEED
+def test_deepspeed_patch_answers_as_a_healthy_rank_0_and_restores(monkeypatch):
+    """Inside, DeepSpeed's overflow checks answer "finite" and ZeRO-3's cross-rank list check
+    answers this rank's own list; outside, DeepSpeed's own functions are back. Negative
+    control: an engine whose constructor lost ``dont_change_device`` fails the patch."""
+    from deepspeed.runtime import engine, utils
+    from deepspeed.runtime.zero import stage_1_and_2
+    from deepspeed.runtime.zero import utils as zero_utils
+
+    nan = float("nan")
+    assert stage_1_and_2.is_invalid_grad_norm(nan)  # DeepSpeed's own: NaN is an overflow
+    with patches.deepspeed_on_fake_tensors() as engines:
+        assert not stage_1_and_2.is_invalid_grad_norm(nan)
+        assert not utils.CheckOverflow.has_overflow(None, [])
+        assert zero_utils.get_lst_from_rank0([3, 1, 2]) == [3, 1, 2]
+        assert engines == []
+    assert stage_1_and_2.is_invalid_grad_norm(nan)
+    assert zero_utils.get_lst_from_rank0.__module__ == "deepspeed.runtime.zero.utils"
+
+    monkeypatch.setattr(engine.DeepSpeedEngine, "__init__", lambda self, model=None: None)
+    with pytest.raises(patches.PatchTargetMissing, match="dont_change_device"):
+        with patches.deepspeed_on_fake_tensors():
             pass
