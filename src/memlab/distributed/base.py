@@ -17,7 +17,10 @@ An option (``distributed=<name>``) is a registered dataclass with:
 - ``memory_roles(model) -> {category: [tensors]}``: the wrapper's own buffers (DeepSpeed's
   partitions, master weights), categorised for the memory tracker;
 - ``describe(model) -> dict``: the wrapper's own buffers for the summary (DDP's buckets);
-- ``shards_states() -> bool``.
+- ``shards_states() -> bool``;
+- ``on_fake_group(ctx) -> context``: entered by ``memlab estimate`` around building and
+  stepping a ``wraps_fake_tensors`` wrapper as rank 0 of torch's fake process group; yields
+  the assumptions it adds to the estimate's (what it answers without values).
 
 Declared capabilities (class variables):
 
@@ -27,8 +30,9 @@ Declared capabilities (class variables):
 - ``checkpoint_format``: ``torch`` (one replica's state dicts), ``by_name`` (gathered from
   shards: ``full_state`` / ``load_full_state``) or ``native`` (the wrapper's own sharded format:
   ``save_states`` / ``load_states`` / ``full_weights``), see :mod:`memlab.trainer.checkpoint`;
-- ``wraps_fake_tensors``: its ``wrap`` works on fake weights over a fake process group, so
-  ``memlab estimate`` measures a rank (FSDP2) instead of modelling the sharding.
+- ``wraps_fake_tensors``: its ``wrap`` and steps work on fake weights over a fake process
+  group, so ``memlab estimate`` measures a rank (FSDP2, DeepSpeed) instead of modelling the
+  sharding (DDP: its C++ reducer reads tensor data, see :mod:`memlab.estimate.sharding`).
 
 Methods call the policy through :mod:`memlab.trainer.routing` (``call_inside``) when they need
 only part of it, so the part still runs inside the wrapper's forward.
@@ -38,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import ClassVar, Literal, Protocol
@@ -66,6 +71,7 @@ class Distributed(Protocol):
     def memory_roles(self, model: nn.Module) -> dict[str, list[torch.Tensor]]: ...
     def describe(self, model: nn.Module) -> dict: ...
     def shards_states(self) -> bool: ...
+    def on_fake_group(self, ctx) -> contextlib.AbstractContextManager[list[str]]: ...
 
 
 def env_rank() -> tuple[int, int, int]:
@@ -169,4 +175,9 @@ class Ranks:
     def memory_roles(self, model: nn.Module) -> dict[str, list[torch.Tensor]]:
         """No buffers of the wrapper's own to categorise."""
         return {}
+
+    @contextlib.contextmanager
+    def on_fake_group(self, ctx) -> Iterator[list[str]]:
+        """Nothing to add: the wrap runs on the fake process group as it is."""
+        yield []
 

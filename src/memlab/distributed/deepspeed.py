@@ -77,6 +77,7 @@ class DeepSpeed(Ranks):
 
     owns_step: ClassVar[bool] = True
     checkpoint_format: ClassVar[str] = "native"
+    wraps_fake_tensors: ClassVar[bool] = True
 
     zero_stage: Annotated[int, Range(ge=0, le=3)] = 2
     """0: replicate everything; 1: shard optimizer state; 2: + gradients; 3: + parameters."""
@@ -185,6 +186,16 @@ class DeepSpeed(Ranks):
         super().setup(ctx)  # the process group; DeepSpeed's comm layer adopts it
         self._adopt_group(ctx, env_rank()[1])
 
+    def teardown(self) -> None:
+        """The process group, through DeepSpeed's comm layer when it adopted it: that also
+        drops the groups DeepSpeed cached from it (a later engine in this process, such as an
+        estimate's after a one-rank run, would otherwise find them destroyed)."""
+        import deepspeed.comm
+
+        if deepspeed.comm.is_initialized():
+            deepspeed.comm.destroy_process_group()
+        super().teardown()
+
     def _adopt_group(self, ctx, local_rank: int) -> None:
         """DeepSpeed's comm layer on the existing process group (with the rank variables it
         reads), after checking that it picked the accelerator this run is on."""
@@ -201,6 +212,38 @@ class DeepSpeed(Ranks):
                                    "DS_ACCELERATOR=cpu")
             _skip_shm_comm()
         deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
+
+    @contextlib.contextmanager
+    def on_fake_group(self, ctx) -> Iterator[list[str]]:
+        """``memlab estimate``'s rank 0 of a fake process group: DeepSpeed's rank variables for
+        the block only, its comm layer on the fake group (torn down with it), and
+        :func:`memlab.measure.patches.deepspeed_on_fake_tensors` (the engine built in the fake
+        weights' mode and left where they are; its value reads answered as on a healthy rank
+        0). A step the engine skipped anyway fails the estimate: it would be too low."""
+        from unittest import mock
+
+        from memlab.measure import patches
+
+        env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(ctx.world_size)}
+        with mock.patch.dict(os.environ, env), patches.deepspeed_on_fake_tensors() as engines:
+            self._adopt_group(ctx, 0)
+            offloaded = [k for k in ("offload_optimizer", "offload_param")
+                         if getattr(self, k) != "none"]
+            try:
+                yield ["DeepSpeed's value reads answered as on a healthy rank 0: the gradients "
+                       "are finite (the step is applied, not skipped as an overflow)"
+                       + ("; every rank records the same module and parameter order"
+                          if self.zero_stage == 3 else "")] + (
+                    [f"{' and '.join(offloaded)}: what DeepSpeed moves to the host is counted in "
+                     "the device's memory (the fake tensors all live on one device): an upper "
+                     "bound"] if offloaded else [])
+            finally:
+                self.teardown()  # the fake group, and the groups DeepSpeed cached from it
+            skipped = sum(e.skipped_steps for e in engines)
+            if skipped:  # an overflow check the patch does not answer: the estimate is too low
+                raise RuntimeError(
+                    f"DeepSpeed skipped {skipped} optimizer step(s) on fake tensors as overflows: "
+                    "a check memlab.measure.patches.deepspeed_on_fake_tensors does not answer")
 
     def wrap(self, model: nn.Module, ctx) -> nn.Module:
         import deepspeed

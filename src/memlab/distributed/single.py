@@ -53,6 +53,10 @@ class Single:
         """Buffers the wrapper itself holds (none here)."""
         return {}
 
+    def on_fake_group(self, ctx) -> contextlib.AbstractContextManager[list[str]]:
+        """No process group: nothing to add."""
+        return contextlib.nullcontext([])
+
     def shards_states(self) -> bool:
         """Whether parameters / gradients / optimizer state are sharded across ranks."""
         return False

@@ -35,6 +35,7 @@ import contextlib
 import dataclasses
 import resource
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -43,7 +44,7 @@ from memlab.config import Platform
 from memlab.distributed.ddp import DDP
 from memlab.distributed.deepspeed import DeepSpeed
 from memlab.distributed.single import Single
-from memlab.estimate.fake import fake_process_group, run_fake_step
+from memlab.estimate.fake import run_fake_step
 from memlab.estimate.options import (
     ALL_PHASES,
     CARDS,
@@ -58,7 +59,7 @@ from memlab.estimate.options import (
     parse_bytes,
     verdict,
 )
-from memlab.estimate.sharding import apply_sharding, deepspeed_info
+from memlab.estimate.sharding import apply_sharding
 from memlab.registry import ConfigErrors
 
 __all__ = ["ALL_PHASES", "CARDS", "PHASES", "EstimateError", "EstimateOptions", "estimate",
@@ -116,35 +117,54 @@ def _add_other(mem: dict[str, Any], nbytes: int) -> dict[str, Any]:
     return out
 
 
+@contextlib.contextmanager
+def _fake_rank(ctx, world: int, notes: list[str]) -> Iterator[None]:
+    """Rank 0 of torch's fake process group (``FakeStore``, backend ``fake``) of ``world`` ranks
+    for the block (collectives move no data; shapes are right), with what the run's wrapper
+    needs there (its ``on_fake_group``, whose assumptions join ``notes``)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise EstimateError("memlab estimate needs its own (fake) process group, and one is "
+                            "already initialized in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        with ctx.distributed.on_fake_group(ctx) as assumed:
+            notes.extend(assumed)
+            yield
+    finally:
+        if dist.is_initialized():  # (the wrapper's teardown may have destroyed it)
+            dist.destroy_process_group()
+
+
 def _distributed_plan(ctx, opts: EstimateOptions, notes: list[str]):
     """How the run's distributed option is estimated: ``(ctx, opts, modelled wrapper or None,
-    ranks of the fake process group)``. A wrapper that runs on fake tensors (FSDP2) keeps its
-    ranks and is measured on a fake process group; DDP and DeepSpeed run as one plain process
-    and are sharded by :func:`memlab.estimate.sharding.apply_sharding` (a model); a single
-    process with ``--world-size N --zero-stage S`` likewise."""
+    ranks of the fake process group or 0)``. A wrapper that runs on fake tensors (FSDP2,
+    DeepSpeed) keeps its ranks and is measured as rank 0 of a fake process group; DDP runs as
+    one plain process and is sharded by :func:`memlab.estimate.sharding.apply_sharding` (a
+    model); a single process with ``--world-size N --zero-stage S`` likewise."""
     wrapper, procs = ctx.distributed, ctx.world_size
     world = opts.world_size if opts.world_size > 1 else procs
     if isinstance(wrapper, Single):
-        return ctx, opts, (wrapper if opts.world_size > 1 else None), 1
-    if wrapper.wraps_fake_tensors:  # its real wrap, on a fake process group of `world` ranks
-        if opts.zero_stage not in (0, 3):
-            raise EstimateError(f"distributed={wrapper.name} shards parameters, gradients and "
-                                f"optimizer state (ZeRO-3); --zero-stage {opts.zero_stage} does "
-                                "not apply")
-        notes.append(f"distributed={wrapper.name}: rank 0 of {world} measured: the real wrap on "
-                     "the fake weights over torch's fake process group (collectives move no "
-                     "data; each rank's memory is the same), train.batch_size rows per rank")
-        opts = dataclasses.replace(opts, world_size=world, zero_stage=3)
-        return dataclasses.replace(ctx, world_size=world, rank=0), opts, None, world
-    stage = wrapper.zero_stage if isinstance(wrapper, DeepSpeed) else 0
+        return ctx, opts, (wrapper if opts.world_size > 1 else None), 0
+    stage = wrapper.zero_stage if isinstance(wrapper, DeepSpeed) else \
+        (3 if wrapper.shards_states() else 0)
     if opts.zero_stage and opts.zero_stage != stage:
         raise EstimateError(f"--zero-stage {opts.zero_stage} disagrees with the run's "
-                            f"distributed={wrapper.name} (stage {stage})")
+                            f"distributed={wrapper.name} (ZeRO stage {stage}); leave it out")
+    opts = dataclasses.replace(opts, world_size=world, zero_stage=stage)
+    if wrapper.wraps_fake_tensors:  # its real wrap, on a fake process group of `world` ranks
+        notes.append(f"distributed={wrapper.name}: rank 0 of {world} measured: the real wrap on "
+                     "the fake weights over torch's fake process group (collectives move no "
+                     "data; each rank's memory is the same), train.batch_size rows per rank"
+                     + ("; its engine's own step 0 runs first, once (its optimizer state, "
+                        "buffers and traces), as in a run" if wrapper.owns_step else ""))
+        return dataclasses.replace(ctx, world_size=world, rank=0), opts, None, world
     notes.append(f"distributed={wrapper.name}: one rank of {world}, estimated as one plain "
                  f"process (its wrapper needs real storage) and sharded by the model below; "
                  "train.batch_size rows per rank")
-    opts = dataclasses.replace(opts, world_size=world, zero_stage=stage)
-    return dataclasses.replace(ctx, distributed=Single(), world_size=1, rank=0), opts, wrapper, 1
+    return dataclasses.replace(ctx, distributed=Single(), world_size=1, rank=0), opts, wrapper, 0
 
 
 def estimate(cfg, opts: EstimateOptions | None = None, choices: dict[str, str] | None = None,
@@ -180,7 +200,7 @@ def estimate(cfg, opts: EstimateOptions | None = None, choices: dict[str, str] |
     out["options"]["world_size"] = opts.world_size
     out["options"]["zero_stage"] = opts.zero_stage
     try:
-        with fake_process_group(fake_world) if fake_world > 1 else contextlib.nullcontext():
+        with _fake_rank(ctx, fake_world, notes) if fake_world else contextlib.nullcontext():
             res = run_fake_step(ctx, opts, notes)
     except EstimateError as e:
         out["error"] = str(e)
@@ -205,16 +225,9 @@ def estimate(cfg, opts: EstimateOptions | None = None, choices: dict[str, str] |
     else:
         notes.append("device=cpu: byte-exact for a CPU run of the same shapes")
     if model is not None:  # sharding this estimate models instead of measuring
-        ds_info = (deepspeed_info(model, ctx, opts.zero_stage, res["model"])
-                   if isinstance(model, DeepSpeed) else None)
-        gather = isinstance(model, DeepSpeed) and model.gather_for_generation
-        if gather and opts.zero_stage >= 3 and "generate" in mem.get("by_phase", {}):
-            notes.append("gather_for_generation: the generate phase holds the whole weights "
-                         "beside the rank's shards")
         mem = apply_sharding(mem, opts.world_size, opts.zero_stage, res["model"]["shard_units"],
                              notes, bucket_view=isinstance(model, DDP)
-                             and model.gradient_as_bucket_view,
-                             deepspeed=ds_info, gather_generation=gather)
+                             and model.gradient_as_bucket_view)
     budget = opts.budget_bytes
     overhead = 0
     if opts.card:

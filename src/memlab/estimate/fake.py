@@ -21,10 +21,11 @@ branches as the real one. Where memlab itself needs a value (the documents of a 
 collator computed it on the host already. Other value reads are answered without values by
 :class:`EstimateFakeMode` and reported.
 
-Sharded runs: ``distributed=fsdp2`` runs its real wrap (``fully_shard``) on the fake weights over
-torch's fake process group (``FakeStore``, backend ``fake``) with ``nproc`` ranks, so a rank's
-peak is measured. Wrappers that need real storage (DDP's C++ reducer, DeepSpeed's engine) are
-estimated as one plain process and sharded by a stated model (:mod:`memlab.estimate.sharding`).
+Sharded runs: ``distributed=fsdp2`` (``fully_shard``) and ``distributed=deepspeed`` (its engine,
+ZeRO 0-3) run their real wrap on the fake weights over torch's fake process group
+(``FakeStore``, backend ``fake``) with ``nproc`` ranks, so a rank's peak is measured (what the
+wrapper needs there: its ``on_fake_group``). DDP, whose C++ reducer needs real storage, is estimated as one plain process and sharded by a
+stated model (:mod:`memlab.estimate.sharding`).
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ from memlab.method.base import LOSS_INDEX
 from memlab.pipeline import Seams, build
 from memlab.trainer.batch import Batch
 from memlab.trainer.loop import LoopOptions
+from memlab.trainer.routing import unwrap
 
 
 def _candidates(real: dict[str, torch.Tensor], suffix: str, fake: Any) -> list[torch.Tensor]:
@@ -241,25 +243,6 @@ def estimate_fake_mode():
     return mode
 
 
-
-
-@contextlib.contextmanager
-def fake_process_group(world: int) -> Iterator[None]:
-    """torch's fake process group (``FakeStore``, backend ``fake``) of ``world`` ranks, this
-    process rank 0, for the block (collectives do nothing; shapes are right)."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        raise EstimateError("memlab estimate needs its own (fake) process group, and one is "
-                            "already initialized in this process")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def _fake_micro_batches(batch: Batch, micro: int, mode) -> list[Batch]:
     """``micro`` copies of ``batch`` on fake tensors, each with its own storage (a run collates
     every micro-batch of a step separately and keeps them all until the step ends)."""
@@ -355,11 +338,18 @@ def run_fake_step(ctx, opts: EstimateOptions, notes: list[str]) -> dict[str, Any
         prepare = lambda c, t: (datasets.Dataset.from_list(rows),  # noqa: E731
                                 DataStats(rows=len(rows), examples=len(rows)))
     token = round_trip_token(tokenizer)
+    placed: dict[int, dict[str, Any]] = {}  # each model's weights as built, before any wrap
+
+    def place(model: nn.Module) -> nn.Module:
+        model = standin.place(model)  # (ZeRO-3 then partitions them: counted here, whole)
+        placed[id(model)] = {**_param_info(model), "shard_units": shard_units(model)}
+        return model
+
     seams = Seams(
         load_tokenizer=standin.load_tokenizer,
         load_model=standin.load,
         build_context=standin.build_context,
-        place_model=standin.place,
+        place_model=place,
         prepare_data=prepare,
         offload=OFFLOAD,
         engine=lambda c, t, p: WorstCaseEngine(c.distributed, token),
@@ -414,10 +404,17 @@ def run_fake_step(ctx, opts: EstimateOptions, notes: list[str]) -> dict[str, Any
     for m in models.values():
         m.train(m is trainer.policy)
 
+    # a wrapper that owns the step (DeepSpeed's engine) makes its state, buffers and ZeRO-3's
+    # module trace in its own step 0, and links its state into its buffers (no clearing it to
+    # replay a step 0): its step 0 runs once, the first batch's; later batches continue the run
+    owned = ctx.distributed.owns_step
     if ctx.train.steps == 1:  # the run's only step: no optimizer state before its update
         run_steps = [0]
     else:
-        run_steps = [0, 1] if opts.run_first_step else [1]
+        run_steps = [0, 1] if opts.run_first_step or owned else [1]
+    if owned and ctx.train.steps == 1 and len(cands) > 1:
+        notes.append("train.steps=1: batches after the first are measured as later steps of "
+                     f"{ctx.distributed.name}'s engine, with its optimizer state (an upper bound)")
     ran: list[tuple[int, int]] = []  # (candidate, run step) of each tracked step
     trained: list[dict] = []  # each candidate's trained batch (online: its rollout)
     t1 = time.perf_counter()
@@ -434,7 +431,7 @@ def run_fake_step(ctx, opts: EstimateOptions, notes: list[str]) -> dict[str, Any
                     if online:
                         real.update(worst_case_rollout_tensors(ctx.method, real))
                     batches = _fake_micro_batches(c.batch, micro, mode)
-                for step in run_steps:
+                for step in (run_steps if not (owned and k) else [max(run_steps[-1], 1)]):
                     if step == 0:  # this candidate as the run's first step: no state yet
                         trainer.opt.state.clear()
                     trainer.step_idx = len(ran)
@@ -465,13 +462,13 @@ def run_fake_step(ctx, opts: EstimateOptions, notes: list[str]) -> dict[str, Any
         notes.append("batches measured: " + "; ".join(
             f"{c.name} ({c.description}): {peaks[k] / 2**20:.2f} MiB"
             for k, c in enumerate(cands)) + f"; the peak is the {cands[top].name} batch's")
-    policy = trainer.policy
+    policy = unwrap(trainer.policy)
     return {
         "raw": raw,
         "offload": pipe.offload.stats() if pipe.offload is not None else None,
-        "model": {**_param_info(policy),
+        "model": {**placed[id(policy)],
                   "config": _hf_summary(standin.config(ctx.model, tokenizer)),
-                  "shard_units": shard_units(policy), "extra_models": extra,
+                  "extra_models": extra,
                   "models_in_training": sorted(models)},
         "batch": {**describe_batch(trained[top], ctx, cands[top].description, length,
                                    padded(cands[top].batch.tensors)),
