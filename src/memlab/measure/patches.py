@@ -13,6 +13,10 @@ patch into a no-op.
 - :func:`mask_decisions` (``memlab estimate``): two value-dependent decisions of transformers'
   mask construction (is this a packed row? is the padding mask all ones?) answered by the
   estimator from the real batch.
+- :func:`keep_4bit_training_layout` (``peft=qlora`` on CPU): bitsandbytes repacks a 4-bit
+  layer's weight into a CPU layout the first time it runs in eval mode without grad (generation,
+  a reference pass), after which its training forward loses the gradient of its input; memlab
+  keeps the layers in the training layout. Set on the run's layers for the run (no scope).
 """
 
 from __future__ import annotations
@@ -112,3 +116,19 @@ def mask_decisions(find_packed: Callable[[Callable, Any], Any],
             patched(mu, "_ignore_causal_mask_sdpa",
                     lambda *a, **k: ignore_causal(orig_skip, *a, **k)):
         yield
+
+
+def keep_4bit_training_layout(model: Any) -> int:
+    """Turn off bitsandbytes' CPU weight repacking on every 4-bit layer of ``model``; returns
+    how many layers. ``Linear4bit`` repacks its weight for a fused AVX512-BF16 kernel on an
+    eval, no-grad forward on CPU (``support_avx512bf16_for_cpu``), and from then on every
+    forward takes that kernel (``gemv_4bit``), which has no autograd: the gradient of the
+    layer's input is lost (measured with bitsandbytes 0.50.2: ``x.grad`` None after a repack).
+    Off, the layer dequantizes for each matmul, as on CUDA."""
+    from bitsandbytes.nn import Linear4bit
+
+    layers = [m for m in model.modules() if isinstance(m, Linear4bit)]
+    for layer in layers:
+        check_target(layer, "support_avx512bf16_for_cpu")
+        layer.support_avx512bf16_for_cpu = False
+    return len(layers)
