@@ -12,6 +12,7 @@ group of techniques, each under 9 minutes on one H100 (``--list``):
     python benchmarks/gpu_acceptance.py --dry-run        # any machine: compose + validate all
     python benchmarks/gpu_acceptance.py --fetch-wheels .whl   # where pip reaches PyPI
     python benchmarks/gpu_acceptance.py --wheels .whl    # on the GPU machine: install, then run
+    python benchmarks/gpu_acceptance.py --wheels .whl --dry-run   # there: check what was carried
 
 A machine without a package index gets the Python 3.12 wheels of :data:`WHEELS` (memlab's own
 requirements it may lack, Liger, bitsandbytes, TRL: ~45 MB) from ``--fetch-wheels`` and
@@ -44,11 +45,12 @@ SITE = Path("/tmp/memlab-gpu-site")
 WHEEL_BUDGET_MIB = 52
 """The wheels that travel with the repository (~8 MB) in one 64 MiB call."""
 WHEELS = {  # what the GPU machine's Python 3.12 lacks (torch, transformers, peft, accelerate,
-    # pyarrow, pandas, huggingface-hub, xxhash are there); None: an sdist, built here
+    # pyarrow, pandas, huggingface-hub, xxhash are there)
     "hydra-core": "1.3.2", "omegaconf": "2.3.0", "antlr4-python3-runtime": "4.9.3",
     "datasets": "5.2.0", "dill": "0.4.1", "multiprocess": "0.70.19", "fsspec": "2026.9.0",
     "liger-kernel": "0.8.5", "trl": "1.16.0", "bitsandbytes": "0.50.2",
 }
+SDIST_ONLY = {"antlr4-python3-runtime"}
 VERSIONS = ("torch", "triton", "transformers", "peft", "accelerate", "datasets", "hydra-core",
             "liger-kernel", "bitsandbytes", "flash-attn", "kernels", "vllm", "trl")
 
@@ -219,9 +221,10 @@ def fetch_wheels(dest: Path) -> int:
                 "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64")]
     for name, version in WHEELS.items():
         spec = f"{name}=={version}"
-        r = subprocess.run(pip + ["download", *plat, "-d", str(dest), spec])
-        if r.returncode:  # no wheel (antlr4-python3-runtime): build one, pure Python
+        if name in SDIST_ONLY:  # pure Python: a wheel built here installs there
             subprocess.run(pip + ["wheel", "--no-deps", "-w", str(dest), spec], check=True)
+        else:
+            subprocess.run(pip + ["download", *plat, "-d", str(dest), spec], check=True)
     size = sum(p.stat().st_size for p in dest.glob("*.whl")) / 2**20
     print(f"[gpu_acceptance] {len(list(dest.glob('*.whl')))} wheels, {size:.1f} MiB in {dest}")
     if size > WHEEL_BUDGET_MIB:
@@ -419,10 +422,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.fetch_wheels:
         return fetch_wheels(a.fetch_wheels)
+    if a.wheels:
+        install_wheels(a.wheels)  # runs this command again without --wheels
     if a.dry_run:
         return dry_run(pieces)
-    if a.wheels:
-        install_wheels(a.wheels)  # does not return
     import torch
 
     if not torch.cuda.is_available():

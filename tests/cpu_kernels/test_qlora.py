@@ -49,6 +49,25 @@ def test_estimate_of_the_4bit_base_is_bitsandbytes_own_and_exact(job, tmp_path):
     assert real["memory"]["by_category"]["parameters"] == four_bit + lora + rest
 
 
+@pytest.mark.parametrize("double_quant", [False, True])
+def test_the_model_of_the_4bit_layout_is_bitsandbytes_own(double_quant):
+    """Where bitsandbytes is missing, the estimate models a 4-bit layer; the bytes it models
+    are those bitsandbytes lays out (weight + quantization state)."""
+    from torch import nn
+
+    from memlab.estimate.standins import Bnb4bitStandin, QuantizedLinearStandin
+
+    def nbytes(mod):
+        return sum(p.numel() * p.element_size() for p in mod.parameters())
+
+    lin = nn.Linear(384, 128, bias=False, device="meta")
+    model = QuantizedLinearStandin(lin, 4, double_quant, torch.bfloat16)
+    measured = Bnb4bitStandin(lin, "nf4", double_quant, torch.bfloat16)
+    assert nbytes(model) == nbytes(measured)
+    if double_quant:
+        assert nbytes(measured) == nf4_bytes(128, 384)
+
+
 def test_qlora_trains_saves_and_resumes_exactly(job):
     """Saving the adapter (and the base merged with it, from the full-precision base) in the
     middle of a run; resuming from it gives the straight run's curve."""

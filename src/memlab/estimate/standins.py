@@ -124,9 +124,11 @@ class QuantizedLinearStandin(nn.Linear):
     """A frozen linear layer whose weight is stored like bitsandbytes stores it.
 
     4-bit (NF4/FP4): ``uint8 [ceil(out*in / 2), 1]`` (``Params4bit``), plus the quantization
-    state (absmax per 64-weight block: fp32, or with double quantization uint8 per block + fp32
-    per 256 blocks + two 256-entry code books) as a buffer. 8-bit (LLM.int8): ``int8 [out, in]``
-    plus fp32 ``SCB`` per output row. Forward casts the input to the compute dtype and
+    state as a frozen parameter: a 16-entry fp32 code book and an fp32 absmax per 64-weight
+    block, or with double quantization a uint8 absmax per block, an fp32 one per 256 blocks,
+    an fp32 offset and the 256-entry fp32 code book of the scales (bitsandbytes 0.50's layout,
+    which :class:`Bnb4bitStandin` measures). 8-bit (LLM.int8): ``int8 [out, in]`` plus fp32
+    ``SCB`` per output row. Forward casts the input to the compute dtype and
     dequantizes the weight into a temporary, as bitsandbytes does. Values are meaningless: this
     module exists only for fake-tensor estimates.
     """
@@ -139,14 +141,15 @@ class QuantizedLinearStandin(nn.Linear):
         if bits == 4:
             w = torch.empty(((n + 1) // 2, 1), dtype=torch.uint8, device=dev)
             blocks = math.ceil(n / 64)
-            qbytes = (blocks + math.ceil(blocks / 256) * 4 + 2 * 256 * 4 if double_quant
-                      else blocks * 4)
+            qbytes = 16 * 4 + (blocks + math.ceil(blocks / 256) * 4 + 4 + 256 * 4
+                               if double_quant else blocks * 4)
         else:
             w = torch.empty((base.out_features, base.in_features), dtype=torch.int8, device=dev)
             qbytes = base.out_features * 4
         self.weight = nn.Parameter(w, requires_grad=False)
-        self.register_buffer("quant_state", torch.empty(qbytes, dtype=torch.uint8, device=dev),
-                             persistent=False)
+        # a frozen parameter: a run's tracker counts the quantization state as parameters
+        self.quant_state = nn.Parameter(torch.empty(qbytes, dtype=torch.uint8, device=dev),
+                                        requires_grad=False)
         self.bias = base.bias
         self.logical_numel = n
         self.compute_dtype = compute_dtype

@@ -124,7 +124,12 @@ def keep_4bit_training_layout(model: Any) -> int:
     eval, no-grad forward on CPU (``support_avx512bf16_for_cpu``), and from then on every
     forward takes that kernel (``gemv_4bit``), which has no autograd: the gradient of the
     layer's input is lost (measured with bitsandbytes 0.50.2: ``x.grad`` None after a repack).
-    Off, the layer dequantizes for each matmul, as on CUDA."""
+    Off, the layer dequantizes for each matmul, as on CUDA. A model built without
+    bitsandbytes ever imported (an estimate's stand-ins) has no such layer."""
+    import sys
+
+    if "bitsandbytes" not in sys.modules:
+        return 0
     from bitsandbytes.nn import Linear4bit
 
     layers = [m for m in model.modules() if isinstance(m, Linear4bit)]

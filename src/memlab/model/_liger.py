@@ -16,9 +16,11 @@ A model type that has no such module (``geglu`` on Llama) ignores the name."""
 def apply_liger(model: nn.Module, kernels: tuple[str, ...]) -> nn.Module:
     """Patch a loaded transformers model instance with Liger's ``kernels`` (in place). Liger's
     own loss patch stays off: the methods compute their loss themselves."""
-    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+    import liger_kernel.transformers as liger
 
-    _apply_liger_kernel_to_instance(model=model, fused_linear_cross_entropy=False,
-                                    cross_entropy=False,
-                                    **{k: k in kernels for k in MODEL_KERNELS})
+    from memlab.measure.patches import check_target
+
+    apply = check_target(liger, "_apply_liger_kernel_to_instance")  # private: checked
+    apply(model=model, fused_linear_cross_entropy=False, cross_entropy=False,
+          **{k: k in kernels for k in MODEL_KERNELS})
     return model

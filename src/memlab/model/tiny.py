@@ -98,6 +98,6 @@ class Tiny:
                 model.save_pretrained(tmp)
                 del model
                 model = auto_class(head).from_pretrained(tmp, **kw)
-            model.config.name_or_path = ""  # as built from a config (the dir is gone)
+            model.name_or_path = model.config.name_or_path = ""  # as if built from a config
             return finish_load(model, tokenizer, head)
         return finish_load(model.to(ctx.device), tokenizer, head)
