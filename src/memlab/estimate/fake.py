@@ -300,6 +300,13 @@ def run_fake_step(ctx, opts: EstimateOptions, notes: list[str]) -> dict[str, Any
     own micro-batches); returns the raw probe result (the largest peak of them all) plus model /
     batch descriptions. ``ctx`` is the validated context (run on the CPU here)."""
     cuda = opts.device == "cuda"
+    if ctx.method.uses_liger():
+        raise EstimateError(
+            "memlab estimate runs the training step on fake tensors, which Liger's Triton "
+            "kernels cannot launch on (they need real device memory); estimate the "
+            "configuration with method.use_liger_kernel=false (method.loss_impl=chunked for a "
+            "fused loss that never builds the logits), and measure Liger on a GPU "
+            "(benchmarks/gpu_acceptance.py --only liger)")
     mode = estimate_fake_mode()
     standin = ModelStandin(opts.config_overrides, notes, mode)
     dense_padding = True  # padded rows build a dense [rows, 1, T, T] mask (sdpa, eager)

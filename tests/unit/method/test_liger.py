@@ -74,3 +74,13 @@ def test_preference_loss_rules_apply_to_the_fused_loss_only():
     assert ctx.method.loss_type == "ipo" and not ctx.method.liger_loss()
     text = _errors(["train.device=cuda", "method=kto", *LIGER, "method.padding_free=true"], cuda)
     assert "method.padding_free=false" in text
+
+
+def test_the_estimate_refuses_liger_with_the_fix():
+    """Liger's Triton kernels cannot launch on the estimate's fake tensors."""
+    from memlab.cli.compose import compose
+    from memlab.estimate import EstimateOptions, estimate
+
+    cfg, choices = compose(FAST + LIGER)
+    out = estimate(cfg, EstimateOptions(device="cuda"), choices)
+    assert out["status"] == "failed" and "method.use_liger_kernel=false" in out["error"]
