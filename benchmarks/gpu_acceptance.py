@@ -291,6 +291,10 @@ def run_case(piece: Piece, case: Case, work: Path, done: dict[str, dict]) -> dic
         est = json.loads(est_path.read_text()) if est_path.is_file() else {}
         row["estimate"] = est.get("peak_bytes")
         row["estimate_error"] = est.get("error") if est.get("status") != "ok" else None
+        if row["estimate"] and row["peak_allocated"]:  # reported, not a check of the technique
+            rel = (row["estimate"] - row["peak_allocated"]) / row["peak_allocated"]
+            row["estimate_vs_allocated"] = round(rel, 4)
+            row["estimate_within_5pct"] = abs(rel) <= 0.05
     row["checks"] = checks(case, row, done)
     ok = row["run_status"] == "ok" and all(c["passed"] for c in row["checks"])
     row["status"] = "ok" if ok else "failed"
