@@ -18,6 +18,9 @@ the code.
 - ``<!-- memlab:groups -->``, ``<!-- memlab:sweeps -->``, ``<!-- memlab:experiments -->``: the
   groups and their options, the ready sweeps and what each varies, the shipped experiments;
   all read through Hydra's config loader, so they follow the configs wherever they live.
+- ``<!-- memlab:gpu_acceptance -->``: the "verified on" table of the GPU paths: every case of
+  ``benchmarks/gpu_acceptance.py`` with its result in ``benchmarks/results/gpu_acceptance.json``
+  ("not run" where that file has none) and the machine it ran on.
 - ``experiments/*/README.md`` (with their plots and report tables) and ``benchmarks/README.md``
   are added to the site as they are in the repository.
 
@@ -408,6 +411,34 @@ def modules_reference() -> str:
     return table(("src/memlab/", "what it is (its docstring)"), rows)
 
 
+def gpu_acceptance_table() -> str:
+    """Every case of benchmarks/gpu_acceptance.py and its result (module docstring)."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location(
+        "memlab_gpu_acceptance", REPO / "benchmarks" / "gpu_acceptance.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    path = REPO / "benchmarks" / "results" / "gpu_acceptance.json"
+    result = json.loads(path.read_text()) if path.is_file() else {}
+    env = result.get("environment") or {}
+    where = (f"{env.get('gpu')}, driver {env.get('driver')}, CUDA {env.get('cuda')}, torch "
+             f"{env.get('torch')} ({result.get('date')})" if env else "")
+    got = {(r["piece"], r["case"]): r for r in result.get("rows", [])}
+    rows = []
+    for piece in module.PIECES:
+        for case in piece.cases or (module.Case(piece.name, (), piece.what),):
+            r = got.get((piece.name, case.name))
+            checks = "; ".join(f"{c['check']}: {'ok' if c['passed'] else 'failed'}"
+                               for c in (r or {}).get("checks", []))
+            rows.append((piece.name, case.name, one_line(case.what or piece.what),
+                         one_line(r["status"]) if r else "not run", checks,
+                         where if r else ""))
+    return table(("piece", "case", "what", "result", "checks", "verified on"), rows)
+
+
 def render(kind: str, arg: str | None, configs: Configs) -> str:
     """The Markdown of one marker; ValueError for an unknown one."""
     from memlab import registry
@@ -428,6 +459,8 @@ def render(kind: str, arg: str | None, configs: Configs) -> str:
         return sweeps_reference(configs)
     if kind == "experiments" and arg is None:
         return experiments_reference(configs)
+    if kind == "gpu_acceptance" and arg is None:
+        return gpu_acceptance_table()
     raise ValueError(f"unknown docs marker memlab:{kind} {arg or ''}".strip())
 
 

@@ -167,14 +167,20 @@ class Platform:
     """bf16 kernels on the CUDA device (every CPU build has them)."""
     assume_installed: frozenset[str] = frozenset()
     """Packages counted as installed whether or not they are (a hypothetical machine)."""
+    triton_interpret: bool = False
+    """Triton interprets its kernels on the CPU (``TRITON_INTERPRET=1`` in the environment the
+    process started with: Triton reads it when it is imported)."""
 
     @classmethod
     def detect(cls) -> Platform:
+        import os
+
         import torch
 
         cuda = torch.cuda.is_available()
         return cls(cuda=cuda, gpus=torch.cuda.device_count() if cuda else 0,
-                   bf16=bool(cuda and torch.cuda.is_bf16_supported()))
+                   bf16=bool(cuda and torch.cuda.is_bf16_supported()),
+                   triton_interpret=os.environ.get("TRITON_INTERPRET") == "1")
 
     @classmethod
     def cuda_machine(cls, gpus: int = 0) -> Platform:

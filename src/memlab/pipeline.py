@@ -205,8 +205,9 @@ class Loader:
             model = self.seams.load_model(ctx, self.tok, head, extra)
         else:
             model = ctx.model.load(ctx, self.tok, head, extra)
-        if ctx.method.uses_liger():
-            apply_liger(model)
+        liger = ctx.method.liger_model_kernels()
+        if liger:
+            apply_liger(model, liger)
         if not trainable:
             model.requires_grad_(False)
             return model.eval()

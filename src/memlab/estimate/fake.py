@@ -181,8 +181,11 @@ def _param_info(model: nn.Module) -> dict[str, Any]:
             quant += 1
             total += mod.logical_numel
             key = f"{'uint8(4-bit)' if mod.weight.dtype == torch.uint8 else 'int8'}"
-            by_dtype[key] = by_dtype.get(key, 0) + mod.weight.numel() * mod.weight.element_size()
-            seen.add(id(mod.weight))
+            for p in mod.parameters(recurse=False):  # the weight and its quantization state
+                if p is mod.bias or id(p) in seen:
+                    continue
+                by_dtype[key] = by_dtype.get(key, 0) + p.numel() * p.element_size()
+                seen.add(id(p))
     for p in model.parameters():
         if id(p) in seen:
             continue
@@ -280,6 +283,13 @@ def run_fake_step(ctx, opts: EstimateOptions, notes: list[str]) -> dict[str, Any
     own micro-batches); returns the raw probe result (the largest peak of them all) plus model /
     batch descriptions. ``ctx`` is the validated context (run on the CPU here)."""
     cuda = opts.device == "cuda"
+    if ctx.method.uses_liger():
+        raise EstimateError(
+            "memlab estimate runs the training step on fake tensors, which Liger's Triton "
+            "kernels cannot launch on (they need real device memory); estimate the "
+            "configuration with method.use_liger_kernel=false (method.loss_impl=chunked for a "
+            "fused loss that never builds the logits), and measure Liger on a GPU "
+            "(benchmarks/gpu_acceptance.py --only liger)")
     mode = estimate_fake_mode()
     standin = ModelStandin(opts.config_overrides, notes, mode)
     dense_padding = True  # padded rows build a dense [rows, 1, T, T] mask (sdpa, eager)
@@ -293,10 +303,6 @@ def run_fake_step(ctx, opts: EstimateOptions, notes: list[str]) -> dict[str, Any
                      "padded rows build no dense mask (flash unpads them into one varlen row, "
                      "flex builds a block mask), so sdpa runs them without one (a model: "
                      "flash's unpadded query / key / value copies stand in for the padded ones)")
-    if ctx.peft.has_adapter() and ctx.peft.load_kwargs(ctx).get("quantization_config"):
-        notes.append("qlora: base linear weights stored as bitsandbytes packs them (4-bit: "
-                     "n/2 bytes + absmax state; 8-bit: n bytes + row scales), computed "
-                     "analytically; dequantized weights are temporaries in forward and backward")
     ctx = dataclasses.replace(ctx, device="cpu")
     tokenizer = standin.load_tokenizer(ctx)
 

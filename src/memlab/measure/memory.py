@@ -125,6 +125,9 @@ def tracker_class():
                         param.register_hook(hook),
                         param.register_post_accumulate_grad_hook(lambda p: hook(p.grad)),
                     )
+                for t in quantization_state(param):
+                    winfos = self._update_and_maybe_create_winfos(t, _MemRefType.PARAM)
+                    param_memory += sum(w.mem_consumed for w in winfos)
             buffer_memory = 0
             for buf in module.buffers():
                 winfos = self._update_and_maybe_create_winfos(buf, _MemRefType.BUFFER)
@@ -132,6 +135,23 @@ def tracker_class():
             return param_memory, buffer_memory
 
     return Tracker
+
+
+def quantization_state(param: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors a quantized parameter keeps beside its data, which count as parameters:
+    bitsandbytes' 4-bit ``quant_state`` (the per-block scales, the code book and, with double
+    quantization, the scales' own scales and code book) and its 8-bit row scales (``SCB``).
+    Empty for any other parameter."""
+    out: list[torch.Tensor] = []
+    state = getattr(param, "quant_state", None)
+    while state is not None:
+        out += [t for t in (state.absmax, state.code, state.offset)
+                if isinstance(t, torch.Tensor)]
+        state = state.state2
+    scb = getattr(param, "SCB", None)
+    if isinstance(scb, torch.Tensor):
+        out.append(scb)
+    return out
 
 
 def categorize(raw: dict[Any, int]) -> dict[str, int]:

@@ -16,6 +16,10 @@ patch into a no-op.
 - :func:`deepspeed_on_fake_tensors` (``memlab estimate distributed=deepspeed``): DeepSpeed's
   engine built and stepped on fake tensors as rank 0 of a fake process group: the engine leaves
   the model where it is, and the three values it reads are answered as on a healthy rank 0.
+- :func:`keep_4bit_training_layout` (``peft=qlora`` on CPU): bitsandbytes repacks a 4-bit
+  layer's weight into a CPU layout the first time it runs in eval mode without grad (generation,
+  a reference pass), after which its training forward loses the gradient of its input; memlab
+  keeps the layers in the training layout. Set on the run's layers for the run (no scope).
 """
 
 from __future__ import annotations
@@ -173,3 +177,24 @@ def deepspeed_on_fake_tensors() -> Iterator[list[Any]]:
             stack.enter_context(patched(owner, "has_overflow", finite))
         stack.enter_context(patched(zero_utils, "get_lst_from_rank0", lambda lst: list(lst)))
         yield engines
+
+
+def keep_4bit_training_layout(model: Any) -> int:
+    """Turn off bitsandbytes' CPU weight repacking on every 4-bit layer of ``model``; returns
+    how many layers. ``Linear4bit`` repacks its weight for a fused AVX512-BF16 kernel on an
+    eval, no-grad forward on CPU (``support_avx512bf16_for_cpu``), and from then on every
+    forward takes that kernel (``gemv_4bit``), which has no autograd: the gradient of the
+    layer's input is lost (measured with bitsandbytes 0.50.2: ``x.grad`` None after a repack).
+    Off, the layer dequantizes for each matmul, as on CUDA. A model built without
+    bitsandbytes ever imported (an estimate's stand-ins) has no such layer."""
+    import sys
+
+    if "bitsandbytes" not in sys.modules:
+        return 0
+    from bitsandbytes.nn import Linear4bit
+
+    layers = [m for m in model.modules() if isinstance(m, Linear4bit)]
+    for layer in layers:
+        check_target(layer, "support_avx512bf16_for_cpu")
+        layer.support_avx512bf16_for_cpu = False
+    return len(layers)

@@ -84,6 +84,9 @@ class Method(Protocol):
     def uses_liger(self) -> bool:
         """Liger's fused kernels (they read the output head's weight directly)."""
         ...
+    def liger_model_kernels(self) -> tuple[str, ...]:
+        """Liger's kernels that replace modules of the method's models (empty: none)."""
+        ...
     def reads_head_weight(self) -> bool:
         """The loss reads the output head's weight directly (chunked / fused losses)."""
         ...

@@ -50,7 +50,7 @@ from memlab.registry import PositiveFloat, PositiveInt, Range, register
 
 @register("method", "dpo")
 @dataclass(kw_only=True)
-class DPO(Offline, GroupPacked):
+class DPO(Offline, GroupPacked, _liger.LigerKnobs):
     """DPO knobs, named as in TRL's DPOConfig where one exists."""
 
     beta: PositiveFloat = 0.1
@@ -73,8 +73,6 @@ class DPO(Offline, GroupPacked):
     """All 2B sequences of a batch in one row, restarting position_ids, no padding."""
     pad_to_multiple_of: PositiveInt | None = None
     """Round padded lengths (or the flat row) up to a multiple."""
-    use_liger_kernel: bool = False
-    """Liger's fused linear DPO loss (CUDA + the gpu extra); never materialises the logits."""
     share_prompt: bool = False
     """Store each pair's prompt once: chosen and rejected attend to it and to themselves only."""
 
@@ -91,11 +89,8 @@ class DPO(Offline, GroupPacked):
     def unit_pieces(self) -> int:
         return 2
 
-    def uses_liger(self) -> bool:
-        return self.use_liger_kernel
-
     def reads_head_weight(self) -> bool:
-        return self.use_liger_kernel
+        return self.liger_loss()
 
     # ------------------------------------------------------------------ validation
     def validate(self, ctx) -> list[str]:
@@ -114,11 +109,13 @@ class DPO(Offline, GroupPacked):
             errors.append("method.pad_to_multiple_of must be a positive integer or null")
         errors += _reference.reference_errors(self, ctx)
         errors += _layout.layout_errors(self, ctx)
-        errors += _liger.liger_errors(self, ctx, "DPO")
-        if self.use_liger_kernel and (self.loss_type != "sigmoid" or self.label_smoothing):
-            errors.append("method.use_liger_kernel=true implements loss_type=sigmoid without "
-                          "label smoothing; set method.loss_type=sigmoid, "
-                          "method.label_smoothing=0")
+        errors += self.liger_errors(ctx, "DPO")
+        errors += _liger.preference_errors(self, ctx, "DPO")
+        if self.liger_loss() and (self.loss_type != "sigmoid" or self.label_smoothing):
+            errors.append("Liger's fused linear DPO loss (method.use_liger_kernel=true) "
+                          "implements loss_type=sigmoid without label smoothing; set "
+                          "method.loss_type=sigmoid, method.label_smoothing=0 (or drop "
+                          "fused_linear_cross_entropy from method.liger_kernels)")
         return errors
 
     # ------------------------------------------------------------------ data
@@ -252,7 +249,7 @@ class DPO(Offline, GroupPacked):
     def loss(self, models: dict, batch: Batch, ctx) -> tuple[torch.Tensor, dict[str, float]]:
         from memlab.losses import dpo_loss
 
-        if self.use_liger_kernel:
+        if self.liger_loss():
             return self._liger_loss(models, batch)
         t, b = batch.tensors, batch.num_items
         # reference first: its logits are freed before the policy's graph exists (lower peak)
@@ -282,9 +279,9 @@ class DPO(Offline, GroupPacked):
         hidden, head = _liger.hidden_and_head(models["policy"], t)
         with _reference.reference_forward(self, models) as ref:
             ref_hidden, ref_head = _liger.hidden_and_head(ref, t)
-        fn = _liger.liger_module("LigerFusedLinearDPOLoss", beta=self.beta, use_ref_model=True,
-                            compute_nll_loss=False, average_log_prob=False,
-                            loss_type="sigmoid")
+        fn = _liger.liger_module(self, "LigerFusedLinearDPOLoss", beta=self.beta,
+                                 use_ref_model=True, compute_nll_loss=False,
+                                 average_log_prob=False, loss_type="sigmoid")
         out = fn(head.weight, hidden, t["labels"], bias=getattr(head, "bias", None),
                  ref_input=ref_hidden, ref_weight=ref_head.weight,
                  ref_bias=getattr(ref_head, "bias", None))

@@ -90,6 +90,9 @@ class GKD:
     def uses_liger(self) -> bool:
         return False
 
+    def liger_model_kernels(self) -> tuple[str, ...]:
+        return ()
+
     def reads_head_weight(self) -> bool:
         return False
 

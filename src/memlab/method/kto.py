@@ -60,7 +60,7 @@ def mismatched_partners(prompts: list[list[int]]) -> list[int]:
 
 @register("method", "kto")
 @dataclass(kw_only=True)
-class KTO(Offline, GroupPacked):
+class KTO(Offline, GroupPacked, _liger.LigerKnobs):
     """KTO knobs, named as in TRL's KTOConfig where one exists."""
 
     beta: PositiveFloat = 0.1
@@ -81,8 +81,6 @@ class KTO(Offline, GroupPacked):
     """All sequences of a batch in one row, restarting position_ids, no padding."""
     pad_to_multiple_of: PositiveInt | None = None
     """Round padded lengths (or the flat row) up to a multiple."""
-    use_liger_kernel: bool = False
-    """Liger's fused linear KTO loss (CUDA + the gpu extra)."""
     share_prompt: bool = False
     """Paired rows: the pair's prompt stored once for its two examples (and their KL sequences)."""
 
@@ -99,11 +97,8 @@ class KTO(Offline, GroupPacked):
     def unit_pieces(self) -> int:
         return 2 if self.share_prompt else 1
 
-    def uses_liger(self) -> bool:
-        return self.use_liger_kernel
-
     def reads_head_weight(self) -> bool:
-        return self.use_liger_kernel
+        return self.liger_loss()
 
     # ------------------------------------------------------------------ validation
     def validate(self, ctx) -> list[str]:
@@ -119,10 +114,13 @@ class KTO(Offline, GroupPacked):
             errors.append("method.pad_to_multiple_of must be a positive integer or null")
         errors += _reference.reference_errors(self, ctx)
         errors += _layout.layout_errors(self, ctx)
-        errors += _liger.liger_errors(self, ctx, "KTO")
-        if self.use_liger_kernel and (self.desirable_weight != 1 or self.undesirable_weight != 1):
-            errors.append("method.use_liger_kernel=true has no class weights; set "
-                          "method.desirable_weight=1 and method.undesirable_weight=1")
+        errors += self.liger_errors(ctx, "KTO")
+        errors += _liger.preference_errors(self, ctx, "KTO")
+        if self.liger_loss() and (self.desirable_weight != 1 or self.undesirable_weight != 1):
+            errors.append("Liger's fused linear KTO loss (method.use_liger_kernel=true) has no "
+                          "class weights; set method.desirable_weight=1 and "
+                          "method.undesirable_weight=1 (or drop fused_linear_cross_entropy from "
+                          "method.liger_kernels)")
         return errors
 
     # ------------------------------------------------------------------ data
@@ -387,7 +385,7 @@ class KTO(Offline, GroupPacked):
         from memlab.losses import kto_loss
 
         t, n = batch.tensors, batch.num_items
-        if self.use_liger_kernel:
+        if self.liger_loss():
             return self._liger_loss(models, batch)
         attention = _layout.attention_of(ctx)
         ref, ref_kl = self.reference_logps(models, t, n, attention)
@@ -424,8 +422,8 @@ class KTO(Offline, GroupPacked):
             ref_hidden, ref_head = _liger.hidden_and_head(ref, t)
         kl = self.kl_estimate(models, t, n, ref_kl)
         hidden, head = _liger.hidden_and_head(models["policy"], t)
-        fn = _liger.liger_module("LigerFusedLinearKTOLoss", beta=self.beta, use_ref_model=True,
-                            average_log_prob=False)
+        fn = _liger.liger_module(self, "LigerFusedLinearKTOLoss", beta=self.beta,
+                                 use_ref_model=True, average_log_prob=False)
         out = fn(hidden, head.weight, t["labels"], bias=getattr(head, "bias", None),
                  preference_labels=t["label"], ref_input=ref_hidden, ref_weight=ref_head.weight,
                  ref_bias=getattr(ref_head, "bias", None), kl=kl)

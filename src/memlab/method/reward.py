@@ -81,6 +81,9 @@ class Reward(Offline, GroupPacked):
     def uses_liger(self) -> bool:
         return False
 
+    def liger_model_kernels(self) -> tuple[str, ...]:
+        return ()
+
     def reads_head_weight(self) -> bool:
         return False
 

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from memlab.data import chat, text
 from memlab.data.base import DataError, check_text
 from memlab.losses import chunked_linear_cross_entropy
+from memlab.method._liger import LigerKnobs
 from memlab.method.base import (
     IGNORE,
     LOSS_INDEX,
@@ -36,14 +37,13 @@ from memlab.method.base import (
     pad_batch,
     shifted_labels,
 )
-from memlab.model._liger import liger_errors
 from memlab.registry import PositiveInt, Range, register
 from memlab.trainer.routing import call_inside
 
 
 @register("method", "sft")
 @dataclass(kw_only=True)
-class SFT(Offline):
+class SFT(Offline, LigerKnobs):
     """SFT knobs, named as in TRL's SFTConfig where one exists."""
 
     max_length: Annotated[int, Range(ge=2)] | None = 1024
@@ -75,10 +75,6 @@ class SFT(Offline):
     kernel (about half the attention work, no ``[rows, 1, T, T]`` mask, no key / value heads
     repeated for it). always: send the mask (TRL's way; what flash / flex attention get under
     auto too, as they unpad)."""
-    use_liger_kernel: bool = False
-    """Liger's Triton kernels (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy). CUDA + the
-    gpu extra."""
-
     data_kinds: ClassVar[tuple[str, ...]] = ("chat", "text")
     head: ClassVar[str] = "causal_lm"
     supports_packing: ClassVar[bool] = True
@@ -96,11 +92,8 @@ class SFT(Offline):
     def packs_rows(self, ctx) -> bool:
         return self.flat(ctx) or ctx.packing.packs
 
-    def uses_liger(self) -> bool:
-        return self.use_liger_kernel
-
     def reads_head_weight(self) -> bool:
-        return self.use_liger_kernel or self.loss_impl == "chunked"
+        return self.liger_loss() or self.loss_impl == "chunked"
 
     # ------------------------------------------------------------------ validation
 
@@ -115,8 +108,7 @@ class SFT(Offline):
             )
         if self.pad_to_multiple_of is not None and self.pad_to_multiple_of <= 0:
             errors.append("method.pad_to_multiple_of must be a positive integer or null")
-        if self.use_liger_kernel:
-            errors += liger_errors(ctx, "method")
+        errors += self.liger_errors(ctx, "cross-entropy")
         if self.loss_impl == "chunked":
             if self.chunk_size <= 0:
                 errors.append("method.chunk_size must be positive")
@@ -248,7 +240,7 @@ class SFT(Offline):
         labels = t["labels"].reshape(-1)
         if index is not None:
             labels = labels.index_select(0, index)
-        if self.use_liger_kernel or self.loss_impl == "chunked":
+        if self.reads_head_weight():
             # decoder + head + loss in one call inside the wrapper's forward: under FSDP2 the
             # head's weight is gathered only there
             loss_sum = call_inside(model, self._fused_head_loss, labels, index, **inputs)
@@ -272,7 +264,7 @@ class SFT(Offline):
             hidden = hidden.index_select(0, index)
         head = model.get_output_embeddings()
         bias = getattr(head, "bias", None)
-        if self.use_liger_kernel:
+        if self.liger_loss():
             from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
             loss_fn = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE, reduction="sum")

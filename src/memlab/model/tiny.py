@@ -83,13 +83,21 @@ class Tiny:
         return Qwen2Config(**common)
 
     def load(self, ctx, tokenizer, head: Head, extra: dict[str, Any]) -> nn.Module:
-        """Build the model with the run's attention backend and parameter dtype."""
-        if extra.get("quantization_config") is not None:
-            raise ValueError(
-                "model=tiny is built from a config and cannot be quantized at load; "
-                "use model=hf with a saved checkpoint for peft=qlora"
-            )
+        """Build the model with the run's attention backend and parameter dtype. A quantized
+        load (peft=qlora) builds it in float32, saves it and loads it back the way
+        ``from_pretrained`` quantizes a checkpoint (transformers' bitsandbytes path)."""
         kw = load_kwargs(ctx, extra)
+        quantized = extra.get("quantization_config") is not None
         with seeded(self.seed if self.seed is not None else ctx.train.seed):
-            model = auto_class(head).from_config(self.hf_config(tokenizer), **kw)
+            model = auto_class(head).from_config(
+                self.hf_config(tokenizer), **({} if quantized else kw))
+        if quantized:
+            import tempfile
+
+            with tempfile.TemporaryDirectory(prefix="memlab-tiny-") as tmp:
+                model.save_pretrained(tmp)
+                del model
+                model = auto_class(head).from_pretrained(tmp, **kw)
+            model.name_or_path = model.config.name_or_path = ""  # as if built from a config
+            return finish_load(model, tokenizer, head)
         return finish_load(model.to(ctx.device), tokenizer, head)

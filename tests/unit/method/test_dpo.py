@@ -15,7 +15,7 @@ import torch
 from memlab.data.assets import load_tokenizer
 from memlab.data.base import DataError
 from memlab.losses import sequence_logps
-from memlab.method import _liger, _logps, _reference, _rows
+from memlab.method import _logps, _reference, _rows
 from memlab.method.base import IGNORE, Batch
 from memlab.method.dpo import DPO
 from memlab.registry import ConfigErrors
@@ -325,7 +325,7 @@ def test_liger_missing_names_the_extra(monkeypatch):
 
     ctx = types.SimpleNamespace(is_cuda=True, peft=types.SimpleNamespace(), platform=Platform(),
                                 packing=types.SimpleNamespace(packs=False))
-    errs = _liger.liger_errors(DPO(use_liger_kernel=True), ctx, "DPO")
+    errs = DPO(use_liger_kernel=True).liger_errors(ctx, "DPO")
     assert errs and "pip install 'memlab[gpu]'" in errs[0] and "liger_kernel" in errs[0]
 
 
