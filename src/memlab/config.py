@@ -1,11 +1,12 @@
-"""Top-level (non-group) typed configs and the frozen build context shared by every builder."""
+"""Top-level (non-group) typed configs (``train:``, ``measure:``) and the machine a run is validated
+for (:class:`Platform`). The context every builder reads is :mod:`memlab.context`."""
 
 from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from memlab import _guards
 from memlab import resolvers as _resolvers  # noqa: F401 - registers ${memlab.asset:...}
@@ -17,6 +18,9 @@ from memlab.registry import (
     Range,
     Seed,
 )
+
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
 
 
 @dataclass(kw_only=True)
@@ -77,7 +81,7 @@ class TrainConfig:
     log_every: PositiveInt = 1
     """Send metrics to the logger every N optimizer steps."""
 
-    def checkpoint_errors(self, ctx) -> list[str]:
+    def checkpoint_errors(self, ctx: BuildContext) -> list[str]:
         """Problems of the saving / resuming knobs (``ctx``: the run's other choices)."""
         errors = []
         if self.save_merged:
@@ -195,40 +199,3 @@ class Platform:
     def missing(self, module: str, what: str) -> str | None:
         """None if ``module`` is installed, else an error naming the extra that provides it."""
         return None if module in self.assume_installed else _guards.missing(module, what)
-
-
-@dataclass(frozen=True)
-class BuildContext:
-    """Everything a builder may know besides its own config: the other groups' choices, the
-    device and the world size. Frozen: builders read it, never change it."""
-
-    method: Any
-    generation: Any
-    packing: Any
-    attention: Any
-    precision: Any
-    offload: Any
-    peft: Any
-    distributed: Any
-    model: Any
-    data: Any
-    logger: Any
-    train: TrainConfig
-    measure: MeasureConfig
-    device: str = "cpu"
-    world_size: int = 1
-    rank: int = 0
-    choices: dict[str, str] = field(default_factory=dict)
-    run_dir: Path = Path(".")
-    platform: Platform = field(default_factory=Platform)
-    """The machine the run is validated for (:meth:`Platform.detect` in a run)."""
-
-    @property
-    def is_cuda(self) -> bool:
-        return self.device.startswith("cuda")
-
-    def groups(self) -> dict[str, Any]:
-        """The typed config of every group, by group name."""
-        from memlab.registry import GROUPS
-
-        return {g: getattr(self, g) for g in GROUPS}

@@ -39,7 +39,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -54,6 +54,9 @@ from memlab.offload.base import Placement
 from memlab.trainer.batch import BatchStream
 from memlab.trainer.loop import LoopOptions, Trainer
 from memlab.trainer.routing import base_model
+
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
 
 
 @dataclass(frozen=True)
@@ -100,7 +103,7 @@ class Pipeline:
     trainer: Trainer
 
 
-def prepare_rows(ctx, tokenizer) -> tuple[Any, Any, DataStats, chat.Tally]:
+def prepare_rows(ctx: BuildContext, tokenizer) -> tuple[Any, Any, DataStats, chat.Tally]:
     """Data source -> conversion to memlab's row formats -> method transforms (with the data
     option's chat-template settings): ``(rows as read, prepared rows, stats, what the chat
     templates did)``. What the conversion and the templates did goes into the stats' extras
@@ -124,13 +127,13 @@ def prepare_rows(ctx, tokenizer) -> tuple[Any, Any, DataStats, chat.Tally]:
     return raw, ds, stats, tally
 
 
-def prepare_data(ctx, tokenizer) -> tuple[Any, DataStats]:
+def prepare_data(ctx: BuildContext, tokenizer) -> tuple[Any, DataStats]:
     """:func:`prepare_rows` -> packing."""
     _, ds, stats, _ = prepare_rows(ctx, tokenizer)
     return pack(ctx, ds, stats)
 
 
-def pack(ctx, ds, stats: DataStats) -> tuple[Any, DataStats]:
+def pack(ctx: BuildContext, ds, stats: DataStats) -> tuple[Any, DataStats]:
     """The packing option applied to prepared rows (DataError when no example is left)."""
     ds, stats = ctx.packing.apply(ds, stats, ctx)
     if len(ds) == 0:
@@ -143,7 +146,7 @@ def pack(ctx, ds, stats: DataStats) -> tuple[Any, DataStats]:
     return ds, stats
 
 
-def batch_stream(ctx, tokenizer, ds) -> BatchStream:
+def batch_stream(ctx: BuildContext, tokenizer, ds) -> BatchStream:
     """The stream of collated micro-batches the trainer receives from prepared rows ``ds``
     (this rank's slice of every global batch)."""
     collate = partial(ctx.method.collate, tokenizer=tokenizer, ctx=ctx)
@@ -163,7 +166,7 @@ def check_trainable(stats: DataStats) -> None:
         )
 
 
-def with_model_overrides(ctx, overrides: dict[str, Any] | None):
+def with_model_overrides(ctx: BuildContext, overrides: dict[str, Any] | None):
     """``ctx`` whose model group has ``overrides`` applied (a teacher of another size / seed /
     checkpoint)."""
     if not overrides:
@@ -186,11 +189,11 @@ class Loader:
     """Loads the run's models (the policy, and the method's extra models as its
     :class:`memlab.method.base.ModelFactory`) and tokenizers, through the seams."""
 
-    def __init__(self, ctx, tokenizer, seams: Seams):
+    def __init__(self, ctx: BuildContext, tokenizer, seams: Seams):
         self.ctx, self.tok, self.seams = ctx, tokenizer, seams
         self.exact_weights = seams.exact_weights
 
-    def model(self, ctx, *, trainable: bool = True, head: str | None = None,
+    def model(self, ctx: BuildContext, *, trainable: bool = True, head: str | None = None,
               peft: bool = True) -> nn.Module:
         """Model with attention + dtype at load, then PEFT (``peft``) and checkpointing when
         trainable. ``head`` defaults to the method's."""
@@ -199,7 +202,7 @@ class Loader:
             model = self._build(ctx, head, trainable, peft)
         return self.seams.place_model(model) if self.seams.place_model else model
 
-    def _build(self, ctx, head: str, trainable: bool, peft: bool) -> nn.Module:
+    def _build(self, ctx: BuildContext, head: str, trainable: bool, peft: bool) -> nn.Module:
         extra = ctx.peft.load_kwargs(ctx) if peft else {}
         if self.seams.load_model is not None:
             model = self.seams.load_model(ctx, self.tok, head, extra)
@@ -231,7 +234,7 @@ class Loader:
         return load(ctx)
 
 
-def build(ctx, seams: Seams | None = None, logger: Any = None,
+def build(ctx: BuildContext, seams: Seams | None = None, logger: Any = None,
           on_data: Callable[[DataStats], None] | None = None) -> Pipeline:
     """Assemble everything a training run needs, in the order documented above. ``on_data``
     is called with the prepared data's stats as soon as they exist (a run records them even
@@ -254,7 +257,7 @@ def build(ctx, seams: Seams | None = None, logger: Any = None,
         ds = prepared
     stream = batch_stream(ctx, tokenizer, ds)
     generation = None
-    if ctx.method.generates():
+    if ctx.method.as_generating() is not None:
         rng = seams.rng or run_rng(ctx.train.seed, ctx.rank)
         if seams.engine is not None:
             engine = seams.engine(ctx, tokenizer, policy)

@@ -13,9 +13,10 @@ import os
 import sys
 from pathlib import Path
 
+from memlab.context import validate
 from memlab.distributed.base import env_rank
 from memlab.measure.outcome import Interrupted
-from memlab.run import base_summary, execute, exit_code, guarded, validate
+from memlab.run import base_summary, execute, exit_code, guarded
 
 
 def worker(run_dir: Path) -> int:

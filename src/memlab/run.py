@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from memlab import faults
-from memlab.config import BuildContext, MeasureConfig, Platform, TrainConfig
+from memlab.context import BuildContext, plain_config, validate
 from memlab.data.base import DataError
 from memlab.distributed import launch
 from memlab.measure.outcome import Interrupted, NonFiniteLoss, StopSignals
@@ -35,76 +35,10 @@ from memlab.measure.summary import (
     versions,
     write_summary,
 )
-from memlab.registry import GROUPS, ConfigErrors, build, from_mapping
+from memlab.registry import ConfigErrors
 
 # torch-heavy modules (memlab.pipeline, memlab.distributed.base, memlab.measure.memory) are
 # imported where they are used, so that `memlab --help` and tab completion start fast.
-
-TOP_LEVEL = set(GROUPS) | {"train", "measure"}
-
-
-def _plain(cfg) -> dict[str, Any]:
-    from omegaconf import DictConfig, OmegaConf
-
-    if isinstance(cfg, DictConfig):
-        return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
-    return dict(cfg)
-
-
-def resolve_device(requested: str, platform: Platform) -> str:
-    if requested == "auto":
-        return "cuda" if platform.cuda else "cpu"
-    return requested
-
-
-def validate(cfg, run_dir: Path | str = ".", choices: dict[str, str] | None = None,
-             world_size: int | None = None, rank: int = 0,
-             platform: Platform | None = None) -> BuildContext:
-    """Every group node -> typed config, then every cross-group rule. Raises ConfigErrors with
-    all problems at once. Loads no model and no data. ``world_size`` None: the processes the
-    distributed option asks for; ``platform`` None: this machine."""
-    data = _plain(cfg)
-    errors: list[str] = []
-    typed: dict[str, Any] = {}
-    for key in sorted(set(data) - TOP_LEVEL):
-        errors.append(f"unknown top-level key {key!r} (valid: {', '.join(sorted(TOP_LEVEL))})")
-    # a value of the wrong type or out of range is reported and replaced by its default, so that
-    # the checks below still run: every problem is reported at once
-    for group in GROUPS:
-        node = data.get(group)
-        if not isinstance(node, dict):
-            errors.append(f"{group}: missing config group (add '{group}: <option>' to defaults)")
-            continue
-        obj, errs = build(group, node, partial=True)
-        errors += errs
-        typed[group] = obj
-    train, errs = from_mapping(TrainConfig, data.get("train") or {}, "train", partial=True)
-    errors += errs
-    measure, errs = from_mapping(MeasureConfig, data.get("measure") or {}, "measure",
-                                 partial=True)
-    errors += errs
-    if train is None or measure is None or any(typed.get(g) is None for g in GROUPS):
-        raise ConfigErrors(errors)  # an unknown option: the cross-group rules cannot run
-    platform = platform or Platform.detect()
-    device = resolve_device(train.device, platform)
-    if device == "cuda" and not platform.cuda:
-        errors.append("train.device=cuda but no CUDA device is visible; use train.device=auto")
-    if len(train.betas) != 2:
-        errors.append(f"train.betas must be two numbers [beta1, beta2] (got {train.betas})")
-    if world_size is None:
-        world_size = typed["distributed"].processes(device, platform.gpus)
-    ctx = BuildContext(
-        **typed, train=train, measure=measure, device=device, world_size=world_size,
-        rank=rank, choices=dict(choices or {}), run_dir=Path(run_dir), platform=platform,
-    )
-    for group in GROUPS:
-        errors += typed[group].validate(ctx)
-    errors += train.checkpoint_errors(ctx)
-    errors += measure.errors(train)
-    if errors:
-        raise ConfigErrors(errors)
-    return ctx
-
 
 def plan_resume(ctx: BuildContext, summary: dict[str, Any]) -> BuildContext:
     """``train.resume_from`` checked against the checkpoint's recorded config before anything
@@ -168,7 +102,7 @@ def run(cfg, run_dir: Path | str, choices: dict[str, str] | None = None,
 
     def body(logger_box: list) -> None:
         ctx = validate(cfg, run_dir, choices)
-        summary["config"] = _plain(cfg)
+        summary["config"] = plain_config(cfg)
         ctx = plan_resume(ctx, summary)
         if ctx.world_size > 1:  # one worker process per rank; their summaries merged here
             launch.launch(ctx, summary, worker="memlab.rank")
@@ -459,7 +393,7 @@ def run_external(cfg, run_dir: Path, choices: dict[str, str], overrides: list[st
     others. Returns the merged summary on rank 0 and this rank's summary elsewhere."""
     import torch.distributed as dist
 
-    from memlab.distributed.base import Ranks, env_rank
+    from memlab.distributed.base import env_rank
 
     rank, _, world = env_rank()
     summary = base_summary(run_dir, choices, overrides, job)
@@ -468,7 +402,7 @@ def run_external(cfg, run_dir: Path, choices: dict[str, str], overrides: list[st
     def check(_: list) -> None:
         faults.reach(f"check:rank{rank}")
         ctx = validate(cfg, run_dir, choices, world_size=world, rank=rank)
-        if not isinstance(ctx.distributed, Ranks):
+        if ctx.distributed.as_ranks() is None:
             raise ConfigErrors([f"started by an external launcher with WORLD_SIZE={world}, "
                                 f"but distributed={ctx.distributed.name} runs one process; use "
                                 "distributed=ddp or distributed=fsdp2"])
@@ -476,7 +410,7 @@ def run_external(cfg, run_dir: Path, choices: dict[str, str], overrides: list[st
             raise ConfigErrors(["a Hydra sweep (-m) under torchrun would start every job in "
                                 "every rank; run the sweep without torchrun: memlab starts the "
                                 "ranks of each job itself (distributed.nproc)"])
-        summary["config"] = _plain(cfg)
+        summary["config"] = plain_config(cfg)
         holder.append(plan_resume(ctx, summary))
 
     scratch = run_dir / f".rank{rank}.check.json"

@@ -92,9 +92,11 @@ def _plan_cpu(segments: Segments, width: int) -> VarlenPlan:
 @functools.lru_cache(maxsize=4)
 def _plan_on(segments: Segments, width: int, device: torch.device) -> VarlenPlan:
     plan = _plan_cpu(segments, width)
-    move = (lambda t: None if t is None else t.to(device, non_blocking=True))  # noqa: E731
+    def move(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device, non_blocking=True)
+
     return VarlenPlan(move(plan.cu_q), move(plan.cu_k), plan.max_q, plan.max_k,
-                      move(plan.k_index))
+                      None if plan.k_index is None else move(plan.k_index))
 
 
 def varlen_plan(segments: Segments, width: int, device: torch.device | str = "cpu") -> VarlenPlan:

@@ -311,7 +311,7 @@ def format_sweep(rows: list[dict[str, Any]]) -> str:
                          f"{est.get('status')}: {(est.get('error') or '').splitlines()[-1][:60]}"])
             continue
         cats = est["by_category"]
-        top = max(cats, key=cats.get)
+        top = max(cats, key=cats.__getitem__)
         v = est.get("verdict")
         body.append([*(point.get(k, "") for k in varied), fmt_bytes(est["peak_bytes"]), top,
                      v["text"] if v else "-"])

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Literal, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
+
+from memlab import registry
+from memlab.registry import Option
+
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
 
 
 class DataError(ValueError):
@@ -21,21 +28,20 @@ class DataError(ValueError):
         self.row = row
 
 
-class DataSource(Protocol):
+class DataSource(Option, Protocol):
     """What every ``data=`` option provides (the fields of
-    :class:`memlab.data.formats.RowOptions` included)."""
+    :class:`memlab.data.formats.RowOptions` included; its ``validate`` reads nothing)."""
 
-    name: str
-    columns: dict[str, str] | None
-    chat_template_kwargs: dict[str, Any] | None
-    training_template: Literal["auto", "off"]
-    on_unsplittable: Literal["error", "skip"]
+    @property
+    def columns(self) -> dict[str, str] | None: ...
+    @property
+    def chat_template_kwargs(self) -> dict[str, Any] | None: ...
+    @property
+    def training_template(self) -> Literal["auto", "off"]: ...
+    @property
+    def on_unsplittable(self) -> Literal["error", "skip"]: ...
 
-    def validate(self, ctx) -> list[str]:
-        """Problems found before anything is read (each names its fix)."""
-        ...
-
-    def load(self, ctx) -> Any:
+    def load(self, ctx: BuildContext) -> Any:
         """The rows as read, a ``datasets.Dataset``."""
         ...
 
@@ -53,6 +59,14 @@ class DataSource(Protocol):
         """Entries for the summary's ``data`` section about the rows ``ds`` (what :meth:`load`
         returned) holds (a mixture's rows per source); empty for most sources."""
         ...
+
+
+_D = TypeVar("_D", bound=DataSource)
+
+
+def register(name: str) -> Callable[[type[_D]], type[_D]]:
+    """Register a ``data=`` option (mypy checks it against :class:`DataSource`)."""
+    return registry.register("data", name)
 
 
 def original_row(ds: Any, row: int) -> int:

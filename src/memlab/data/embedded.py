@@ -5,13 +5,17 @@ several thousand). Needs no network."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
+from memlab.data.base import register
 from memlab.data.formats import RowOptions
-from memlab.registry import PositiveInt, Seed, register
+from memlab.registry import PositiveInt, Seed
+
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
 
 
-@register("data", "embedded")
+@register("embedded")
 @dataclass(kw_only=True)
 class Embedded(RowOptions):
     """Size and shape of the generated set."""
@@ -23,7 +27,7 @@ class Embedded(RowOptions):
     median_tokens: PositiveInt = 300
     max_tokens: PositiveInt = 6000
 
-    def validate(self, ctx) -> list[str]:
+    def validate(self, ctx: BuildContext) -> list[str]:
         errors = self.row_errors()
         if self.n_examples <= 0:
             errors.append(f"data.n_examples must be positive (got {self.n_examples})")
@@ -38,7 +42,7 @@ class Embedded(RowOptions):
     def place(self, index: int) -> str:
         return f"generated example {index} (data=embedded, seed {self.seed})"
 
-    def load(self, ctx):
+    def load(self, ctx: BuildContext):
         import datasets
 
         from memlab.data import synthetic

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from memlab.data.base import DataError, original_row
+from memlab.registry import Option
 
 _VERSION = "1"
 """Part of the cache key of converted datasets: bump when a conversion changes."""
@@ -53,7 +54,7 @@ them)."""
 
 
 @dataclass(kw_only=True)
-class RowOptions:
+class RowOptions(Option):
     """How rows are read and rendered: the fields every ``data=`` option shares."""
 
     columns: dict[str, str] | None = None

@@ -4,13 +4,17 @@ Works offline from a warm HF cache (HF_DATASETS_OFFLINE=1) or with a local datas
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from memlab.data.base import limit
+from memlab.data.base import limit, register
 from memlab.data.formats import RowOptions
-from memlab.registry import PositiveInt, Seed, register
+from memlab.registry import PositiveInt, Seed
+
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
 
 
-@register("data", "hub")
+@register("hub")
 @dataclass(kw_only=True)
 class Hub(RowOptions):
     """Arguments of ``datasets.load_dataset``."""
@@ -28,7 +32,7 @@ class Hub(RowOptions):
     """Keep only this many rows (a seeded sample when shuffle_seed is set)."""
     shuffle_seed: Seed | None = None
 
-    def validate(self, ctx) -> list[str]:
+    def validate(self, ctx: BuildContext) -> list[str]:
         errors = self.row_errors()
         if not self.path:
             errors.append("data.path must name a hub dataset, e.g. trl-lib/Capybara")
@@ -38,7 +42,7 @@ class Hub(RowOptions):
         name = f"{self.path}" + (f" ({self.config_name})" if self.config_name else "")
         return f"{name} split {self.split!r} row {index}"
 
-    def load(self, ctx):
+    def load(self, ctx: BuildContext):
         import datasets
 
         ds = datasets.load_dataset(

@@ -11,16 +11,19 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-from memlab.data.base import DataError, limit
+from memlab.data.base import DataError, limit, register
 from memlab.data.formats import RowOptions
-from memlab.registry import PositiveInt, Seed, register
+from memlab.registry import PositiveInt, Seed
+
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
 
 _BY_SUFFIX = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
-@register("data", "local")
+@register("local")
 @dataclass(kw_only=True)
 class Local(RowOptions):
     """Files to read; rows in any of TRL's dataset types (text / messages, prompt, prompt +
@@ -46,7 +49,7 @@ class Local(RowOptions):
             return self.format
         return _BY_SUFFIX.get(Path(files[0]).suffix, "json")
 
-    def validate(self, ctx) -> list[str]:
+    def validate(self, ctx: BuildContext) -> list[str]:
         errors = self.row_errors()
         if self.path in ("???", ""):
             return [*errors, "data=local needs data.path=<file, glob or dir> "
@@ -61,7 +64,7 @@ class Local(RowOptions):
         return errors + [f"data.path={self.path!r}: {f} is empty; give it rows (or remove it)"
                          for f in files if _is_empty(Path(f))]
 
-    def load(self, ctx):
+    def load(self, ctx: BuildContext):
         import datasets
 
         files = self._files()

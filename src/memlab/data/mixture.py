@@ -34,9 +34,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from memlab.data.base import DataError
+from memlab.data.base import DataError, register
 from memlab.data.formats import RowOptions
-from memlab.registry import PositiveInt, Seed, build, register
+from memlab.registry import PositiveInt, Seed, build
 
 SHARE_KEYS = ("weight", "count")
 SOURCE_COLUMN, ROW_COLUMN = "source", "source_row"
@@ -44,7 +44,7 @@ SOURCE_COLUMN, ROW_COLUMN = "source", "source_row"
 _RENDERING = ("chat_template_kwargs", "training_template", "on_unsplittable")
 
 
-@register("data", "mixture")
+@register("mixture")
 @dataclass(kw_only=True)
 class Mixture(RowOptions):
     """Data sources mixed in fixed shares (module docstring)."""

@@ -14,16 +14,20 @@ from __future__ import annotations
 import contextlib
 import inspect
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from memlab.distributed.base import Ranks
-from memlab.registry import PositiveFloat, register
+from memlab.distributed.base import Ranks, Sharding, register
+from memlab.registry import PositiveFloat
 from memlab.trainer.routing import Routed
 
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
 
-@register("distributed", "ddp")
+
+@register("ddp")
 @dataclass(kw_only=True)
 class DDP(Ranks):
     """Data parallel: every rank a full replica, gradients all-reduced in backward."""
@@ -39,7 +43,7 @@ class DDP(Ranks):
     """Re-send rank 0's buffers before every forward (DDP's ``broadcast_buffers``). Needed for
     running statistics (batch norm); a causal LM's buffers (rotary frequencies) are constant
     and identical on every rank, so the default skips the per-step broadcast."""
-    def wrap(self, model: nn.Module, ctx) -> nn.Module:
+    def wrap(self, model: nn.Module, ctx: BuildContext) -> nn.Module:
         from torch.nn.parallel import DistributedDataParallel
 
         kwargs = dict(bucket_cap_mb=self.bucket_cap_mb,
@@ -59,7 +63,7 @@ class DDP(Ranks):
             return contextlib.nullcontext()
         return model.no_sync()
 
-    def describe(self, model: nn.Module) -> dict:
+    def describe(self, model: nn.Module) -> dict[str, Any]:
         """DDP's own buffers, for the summary: its gradient buckets are allocated when the model
         is wrapped (before the memory tracker starts) and stay for the whole run, so the
         tracker sees them only as gradients while those exist; on CUDA the allocator's peak
@@ -69,5 +73,6 @@ class DDP(Ranks):
         return {"bucket_bytes": sum(sizes), "buckets": len(sizes),
                 "gradient_as_bucket_view": self.gradient_as_bucket_view}
 
-    def shards_states(self) -> bool:
-        return False
+    def sharding(self) -> Sharding | None:
+        """A full replica per rank, plus DDP's resident gradient buckets."""
+        return Sharding(zero_stage=0, gradient_as_bucket_view=self.gradient_as_bucket_view)

@@ -41,8 +41,8 @@ from typing import Any
 import torch
 
 from memlab.config import Platform
-from memlab.distributed.ddp import DDP
-from memlab.distributed.deepspeed import DeepSpeed
+from memlab.context import BuildContext
+from memlab.distributed.base import Sharding
 from memlab.distributed.single import Single
 from memlab.estimate.fake import run_fake_step
 from memlab.estimate.options import (
@@ -67,10 +67,10 @@ __all__ = ["ALL_PHASES", "CARDS", "PHASES", "EstimateError", "EstimateOptions", 
 
 
 def validate_for(cfg, device: str, choices: dict[str, str] | None = None):
-    """:func:`memlab.run.validate` of ``cfg`` as a run on ``device`` (cpu | cuda)."""
+    """:func:`memlab.context.validate` of ``cfg`` as a run on ``device`` (cpu | cuda)."""
     from omegaconf import OmegaConf, open_dict
 
-    from memlab.run import validate
+    from memlab.context import validate
 
     cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)) if OmegaConf.is_config(
         cfg) else OmegaConf.create(dict(cfg))
@@ -95,7 +95,7 @@ def _add_engine(mem: dict[str, Any], eng) -> dict[str, Any]:
         add = eng.total_bytes if (ph == "generate" or not eng.released_in_training) else 0
         phc[ph] = {**(mem.get("by_phase_category") or {}).get(ph, {}), "generation_engine": add}
         by_phase[ph] = v + add
-    top = max(by_phase, key=by_phase.get)
+    top = max(by_phase, key=by_phase.__getitem__)
     return {**mem, "by_phase": by_phase, "by_phase_category": phc, "peak_bytes": by_phase[top],
             "by_category": phc[top], "peak_at": {**(mem.get("peak_at") or {}), "phase": top}}
 
@@ -104,7 +104,7 @@ def _policy_dtype(model_info: dict[str, Any]) -> torch.dtype:
     """The dtype holding most of the policy's parameter bytes."""
     by = {k: v for k, v in model_info.get("bytes_by_dtype", {}).items()
           if k in ("float32", "bfloat16", "float16")}
-    return getattr(torch, max(by, key=by.get)) if by else torch.float32
+    return getattr(torch, max(by, key=by.__getitem__)) if by else torch.float32
 
 
 def _add_other(mem: dict[str, Any], nbytes: int) -> dict[str, Any]:
@@ -118,7 +118,7 @@ def _add_other(mem: dict[str, Any], nbytes: int) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _fake_rank(ctx, world: int, notes: list[str]) -> Iterator[None]:
+def _fake_rank(ctx: BuildContext, world: int, notes: list[str]) -> Iterator[None]:
     """Rank 0 of torch's fake process group (``FakeStore``, backend ``fake``) of ``world`` ranks
     for the block (collectives move no data; shapes are right), with what the run's wrapper
     needs there (its ``on_fake_group``, whose assumptions join ``notes``)."""
@@ -138,18 +138,20 @@ def _fake_rank(ctx, world: int, notes: list[str]) -> Iterator[None]:
             dist.destroy_process_group()
 
 
-def _distributed_plan(ctx, opts: EstimateOptions, notes: list[str]):
-    """How the run's distributed option is estimated: ``(ctx, opts, modelled wrapper or None,
-    ranks of the fake process group or 0)``. A wrapper that runs on fake tensors (FSDP2,
+def _distributed_plan(ctx: BuildContext, opts: EstimateOptions, notes: list[str]
+                      ) -> tuple[BuildContext, EstimateOptions, Sharding | None, int]:
+    """How the run's distributed option is estimated: ``(ctx, opts, the sharding modelled or
+    None, ranks of the fake process group or 0)``. A wrapper that runs on fake tensors (FSDP2,
     DeepSpeed) keeps its ranks and is measured as rank 0 of a fake process group; DDP runs as
     one plain process and is sharded by :func:`memlab.estimate.sharding.apply_sharding` (a
-    model); a single process with ``--world-size N --zero-stage S`` likewise."""
+    model, from what the option declares: :meth:`~memlab.distributed.base.Distributed.sharding`);
+    a single process with ``--world-size N --zero-stage S`` likewise."""
     wrapper, procs = ctx.distributed, ctx.world_size
     world = opts.world_size if opts.world_size > 1 else procs
-    if isinstance(wrapper, Single):
-        return ctx, opts, (wrapper if opts.world_size > 1 else None), 0
-    stage = wrapper.zero_stage if isinstance(wrapper, DeepSpeed) else \
-        (3 if wrapper.shards_states() else 0)
+    declared = wrapper.sharding()
+    if declared is None:  # one plain process; --world-size N --zero-stage S models its ranks
+        return ctx, opts, (Sharding() if opts.world_size > 1 else None), 0
+    stage = declared.zero_stage
     if opts.zero_stage and opts.zero_stage != stage:
         raise EstimateError(f"--zero-stage {opts.zero_stage} disagrees with the run's "
                             f"distributed={wrapper.name} (ZeRO stage {stage}); leave it out")
@@ -159,12 +161,14 @@ def _distributed_plan(ctx, opts: EstimateOptions, notes: list[str]):
                      "the fake weights over torch's fake process group (collectives move no "
                      "data; each rank's memory is the same), train.batch_size rows per rank"
                      + ("; its engine's own step 0 runs first, once (its optimizer state, "
-                        "buffers and traces), as in a run" if wrapper.owns_step else ""))
+                        "buffers and traces), as in a run"
+                        if wrapper.as_step_owner() is not None else ""))
         return dataclasses.replace(ctx, world_size=world, rank=0), opts, None, world
     notes.append(f"distributed={wrapper.name}: one rank of {world}, estimated as one plain "
                  f"process (its wrapper needs real storage) and sharded by the model below; "
                  "train.batch_size rows per rank")
-    return dataclasses.replace(ctx, distributed=Single(), world_size=1, rank=0), opts, wrapper, 0
+    return (dataclasses.replace(ctx, distributed=Single(), world_size=1, rank=0), opts,
+            declared, 0)
 
 
 def estimate(cfg, opts: EstimateOptions | None = None, choices: dict[str, str] | None = None,
@@ -196,7 +200,7 @@ def estimate(cfg, opts: EstimateOptions | None = None, choices: dict[str, str] |
             except ConfigErrors:
                 pass
         return out
-    ctx, opts, model, fake_world = _distributed_plan(ctx, opts, notes)
+    ctx, opts, modelled, fake_world = _distributed_plan(ctx, opts, notes)
     out["options"]["world_size"] = opts.world_size
     out["options"]["zero_stage"] = opts.zero_stage
     try:
@@ -224,10 +228,9 @@ def estimate(cfg, opts: EstimateOptions | None = None, choices: dict[str, str] |
                      "fragmentation (reserved > allocated) is not included")
     else:
         notes.append("device=cpu: byte-exact for a CPU run of the same shapes")
-    if model is not None:  # sharding this estimate models instead of measuring
+    if modelled is not None:  # sharding this estimate models instead of measuring
         mem = apply_sharding(mem, opts.world_size, opts.zero_stage, res["model"]["shard_units"],
-                             notes, bucket_view=isinstance(model, DDP)
-                             and model.gradient_as_bucket_view)
+                             notes, bucket_view=modelled.gradient_as_bucket_view)
     budget = opts.budget_bytes
     overhead = 0
     if opts.card:

@@ -56,7 +56,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import datasets
 import torch
@@ -65,9 +65,11 @@ from memlab.data import synthetic
 from memlab.estimate.options import EstimateError
 from memlab.measure.data import DataStats
 from memlab.method._online import join
-from memlab.method.base import layout_shapes, shifted_labels
-from memlab.packing.groups import GroupPacked
+from memlab.method.base import Generating, layout_shapes, shifted_labels
 from memlab.trainer.batch import Batch, Segments
+
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
 
 
 @dataclass
@@ -103,17 +105,18 @@ def _split(total: int, parts: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
-def candidates(ctx, tokenizer, length: int, docs_per_row: int | None = None
+def candidates(ctx: BuildContext, tokenizer, length: int, docs_per_row: int | None = None
                ) -> list[Candidate]:
     """The worst-case candidates of one micro-batch (module docstring), in the order measured;
     duplicates in memory are not removed here (:func:`distinct`)."""
     method, packing = ctx.method, ctx.packing
-    if isinstance(method, GroupPacked) and packing.packs:
+    grouped = method.as_group_packed() is not None
+    if grouped and packing.packs:
         return [Candidate("fullest pack", [_largest_pack(ctx, tokenizer, length)],
                           f"the fullest of the micro-batches packing={packing.name} makes of "
                           f"the longest generated {method.data_kinds[0]} rows "
                           f"({ctx.train.batch_size} rows of up to {length} tokens)")]
-    if not method.supports_packing or isinstance(method, GroupPacked):
+    if not method.supports_packing or grouped:
         return _generic_candidates(ctx, tokenizer, length)
     if packing.packs:
         counts = [docs_per_row] if docs_per_row else sorted({1, min(2, length)})
@@ -121,7 +124,7 @@ def candidates(ctx, tokenizer, length: int, docs_per_row: int | None = None
     return _sft_candidates(ctx, tokenizer, length)
 
 
-def _sft_candidates(ctx, tokenizer, length: int) -> list[Candidate]:
+def _sft_candidates(ctx: BuildContext, tokenizer, length: int) -> list[Candidate]:
     bs = ctx.train.batch_size
     token = min(100, len(tokenizer) - 1)
     out = [Candidate("full", _token_rows([length] * bs, token),
@@ -132,7 +135,7 @@ def _sft_candidates(ctx, tokenizer, length: int) -> list[Candidate]:
     return out
 
 
-def _packed(ctx, tokenizer, length: int, docs: int) -> Candidate:
+def _packed(ctx: BuildContext, tokenizer, length: int, docs: int) -> Candidate:
     bs, packing = ctx.train.batch_size, ctx.packing
     token = min(100, len(tokenizer) - 1)
     lengths = [n for _ in range(bs) for n in _split(length, docs)]
@@ -146,7 +149,7 @@ def _packed(ctx, tokenizer, length: int, docs: int) -> Candidate:
                                  f"(packing={packing.name})")
 
 
-def _largest_pack(ctx, tokenizer, length: int) -> dict:
+def _largest_pack(ctx: BuildContext, tokenizer, length: int) -> dict:
     """The packed item (one micro-batch) that collates to the most token slots (then real
     tokens), of the ``4 * batch_size`` longest generated units packed by the run's option."""
     more = dataclasses.replace(ctx, train=dataclasses.replace(
@@ -162,7 +165,7 @@ def _largest_pack(ctx, tokenizer, length: int) -> dict:
     return items[max(range(len(items)), key=sizes.__getitem__)]
 
 
-def _generic_prepared(ctx, tokenizer, length: int):
+def _generic_prepared(ctx: BuildContext, tokenizer, length: int):
     """Generated rows of the method's data kind around ``length`` tokens through its own
     ``prepare`` (format, tokenize, truncate or drop)."""
     kind = ctx.method.data_kinds[0]
@@ -187,11 +190,12 @@ def _token_columns(row: dict) -> list[str]:
             and isinstance(v, list)]
 
 
-def _sizes(ctx, ds) -> list[int]:
+def _sizes(ctx: BuildContext, ds) -> list[int]:
     """Tokens of each prepared row: all its token columns (methods that generate their
     completions: its prompt)."""
     cols = _token_columns(ds[0])
-    sized = ["prompt_ids"] if ctx.method.generates() and "prompt_ids" in cols else cols
+    online = ctx.method.as_generating() is not None
+    sized = ["prompt_ids"] if online and "prompt_ids" in cols else cols
     lens = [ds[c] for c in sized]
     return [sum(len(col[i]) for col in lens) for i in range(len(ds))]
 
@@ -212,13 +216,13 @@ def _shorter(rows: list[dict], i: int, columns: list[str]) -> list[dict]:
     return [*rows[:i], row, *rows[i + 1:]]
 
 
-def _padded_variant(ctx, tokenizer, rows: list[dict], cols: list[str]
+def _padded_variant(ctx: BuildContext, tokenizer, rows: list[dict], cols: list[str]
                     ) -> tuple[int, list[str], list[dict]] | None:
     """The rows with one token less in one row, collated to the same shapes as ``rows`` with
     padding: every completion column of a row (methods that generate their completions: its
     prompt), else its last completion column only (one pair: its rejected answer), trying the
     rows from the last; None if no such batch exists (one sequence per batch, padding-free)."""
-    if ctx.method.generates():
+    if ctx.method.as_generating() is not None:
         tried = [["prompt_ids"]] if "prompt_ids" in cols else [cols]
     else:
         rest = [c for c in cols if c != "prompt_ids"] or cols
@@ -233,7 +237,7 @@ def _padded_variant(ctx, tokenizer, rows: list[dict], cols: list[str]
     return None
 
 
-def _generic_candidates(ctx, tokenizer, length: int) -> list[Candidate]:
+def _generic_candidates(ctx: BuildContext, tokenizer, length: int) -> list[Candidate]:
     ds = _generic_prepared(ctx, tokenizer, length)
     bs, kind = ctx.train.batch_size, ctx.method.data_kinds[0]
     cols = _token_columns(ds[0])
@@ -300,16 +304,17 @@ def distinct(items: list[Any], key: Callable[[Any], Batch]) -> list[Any]:
     return keep
 
 
-def run_micro_batches(ctx) -> int:
+def run_micro_batches(ctx: BuildContext) -> int:
     """How many micro-batches a run draws from its stream: ``grad_accum`` per step (an online
     method: per generation batch, one every ``num_iterations`` steps)."""
     steps = ctx.train.steps
-    if ctx.method.generates():
-        steps = math.ceil(steps / max(1, ctx.method.num_iterations))
+    online = ctx.method.as_generating()
+    if online is not None:
+        steps = math.ceil(steps / max(1, online.num_iterations))
     return steps * ctx.train.grad_accum
 
 
-def run_batches(stream, ctx) -> list[Candidate]:
+def run_batches(stream, ctx: BuildContext) -> list[Candidate]:
     """Every micro-batch of the run's steps from its own :class:`BatchStream` (this rank's
     slice), in order, as candidates (dominated ones removed)."""
     n = run_micro_batches(ctx)
@@ -333,7 +338,7 @@ def trained_batch(batch: Batch) -> dict[str, Any]:
             "tokens": int(batch.total_tokens), "real_tokens": int(batch.real_tokens)}
 
 
-def describe_batch(trained: dict[str, Any], ctx, rows_desc: str, length: int | None,
+def describe_batch(trained: dict[str, Any], ctx: BuildContext, rows_desc: str, length: int | None,
                    is_padded: bool) -> dict[str, Any]:
     """The ``batch`` section of estimate.json for a :func:`trained_batch`."""
     return {
@@ -346,12 +351,13 @@ def describe_batch(trained: dict[str, Any], ctx, rows_desc: str, length: int | N
     }
 
 
-def new_tokens(method) -> int:
+def new_tokens(method: Generating) -> int:
     """Tokens an online method generates per completion."""
     return method.sampling_length()
 
 
-def worst_case_rollout_tensors(method, real: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def worst_case_rollout_tensors(method: Generating, real: dict[str, torch.Tensor]
+                               ) -> dict[str, torch.Tensor]:
     """The real values of the worst-case generated training batch (every completion runs to its
     full length): the candidates :func:`exact_value_hooks` evaluates the training forward's mask
     decisions on, as it does for collated batches."""

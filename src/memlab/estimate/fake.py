@@ -35,7 +35,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import datasets
 import torch
@@ -72,6 +72,9 @@ from memlab.pipeline import Seams, build
 from memlab.trainer.batch import Batch
 from memlab.trainer.loop import LoopOptions
 from memlab.trainer.routing import unwrap
+
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
 
 
 def _candidates(real: dict[str, torch.Tensor], suffix: str, fake: Any) -> list[torch.Tensor]:
@@ -275,7 +278,7 @@ class FlopCount(TorchDispatchMode):
         return out
 
 
-def run_fake_step(ctx, opts: EstimateOptions, notes: list[str]) -> dict[str, Any]:
+def run_fake_step(ctx: BuildContext, opts: EstimateOptions, notes: list[str]) -> dict[str, Any]:
     """Build the configured run through :func:`memlab.pipeline.build` with the estimator's
     seams and run the tracked training step(s) through
     :meth:`memlab.trainer.loop.Trainer.run_step`, once per candidate batch
@@ -306,7 +309,7 @@ def run_fake_step(ctx, opts: EstimateOptions, notes: list[str]) -> dict[str, Any
     ctx = dataclasses.replace(ctx, device="cpu")
     tokenizer = standin.load_tokenizer(ctx)
 
-    online = ctx.method.generates()
+    online = ctx.method.as_generating()
     length = None
     cands: list[Candidate] | None = None
     if opts.from_data:
@@ -320,8 +323,8 @@ def run_fake_step(ctx, opts: EstimateOptions, notes: list[str]) -> dict[str, Any
                                 "N (or set method.max_length), or measure the real batches "
                                 "with --from-data")
         cands = candidates(ctx, tokenizer, length, opts.docs_per_row)
-    if online:
-        notes.append(f"generation: every completion runs to {ctx.method.sampling_length()} new "
+    if online is not None:
+        notes.append(f"generation: every completion runs to {online.sampling_length()} new "
                      "tokens (no early EOS), with the model's own generate (KV cache, "
                      "sampling); the training batch is the prompts x completions it makes; "
                      "reward functions and reward models score the decoded worst-case "
@@ -413,7 +416,7 @@ def run_fake_step(ctx, opts: EstimateOptions, notes: list[str]) -> dict[str, Any
     # a wrapper that owns the step (DeepSpeed's engine) makes its state, buffers and ZeRO-3's
     # module trace in its own step 0, and links its state into its buffers (no clearing it to
     # replay a step 0): its step 0 runs once, the first batch's; later batches continue the run
-    owned = ctx.distributed.owns_step
+    owned = ctx.distributed.as_step_owner() is not None
     if ctx.train.steps == 1:  # the run's only step: no optimizer state before its update
         run_steps = [0]
     else:
@@ -434,8 +437,8 @@ def run_fake_step(ctx, opts: EstimateOptions, notes: list[str]) -> dict[str, Any
                     real.clear()
                     real.update({n: v for n, v in c.batch.tensors.items()
                                  if isinstance(v, torch.Tensor)})
-                    if online:
-                        real.update(worst_case_rollout_tensors(ctx.method, real))
+                    if online is not None:
+                        real.update(worst_case_rollout_tensors(online, real))
                     batches = _fake_micro_batches(c.batch, micro, mode)
                 for step in (run_steps if not (owned and k) else [max(run_steps[-1], 1)]):
                     if step == 0:  # this candidate as the run's first step: no state yet

@@ -98,7 +98,7 @@ def verdict(peak: int, budget: int | None, by_category: dict[str, int],
     if budget is None:
         return None
     need = peak + overhead
-    top = max(by_category, key=by_category.get) if by_category else "?"
+    top = max(by_category, key=by_category.__getitem__) if by_category else "?"
     fits = need <= budget
     if fits:
         text = f"fits with {fmt_bytes(budget - need)} headroom"

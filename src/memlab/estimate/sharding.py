@@ -107,7 +107,7 @@ def apply_sharding(mem: dict[str, Any], world: int, stage: int,
                      + "activations are per rank (each rank runs its own micro-batch); other "
                        "communication buffers are not modelled")
     by_phase = {ph: sum(s.values()) for ph, s in phases.items()}
-    peak_phase = max(by_phase, key=by_phase.get) if by_phase else None
+    peak_phase = max(by_phase, key=by_phase.__getitem__) if by_phase else None
     out = dict(mem)
     out["by_phase_category"] = phases
     out["by_phase"] = {ph: int(by_phase[ph]) for ph in ALL_PHASES if ph in by_phase}

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import math
 import random
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -33,6 +33,9 @@ from memlab.measure import patches
 from memlab.model.base import auto_class, finish_load, load_kwargs
 from memlab.offload.base import Placement
 
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
+
 
 class ModelStandin:
     """The model-loading seams of an estimate (module docstring). ``overrides``: fields of the
@@ -43,7 +46,7 @@ class ModelStandin:
         self.notes = notes
         self.fake_mode = fake_mode
 
-    def load_tokenizer(self, ctx):
+    def load_tokenizer(self, ctx: BuildContext):
         try:
             return ctx.model.load_tokenizer(ctx)
         except Exception as e:  # noqa: BLE001 - offline hub model: the ids do not matter
@@ -64,7 +67,7 @@ class ModelStandin:
         cfg.use_cache = False
         return cfg
 
-    def load(self, ctx, tokenizer, head: str, extra: dict[str, Any]) -> nn.Module:
+    def load(self, ctx: BuildContext, tokenizer, head: str, extra: dict[str, Any]) -> nn.Module:
         """The seam ``load_model``: built from the config on the current (meta) device."""
         quantized = extra.get("quantization_config") is not None
         kw = load_kwargs(ctx, {k: v for k, v in extra.items()

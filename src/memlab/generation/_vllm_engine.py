@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import torch
 
 from memlab.generation.base import Samples, SamplingParams
-from memlab.trainer.routing import unwrap
+from memlab.trainer.routing import base_model, unwrap
 
 GIB = 1024**3
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -31,11 +31,9 @@ def policy_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     ``W + sum over active adapters of get_delta_weight`` (computed; the model is not touched),
     PEFT's ``modules_to_save`` copies under the original name. Detached; not copied where a
     tensor can be passed as it is. A ZeRO-3 model must be gathered around the call."""
-    from peft import PeftModel
     from peft.tuners.lora import LoraLayer
 
-    inner = unwrap(model)
-    base = inner.get_base_model() if isinstance(inner, PeftModel) else inner
+    base = base_model(unwrap(model))
     merged: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for name, mod in base.named_modules():
@@ -201,11 +199,7 @@ def engine_memory(worker: Any) -> dict[str, int]:
 def save_config(model: torch.nn.Module, path: str) -> str:
     """The policy's ``config.json`` in ``path`` (what vLLM needs to build the architecture;
     the weights come through :func:`policy_weights`)."""
-    from peft import PeftModel
-
-    inner = unwrap(model)
-    base = inner.get_base_model() if isinstance(inner, PeftModel) else inner
-    base.config.save_pretrained(path)
+    base_model(unwrap(model)).config.save_pretrained(path)
     return path
 
 

@@ -3,7 +3,14 @@ configuration only; the run it starts holds the connection)."""
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+from memlab import registry
+from memlab.registry import Option
+
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
 
 
 class LoggerRun(Protocol):
@@ -14,12 +21,20 @@ class LoggerRun(Protocol):
     def finish(self, summary: dict[str, Any]) -> None: ...
 
 
-class Logger(Protocol):
+class Logger(Option, Protocol):
     """A ``logger=`` option."""
 
-    def validate(self, ctx) -> list[str]: ...
+    def start(self, ctx: BuildContext, config: dict[str, Any]) -> LoggerRun:
+        """Start logging the run (rank 0); ``config`` is the run's resolved config."""
+        ...
 
-    def start(self, ctx, config: dict[str, Any]) -> LoggerRun: ...
+
+_L = TypeVar("_L", bound=Logger)
+
+
+def register(name: str) -> Callable[[type[_L]], type[_L]]:
+    """Register a ``logger=`` option (mypy checks it against :class:`Logger`)."""
+    return registry.register("logger", name)
 
 
 class NullRun:

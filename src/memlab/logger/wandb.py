@@ -27,11 +27,14 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from memlab.logger.base import LoggerRun, NullRun
+from memlab.logger.base import LoggerRun, NullRun, register
 from memlab.measure.summary import flatten, user_choices
-from memlab.registry import register
+from memlab.registry import Option
+
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
 
 TAG_MAX = 64
 """W&B's longest tag."""
@@ -39,9 +42,9 @@ NAME_MAX = 128
 GROUP_MAX = 128
 
 
-@register("logger", "wandb")
+@register("wandb")
 @dataclass(kw_only=True)
-class WandbLogger:
+class WandbLogger(Option):
     """W&B run settings."""
 
     project: str = "memlab"
@@ -57,11 +60,11 @@ class WandbLogger:
     dir: str | None = None
     """Where W&B writes its files; defaults to the run dir."""
 
-    def validate(self, ctx) -> list[str]:
+    def validate(self, ctx: BuildContext) -> list[str]:
         err = ctx.platform.missing("wandb", "logger=wandb")
         return [err] if err else []
 
-    def start(self, ctx, config: dict[str, Any]) -> LoggerRun:
+    def start(self, ctx: BuildContext, config: dict[str, Any]) -> LoggerRun:
         if ctx.rank != 0:
             return NullRun()
         import wandb

@@ -75,7 +75,7 @@ class _TokenLogps(torch.autograd.Function):
     position), so that backward writes one gradient of the logits' size for both."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: FunctionCtx, logits: Tensor, labels: Tensor, ignore_index: int, chunk_tokens: int,
         extra_index: Tensor, extra_labels: Tensor,
     ) -> tuple[Tensor, Tensor]:
@@ -91,7 +91,8 @@ class _TokenLogps(torch.autograd.Function):
         target = logits.gather(-1, safe.unsqueeze(-1)).squeeze(-1).to(acc)
         out = (target - lse).masked_fill_(~valid, 0.0)
         at = torch.unravel_index(extra_index, labels.shape)
-        extra = logits[(*at, extra_labels)].to(acc) - lse[at]
+        index = (*at, extra_labels)  # (a starred subscript is Python 3.11 syntax)
+        extra = logits[index].to(acc) - lse[at]
         ctx.save_for_backward(logits, safe, valid, lse, extra_index, extra_labels)
         ctx.chunk_tokens = chunk_tokens  # type: ignore[attr-defined]
         return out, extra
@@ -267,7 +268,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: FunctionCtx,
         hidden: Tensor,
         weight: Tensor,
@@ -313,13 +314,13 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             if tanh is not None:  # d(cap * tanh(x / cap)) / dx = 1 - tanh^2
                 dz.mul_(tanh.mul_(tanh).neg_().add_(1.0))
                 del tanh
-            if need_b:
+            if grad_b is not None:
                 grad_b += dz.sum(0)
             dz_lp = dz.to(hidden.dtype)  # matmuls in the input dtype
             del dz, z
-            if need_h:
+            if grad_h is not None:
                 torch.mm(dz_lp, weight, out=grad_h[s:e])
-            if need_w:
+            if grad_w is not None:
                 if grad_w.dtype == hidden.dtype:
                     grad_w.addmm_(dz_lp.t(), h)
                 else:  # low-precision GEMM per chunk, fp32 accumulation across chunks

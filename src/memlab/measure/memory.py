@@ -16,7 +16,7 @@ whose batch shape is the largest so far - enough to catch the peak of the whole 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -201,23 +201,24 @@ class MemoryProbe:
 
     # -------------------------------------------------------------- steps
     @contextlib.contextmanager
-    def step(self, index: int, tracked: bool, inputs: list[torch.Tensor] = ()):
+    def step(self, index: int, tracked: bool, inputs: Sequence[torch.Tensor] = ()
+             ) -> Iterator[None]:
         """One optimizer step; ``tracked`` runs it under the categorised tracker."""
         self._step = index
-        use = tracked and self.tracker is not None
-        if use:
+        tracker = self.tracker if tracked else None
+        if tracker is not None:
             self.tracked_steps.append(index)
-            self.tracker.track_external(*self._external, *inputs)
+            tracker.track_external(*self._external, *inputs)
             self._apply_roles()
-            self.tracker.__enter__()
+            tracker.__enter__()
             self._active = True
         try:
             yield
         finally:
-            if use:
+            if tracker is not None:
                 self._active = False
-                self.tracker.reset_mod_stats()
-                self.tracker.__exit__(None, None, None)
+                tracker.reset_mod_stats()
+                tracker.__exit__(None, None, None)
 
     @contextlib.contextmanager
     def untracked(self) -> Iterator[None]:
@@ -248,7 +249,7 @@ class MemoryProbe:
 
     def micro_end(self) -> None:
         """After each micro-batch's backward: module stats are per iteration."""
-        if self._active:
+        if self._active and self.tracker is not None:
             self.tracker.reset_mod_stats()
 
     @contextlib.contextmanager

@@ -39,7 +39,7 @@ class PatchTargetMissing(RuntimeError):
 def _version(owner: Any) -> str:
     from importlib.metadata import PackageNotFoundError, version
 
-    root = (getattr(owner, "__module__", None) or getattr(owner, "__name__", "?")).split(".")[0]
+    root = str(getattr(owner, "__module__", None) or getattr(owner, "__name__", "?")).split(".")[0]
     try:
         return f"{root} {version(root)}"
     except PackageNotFoundError:

@@ -26,12 +26,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from memlab.method.base import IGNORE, Segments, round_up, shifted_labels
 from memlab.packing.groups import PACK_ROWS
+
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
 
 
 @dataclass
@@ -170,7 +173,7 @@ def units_of(items: list[dict]) -> tuple[list[dict], list[list[int]] | None]:
     return units, rows_of
 
 
-def layout_errors(method, ctx) -> list[str]:
+def layout_errors(method, ctx: BuildContext) -> list[str]:
     """Checks every preference method shares for packing and ``share_prompt``."""
     errors = []
     if ctx.packing.packs and method.max_length is None:
@@ -198,13 +201,13 @@ def per_item(values: list, items: list[dict]) -> list:
     return out
 
 
-def fits_row(ctx) -> bool:
+def fits_row(ctx: BuildContext) -> bool:
     """Whether a unit must fit one row (``packing=bfd``: packed, no splitting); False without a
     run context (a method used on its own)."""
     return ctx is not None and ctx.packing.packs and not ctx.packing.keeps_overflow
 
 
-def attention_of(ctx) -> Any:
+def attention_of(ctx: BuildContext) -> Any:
     """The run's attention option (it builds the document masks some backends need), or None
     without a run context."""
     return None if ctx is None else ctx.attention

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
@@ -18,9 +18,15 @@ from memlab.method.base import decoder_hidden, model_inputs
 from memlab.model._liger import MODEL_KERNELS
 from memlab.trainer.routing import call_inside, unwrap
 
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
+
 LigerKernel = Literal["rope", "rms_norm", "swiglu", "geglu", "layer_norm",
                       "fused_linear_cross_entropy"]
 LOSS_KERNEL = "fused_linear_cross_entropy"
+LIGER_LOSS = "method.liger_kernels=[..., fused_linear_cross_entropy]"
+"""The setting of a method whose loss is Liger's fused linear one (it reads the output head's
+weight directly: ``Method.reads_head_weight``)."""
 INTERPRETED = ("rope", LOSS_KERNEL)
 """The kernels that run in Triton's interpreter (measured with triton 3.9.0, liger-kernel 0.8.5:
 the same loss and gradients as without Liger); RMSNorm, SwiGLU (and the layer norm / GeGLU of
@@ -62,9 +68,9 @@ class LigerKnobs:
         """Whether the loss is Liger's fused linear one."""
         return self.use_liger_kernel and LOSS_KERNEL in self.liger_kernels
 
-    def liger_errors(self, ctx, loss_name: str) -> list[str]:
-        """Where Liger can run, and the kernels it can run there (``loss_name``: the loss
-        ``fused_linear_cross_entropy`` stands for in this method)."""
+    def liger_errors(self, ctx: BuildContext) -> list[str]:
+        """Where Liger can run, and the kernels it can run there (a LoRA adapter on the head
+        its fused loss reads is ``peft=lora``'s rule: ``Method.reads_head_weight``)."""
         if not self.use_liger_kernel:
             return []
         if not self.liger_kernels:
@@ -88,11 +94,9 @@ class LigerKnobs:
         err = ctx.platform.missing("liger_kernel", "method.use_liger_kernel=true")
         if err:
             errors.append(err)
-        if self.liger_loss():
-            errors += self._loss_errors(ctx, loss_name)
         return errors
 
-    def _interpreter_errors(self, ctx) -> list[str]:
+    def _interpreter_errors(self, ctx: BuildContext) -> list[str]:
         errors = []
         failing = [k for k in self.liger_kernels if k not in INTERPRETED]
         if failing:
@@ -106,18 +110,9 @@ class LigerKnobs:
                           "imports it): TRITON_INTERPRET=1 memlab ...")
         return errors
 
-    def _loss_errors(self, ctx, loss_name: str) -> list[str]:
-        """The fused linear loss reads the output head's weight directly."""
-        targets = getattr(ctx.peft, "target_modules", None)
-        if isinstance(targets, list) and "lm_head" in targets:
-            return [f"method.liger_kernels: fused_linear_cross_entropy (Liger's fused linear "
-                    f"{loss_name} loss) reads the output head's weight directly; drop lm_head "
-                    "from peft.target_modules or fused_linear_cross_entropy from "
-                    "method.liger_kernels"]
-        return []
 
 
-def preference_errors(method, ctx, loss_name: str) -> list[str]:
+def preference_errors(method, ctx: BuildContext, loss_name: str) -> list[str]:
     """Checks of Liger's fused linear preference losses (dpo, kto)."""
     if not method.liger_loss():
         return []

@@ -19,7 +19,7 @@ value and carries the policy gradient).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Annotated, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 import torch
 from torch import nn
@@ -28,12 +28,24 @@ from memlab.data.base import DataError, check_messages, check_text
 from memlab.generation.base import GenerationEnv, Samples, SamplingParams
 from memlab.losses import token_logps
 from memlab.method import _overrides, _reference, _rewards, _rows
-from memlab.method.base import IGNORE, Batch, DataStats, ModelFactory, model_inputs
-from memlab.registry import NonNegativeFloat, PositiveFloat, PositiveInt, Range
+from memlab.method.base import (
+    IGNORE,
+    Batch,
+    DataStats,
+    Generating,
+    ModelFactory,
+    model_inputs,
+)
+from memlab.model.base import Head
+from memlab.registry import NonNegativeFloat, Option, PositiveFloat, PositiveInt, Range
+
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
+    from memlab.packing.groups import GroupPacked
 
 
 @dataclass(kw_only=True)
-class Online:
+class Online(Option):
     """Knobs every online method has, named as in TRL's GRPOConfig / RLOOConfig."""
 
     num_generations: PositiveInt = 4
@@ -70,7 +82,7 @@ class Online:
     forward in the generate phase."""
 
     data_kinds: ClassVar[tuple[str, ...]] = ("chat", "preference")
-    head: ClassVar[str] = "causal_lm"
+    head: ClassVar[Head] = "causal_lm"
     supports_packing: ClassVar[bool] = False
     supports_padding_free: ClassVar[bool] = False
     trains_extra_models: ClassVar[bool] = False
@@ -81,7 +93,7 @@ class Online:
     """Whether the loss has a probability ratio to old log-probs (num_iterations > 1 allowed)."""
 
     # ------------------------------------------------------------------ validation
-    def validate(self, ctx) -> list[str]:
+    def validate(self, ctx: BuildContext) -> list[str]:
         errors = _rows.length_errors(self, ["max_prompt_length", "max_completion_length"])
         if self.num_generations < self.min_generations:
             errors.append(f"method.num_generations must be >= {self.min_generations}: the "
@@ -122,7 +134,7 @@ class Online:
             errors += _reference.reference_errors(self, ctx)
         return errors
 
-    def _reward_model_errors(self, ctx) -> list[str]:
+    def _reward_model_errors(self, ctx: BuildContext) -> list[str]:
         errors: list[str] = []
         for i, entry in enumerate(self.reward_models):
             where = f"method.reward_models[{i}]"
@@ -137,7 +149,7 @@ class Online:
         return errors
 
     # ------------------------------------------------------------------ data
-    def prepare(self, ds, tokenizer, ctx) -> tuple[Any, DataStats]:
+    def prepare(self, ds, tokenizer, ctx: BuildContext) -> tuple[Any, DataStats]:
         """Prompt tokens (chat template with the generation prompt, cut from the left) and the
         reference answer text, from conversations or preference rows."""
         cols = set(ds.column_names)
@@ -166,7 +178,7 @@ class Online:
                           tokens_dropped=n_in - kept)
         return out, stats
 
-    def collate(self, rows: list[dict], tokenizer, ctx) -> Batch:
+    def collate(self, rows: list[dict], tokenizer, ctx: BuildContext) -> Batch:
         """Left-padded prompts ``[B, P]``: generation appends to the right end of every row."""
         pad = tokenizer.pad_token_id
         width = max(len(r["prompt_ids"]) for r in rows)
@@ -186,7 +198,7 @@ class Online:
                            "decode": tokenizer.batch_decode})
 
     # ------------------------------------------------------------------ models
-    def extra_models(self, policy, ctx, build: ModelFactory) -> dict[str, nn.Module]:
+    def extra_models(self, policy, ctx: BuildContext, build: ModelFactory) -> dict[str, nn.Module]:
         models = _reference.reference_models(self, policy, ctx, build) if self.beta > 0 else {}
         return {**models, **self.reward_model_instances(build)}
 
@@ -197,12 +209,15 @@ class Online:
                                                  build.tokenizer(entry or None))
                 for i, entry in enumerate(self.reward_models)}
 
-    def before_training(self, models, ds, ctx):
+    def before_training(self, models, ds, ctx: BuildContext):
         return None
 
     # ------------------------------------------------------------------ capabilities
-    def generates(self) -> bool:
-        return True
+    def as_generating(self) -> Generating | None:
+        return self
+
+    def as_group_packed(self) -> GroupPacked | None:
+        return None
 
     def row_length(self) -> int | None:
         return self.max_prompt_length
@@ -210,7 +225,7 @@ class Online:
     def pad_multiple(self) -> int | None:
         return None
 
-    def packs_rows(self, ctx) -> bool:
+    def packs_rows(self, ctx: BuildContext) -> bool:
         return False
 
     def uses_liger(self) -> bool:
@@ -219,8 +234,8 @@ class Online:
     def liger_model_kernels(self) -> tuple[str, ...]:
         return ()
 
-    def reads_head_weight(self) -> bool:
-        return False
+    def reads_head_weight(self) -> str | None:
+        return None
 
     # ------------------------------------------------------------------ generation
     def sampling_length(self) -> int:
@@ -235,7 +250,7 @@ class Online:
                               temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                               eos=batch.meta["eos"], pad=batch.meta["pad"])
 
-    def rollout(self, models: dict, batch: Batch, ctx, env: GenerationEnv) -> Batch:
+    def rollout(self, models: dict, batch: Batch, ctx: BuildContext, env: GenerationEnv) -> Batch:
         """Sample completions with the run's engine, score them, and return the training
         batch: prompt + completion rows ``[B*G, P+L]`` with advantages and the
         completion-token mask."""
@@ -418,7 +433,7 @@ class Clipped(Online):
     epsilon_high: PositiveFloat | None = None
     """Upper clip (DAPO's clip-higher); None = epsilon."""
 
-    def validate(self, ctx) -> list[str]:
+    def validate(self, ctx: BuildContext) -> list[str]:
         errors = super().validate(ctx)
         if self.epsilon <= 0 or (self.epsilon_high is not None and self.epsilon_high <= 0):
             errors.append("method.epsilon and method.epsilon_high must be > 0")

@@ -14,7 +14,7 @@ import contextlib
 import gc
 import hashlib
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -22,10 +22,14 @@ from torch import nn
 from memlab.method.base import ModelFactory
 from memlab.trainer.routing import unwrap
 
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
+    from memlab.distributed.base import Distributed
+
 REFERENCE_MODES = ("copy", "adapter_disabled", "precomputed")
 
 
-def reference_errors(method, ctx) -> list[str]:
+def reference_errors(method, ctx: BuildContext) -> list[str]:
     """``reference=adapter_disabled`` needs an adapter to disable (the peft option declares one)."""
     if method.reference == "adapter_disabled" and not ctx.peft.has_adapter():
         return [
@@ -64,44 +68,34 @@ def _base_name(name: str) -> str:
     return name.replace(".base_layer.", ".").replace(".original_module.", ".")
 
 
-def check_same_weights(policy: nn.Module, reference: nn.Module) -> int:
+def check_same_weights(policy: nn.Module, reference: nn.Module, distributed: Distributed
+                       ) -> int:
     """Every reference parameter must equal the policy's (frozen base) parameter of the same
-    name: a DPO / KTO reference is the policy *before* training. Returns the number compared;
-    raises ValueError naming the first mismatch."""
+    name: a DPO / KTO reference is the policy *before* training. ``distributed`` (the run's
+    option) gathers a parameter its wrapper shards (a collective: every rank compares). Returns
+    the number compared; raises ValueError naming the first mismatch."""
     ours = {_base_name(n): p for n, p in unwrap(policy).named_parameters() if "lora_" not in n}
-    gather = contextlib.nullcontext()
-    if any(hasattr(p, "ds_id") for p in ours.values()):  # DeepSpeed ZeRO-3 partitions
-        import deepspeed
-
-        gather = deepspeed.zero.GatheredParameters(list(ours.values()))
-    with gather:
-        compared = _compare_weights(ours, reference)
+    compared = 0
+    for name, ref in reference.named_parameters():
+        mine = ours.get(_base_name(name))
+        if mine is None or not ref.dtype.is_floating_point:
+            continue
+        with distributed.gathered(mine) as whole:
+            if whole.shape != ref.shape or not whole.dtype.is_floating_point:
+                continue  # quantized storage (bitsandbytes): compared through its neighbours
+            if not torch.equal(whole.detach().to(ref.dtype), ref.detach()):
+                raise ValueError(
+                    f"the reference copy differs from the policy at {name!r}: the model loader "
+                    "did not give the same initial weights twice (for model=tiny keep one "
+                    "seed); use method.reference=adapter_disabled (with peft=lora) or fix the "
+                    "loader")
+        compared += 1
     if compared == 0:
         raise ValueError("could not match any reference parameter to the policy's by name")
     return compared
 
 
-def _compare_weights(ours: dict[str, nn.Parameter], reference: nn.Module) -> int:
-    compared = 0
-    for name, ref in reference.named_parameters():
-        mine = ours.get(_base_name(name))
-        if mine is None or mine.shape != ref.shape or not ref.dtype.is_floating_point:
-            continue
-        if hasattr(mine, "full_tensor"):  # an FSDP2 shard: compare the gathered parameter
-            mine = mine.detach().full_tensor()
-        elif type(ref) is not nn.Parameter or type(mine) is not nn.Parameter:
-            continue  # quantized storage (bitsandbytes): compared through its float neighbours
-        if not torch.equal(mine.detach().to(ref.dtype), ref.detach()):
-            raise ValueError(
-                f"the reference copy differs from the policy at {name!r}: the model loader did "
-                "not give the same initial weights twice (for model=tiny keep one seed); use "
-                "method.reference=adapter_disabled (with peft=lora) or fix the loader"
-            )
-        compared += 1
-    return compared
-
-
-def reference_models(method, policy: nn.Module, ctx, build: ModelFactory
+def reference_models(method, policy: nn.Module, ctx: BuildContext, build: ModelFactory
                      ) -> dict[str, nn.Module]:
     """The models a reference mode keeps next to the policy.
 
@@ -117,7 +111,7 @@ def reference_models(method, policy: nn.Module, ctx, build: ModelFactory
         return {}
     reference = build()
     if build.exact_weights:  # fake weights (an estimate) have no values to compare
-        check_same_weights(policy, reference)
+        check_same_weights(policy, reference, ctx.distributed)
     return {"reference": reference}
 
 
@@ -132,7 +126,7 @@ def reference_forward(method, models: dict[str, nn.Module]) -> Iterator[nn.Modul
             yield m
 
 
-def precompute(method, models: dict[str, nn.Module], ds, ctx,
+def precompute(method, models: dict[str, nn.Module], ds, ctx: BuildContext,
                collate: Callable[[list[dict]], Any],
                run: Callable[[nn.Module, Any, list[dict]], dict[str, list]]):
     """Run the reference once over ``ds`` (in order, ``train.batch_size`` rows at a time, or

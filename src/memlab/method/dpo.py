@@ -37,20 +37,24 @@ completion log-probs).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 import torch
 
 from memlab.data.base import DataError
 from memlab.method import _collate, _layout, _liger, _logps, _reference, _rows
-from memlab.method.base import Batch, DataStats, Offline
-from memlab.packing.groups import GroupPacked
-from memlab.registry import PositiveFloat, PositiveInt, Range, register
+from memlab.method.base import Batch, DataStats, Offline, register
+from memlab.model.base import Head
+from memlab.registry import PositiveFloat, PositiveInt, Range
+
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
+    from memlab.packing.groups import GroupPacked
 
 
-@register("method", "dpo")
+@register("dpo")
 @dataclass(kw_only=True)
-class DPO(Offline, GroupPacked, _liger.LigerKnobs):
+class DPO(Offline, _liger.LigerKnobs):
     """DPO knobs, named as in TRL's DPOConfig where one exists."""
 
     beta: PositiveFloat = 0.1
@@ -77,23 +81,26 @@ class DPO(Offline, GroupPacked, _liger.LigerKnobs):
     """Store each pair's prompt once: chosen and rejected attend to it and to themselves only."""
 
     data_kinds: ClassVar[tuple[str, ...]] = ("preference",)
-    head: ClassVar[str] = "causal_lm"
+    head: ClassVar[Head] = "causal_lm"
     supports_packing: ClassVar[bool] = True
     supports_padding_free: ClassVar[bool] = True
     items_name: ClassVar[str] = "pairs"
 
     # ------------------------------------------------------------------ capabilities
-    def packs_rows(self, ctx) -> bool:
+    def packs_rows(self, ctx: BuildContext) -> bool:
         return self.padding_free or self.share_prompt or ctx.packing.packs
+
+    def as_group_packed(self) -> GroupPacked | None:
+        return self
 
     def unit_pieces(self) -> int:
         return 2
 
-    def reads_head_weight(self) -> bool:
-        return self.liger_loss()
+    def reads_head_weight(self) -> str | None:
+        return _liger.LIGER_LOSS if self.liger_loss() else None
 
     # ------------------------------------------------------------------ validation
-    def validate(self, ctx) -> list[str]:
+    def validate(self, ctx: BuildContext) -> list[str]:
         errors = []
         if self.beta <= 0:
             errors.append(f"method.beta must be > 0 (got {self.beta})")
@@ -109,7 +116,7 @@ class DPO(Offline, GroupPacked, _liger.LigerKnobs):
             errors.append("method.pad_to_multiple_of must be a positive integer or null")
         errors += _reference.reference_errors(self, ctx)
         errors += _layout.layout_errors(self, ctx)
-        errors += self.liger_errors(ctx, "DPO")
+        errors += self.liger_errors(ctx)
         errors += _liger.preference_errors(self, ctx, "DPO")
         if self.liger_loss() and (self.loss_type != "sigmoid" or self.label_smoothing):
             errors.append("Liger's fused linear DPO loss (method.use_liger_kernel=true) "
@@ -119,7 +126,7 @@ class DPO(Offline, GroupPacked, _liger.LigerKnobs):
         return errors
 
     # ------------------------------------------------------------------ data
-    def prepare(self, ds, tokenizer, ctx) -> tuple[Any, DataStats]:
+    def prepare(self, ds, tokenizer, ctx: BuildContext) -> tuple[Any, DataStats]:
         """tokenize + truncate every pair; rows: prompt_ids, chosen_ids, rejected_ids."""
         cols = set(ds.column_names)
         if not {"chosen", "rejected"} <= cols:
@@ -168,7 +175,7 @@ class DPO(Offline, GroupPacked, _liger.LigerKnobs):
                           extra={"empty_completions": int(sum(n_empty))})
         return out, stats
 
-    def unit_sizes(self, ds, ctx) -> tuple[list[int], list[list[int]]]:
+    def unit_sizes(self, ds, ctx: BuildContext) -> tuple[list[int], list[list[int]]]:
         """A pair in one row (the prompt once with ``share_prompt``), and its two sequences."""
         k = 1 if self.share_prompt else 2
         whole, pieces = [], []
@@ -178,7 +185,7 @@ class DPO(Offline, GroupPacked, _liger.LigerKnobs):
         return whole, pieces
 
     # ------------------------------------------------------------------ batches
-    def collate(self, rows: list[dict], tokenizer, ctx) -> Batch:
+    def collate(self, rows: list[dict], tokenizer, ctx: BuildContext) -> Batch:
         return self._collate(rows, tokenizer.pad_token_id)
 
     def _collate(self, rows: list[dict], pad_id: int) -> Batch:
@@ -218,10 +225,10 @@ class DPO(Offline, GroupPacked, _liger.LigerKnobs):
                      meta={"samples": b})
 
     # ------------------------------------------------------------------ models
-    def extra_models(self, policy, ctx, build) -> dict[str, Any]:
+    def extra_models(self, policy, ctx: BuildContext, build) -> dict[str, Any]:
         return _reference.reference_models(self, policy, ctx, build)
 
-    def before_training(self, models, ds, ctx):
+    def before_training(self, models, ds, ctx: BuildContext):
         """reference=precomputed: reference log-probs of every pair, as dataset columns."""
         if self.reference != "precomputed":
             return None
@@ -246,7 +253,7 @@ class DPO(Offline, GroupPacked, _liger.LigerKnobs):
         with _reference.reference_forward(self, models) as ref:
             return _logps.completion_logps(ref, t, n, attention=attention)[0]
 
-    def loss(self, models: dict, batch: Batch, ctx) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, models: dict, batch: Batch, ctx: BuildContext) -> tuple[torch.Tensor, dict[str, float]]:
         from memlab.losses import dpo_loss
 
         if self.liger_loss():

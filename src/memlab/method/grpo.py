@@ -18,18 +18,20 @@ divided by completions x ``max_completion_length``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 import torch
 
 from memlab.losses import token_logps
 from memlab.method import _reference
 from memlab.method._online import Clipped
-from memlab.method.base import IGNORE, Batch, model_inputs
-from memlab.registry import register
+from memlab.method.base import IGNORE, Batch, model_inputs, register
+
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
 
 
-@register("method", "grpo")
+@register("grpo")
 @dataclass(kw_only=True)
 class GRPO(Clipped):
     """GRPO knobs, named as in TRL's GRPOConfig where one exists."""
@@ -46,7 +48,7 @@ class GRPO(Clipped):
     def num_items(self, completion_tokens: int, completions: int) -> int:
         return completion_tokens if self.loss_type == "dapo" else completions
 
-    def loss(self, models: dict, batch: Batch, ctx) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, models: dict, batch: Batch, ctx: BuildContext) -> tuple[torch.Tensor, dict[str, float]]:
         t = batch.tensors
         inputs = model_inputs(t)
         labels = t["labels"][:, :-1]

@@ -31,15 +31,19 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Annotated, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 import torch
 
 from memlab.data.base import DataError
 from memlab.method import _collate, _layout, _liger, _logps, _reference, _rows
-from memlab.method.base import Batch, DataStats, Offline
-from memlab.packing.groups import GroupPacked
-from memlab.registry import NonNegativeFloat, PositiveFloat, PositiveInt, Range, register
+from memlab.method.base import Batch, DataStats, Offline, register
+from memlab.model.base import Head
+from memlab.registry import NonNegativeFloat, PositiveFloat, PositiveInt, Range
+
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
+    from memlab.packing.groups import GroupPacked
 
 
 def mismatched_partners(prompts: list[list[int]]) -> list[int]:
@@ -58,9 +62,9 @@ def mismatched_partners(prompts: list[list[int]]) -> list[int]:
     return out
 
 
-@register("method", "kto")
+@register("kto")
 @dataclass(kw_only=True)
-class KTO(Offline, GroupPacked, _liger.LigerKnobs):
+class KTO(Offline, _liger.LigerKnobs):
     """KTO knobs, named as in TRL's KTOConfig where one exists."""
 
     beta: PositiveFloat = 0.1
@@ -85,23 +89,26 @@ class KTO(Offline, GroupPacked, _liger.LigerKnobs):
     """Paired rows: the pair's prompt stored once for its two examples (and their KL sequences)."""
 
     data_kinds: ClassVar[tuple[str, ...]] = ("preference",)
-    head: ClassVar[str] = "causal_lm"
+    head: ClassVar[Head] = "causal_lm"
     supports_packing: ClassVar[bool] = True
     supports_padding_free: ClassVar[bool] = True
     items_name: ClassVar[str] = "examples"
 
     # ------------------------------------------------------------------ capabilities
-    def packs_rows(self, ctx) -> bool:
+    def packs_rows(self, ctx: BuildContext) -> bool:
         return self.padding_free or self.share_prompt or ctx.packing.packs
+
+    def as_group_packed(self) -> GroupPacked | None:
+        return self
 
     def unit_pieces(self) -> int:
         return 2 if self.share_prompt else 1
 
-    def reads_head_weight(self) -> bool:
-        return self.liger_loss()
+    def reads_head_weight(self) -> str | None:
+        return _liger.LIGER_LOSS if self.liger_loss() else None
 
     # ------------------------------------------------------------------ validation
-    def validate(self, ctx) -> list[str]:
+    def validate(self, ctx: BuildContext) -> list[str]:
         errors = []
         if self.beta <= 0:
             errors.append(f"method.beta must be > 0 (got {self.beta})")
@@ -114,7 +121,7 @@ class KTO(Offline, GroupPacked, _liger.LigerKnobs):
             errors.append("method.pad_to_multiple_of must be a positive integer or null")
         errors += _reference.reference_errors(self, ctx)
         errors += _layout.layout_errors(self, ctx)
-        errors += self.liger_errors(ctx, "KTO")
+        errors += self.liger_errors(ctx)
         errors += _liger.preference_errors(self, ctx, "KTO")
         if self.liger_loss() and (self.desirable_weight != 1 or self.undesirable_weight != 1):
             errors.append("Liger's fused linear KTO loss (method.use_liger_kernel=true) has no "
@@ -124,7 +131,7 @@ class KTO(Offline, GroupPacked, _liger.LigerKnobs):
         return errors
 
     # ------------------------------------------------------------------ data
-    def prepare(self, ds, tokenizer, ctx) -> tuple[Any, DataStats]:
+    def prepare(self, ds, tokenizer, ctx: BuildContext) -> tuple[Any, DataStats]:
         """Rows: prompt_ids, completion_ids, kl_completion_ids, label."""
         cols = set(ds.column_names)
         if {"completion", "label"} <= cols and "prompt" in cols:
@@ -202,7 +209,7 @@ class KTO(Offline, GroupPacked, _liger.LigerKnobs):
                                  "empty_completions": int(sum(n_empty))})
         return out, stats
 
-    def _prepare_pairs(self, ds, tokenizer, ctx, explicit: bool, limits: tuple
+    def _prepare_pairs(self, ds, tokenizer, ctx: BuildContext, explicit: bool, limits: tuple
                        ) -> tuple[Any, DataStats]:
         """``share_prompt``: one row per pair, its two examples in lists: prompt_ids,
         completion_ids [chosen, rejected], label [true, false], kl_completion_ids."""
@@ -260,7 +267,7 @@ class KTO(Offline, GroupPacked, _liger.LigerKnobs):
                                  "empty_completions": int(sum(n_empty))})
         return out, stats
 
-    def unit_sizes(self, ds, ctx) -> tuple[list[int], list[list[int]]]:
+    def unit_sizes(self, ds, ctx: BuildContext) -> tuple[list[int], list[list[int]]]:
         """A unit's tokens in the larger of its main and KL rows: an example (its sequence,
         its KL sequence), or with ``share_prompt`` a pair (the prompt once per row)."""
         whole, pieces = [], []
@@ -276,7 +283,7 @@ class KTO(Offline, GroupPacked, _liger.LigerKnobs):
         return whole, pieces
 
     # ------------------------------------------------------------------ batches
-    def collate(self, rows: list[dict], tokenizer, ctx) -> Batch:
+    def collate(self, rows: list[dict], tokenizer, ctx: BuildContext) -> Batch:
         return self._collate(rows, tokenizer.pad_token_id)
 
     def _collate(self, rows: list[dict], pad_id: int) -> Batch:
@@ -337,10 +344,10 @@ class KTO(Offline, GroupPacked, _liger.LigerKnobs):
                      meta={"samples": n, "kl_tokens": real_kl})
 
     # ------------------------------------------------------------------ models
-    def extra_models(self, policy, ctx, build) -> dict[str, Any]:
+    def extra_models(self, policy, ctx: BuildContext, build) -> dict[str, Any]:
         return _reference.reference_models(self, policy, ctx, build)
 
-    def before_training(self, models, ds, ctx):
+    def before_training(self, models, ds, ctx: BuildContext):
         """reference=precomputed: reference log-probs of each example and of its mismatched
         (KL) sequence, as dataset columns."""
         if self.reference != "precomputed":
@@ -381,7 +388,7 @@ class KTO(Offline, GroupPacked, _liger.LigerKnobs):
                                                 attention=attention)[0]
         return kto_kl_estimate(policy_kl, ref_kl)
 
-    def loss(self, models: dict, batch: Batch, ctx) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, models: dict, batch: Batch, ctx: BuildContext) -> tuple[torch.Tensor, dict[str, float]]:
         from memlab.losses import kto_loss
 
         t, n = batch.tensors, batch.num_items

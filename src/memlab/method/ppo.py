@@ -24,19 +24,22 @@ Runs in one process for now (the value model is not wrapped by DDP / FSDP2).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Any, ClassVar
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 
 import torch
 
 from memlab.losses import token_logps
 from memlab.method import _reference
 from memlab.method._online import Online
-from memlab.method.base import IGNORE, Batch, model_inputs
-from memlab.registry import Fraction, NonNegativeFloat, PositiveFloat, PositiveInt, Range, register
+from memlab.method.base import IGNORE, Batch, model_inputs, register
+from memlab.registry import Fraction, NonNegativeFloat, PositiveFloat, PositiveInt, Range
 from memlab.trainer.routing import base_model, call_inside
 
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
 
-@register("method", "ppo")
+
+@register("ppo")
 @dataclass(kw_only=True)
 class PPO(Online):
     """PPO knobs, named as in TRL's PPOConfig."""
@@ -56,7 +59,7 @@ class PPO(Online):
     min_generations: ClassVar[int] = 1
     trains_extra_models: ClassVar[bool] = True
 
-    def validate(self, ctx) -> list[str]:
+    def validate(self, ctx: BuildContext) -> list[str]:
         errors = super().validate(ctx)
         if self.cliprange <= 0 or self.cliprange_value <= 0:
             errors.append("method.cliprange and method.cliprange_value must be > 0")
@@ -68,7 +71,7 @@ class PPO(Online):
         return errors
 
     # ------------------------------------------------------------------ models
-    def extra_models(self, policy, ctx, build) -> dict[str, Any]:
+    def extra_models(self, policy, ctx: BuildContext, build) -> dict[str, Any]:
         """The reference (frozen copy, or the disabled adapter) and the value model (the model
         group with a one-output head, trainable, no PEFT)."""
         models = _reference.reference_models(self, policy, ctx, build)
@@ -114,7 +117,7 @@ class PPO(Online):
         return completion_tokens
 
     # ------------------------------------------------------------------ loss
-    def loss(self, models: dict, batch: Batch, ctx) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, models: dict, batch: Batch, ctx: BuildContext) -> tuple[torch.Tensor, dict[str, float]]:
         t = batch.tensors
         inputs = model_inputs(t)
         labels = t["labels"][:, :-1]

@@ -32,22 +32,26 @@ stored once; each sequence's rest sees it and itself only. The rewards equal the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 import torch
 from torch import nn
 
 from memlab.data.base import DataError
 from memlab.method import _collate, _layout, _logps, _rows
-from memlab.method.base import Batch, DataStats, Offline, model_inputs
-from memlab.packing.groups import GroupPacked
-from memlab.registry import NonNegativeFloat, PositiveInt, Range, register
+from memlab.method.base import Batch, DataStats, Offline, model_inputs, register
+from memlab.model.base import Head
+from memlab.registry import NonNegativeFloat, PositiveInt, Range
 from memlab.trainer.routing import base_model, call_inside
 
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
+    from memlab.packing.groups import GroupPacked
 
-@register("method", "reward")
+
+@register("reward")
 @dataclass(kw_only=True)
-class Reward(Offline, GroupPacked):
+class Reward(Offline):
     """Reward-model knobs, named as in TRL's RewardConfig where one exists."""
 
     max_length: Annotated[int, Range(ge=2)] | None = 1024
@@ -66,14 +70,17 @@ class Reward(Offline, GroupPacked):
     """Store a pair's common start once: each sequence's rest sees it and itself only."""
 
     data_kinds: ClassVar[tuple[str, ...]] = ("preference",)
-    head: ClassVar[str] = "seq_cls"
+    head: ClassVar[Head] = "seq_cls"
     supports_packing: ClassVar[bool] = True
     supports_padding_free: ClassVar[bool] = True
     items_name: ClassVar[str] = "pairs"
 
     # ------------------------------------------------------------------ capabilities
-    def packs_rows(self, ctx) -> bool:
+    def packs_rows(self, ctx: BuildContext) -> bool:
         return self.padding_free or self.share_prompt or ctx.packing.packs
+
+    def as_group_packed(self) -> GroupPacked | None:
+        return self
 
     def unit_pieces(self) -> int:
         return 2
@@ -84,11 +91,11 @@ class Reward(Offline, GroupPacked):
     def liger_model_kernels(self) -> tuple[str, ...]:
         return ()
 
-    def reads_head_weight(self) -> bool:
-        return False
+    def reads_head_weight(self) -> str | None:
+        return None
 
     # ------------------------------------------------------------------ validation
-    def validate(self, ctx) -> list[str]:
+    def validate(self, ctx: BuildContext) -> list[str]:
         errors = _rows.length_errors(self, ("max_length",))
         if self.center_rewards_coefficient is not None and self.center_rewards_coefficient < 0:
             errors.append("method.center_rewards_coefficient must be >= 0 or null")
@@ -98,7 +105,7 @@ class Reward(Offline, GroupPacked):
         return errors
 
     # ------------------------------------------------------------------ data
-    def prepare(self, ds, tokenizer, ctx) -> tuple[Any, DataStats]:
+    def prepare(self, ds, tokenizer, ctx: BuildContext) -> tuple[Any, DataStats]:
         """Rows: chosen_ids, rejected_ids (whole sequences) [, margin]."""
         cols = set(ds.column_names)
         if not {"chosen", "rejected"} <= cols:
@@ -164,7 +171,7 @@ class Reward(Offline, GroupPacked):
                           extra={"empty_completions": int(sum(n_empty))})
         return out, stats
 
-    def unit_sizes(self, ds, ctx) -> tuple[list[int], list[list[int]]]:
+    def unit_sizes(self, ds, ctx: BuildContext) -> tuple[list[int], list[list[int]]]:
         """A pair in one row (the common start once with ``share_prompt``), and its two
         sequences."""
         whole, pieces = [], []
@@ -174,7 +181,7 @@ class Reward(Offline, GroupPacked):
         return whole, pieces
 
     # ------------------------------------------------------------------ batches
-    def collate(self, rows: list[dict], tokenizer, ctx) -> Batch:
+    def collate(self, rows: list[dict], tokenizer, ctx: BuildContext) -> Batch:
         pad = tokenizer.pad_token_id
         units, rows_of = _layout.units_of(rows)
         if rows_of is not None or self.share_prompt:
@@ -233,10 +240,10 @@ class Reward(Offline, GroupPacked):
         return torch.tensor(out)
 
     # ------------------------------------------------------------------ models
-    def extra_models(self, policy, ctx, build) -> dict[str, Any]:
+    def extra_models(self, policy, ctx: BuildContext, build) -> dict[str, Any]:
         return {}
 
-    def before_training(self, models, ds, ctx):
+    def before_training(self, models, ds, ctx: BuildContext):
         return None
 
     # ------------------------------------------------------------------ loss
@@ -250,7 +257,7 @@ class Reward(Offline, GroupPacked):
                              **_logps.document_inputs(t, "", attention))
         return scores.reshape(-1).float()
 
-    def loss(self, models: dict, batch: Batch, ctx) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, models: dict, batch: Batch, ctx: BuildContext) -> tuple[torch.Tensor, dict[str, float]]:
         from memlab.losses import bradley_terry_loss
 
         b = batch.num_items

@@ -14,17 +14,21 @@ averaged over completions:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from memlab.losses import token_logps
 from memlab.method import _reference
 from memlab.method._online import Clipped
-from memlab.method.base import IGNORE, Batch, model_inputs
-from memlab.registry import NonNegativeFloat, PositiveInt, register
+from memlab.method.base import IGNORE, Batch, model_inputs, register
+from memlab.registry import NonNegativeFloat, PositiveInt
+
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
 
 
-@register("method", "rloo")
+@register("rloo")
 @dataclass(kw_only=True)
 class RLOO(Clipped):
     """RLOO knobs, named as in TRL's RLOOConfig."""
@@ -59,7 +63,7 @@ class RLOO(Clipped):
     def num_items(self, completion_tokens: int, completions: int) -> int:
         return completions
 
-    def loss(self, models: dict, batch: Batch, ctx) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, models: dict, batch: Batch, ctx: BuildContext) -> tuple[torch.Tensor, dict[str, float]]:
         t = batch.tensors
         inputs = model_inputs(t)
         labels = t["labels"][:, :-1]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Annotated, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from memlab.data import chat, text
 from memlab.data.base import DataError, check_text
 from memlab.losses import chunked_linear_cross_entropy
-from memlab.method._liger import LigerKnobs
+from memlab.method._liger import LIGER_LOSS, LigerKnobs
 from memlab.method.base import (
     IGNORE,
     LOSS_INDEX,
@@ -35,13 +35,18 @@ from memlab.method.base import (
     label_positions,
     model_inputs,
     pad_batch,
+    register,
     shifted_labels,
 )
-from memlab.registry import PositiveInt, Range, register
+from memlab.model.base import Head
+from memlab.registry import PositiveInt, Range
 from memlab.trainer.routing import call_inside
 
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
 
-@register("method", "sft")
+
+@register("sft")
 @dataclass(kw_only=True)
 class SFT(Offline, LigerKnobs):
     """SFT knobs, named as in TRL's SFTConfig where one exists."""
@@ -76,28 +81,30 @@ class SFT(Offline, LigerKnobs):
     repeated for it). always: send the mask (TRL's way; what flash / flex attention get under
     auto too, as they unpad)."""
     data_kinds: ClassVar[tuple[str, ...]] = ("chat", "text")
-    head: ClassVar[str] = "causal_lm"
+    head: ClassVar[Head] = "causal_lm"
     supports_packing: ClassVar[bool] = True
     supports_padding_free: ClassVar[bool] = True
     trains_extra_models: ClassVar[bool] = False
     items_name: ClassVar[str] = "loss tokens"
 
     # ------------------------------------------------------------------ capabilities
-    def flat(self, ctx) -> bool:
+    def flat(self, ctx: BuildContext) -> bool:
         """Whether batches are collated padding-free."""
         if self.padding_free is None:
             return ctx.packing.packs
         return self.padding_free
 
-    def packs_rows(self, ctx) -> bool:
+    def packs_rows(self, ctx: BuildContext) -> bool:
         return self.flat(ctx) or ctx.packing.packs
 
-    def reads_head_weight(self) -> bool:
-        return self.liger_loss() or self.loss_impl == "chunked"
+    def reads_head_weight(self) -> str | None:
+        if self.liger_loss():
+            return LIGER_LOSS
+        return "method.loss_impl=chunked" if self.loss_impl == "chunked" else None
 
     # ------------------------------------------------------------------ validation
 
-    def validate(self, ctx) -> list[str]:
+    def validate(self, ctx: BuildContext) -> list[str]:
         errors = []
         if self.max_length is not None and self.max_length < 2:
             errors.append(f"method.max_length must be >= 2 or null (got {self.max_length})")
@@ -108,21 +115,13 @@ class SFT(Offline, LigerKnobs):
             )
         if self.pad_to_multiple_of is not None and self.pad_to_multiple_of <= 0:
             errors.append("method.pad_to_multiple_of must be a positive integer or null")
-        errors += self.liger_errors(ctx, "cross-entropy")
-        if self.loss_impl == "chunked":
-            if self.chunk_size <= 0:
-                errors.append("method.chunk_size must be positive")
-            targets = getattr(ctx.peft, "target_modules", None)
-            if isinstance(targets, list) and "lm_head" in targets:
-                errors.append(
-                    "method.loss_impl=chunked reads the output head's weight directly; it cannot "
-                    "train a LoRA adapter on lm_head: drop lm_head from peft.target_modules or "
-                    "use method.loss_impl=standard"
-                )
+        errors += self.liger_errors(ctx)
+        if self.loss_impl == "chunked" and self.chunk_size <= 0:
+            errors.append("method.chunk_size must be positive")
         return errors
 
     # ------------------------------------------------------------------ data
-    def prepare(self, ds, tokenizer, ctx) -> tuple[Any, DataStats]:
+    def prepare(self, ds, tokenizer, ctx: BuildContext) -> tuple[Any, DataStats]:
         """format + tokenize + truncate + shifted labels, as one batched ``datasets.map``."""
         cols = set(ds.column_names)
         if "messages" in cols:
@@ -203,7 +202,7 @@ class SFT(Offline, LigerKnobs):
         return full, mask
 
     # ------------------------------------------------------------------ batches
-    def collate(self, rows: list[dict], tokenizer, ctx) -> Batch:
+    def collate(self, rows: list[dict], tokenizer, ctx: BuildContext) -> Batch:
         columns = {"input_ids": tokenizer.pad_token_id, "labels": IGNORE}
         if self.flat(ctx):
             t, real, total = flatten_batch(rows, tokenizer.pad_token_id, self.pad_to_multiple_of,
@@ -227,12 +226,12 @@ class SFT(Offline, LigerKnobs):
         return Batch(t, num_items=n_items, real_tokens=real, total_tokens=total, size_key=key,
                      meta={"samples": len(rows)})
 
-    def causal_padding(self, ctx) -> bool:
+    def causal_padding(self, ctx: BuildContext) -> bool:
         """Whether padded rows go without their attention mask (``padding_mask``)."""
         return self.padding_mask == "auto" and not ctx.attention.skips_padding
 
     # ------------------------------------------------------------------ model
-    def loss(self, models: dict, batch: Batch, ctx) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, models: dict, batch: Batch, ctx: BuildContext) -> tuple[torch.Tensor, dict[str, float]]:
         model = models["policy"]
         t = batch.tensors
         inputs = model_inputs(t)
@@ -240,7 +239,7 @@ class SFT(Offline, LigerKnobs):
         labels = t["labels"].reshape(-1)
         if index is not None:
             labels = labels.index_select(0, index)
-        if self.reads_head_weight():
+        if self.reads_head_weight() is not None:
             # decoder + head + loss in one call inside the wrapper's forward: under FSDP2 the
             # head's weight is gathered only there
             loss_sum = call_inside(model, self._fused_head_loss, labels, index, **inputs)

@@ -8,11 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from memlab.packing.base import Packing
-from memlab.registry import register
+from memlab.packing.base import Packing, register
 
 
-@register("packing", "wrapped")
+@register("wrapped")
 @dataclass(kw_only=True)
 class Wrapped(Packing):
     """No knobs; the row capacity is method.max_length."""

@@ -3,27 +3,41 @@ adapters applied to the loaded model, and what it declares."""
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
 from torch import nn
 
+from memlab import registry
+from memlab.registry import Option
 
-class Peft(Protocol):
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
+    from memlab.model.base import Head
+
+
+class Peft(Option, Protocol):
     """A ``peft=`` option."""
 
     quantizes_base: ClassVar[bool]
     """The frozen base is stored quantized (it cannot be merged with the adapters)."""
 
-    def validate(self, ctx) -> list[str]: ...
-
-    def load_kwargs(self, ctx) -> dict[str, Any]:
+    def load_kwargs(self, ctx: BuildContext) -> dict[str, Any]:
         """Extra ``from_pretrained`` arguments (qlora: the bitsandbytes config)."""
         ...
 
-    def apply(self, model: nn.Module, ctx, task: str) -> nn.Module:
+    def apply(self, model: nn.Module, ctx: BuildContext, task: Head) -> nn.Module:
         """The model with adapters (the model itself for full fine-tuning)."""
         ...
 
     def has_adapter(self) -> bool:
         """Whether the trained parameters are adapters (the base can be switched off)."""
         ...
+
+
+_P = TypeVar("_P", bound=Peft)
+
+
+def register(name: str) -> Callable[[type[_P]], type[_P]]:
+    """Register a ``peft=`` option (mypy checks it against :class:`Peft`)."""
+    return registry.register("peft", name)

@@ -7,15 +7,18 @@ training layout (:func:`memlab.measure.patches.keep_4bit_training_layout`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from torch import nn
 
+from memlab.peft.base import register
 from memlab.peft.lora import Lora
-from memlab.registry import register
+
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
 
 
-@register("peft", "qlora")
+@register("qlora")
 @dataclass(kw_only=True)
 class QLora(Lora):
     """LoRA knobs plus the quantization of the frozen base."""
@@ -34,7 +37,7 @@ class QLora(Lora):
     float32 on a CPU without fast bf16."""
     extra: dict[str, Any] = field(default_factory=dict)
 
-    def validate(self, ctx) -> list[str]:
+    def validate(self, ctx: BuildContext) -> list[str]:
         errors = super().validate(ctx)
         if ctx.is_cuda:
             err = ctx.platform.missing("bitsandbytes", "peft=qlora")
@@ -48,7 +51,7 @@ class QLora(Lora):
             errors.append(err)
         return errors
 
-    def load_kwargs(self, ctx) -> dict[str, Any]:
+    def load_kwargs(self, ctx: BuildContext) -> dict[str, Any]:
         import torch
         from transformers import BitsAndBytesConfig
 
@@ -66,7 +69,7 @@ class QLora(Lora):
             kw["device_map"] = {"": "cpu"}  # bitsandbytes' CPU layers (CUDA: the current device)
         return kw
 
-    def apply(self, model: nn.Module, ctx, task: str) -> nn.Module:
+    def apply(self, model: nn.Module, ctx: BuildContext, task: str) -> nn.Module:
         from peft import prepare_model_for_kbit_training
 
         from memlab.measure.patches import keep_4bit_training_layout

@@ -15,10 +15,10 @@ needs, written without pickles and read without running code.
   pickle, so every file is first opened with ``torch.load(weights_only=True)`` (DeepSpeed's two
   plain-data classes allowed): a file that would run code is refused before DeepSpeed sees it.
 
-Three kinds of state, by what the distributed option declares (``checkpoint_format``):
+Three kinds of state, by what the distributed option declares (:func:`state_format`):
 ``torch`` (one replica's state: single process, DDP), ``by_name`` (gathered from FSDP2's shards
-by parameter name: a collective, written by rank 0, re-sharded on load), ``native`` (DeepSpeed's
-shards). A checkpoint is written to a temporary directory and renamed when complete.
+by parameter name, ``as_gathered_states()``: a collective, written by rank 0, re-sharded on
+load), ``native`` (DeepSpeed's shards, ``as_native_states()``). A checkpoint is written to a temporary directory and renamed when complete.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
@@ -39,6 +39,11 @@ from torch import nn
 from memlab.registry import ConfigErrors
 from memlab.trainer import config_record, export
 from memlab.trainer.routing import unwrap
+
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
+    from memlab.distributed.base import Distributed
+    from memlab.trainer.loop import Trainer
 
 KINDS = {"torch": "a replicated run (single or ddp)", "by_name": "a sharded run (distributed=fsdp2)",
          "native": "distributed=deepspeed"}
@@ -54,6 +59,18 @@ DEEPSPEED_SAFE_GLOBALS = ("deepspeed.runtime.fp16.loss_scaler.LossScaler",
                           "deepspeed.utils.tensor_fragment.fragment_address")
 """Plain-data classes DeepSpeed pickles into its checkpoints (allowed when its files are
 checked with ``weights_only=True``)."""
+
+
+StateFormat = Literal["torch", "by_name", "native"]
+
+
+def state_format(dist: Distributed) -> StateFormat:
+    """How the run's distributed option checkpoints its training state (module docstring)."""
+    if dist.as_native_states() is not None:
+        return "native"
+    if dist.as_gathered_states() is not None:
+        return "by_name"
+    return "torch"
 
 
 class CheckpointError(RuntimeError):
@@ -196,26 +213,28 @@ def read_weights(path: Path | str) -> dict[str, torch.Tensor]:
 
 
 # ------------------------------------------------------------------------------- saving
-def save(trainer: Any) -> Path:
+def save(trainer: Trainer) -> Path:
     """Write ``run_dir/checkpoints/step_<n>`` (atomically: a temp dir renamed); every rank calls
     it (gathering may be a collective), rank 0 writes the files."""
     ctx, dist = trainer.ctx, trainer.dist
     root = Path(ctx.run_dir) / "checkpoints"
     final = root / f"step_{trainer.step_idx:06d}"
     tmp = root / f".tmp_step_{trainer.step_idx:06d}"
-    fmt = dist.checkpoint_format
-    weights = optim = None
-    if fmt == "native":  # every rank writes its own shards, then meets
+    fmt = state_format(dist)
+    native, gathered = dist.as_native_states(), dist.as_gathered_states()
+    weights: dict[str, torch.Tensor] | None = None
+    optim: dict[str, Any] | None = None
+    if native is not None:  # every rank writes its own shards, then meets
         if ctx.rank == 0 and tmp.exists():
             shutil.rmtree(tmp)
         if ctx.world_size > 1:
             torch.distributed.barrier()
-        dist.save_states(trainer.policy, tmp)
-        weights = dist.full_weights(trainer.policy)
+        native.save_states(trainer.policy, tmp)
+        weights = native.full_weights(trainer.policy)
         if ctx.world_size > 1:
             torch.distributed.barrier()
-    elif fmt == "by_name":  # gathered by every rank (a collective), written by rank 0
-        weights, optim = dist.full_state(trainer.policy, trainer.opt)
+    elif gathered is not None:  # gathered by every rank (a collective), written by rank 0
+        weights, optim = gathered.full_state(trainer.policy, trainer.opt)
     if ctx.rank != 0:
         return final
     if fmt != "native" and tmp.exists():
@@ -297,7 +316,7 @@ def _format_problem(path: Path, state: dict[str, Any], want: str) -> str | None:
             f"kind of setup (this run is {KINDS.get(want, want)})")
 
 
-def search_roots(ctx, roots: list[Path] | None) -> list[Path]:
+def search_roots(ctx: BuildContext, roots: list[Path] | None) -> list[Path]:
     """Where ``resume_from=latest`` looks: ``train.resume_root``, else ``roots`` (the caller's
     outputs tree), else the run dir's parent."""
     if ctx.train.resume_root:
@@ -325,7 +344,7 @@ def find(roots: list[Path]) -> list[tuple[Path, dict[str, Any]]]:
     return out
 
 
-def plan_resume(ctx, roots: list[Path] | None = None) -> ResumePlan | None:
+def plan_resume(ctx: BuildContext, roots: list[Path] | None = None) -> ResumePlan | None:
     """Check ``train.resume_from`` against the checkpoint before anything loads: the
     checkpoint exists and is memlab's, its kind of state suits this run, and its configuration
     differs from this run's only in the settings ``train.resume_allow`` names. ``latest``: the
@@ -337,7 +356,7 @@ def plan_resume(ctx, roots: list[Path] | None = None) -> ResumePlan | None:
     allow = list(ctx.train.resume_allow)
     new = config_record.record(ctx)
     base = config_record.defaults(ctx)
-    want = ctx.distributed.checkpoint_format
+    want = state_format(ctx.distributed)
 
     def refused(state: dict[str, Any]) -> list[config_record.Difference]:
         diffs = config_record.differences(state.get("config") or {}, new, base)
@@ -436,25 +455,25 @@ def _apply_hyperparameters(trainer: Any) -> None:
     sched._last_lr = [g["lr"] for g in opt.param_groups]
 
 
-def load(trainer: Any, path: Path) -> None:
+def load(trainer: Trainer, path: Path) -> None:
     """Restore ``trainer`` from checkpoint dir ``path`` (written by :func:`save`). Reads JSON
     and safetensors only (DeepSpeed's shards after :func:`check_pickles`)."""
     path = Path(path)
     dist = trainer.dist
     state = read_state(path)
-    problem = _format_problem(path, state, dist.checkpoint_format)
+    problem = _format_problem(path, state, state_format(dist))
     if problem:
         raise CheckpointError(problem)
-    fmt = state["optimizer_format"]
+    native, gathered = dist.as_native_states(), dist.as_gathered_states()
     optim = None
-    if fmt != "native":
+    if native is None:
         opt_tensors = _load_tensors(path / OPTIMIZER)
         optim = from_tree(state["optimizer"], opt_tensors)
-    if fmt == "native":
+    if native is not None:
         check_pickles(path / "deepspeed")
-        dist.load_states(trainer.policy, path)
-    elif fmt == "by_name":
-        dist.load_full_state(trainer.policy, trainer.opt, read_weights(path), optim)
+        native.load_states(trainer.policy, path)
+    elif gathered is not None:
+        gathered.load_full_state(trainer.policy, trainer.opt, read_weights(path), optim)
     else:
         weights = read_weights(path)
         named = named_trainable(trainer.models)

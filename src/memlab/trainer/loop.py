@@ -7,10 +7,11 @@ first so that (a) the loss is divided by the number of loss items of the *whole*
 1x8 and 8x1 give the same gradient) and (b) the probe knows the step's batch shapes before it
 decides whether to run the step under the memory tracker.
 
-The loop talks to the run's options through what they declare: the method (``loss``,
-``generates()``; an online method's ``rollout`` and ``num_iterations``), the distributed
-option (``sync``, ``all_reduce_sum``, ``memory_roles``; with ``owns_step`` its ``optimizer`` /
-``backward`` / ``step``), the precision (autocast, loss scaler) and the offload handle. What
+The loop talks to the run's options through what they declare: the method (``loss``; an
+online method, ``as_generating()``, its ``rollout`` and ``num_iterations``), the distributed
+option (``sync``, ``all_reduce_sum``, ``memory_roles``; a wrapper that owns the step,
+``as_step_owner()``, its ``optimizer`` / ``backward`` / ``step``), the precision (autocast,
+loss scaler) and the offload handle. What
 differs between a real run and ``memlab estimate`` comes in as :class:`LoopOptions`.
 """
 
@@ -22,7 +23,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -34,6 +35,13 @@ from memlab.measure.profile import phase_label, profiled
 from memlab.trainer import checkpoint
 from memlab.trainer.batch import Batch, BatchStream
 from memlab.trainer.optim import build_optimizer, build_scheduler
+
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
+    from memlab.generation.base import GenerationEnv
+    from memlab.logger.base import LoggerRun
+    from memlab.method.base import Method
+    from memlab.offload.base import OffloadHandle
 
 
 def _scalar(x: Any) -> float:
@@ -109,16 +117,24 @@ class Trainer:
     ``offload``: the offload option's handle (None: nothing offloaded); ``generation``: the
     run's generation environment (engine, random draws) for online methods."""
 
-    def __init__(self, ctx, method, models: dict[str, nn.Module], stream: BatchStream | None,
-                 *, logger=None, offload=None, generation=None,
+    def __init__(self, ctx: BuildContext, method: Method, models: dict[str, nn.Module],
+                 stream: BatchStream | None, *, logger: LoggerRun | None = None,
+                 offload: OffloadHandle | None = None, generation: GenerationEnv | None = None,
                  options: LoopOptions | None = None):
         options = options or LoopOptions()
         self.ctx, self.method, self.models, self.stream = ctx, method, models, stream
         self.logger = logger
         self.offload = offload
         self.generation = generation
+        self.online = method.as_generating()
+        """The method as an online one (None: it trains on its dataset)."""
+        if self.online is not None and generation is None:
+            raise ValueError(f"method={method.name} samples its batches: the trainer needs a "
+                             "generation environment")
         self.policy = models["policy"]
         self.dist = ctx.distributed
+        self.step_owner = self.dist.as_step_owner()
+        """The wrapper that owns backward and the optimizer step (None: the trainer does)."""
         # the policy's trainable parameters, then any other model's (a PPO value model)
         seen: set[int] = set()
         self.params = []
@@ -129,11 +145,12 @@ class Trainer:
                     self.params.append(p)
         if not any(p.requires_grad for p in self.policy.parameters()):
             raise ValueError("the policy has no trainable parameters")
-        if self.dist.owns_step:
+        self.scaler: torch.amp.GradScaler | None = None
+        self.opt: torch.optim.Optimizer
+        if self.step_owner is not None:
             # a wrapper that owns backward and the optimizer step (DeepSpeed's engine) built
             # the optimizer; memlab's schedule drives the torch optimizer inside it
-            self.opt = self.dist.optimizer(self.policy)
-            self.scaler = None
+            self.opt = self.step_owner.optimizer(self.policy)
         else:
             self.opt = build_optimizer(self.params, ctx.train, foreach=options.foreach)
             self.scaler = ctx.precision.grad_scaler(ctx.device) if options.grad_scaler else None
@@ -178,12 +195,14 @@ class Trainer:
         loss_total = 0.0
         sync_s = None
         with self.probe.step(self.step_idx, tracked, inputs):
-            if self.method.generates() and not reuse:  # online: generate the training batches
+            if self.online is not None and not reuse:  # generate the training batches
+                online, env = self.online, self.generation
+                assert env is not None  # checked when the trainer was built
                 with self._phase("generate"):
                     with self.dist.generation(self.policy):  # ZeRO-3 / FSDP2: whole weights
-                        sync_s = self.generation.sync(self.policy)
+                        sync_s = env.sync(self.policy)
                     with ctx.precision.autocast(device):
-                        batches[:] = [self.method.rollout(self.models, b, ctx, self.generation)
+                        batches[:] = [online.rollout(self.models, b, ctx, env)
                                       for b in batches]
                 self._rollouts = list(batches)
             total_items = sum(b.num_items for b in batches)
@@ -199,8 +218,8 @@ class Trainer:
                             loss_sum, metrics = self.method.loss(self.models, b, ctx)
                         loss = loss_sum * scale
                     with self._phase("backward"):
-                        if self.dist.owns_step:
-                            self.dist.backward(self.policy, loss)
+                        if self.step_owner is not None:
+                            self.step_owner.backward(self.policy, loss)
                         else:
                             (self.scaler.scale(loss) if self.scaler else loss).backward()
                 del loss_sum
@@ -232,8 +251,8 @@ class Trainer:
         """Unscale, clip, step, schedule, zero the gradients; the gradient norm before clipping
         (None without ``train.max_grad_norm``)."""
         max_norm = self.ctx.train.max_grad_norm
-        if self.dist.owns_step:  # the engine reduces at the boundary, clips, steps, zeroes
-            norm = self.dist.step(self.policy)
+        if self.step_owner is not None:  # it reduces at the boundary, clips, steps, zeroes
+            norm = self.step_owner.step(self.policy)
             self.sched.step()
             return None if max_norm is None else norm
         if self.scaler:
@@ -279,7 +298,7 @@ class Trainer:
             with self.dist.generation(self.policy):
                 self.generation.start(self.policy, self.probe.untracked)
         bar = self._progress()
-        every = self.method.num_iterations if self.method.generates() else 1
+        every = self.online.num_iterations if self.online is not None else 1
         self._rollouts = None
         while self.step_idx < ctx.train.steps:
             # online methods with num_iterations > 1 generate on every num_iterations-th step

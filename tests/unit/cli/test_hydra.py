@@ -24,7 +24,7 @@ def _plain(cfg):
 
 @pytest.mark.parametrize(("method", "data"), list(itertools.product(METHODS, DATA)))
 def test_debug_smoke_composes_with_every_method_and_data_source(method, data, tmp_path):
-    from memlab.run import validate
+    from memlab.context import validate
 
     assert len(METHODS) >= 9 and DATA == ["embedded", "hub", "local", "mixture"]
     rows = tmp_path / "rows.jsonl"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from memlab import _guards
+from memlab.context import validate
 from memlab.registry import GROUPS, ConfigErrors, build, options
-from memlab.run import validate
 from memlab_testing import CONF, FAST, SWEEPS, compose
 
 GPU_ONLY = {

@@ -22,7 +22,7 @@ from wandb_offline import read_run, run_file  # noqa: E402
 def _ctx(run_dir: Path, overrides: list[str]):
     from omegaconf import OmegaConf, open_dict
 
-    from memlab.run import validate
+    from memlab.context import validate
 
     cfg = compose([*FAST, "logger=wandb", *overrides])
     choices = choices_of(cfg)

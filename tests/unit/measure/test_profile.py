@@ -89,8 +89,8 @@ def test_an_unprofilable_step_is_refused_with_its_fix():
 def test_validation_reports_it_with_the_other_problems():
     from omegaconf import OmegaConf, open_dict
 
+    from memlab.context import validate
     from memlab.registry import ConfigErrors
-    from memlab.run import validate
     from memlab_testing import compose
 
     cfg = compose(["train.device=cpu", "train.steps=3", "measure.profile_step=5",

@@ -266,7 +266,7 @@ def closest(cands: list[Candidate], budget: int, margin: float,
     out = []
     for c in ok[:k]:
         need, cats = c.estimate["needed_bytes"], c.estimate.get("by_category") or {}
-        top = max(cats, key=cats.get) if cats else "?"
+        top = max(cats, key=cats.__getitem__) if cats else "?"
         advice = {
             "activations": "shorter sequences (method.max_length) or a smaller effective "
                            "batch; with --allow sharding the activations stay, the rest shrinks",

@@ -59,7 +59,8 @@ def user_keys(overrides: Iterable[str]) -> set[str]:
 def _divisors_desc(n: int, most: int = 3) -> list[int]:
     """The micro-batch sizes tried for an effective batch ``n``: ``n``, ``n/2``, ``n/4``, ...
     and always 1 (the least memory), at most ``most`` of them."""
-    out, b = [], n
+    out: list[int] = []
+    b = n
     while b >= 1 and len(out) < most:
         if n % b == 0:
             out.append(b)

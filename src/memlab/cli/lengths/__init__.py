@@ -10,7 +10,7 @@ Usage::
 
 Options (``--...``) are this command's; the rest is a run's command line: every ``key=value`` is
 a Hydra override, ``-m`` sweeps with Hydra's sweeper and Hydra's flags work. The config is
-composed over memlab's configs and validated with :func:`memlab.run.validate`; then the tokenizer and the data are loaded (never a model) and the
+composed over memlab's configs and validated with :func:`memlab.context.validate`; then the tokenizer and the data are loaded (never a model) and the
 rows are tokenized by the method's own ``prepare`` with every ``max_*length`` knob set to None,
 so the lengths are exactly what training would see before truncation (chat template, EOS and
 all). Preference-style prepared datasets (``prompt_/chosen_/rejected_/completion_`` id columns)
@@ -159,9 +159,9 @@ def _job(cfg, args: argparse.Namespace) -> int:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
 
+    from memlab.context import validate
     from memlab.measure.summary import user_choices
     from memlab.registry import ConfigErrors
-    from memlab.run import validate
 
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
