@@ -142,9 +142,11 @@ class Vllm(Option):
                           "generation=hf")
         if not 0 < self.port < 65536:
             errors.append(f"generation.port must be in 1..65535 (got {self.port})")
-        for knob in ("server_timeout_s", "request_timeout_s", "importance_sampling_cap"):
-            if getattr(self, knob) <= 0:
-                errors.append(f"generation.{knob} must be > 0 (got {getattr(self, knob)})")
+        for knob, value in (("server_timeout_s", self.server_timeout_s),
+                            ("request_timeout_s", self.request_timeout_s),
+                            ("importance_sampling_cap", self.importance_sampling_cap)):
+            if value <= 0:
+                errors.append(f"generation.{knob} must be > 0 (got {value})")
         if self.weight_chunk_mib < 1:
             errors.append(f"generation.weight_chunk_mib must be >= 1 (got "
                           f"{self.weight_chunk_mib})")

@@ -94,7 +94,8 @@ class Online(Option):
 
     # ------------------------------------------------------------------ validation
     def validate(self, ctx: BuildContext) -> list[str]:
-        errors = _rows.length_errors(self, ["max_prompt_length", "max_completion_length"])
+        errors = _rows.length_errors({"max_prompt_length": self.max_prompt_length,
+                                      "max_completion_length": self.max_completion_length})
         if self.num_generations < self.min_generations:
             errors.append(f"method.num_generations must be >= {self.min_generations}: the "
                           f"advantage compares completions of the same prompt (got "

@@ -32,18 +32,18 @@ Not an option of its own (the registry skips modules whose name starts with ``_`
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from memlab.data import chat, text
 from memlab.data.base import DataError, check_messages, check_text
 
 
-def length_errors(method, names: Sequence[str]) -> list[str]:
-    """Each named limit must be null or positive (>= 2 for max_length)."""
+def length_errors(limits: Mapping[str, int | None]) -> list[str]:
+    """Each length limit (``method.<name>``: its value) must be null or positive (>= 2 for
+    max_length)."""
     errors = []
-    for name in names:
-        value = getattr(method, name)
+    for name, value in limits.items():
         low = 2 if name == "max_length" else 1
         if value is not None and value < low:
             errors.append(f"method.{name} must be >= {low} or null (got {value})")

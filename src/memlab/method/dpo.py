@@ -110,8 +110,9 @@ class DPO(Offline, _liger.LigerKnobs):
         if self.label_smoothing and self.loss_type != "sigmoid":
             errors.append(f"method.label_smoothing applies to loss_type=sigmoid only, not "
                           f"{self.loss_type}; set method.label_smoothing=0")
-        errors += _rows.length_errors(self, ("max_length", "max_prompt_length",
-                                         "max_completion_length"))
+        errors += _rows.length_errors({"max_length": self.max_length,
+                                       "max_prompt_length": self.max_prompt_length,
+                                       "max_completion_length": self.max_completion_length})
         if self.pad_to_multiple_of is not None and self.pad_to_multiple_of <= 0:
             errors.append("method.pad_to_multiple_of must be a positive integer or null")
         errors += _reference.reference_errors(self, ctx)

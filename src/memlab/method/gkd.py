@@ -106,7 +106,9 @@ class GKD(Option):
 
     # ------------------------------------------------------------------ validation
     def validate(self, ctx: BuildContext) -> list[str]:
-        errors = _rows.length_errors(self, ["max_length", "max_prompt_length", "max_new_tokens"])
+        errors = _rows.length_errors({"max_length": self.max_length,
+                                      "max_prompt_length": self.max_prompt_length,
+                                      "max_new_tokens": self.max_new_tokens})
         if not 0 <= self.lmbda <= 1:
             errors.append(f"method.lmbda must be in [0, 1] (got {self.lmbda})")
         if not 0 <= self.beta <= 1:

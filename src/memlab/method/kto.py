@@ -112,11 +112,13 @@ class KTO(Offline, _liger.LigerKnobs):
         errors = []
         if self.beta <= 0:
             errors.append(f"method.beta must be > 0 (got {self.beta})")
-        for name in ("desirable_weight", "undesirable_weight"):
-            if getattr(self, name) < 0:
-                errors.append(f"method.{name} must be >= 0 (got {getattr(self, name)})")
-        errors += _rows.length_errors(self, ("max_length", "max_prompt_length",
-                                         "max_completion_length"))
+        for name, weight in (("desirable_weight", self.desirable_weight),
+                             ("undesirable_weight", self.undesirable_weight)):
+            if weight < 0:
+                errors.append(f"method.{name} must be >= 0 (got {weight})")
+        errors += _rows.length_errors({"max_length": self.max_length,
+                                       "max_prompt_length": self.max_prompt_length,
+                                       "max_completion_length": self.max_completion_length})
         if self.pad_to_multiple_of is not None and self.pad_to_multiple_of <= 0:
             errors.append("method.pad_to_multiple_of must be a positive integer or null")
         errors += _reference.reference_errors(self, ctx)

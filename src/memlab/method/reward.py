@@ -96,7 +96,7 @@ class Reward(Offline):
 
     # ------------------------------------------------------------------ validation
     def validate(self, ctx: BuildContext) -> list[str]:
-        errors = _rows.length_errors(self, ("max_length",))
+        errors = _rows.length_errors({"max_length": self.max_length})
         if self.center_rewards_coefficient is not None and self.center_rewards_coefficient < 0:
             errors.append("method.center_rewards_coefficient must be >= 0 or null")
         if self.pad_to_multiple_of is not None and self.pad_to_multiple_of <= 0:
