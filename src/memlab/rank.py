@@ -16,7 +16,8 @@ from pathlib import Path
 from memlab.context import validate
 from memlab.distributed.base import env_rank
 from memlab.measure.outcome import Interrupted
-from memlab.run import base_summary, execute, exit_code, guarded
+from memlab.record import exit_code, guarded
+from memlab.run import base_summary, execute
 
 
 def worker(run_dir: Path) -> int:

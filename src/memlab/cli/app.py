@@ -21,7 +21,7 @@ from typing import Any
 import hydra
 
 from memlab.cli.compose import conf_dir
-from memlab.run import hydra_task
+from memlab.hydra_task import hydra_task
 
 CONFIG_PATH = str(conf_dir())
 """Where Hydra finds memlab's primary config (``config.yaml``) and its groups (an absolute dir:

@@ -20,7 +20,7 @@ run itself is stopped (SIGINT / SIGTERM), its ranks are stopped too and record `
 with what they measured, which is merged before the run records its own end.
 
 Under an external launcher (``torchrun``) every process is a rank already
-(:mod:`memlab.torchrun`); :func:`merge` combines their records the same way.
+(:func:`memlab.torchrun.run_rank`); :func:`merge` combines their records the same way.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 Layers, top to bottom (DESIGN.md; issue 13):
 
-    0  entry points: memlab.__main__, memlab.cli.*, memlab.rank
-    1  memlab.run, memlab.estimate.*        (one job / one estimate)
+    0  entry points: memlab.__main__, memlab.cli.*, the launch modes (memlab.hydra_task,
+       memlab.rank, memlab.torchrun)
+    1  memlab.run, memlab.record, memlab.estimate.*   (one job and its record / one estimate)
     2  memlab.pipeline                      (the one assembly)
     3  memlab.context                       (the typed context and validate)
     4  technique packages: method, generation, packing, attention, precision, offload, peft,
@@ -38,9 +39,9 @@ def layer(module: str) -> int:
     """The layer of a memlab module name (``memlab.x.y``)."""
     parts = module.split(".")
     top = parts[1] if len(parts) > 1 else ""
-    if top in ("__main__", "cli", "rank"):
+    if top in ("__main__", "cli", "hydra_task", "rank", "torchrun"):
         return 0
-    if top in ("run", "estimate"):
+    if top in ("run", "record", "estimate"):
         return 1
     if top == "pipeline":
         return 2
