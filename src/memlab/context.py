@@ -85,7 +85,10 @@ def plain_config(cfg: Any) -> dict[str, Any]:
     from omegaconf import DictConfig, OmegaConf
 
     if isinstance(cfg, DictConfig):
-        return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+        data = OmegaConf.to_container(cfg, resolve=True)
+        if not isinstance(data, dict):
+            raise TypeError(f"a config is a mapping, not {type(data).__name__}")
+        return {str(k): v for k, v in data.items()}
     return dict(cfg)
 
 

@@ -57,6 +57,7 @@ from memlab.trainer.routing import base_model
 
 if TYPE_CHECKING:
     from memlab.context import BuildContext
+    from memlab.model.base import Head
 
 
 @dataclass(frozen=True)
@@ -193,7 +194,7 @@ class Loader:
         self.ctx, self.tok, self.seams = ctx, tokenizer, seams
         self.exact_weights = seams.exact_weights
 
-    def model(self, ctx: BuildContext, *, trainable: bool = True, head: str | None = None,
+    def model(self, ctx: BuildContext, *, trainable: bool = True, head: Head | None = None,
               peft: bool = True) -> nn.Module:
         """Model with attention + dtype at load, then PEFT (``peft``) and checkpointing when
         trainable. ``head`` defaults to the method's."""
@@ -202,7 +203,7 @@ class Loader:
             model = self._build(ctx, head, trainable, peft)
         return self.seams.place_model(model) if self.seams.place_model else model
 
-    def _build(self, ctx: BuildContext, head: str, trainable: bool, peft: bool) -> nn.Module:
+    def _build(self, ctx: BuildContext, head: Head, trainable: bool, peft: bool) -> nn.Module:
         extra = ctx.peft.load_kwargs(ctx) if peft else {}
         if self.seams.load_model is not None:
             model = self.seams.load_model(ctx, self.tok, head, extra)
@@ -220,7 +221,7 @@ class Loader:
             enable_checkpointing(model, ctx.train.checkpoint_every)
         return model
 
-    def __call__(self, overrides: dict[str, Any] | None = None, *, head: str | None = None,
+    def __call__(self, overrides: dict[str, Any] | None = None, *, head: Head | None = None,
                  trainable: bool = False) -> nn.Module:
         """An extra model: the run's model (or the model group with ``overrides``), frozen
         (reference, teacher) or ``trainable`` without PEFT (a PPO value model)."""

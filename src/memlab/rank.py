@@ -50,7 +50,8 @@ def main() -> int:
     to this rank's ``TORCHELASTIC_ERROR_FILE`` (torch's ``record``) as well as to stderr."""
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    return record(worker)(Path(sys.argv[1]))
+    code = record(worker)(Path(sys.argv[1]))
+    return 1 if code is None else code  # (record re-raises what escapes; None: it did not)
 
 
 if __name__ == "__main__":

@@ -220,11 +220,11 @@ def _make_mask(kind: str):
 
     base = sdpa_mask if kind == "sdpa" else eager_mask
 
-    def mask(*args, attention_mask=None, **kwargs):
+    def mask(*args: Any, **kwargs: Any) -> Any:
         # No padding mask: causal and per-document structure is handled by the attention itself.
-        if attention_mask is None:
+        if kwargs.get("attention_mask") is None:
             return None
-        return base(*args, attention_mask=attention_mask, **kwargs)
+        return base(*args, **kwargs)
 
     return mask
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, cast
 
 from memlab import registry
 from memlab.registry import Option
@@ -55,6 +55,11 @@ class DataSource(Option, Protocol):
         file and line, a hub dataset's row."""
         ...
 
+    def place(self, index: int) -> str:
+        """Where row ``index`` of the data as read (before any sample or shuffle) comes
+        from."""
+        ...
+
     def summary(self, ds: Any) -> dict[str, Any]:
         """Entries for the summary's ``data`` section about the rows ``ds`` (what :meth:`load`
         returned) holds (a mixture's rows per source); empty for most sources."""
@@ -67,6 +72,14 @@ _D = TypeVar("_D", bound=DataSource)
 def register(name: str) -> Callable[[type[_D]], type[_D]]:
     """Register a ``data=`` option (mypy checks it against :class:`DataSource`)."""
     return registry.register("data", name)
+
+
+def build_source(node: Mapping[str, Any], where: str) -> tuple[DataSource | None, list[str]]:
+    """The ``data=`` option a config node describes (a mixture's source), built and checked as
+    the run's own is (:func:`memlab.registry.build`)."""
+    obj, errors = registry.build("data", node, where=where)
+    # the data group holds only the classes its typed register admitted: DataSources
+    return cast("DataSource | None", obj), errors
 
 
 def original_row(ds: Any, row: int) -> int:

@@ -88,11 +88,14 @@ class SkippedRow(DataError):
 
 
 class RenderOptions(Protocol):
-    """The data option's rendering fields (:class:`memlab.data.base.RowOptions`)."""
+    """The data option's rendering fields (:class:`memlab.data.formats.RowOptions`)."""
 
-    chat_template_kwargs: dict[str, Any]
-    training_template: str
-    on_unsplittable: str
+    @property
+    def chat_template_kwargs(self) -> dict[str, Any] | None: ...
+    @property
+    def training_template(self) -> str: ...
+    @property
+    def on_unsplittable(self) -> str: ...
 
 
 @dataclass
@@ -144,9 +147,9 @@ def rendering(tok, options: RenderOptions | None = None) -> Iterator[Tally]:
     variables, training template, unsplittable rows); yields the run's :class:`Tally`. Outside
     any block: no extra variables, training templates on, unsplittable rows raise."""
     settings = _Settings(
-        kwargs=dict(getattr(options, "chat_template_kwargs", None) or {}),
-        training=getattr(options, "training_template", "auto") == "auto",
-        skip=getattr(options, "on_unsplittable", "error") == "skip",
+        kwargs=dict((options.chat_template_kwargs if options else None) or {}),
+        training=options is None or options.training_template == "auto",
+        skip=options is not None and options.on_unsplittable == "skip",
     )
     before = _SETTINGS.get(tok)
     _SETTINGS[tok] = settings

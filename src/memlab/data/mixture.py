@@ -34,14 +34,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from memlab.data.base import DataError, register
+from memlab.data.base import DataError, DataSource, build_source, register
 from memlab.data.formats import RowOptions
-from memlab.registry import PositiveInt, Seed, build
+from memlab.registry import PositiveInt, Seed
 
 SHARE_KEYS = ("weight", "count")
 SOURCE_COLUMN, ROW_COLUMN = "source", "source_row"
 """Columns of a mixture's rows: the source's label and the row's index in the source as read."""
-_RENDERING = ("chat_template_kwargs", "training_template", "on_unsplittable")
 
 
 @register("mixture")
@@ -60,9 +59,11 @@ class Mixture(RowOptions):
     """Which rows each source gives and the order of the mixture."""
 
     # ------------------------------------------------------------------ config
-    def source_configs(self) -> tuple[dict[str, Any], list[str]]:
+    def source_configs(self) -> tuple[dict[str, tuple[DataSource, str, Any]], list[str]]:
         """``({label: (typed source config, share key, share)}, errors)``."""
-        out: dict[str, Any] = {}
+        out: dict[str, tuple[DataSource, str, Any]] = {}
+        # the rendering settings a source leaves to the mixture: their defaults
+        unset = {f.name: f.default for f in dataclasses.fields(RowOptions)}
         errors: list[str] = []
         for label, node in sorted(self.sources.items()):
             where = f"data.sources.{label}"
@@ -90,15 +91,16 @@ class Mixture(RowOptions):
                 errors.append(f"{where}: a mixture cannot be a source of a mixture; list its "
                               "sources here")
                 continue
-            obj, errs = build("data", config, where=where)
+            obj, errs = build_source(config, where)
             errors += errs
             if obj is None:
                 continue
-            for f in dataclasses.fields(RowOptions):
-                default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-                if f.name in _RENDERING and getattr(obj, f.name) != default:
-                    errors.append(f"{where}.{f.name}: chat-template settings are the mixture's; "
-                                  f"set data.{f.name} instead")
+            for knob, own in (("chat_template_kwargs", obj.chat_template_kwargs),
+                              ("training_template", obj.training_template),
+                              ("on_unsplittable", obj.on_unsplittable)):
+                if own != unset[knob]:
+                    errors.append(f"{where}.{knob}: chat-template settings are the mixture's; "
+                                  f"set data.{knob} instead")
             out[label] = (obj, key, value)
         return out, errors
 

@@ -46,10 +46,10 @@ class DDP(Ranks):
     def wrap(self, model: nn.Module, ctx: BuildContext) -> nn.Module:
         from torch.nn.parallel import DistributedDataParallel
 
-        kwargs = dict(bucket_cap_mb=self.bucket_cap_mb,
-                      gradient_as_bucket_view=self.gradient_as_bucket_view,
-                      find_unused_parameters=self.find_unused_parameters,
-                      static_graph=self.static_graph)
+        kwargs: dict[str, Any] = dict(bucket_cap_mb=self.bucket_cap_mb,
+                                      gradient_as_bucket_view=self.gradient_as_bucket_view,
+                                      find_unused_parameters=self.find_unused_parameters,
+                                      static_graph=self.static_graph)
         params = inspect.signature(DistributedDataParallel.__init__).parameters
         kwargs["forward_sync_buffers" if "forward_sync_buffers" in params
                else "broadcast_buffers"] = self.sync_buffers
@@ -59,7 +59,9 @@ class DDP(Ranks):
 
     def sync(self, model: nn.Module, last: bool) -> contextlib.AbstractContextManager:
         """All-reduce gradients only in the step's last micro-batch."""
-        if last or not hasattr(model, "no_sync"):
+        from torch.nn.parallel import DistributedDataParallel
+
+        if last or not isinstance(model, DistributedDataParallel):
             return contextlib.nullcontext()
         return model.no_sync()
 
@@ -68,7 +70,10 @@ class DDP(Ranks):
         is wrapped (before the memory tracker starts) and stay for the whole run, so the
         tracker sees them only as gradients while those exist; on CUDA the allocator's peak
         includes them."""
-        data = model._get_ddp_logging_data() if hasattr(model, "_get_ddp_logging_data") else {}
+        from torch.nn.parallel import DistributedDataParallel
+
+        data = (model._get_ddp_logging_data() if isinstance(model, DistributedDataParallel)
+                else {})
         sizes = [int(x) for x in str(data.get("bucket_sizes", "")).split(",") if x.strip()]
         return {"bucket_bytes": sum(sizes), "buckets": len(sizes),
                 "gradient_as_bucket_view": self.gradient_as_bucket_view}

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
 from torch import nn
@@ -76,14 +76,17 @@ class FSDP2(Ranks):
             fully_shard(layer, mesh=mesh, reshard_after_forward=self.reshard_after_forward)
         # the root: embeddings, norm, head; ``Routed`` lets methods run a part of the model
         # inside the root's forward (call_inside), where every unit's hooks fire as usual
-        return fully_shard(Routed(model), mesh=mesh,
+        root = fully_shard(Routed(model), mesh=mesh,
                            reshard_after_forward=self.reshard_after_forward)
+        return cast(nn.Module, root)  # the Routed module itself, now also an FSDPModule
 
     @contextlib.contextmanager
     def sync(self, model: nn.Module, last: bool) -> Iterator[None]:
         """Reduce-scatter gradients only in the step's last micro-batch (earlier ones
         accumulate unsharded gradients locally)."""
-        if hasattr(model, "set_requires_gradient_sync"):
+        from torch.distributed.fsdp import FSDPModule
+
+        if isinstance(model, FSDPModule):
             model.set_requires_gradient_sync(last)
         yield
 
@@ -115,7 +118,8 @@ class FSDP2(Ranks):
         """A sharded parameter (a DTensor) all-gathered: every rank calls it."""
         from torch.distributed.tensor import DTensor
 
-        yield param.detach().full_tensor() if isinstance(param, DTensor) else param
+        local = param.detach()
+        yield local.full_tensor() if isinstance(local, DTensor) else param
 
     def full_state(self, model: nn.Module, optimizer: torch.optim.Optimizer
                    ) -> tuple[dict[str, Any], dict[str, Any]]:

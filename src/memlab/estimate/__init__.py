@@ -58,6 +58,7 @@ from memlab.estimate.options import (
     fmt_bytes,
     parse_bytes,
     verdict,
+    zero_stage,
 )
 from memlab.estimate.sharding import apply_sharding
 from memlab.registry import ConfigErrors
@@ -151,7 +152,7 @@ def _distributed_plan(ctx: BuildContext, opts: EstimateOptions, notes: list[str]
     declared = wrapper.sharding()
     if declared is None:  # one plain process; --world-size N --zero-stage S models its ranks
         return ctx, opts, (Sharding() if opts.world_size > 1 else None), 0
-    stage = declared.zero_stage
+    stage = zero_stage(declared.zero_stage)
     if opts.zero_stage and opts.zero_stage != stage:
         raise EstimateError(f"--zero-stage {opts.zero_stage} disagrees with the run's "
                             f"distributed={wrapper.name} (ZeRO stage {stage}); leave it out")

@@ -83,7 +83,14 @@ class Candidate:
     taken from the run's stream (``batch`` holds it)."""
     description: str
     batch: Batch | None = None
-    """The collated batch, when it comes from the run's own stream (``--from-data``)."""
+    """The collated batch: set when it comes from the run's own stream (``--from-data``), else
+    once the pipeline has prepared the rows (:meth:`collated`)."""
+
+    def collated(self) -> Batch:
+        """:attr:`batch`, which every candidate has by the time it is measured."""
+        if self.batch is None:
+            raise ValueError(f"candidate {self.name!r} was measured before it was collated")
+        return self.batch
 
 
 # ----------------------------------------------------------------------------- worst case
@@ -247,14 +254,17 @@ def _generic_candidates(ctx: BuildContext, tokenizer, length: int) -> list[Candi
     rows = _pick(ds, by_total, bs)
     what = f"generated {kind} rows through method.prepare (max_length={length})"
     out = [Candidate("longest", rows, f"the {len(rows)} longest {what}")]
-    shorter = _padded_variant(ctx, tokenizer, rows, cols)
-    if shorter is not None:
-        i, columns, shorter = shorter
+    variant = _padded_variant(ctx, tokenizer, rows, cols)
+    if variant is not None:
+        i, columns, shorter = variant
         out.append(Candidate("padded", shorter, f"{out[0].description}, row {i + 1} one token "
                                                 f"shorter in {', '.join(columns)} (padded)"))
     if len(cols) > 1 and bs > 1:  # a collate that pads columns separately (a prompt block and
         # a completion block) is widest with the longest of each column in one batch
-        widest = [max(range(len(ds)), key=lambda i, c=c: (lens[c][i], total[i])) for c in cols]
+        def longest_in(col: list[int]) -> int:
+            return max(range(len(ds)), key=lambda i: (col[i], total[i]))
+
+        widest = [longest_in(lens[c]) for c in cols]
         order = list(dict.fromkeys(widest + by_total))
         out.append(Candidate("widest", _pick(ds, order, bs),
                              f"the {kind} rows with the longest {', '.join(cols)} and the "

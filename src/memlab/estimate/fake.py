@@ -153,6 +153,7 @@ def estimate_tracker(round_to: int = 0):
 
     base = tracker_class()
 
+    # (the base class is made at run time: mypy cannot check a class derived from a variable)
     class EstimateTracker(base):  # type: ignore[misc, valid-type]
         def _update_peak_stats(self, peak_state) -> None:
             # Only the global peak (what MemoryProbe reads). MemTracker also keeps a per-module
@@ -234,6 +235,7 @@ def estimate_fake_mode():
                 key = "data-dependent shapes (all elements kept)"
                 self.assumed[key] = self.assumed.get(key, 0) + 1
                 x = args[0]
+                shape: tuple[int, ...]
                 if func is aten.nonzero.default:
                     shape, dtype = (x.numel(), x.dim()), torch.long
                 else:
@@ -297,9 +299,9 @@ def run_fake_step(ctx: BuildContext, opts: EstimateOptions, notes: list[str]) ->
     standin = ModelStandin(opts.config_overrides, notes, mode)
     dense_padding = True  # padded rows build a dense [rows, 1, T, T] mask (sdpa, eager)
     if not (ctx.attention.trains_on_cpu and "cpu" in ctx.attention.devices):
-        from memlab.registry import lookup
+        from memlab.attention.sdpa import Sdpa
 
-        ctx = dataclasses.replace(ctx, attention=lookup("attention", "sdpa")())
+        ctx = dataclasses.replace(ctx, attention=Sdpa())
         dense_padding = False
         notes.append("a CUDA-only attention backend is estimated with per-document sdpa (no "
                      "[L, L] scores, per-document in packed rows, as flash attention); its "
@@ -398,7 +400,7 @@ def run_fake_step(ctx: BuildContext, opts: EstimateOptions, notes: list[str]) ->
             c.batch = collate(c.rows)
             start += n * world
         cands = distinct(cands, key=lambda c: c.batch)
-        if any(LOSS_INDEX in c.batch.tensors for c in cands):
+        if any(LOSS_INDEX in c.collated().tensors for c in cands):
             notes.append("every real token of the generated rows carries a label, so the "
                          "output head runs at all of them (method.head_on=labelled: a run whose "
                          "data labels fewer, such as completion-only chat, needs less; "
@@ -435,11 +437,11 @@ def run_fake_step(ctx: BuildContext, opts: EstimateOptions, notes: list[str]) ->
             for k, c in enumerate(cands):
                 with unset_fake_temporarily():  # made here, freed after: one batch alive
                     real.clear()
-                    real.update({n: v for n, v in c.batch.tensors.items()
+                    real.update({n: v for n, v in c.collated().tensors.items()
                                  if isinstance(v, torch.Tensor)})
                     if online is not None:
                         real.update(worst_case_rollout_tensors(online, real))
-                    batches = _fake_micro_batches(c.batch, micro, mode)
+                    batches = _fake_micro_batches(c.collated(), micro, mode)
                 for step in (run_steps if not (owned and k) else [max(run_steps[-1], 1)]):
                     if step == 0:  # this candidate as the run's first step: no state yet
                         trainer.opt.state.clear()
@@ -480,11 +482,11 @@ def run_fake_step(ctx: BuildContext, opts: EstimateOptions, notes: list[str]) ->
                   "extra_models": extra,
                   "models_in_training": sorted(models)},
         "batch": {**describe_batch(trained[top], ctx, cands[top].description, length,
-                                   padded(cands[top].batch.tensors)),
+                                   padded(cands[top].collated().tensors)),
                   "peak_from": cands[top].name,
                   "candidates": [{"name": c.name, "rows": c.description, "peak_bytes": peaks[k],
                                   "shapes": trained[k]["shapes"],
-                                  "padded": padded(c.batch.tensors)}
+                                  "padded": padded(c.collated().tensors)}
                                  for k, c in enumerate(cands)],
                   "micro_batches_per_step": micro, "grad_accum": ctx.train.grad_accum},
         "flops": None if counter is None else {

@@ -30,11 +30,14 @@ from memlab.estimate.options import EstimateError
 from memlab.generation.base import Samples, SamplingParams
 from memlab.generation.hf import HFEngine
 from memlab.measure import patches
-from memlab.model.base import auto_class, finish_load, load_kwargs
+from memlab.model.base import Head, auto_class, finish_load, load_kwargs
 from memlab.offload.base import Placement
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
     from memlab.context import BuildContext
+    from memlab.peft.base import QuantizedBase
 
 
 class ModelStandin:
@@ -67,7 +70,8 @@ class ModelStandin:
         cfg.use_cache = False
         return cfg
 
-    def load(self, ctx: BuildContext, tokenizer, head: str, extra: dict[str, Any]) -> nn.Module:
+    def load(self, ctx: BuildContext, tokenizer: Any, head: Head, extra: dict[str, Any]
+             ) -> PreTrainedModel:
         """The seam ``load_model``: built from the config on the current (meta) device."""
         quantized = extra.get("quantization_config") is not None
         kw = load_kwargs(ctx, {k: v for k, v in extra.items()
@@ -77,7 +81,11 @@ class ModelStandin:
             cfg.num_labels = 1  # as model=hf passes num_labels=1 to from_pretrained
         model = auto_class(head).from_config(cfg, **kw)
         if quantized:
-            _, measured = quantize_standin(model, ctx.peft)
+            layout = ctx.peft.as_quantized_base()
+            if layout is None:  # (the peft option's load_kwargs gave a quantization config)
+                raise EstimateError(f"peft={ctx.peft.name} asked for a quantized load but "
+                                    "declares no quantized base")
+            _, measured = quantize_standin(model, layout)
             note = ("qlora: the 4-bit base laid out and computed by bitsandbytes itself "
                     "(quantize_4bit on meta tensors, Linear4bit's training forward); the "
                     "run's tracker counts the same bytes on CPU. A 4-bit matmul is one "
@@ -88,10 +96,10 @@ class ModelStandin:
                     "from CUDA's" if measured else
                     "qlora: base linear weights stored as bitsandbytes packs them (4-bit: n/2 "
                     "bytes + absmax state; 8-bit: n bytes + row scales), computed analytically "
-                    "(modelled: bitsandbytes " + ("not installed here" if ctx.peft.bits == 4
+                    "(modelled: bitsandbytes " + ("not installed here" if layout.bits == 4
                                                    else "8-bit layers") + "); dequantized "
                     "weights are temporaries in forward and backward"
-                    + ("" if ctx.peft.bits == 4 else
+                    + ("" if layout.bits == 4 else
                        " (bitsandbytes' CPU 8-bit training path keeps each dequantized weight "
                        "for backward instead: measured +11% activations over this model on a "
                        "small CPU run; its CUDA path is another)"))
@@ -116,13 +124,13 @@ class _DequantMatmul(torch.autograd.Function):
     in forward and again in backward; nothing but the packed weight is kept for backward."""
 
     @staticmethod
-    def forward(ctx, x, packed, shape, bias):  # type: ignore[override]
+    def forward(ctx, x, packed, shape, bias):
         w = torch.empty(shape, dtype=x.dtype, device=x.device)
         ctx.shape = shape
         return nn.functional.linear(x, w, bias)
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx, grad):
         w = torch.empty(ctx.shape, dtype=grad.dtype, device=grad.device)
         return grad @ w, None, None, None
 
@@ -218,7 +226,7 @@ class Bnb4bitStandin(QuantizedLinearStandin):
                                quant_state=state).to(inp)
 
 
-def quantize_standin(model: nn.Module, qcfg) -> tuple[int, bool]:
+def quantize_standin(model: PreTrainedModel, qcfg: QuantizedBase) -> tuple[int, bool]:
     """Replace every linear layer bitsandbytes would quantize (all but the output head, tied
     and last modules: transformers' ``get_keys_to_not_convert``) with :class:`Bnb4bitStandin`
     (4 bits, bitsandbytes installed) or :class:`QuantizedLinearStandin`. Returns how many were
@@ -244,15 +252,18 @@ def quantize_standin(model: nn.Module, qcfg) -> tuple[int, bool]:
         setattr(parent, child,
                 Bnb4bitStandin(base, qcfg.quant_type, double, compute) if measured
                 else QuantizedLinearStandin(base, bits, double, compute))
-    model.is_loaded_in_4bit = bits == 4
-    model.is_loaded_in_8bit = bits == 8
+    # transformers' own marks of a quantized model (torch types nn.Module.__setattr__ for
+    # tensors and modules only; any value is accepted)
+    model.is_loaded_in_4bit = bits == 4  # type: ignore[assignment]
+    model.is_loaded_in_8bit = bits == 8  # type: ignore[assignment]
     return len(todo), measured
 
 
 def fakeify(model: nn.Module, fake_mode) -> nn.Module:
     """Replace every parameter and buffer (meta or real) by a fake CPU tensor of the same
     shape / dtype / requires_grad. Tied parameters stay tied. Allocates nothing."""
-    memo: dict[int, torch.Tensor] = {}
+    params: dict[int, nn.Parameter] = {}
+    buffers: dict[int, torch.Tensor] = {}
 
     def fake_of(t: torch.Tensor) -> torch.Tensor:
         with fake_mode:
@@ -262,15 +273,15 @@ def fakeify(model: nn.Module, fake_mode) -> nn.Module:
         for name, p in list(mod._parameters.items()):
             if p is None:
                 continue
-            if id(p) not in memo:
-                memo[id(p)] = nn.Parameter(fake_of(p), requires_grad=p.requires_grad)
-            mod._parameters[name] = memo[id(p)]
+            if id(p) not in params:
+                params[id(p)] = nn.Parameter(fake_of(p), requires_grad=p.requires_grad)
+            mod._parameters[name] = params[id(p)]
         for name, b in list(mod._buffers.items()):
             if b is None:
                 continue
-            if id(b) not in memo:
-                memo[id(b)] = fake_of(b)
-            mod._buffers[name] = memo[id(b)]
+            if id(b) not in buffers:
+                buffers[id(b)] = fake_of(b)
+            mod._buffers[name] = buffers[id(b)]
     return model
 
 

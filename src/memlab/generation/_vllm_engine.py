@@ -10,7 +10,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterator
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 
@@ -38,11 +38,15 @@ def policy_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     with torch.no_grad():
         for name, mod in base.named_modules():
             if isinstance(mod, LoraLayer) and not mod.merged:
-                w = _full(mod.get_base_layer().weight)
+                # (torch types a module attribute as Tensor | Module; a layer's weight is a Tensor)
+                w = _full(cast(torch.Tensor, mod.get_base_layer().weight))
                 if not mod.disable_adapters:
                     for a in mod.active_adapters:
                         if a in mod.lora_A:
-                            w = w + _full(mod.get_delta_weight(a)).to(w.dtype)
+                            # every LoRA layer class defines get_delta_weight; peft's LoraLayer
+                            # base does not declare it
+                            delta = mod.get_delta_weight(a)  # type: ignore[attr-defined]
+                            w = w + _full(delta).to(w.dtype)
                 merged[f"{name}.weight"] = w
         out: dict[str, torch.Tensor] = {}
         for key, t in base.state_dict().items():
@@ -139,7 +143,7 @@ def to_samples(tokens: list[list[int]], logprobs: list[list[float]] | None,
     for i, t in enumerate(tokens):
         comp[i, :len(t)] = torch.tensor(t, dtype=torch.long)
         mask[i, :len(t)] = 1
-        if lps is not None:
+        if lps is not None and logprobs is not None:
             lps[i, :len(t)] = torch.tensor(logprobs[i], dtype=torch.float32)
         finished.append(bool(t) and params.eos is not None and t[-1] == params.eos)
     return Samples(completion=comp.to(device), mask=mask.to(device),
@@ -159,7 +163,7 @@ def read_outputs(outputs: list[Any]) -> tuple[list[list[int]], list[list[float]]
     return tokens, lps
 
 
-def engine_memory(worker: Any) -> dict[str, int]:
+def engine_memory(worker: Any) -> dict[str, int | None]:
     """Bytes of the engine's weights, buffers and KV cache, counted from its tensors (run on a
     vLLM worker through ``collective_rpc``; a storage shared by several tensors counts once).
 
@@ -326,7 +330,7 @@ class ColocateEngine:
     def importance_weights(self, trainer_logps, sampler_logps, mask):
         return self.cfg.importance_weights(trainer_logps, sampler_logps, mask)
 
-    def memory(self) -> dict[str, int]:
+    def memory(self) -> dict[str, int | None]:
         """The engine's weights and KV cache in bytes (vLLM's tensors; the trainer's memory
         tracker does not see them)."""
         if self.llm is None:

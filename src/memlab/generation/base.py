@@ -118,7 +118,7 @@ class Engine(Protocol):
         trainer's (truncated importance sampling), or None when the engine applies none."""
         ...
 
-    def memory(self) -> dict[str, int]:
+    def memory(self) -> dict[str, int | None]:
         """What the engine holds outside the trainer's tensors (its weights, its KV cache)."""
         ...
 

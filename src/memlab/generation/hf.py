@@ -84,7 +84,7 @@ class HFEngine:
     def importance_weights(self, trainer_logps, sampler_logps, mask) -> None:
         return None  # samples come from the policy itself
 
-    def memory(self) -> dict[str, int]:
+    def memory(self) -> dict[str, int | None]:
         return {}  # the policy's own tensors: the trainer's tracker sees them
 
     def close(self) -> None:

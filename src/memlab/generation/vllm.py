@@ -136,7 +136,7 @@ class Vllm(Option):
             errors.append(f"generation.mode=colocate with {ctx.world_size} ranks needs CUDA "
                           "(one engine per rank over vLLM's external launcher); on CPU use "
                           "generation.mode=server")
-        if ctx.peft.quantizes_base:
+        if ctx.peft.as_quantized_base() is not None:
             errors.append(f"generation=vllm with peft={ctx.peft.name}: merging LoRA into a "
                           "quantized base is not supported by this engine; use peft=lora or "
                           "generation=hf")

@@ -105,7 +105,9 @@ def collate_rows(rows: list[list[Doc]], pad_id: int, multiple: int | None, flat:
     forks: list[tuple[int, int, int]] = []
     pooled: dict[int, int] = {}
     for r, row in enumerate(rows):
-        starts, start, entry = [], 0, []
+        starts: list[int] = []
+        start = 0
+        entry: list[int | tuple[int, int, int]] = []
         for j, d in enumerate(row):
             n = len(d.ids)
             starts.append(start)
@@ -201,13 +203,15 @@ def per_item(values: list, items: list[dict]) -> list:
     return out
 
 
-def fits_row(ctx: BuildContext) -> bool:
-    """Whether a unit must fit one row (``packing=bfd``: packed, no splitting); False without a
-    run context (a method used on its own)."""
-    return ctx is not None and ctx.packing.packs and not ctx.packing.keeps_overflow
+def unit_row(ctx: BuildContext | None, max_length: int | None) -> int | None:
+    """The row a unit must fit whole (``packing=bfd``: packed, no splitting): its capacity
+    ``max_length`` (which packing requires); None when units are not packed whole, or without
+    a run context (a method used on its own)."""
+    whole = ctx is not None and ctx.packing.packs and not ctx.packing.keeps_overflow
+    return max_length if whole else None
 
 
-def attention_of(ctx: BuildContext) -> Any:
+def attention_of(ctx: BuildContext | None) -> Any:
     """The run's attention option (it builds the document masks some backends need), or None
     without a run context."""
     return None if ctx is None else ctx.attention

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 LigerKernel = Literal["rope", "rms_norm", "swiglu", "geglu", "layer_norm",
                       "fused_linear_cross_entropy"]
-LOSS_KERNEL = "fused_linear_cross_entropy"
+LOSS_KERNEL: LigerKernel = "fused_linear_cross_entropy"
 LIGER_LOSS = "method.liger_kernels=[..., fused_linear_cross_entropy]"
 """The setting of a method whose loss is Liger's fused linear one (it reads the output head's
 weight directly: ``Method.reads_head_weight``)."""

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from memlab.data.base import DataError, check_messages, check_text
-from memlab.generation.base import GenerationEnv, Samples, SamplingParams
+from memlab.generation.base import Engine, GenerationEnv, Samples, SamplingParams
 from memlab.losses import token_logps
 from memlab.method import _overrides, _reference, _rewards, _rows
 from memlab.method.base import (
@@ -38,6 +38,7 @@ from memlab.method.base import (
 )
 from memlab.model.base import Head
 from memlab.registry import NonNegativeFloat, Option, PositiveFloat, PositiveInt, Range
+from memlab.trainer.routing import base_model
 
 if TYPE_CHECKING:
     from memlab.context import BuildContext
@@ -226,6 +227,9 @@ class Online(Option):
     def pad_multiple(self) -> int | None:
         return None
 
+    def keeps_row_end(self) -> bool:
+        return False
+
     def packs_rows(self, ctx: BuildContext) -> bool:
         return False
 
@@ -262,13 +266,13 @@ class Online(Option):
         rewards, metrics = self.score(batch, samples, models)
         out = self.training_batch(models, batch, prompt, pmask, samples, rewards, metrics)
         if samples.logprobs is not None and env.engine.corrects_sampling():
-            self.correct_sampling(models, out, samples, env.engine, prompt.shape[1])
+            self.correct_sampling(models, out, samples.logprobs, env.engine, prompt.shape[1])
         return out
 
-    def correct_sampling(self, models: dict, out: Batch, samples: Samples, engine,
-                         prompt_width: int) -> None:
+    def correct_sampling(self, models: dict, out: Batch, sampler_logps: torch.Tensor,
+                         engine: Engine, prompt_width: int) -> None:
         """Weight each completion token by the engine's correction of the mismatch between
-        the sampler's log-probs and the trainer's (``is_weights``; methods that declare
+        the sampler's log-probs (``sampler_logps``, ``[N, L]``) and the trainer's (``is_weights``; methods that declare
         ``supports_sampling_correction`` apply them in their loss). The trainer's log-probs are
         those of the policy at generation time (one no-grad forward, shared with
         ``old_logps`` when the method records them)."""
@@ -281,9 +285,12 @@ class Online(Option):
                 old = token_logps(logits, labels, IGNORE)
             del logits
         sampler = torch.zeros_like(old)
-        width = samples.logprobs.shape[1]
-        sampler[:, prompt_width - 1: prompt_width - 1 + width] = samples.logprobs.to(old)
-        weights, metrics = engine.importance_weights(old, sampler, labels != IGNORE)
+        width = sampler_logps.shape[1]
+        sampler[:, prompt_width - 1: prompt_width - 1 + width] = sampler_logps.to(old)
+        corrected = engine.importance_weights(old, sampler, labels != IGNORE)
+        if corrected is None:  # the engine applies no correction after all
+            return
+        weights, metrics = corrected
         t["is_weights"] = weights.to(old.device)
         out.meta["rollout"].update(metrics)
 
@@ -371,7 +378,7 @@ class RewardModel(nn.Module):
             tokenizer.pad_token = tokenizer.eos_token
         tokenizer.padding_side = "right"
         self.tokenizer = tokenizer
-        model.config.pad_token_id = tokenizer.pad_token_id  # its tokenizer's, not the policy's
+        base_model(model).config.pad_token_id = tokenizer.pad_token_id  # its own tokenizer's
 
     def forward(self, **inputs: torch.Tensor) -> Any:
         return self.model(**inputs)

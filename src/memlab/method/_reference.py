@@ -43,13 +43,15 @@ def reference_errors(method, ctx: BuildContext) -> list[str]:
 @contextlib.contextmanager
 def frozen_forward(model: nn.Module, disable_adapter: bool = False) -> Iterator[nn.Module]:
     """No grad, eval mode (no dropout), optionally the LoRA adapter off; the mode is restored."""
+    from peft import PeftModel
+
     inner = unwrap(model)
     was_training = inner.training
     inner.eval()
     try:
         with torch.no_grad():
             if disable_adapter:
-                if not hasattr(inner, "disable_adapter"):
+                if not isinstance(inner, PeftModel):
                     raise TypeError("reference=adapter_disabled needs a PEFT model with a LoRA "
                                     f"adapter; the policy is a {type(inner).__name__}")
                 with inner.disable_adapter():
@@ -155,8 +157,8 @@ def precompute(method, models: dict[str, nn.Module], ds, ctx: BuildContext,
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     fp = hashlib.sha1(repr((ds._fingerprint, "reference_logps", sorted(out))).encode())
-    for i, (name, values) in enumerate(out.items()):
-        ds = ds.add_column(name, values, new_fingerprint=f"{fp.hexdigest()}-{i}")
+    for i, (name, column) in enumerate(out.items()):
+        ds = ds.add_column(name, column, new_fingerprint=f"{fp.hexdigest()}-{i}")
     print(f"[memlab] reference log-probs precomputed for {len(ds)} rows in "
           f"{time.perf_counter() - t0:.1f}s; no reference model is kept for training",
           flush=True)

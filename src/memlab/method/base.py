@@ -109,6 +109,9 @@ class Method(Option, Protocol):
     def pad_multiple(self) -> int | None:
         """Padded widths are rounded up to this multiple (None: not rounded)."""
         ...
+    def keeps_row_end(self) -> bool:
+        """Truncation keeps a row's last tokens (cuts its start); False: its first."""
+        ...
     def as_generating(self) -> Generating | None:
         """The method as an online one (it samples its training batches), or None."""
         ...
@@ -167,6 +170,9 @@ class Offline(Option):
 
     def pad_multiple(self) -> int | None:
         return self.pad_to_multiple_of
+
+    def keeps_row_end(self) -> bool:
+        return False
 
     def extra_models(self, policy: nn.Module, ctx: BuildContext, build: ModelFactory
                      ) -> dict[str, nn.Module]:

@@ -135,7 +135,8 @@ class DPO(Offline, _liger.LigerKnobs):
                             f"(preference pairs); this dataset has columns {sorted(cols)}")
         explicit = "prompt" in cols
         limits = (self.max_prompt_length, self.max_completion_length, self.max_length)
-        fit = _layout.fits_row(ctx)  # packing=bfd: a pair fills one row
+        row_cap = _layout.unit_row(ctx, self.max_length)  # packing=bfd: a pair fills one row
+        fit = row_cap is not None
         shared = self.share_prompt
 
         def fn(row: dict, idx: int) -> list[dict]:
@@ -150,8 +151,8 @@ class DPO(Offline, _liger.LigerKnobs):
             r = _rows.encode_completion(tokenizer, prompt, p, rejected, idx, "rejected", tools)
             n_in = (1 if shared else 2) * len(p) + len(c) + len(r)
             cut = _rows.truncate(p, [c, r], *limits)
-            if cut is not None and fit:
-                fitted = _rows.fit_row(len(cut[0]), cut[1], self.max_length, shared)
+            if cut is not None and row_cap is not None:
+                fitted = _rows.fit_row(len(cut[0]), cut[1], row_cap, shared)
                 cut = None if fitted is None else (cut[0], fitted[0], 0)
             if cut is None:
                 return [{"prompt_ids": [], "chosen_ids": [], "rejected_ids": [], "keep": False,

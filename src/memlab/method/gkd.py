@@ -86,6 +86,9 @@ class GKD(Option):
     def pad_multiple(self) -> int | None:
         return None
 
+    def keeps_row_end(self) -> bool:
+        return False
+
     def row_length(self) -> int | None:
         return self.max_prompt_length if self.as_generating() is not None else self.max_length
 

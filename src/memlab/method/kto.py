@@ -215,7 +215,8 @@ class KTO(Offline, _liger.LigerKnobs):
                        ) -> tuple[Any, DataStats]:
         """``share_prompt``: one row per pair, its two examples in lists: prompt_ids,
         completion_ids [chosen, rejected], label [true, false], kl_completion_ids."""
-        fit = _layout.fits_row(ctx)  # packing=bfd: a pair fills one row
+        row_cap = _layout.unit_row(ctx, self.max_length)  # packing=bfd: a pair fills one row
+        fit = row_cap is not None
 
         def fn(row: dict, idx: int) -> list[dict]:
             if explicit:
@@ -229,8 +230,8 @@ class KTO(Offline, _liger.LigerKnobs):
             r = _rows.encode_completion(tokenizer, prompt, p, rejected, idx, "rejected", tools)
             n_in = len(p) + len(c) + len(r)
             cut = _rows.truncate(p, [c, r], *limits)
-            if cut is not None and fit:
-                fitted = _rows.fit_row(len(cut[0]), cut[1], self.max_length, True)
+            if cut is not None and row_cap is not None:
+                fitted = _rows.fit_row(len(cut[0]), cut[1], row_cap, True)
                 cut = None if fitted is None else (cut[0], fitted[0], 0)
             if cut is None:
                 return [{"prompt_ids": [], "completion_ids": [[], []], "label": [True, False],
@@ -256,8 +257,13 @@ class KTO(Offline, _liger.LigerKnobs):
         for pair, p in enumerate(out["prompt_ids"]):
             room = None if self.max_length is None else self.max_length - len(p)
             pair_kl = [completions[partners[2 * pair + i]][:room] for i in range(2)]
-            if fit:  # the KL lane's row holds the pair's two KL sequences, the prompt once
-                pair_kl = _rows.fit_row(len(p), pair_kl, self.max_length, True)[0]
+            if row_cap is not None:  # the KL lane's row holds the pair's two KL sequences, the
+                # prompt once (its pair fitted that row, so the prompt leaves room for them)
+                fitted_kl = _rows.fit_row(len(p), pair_kl, row_cap, True)
+                if fitted_kl is None:
+                    raise ValueError(f"pair {pair}: the KL sequences do not fit a row of {row_cap} "
+                                     "tokens beside the prompt")
+                pair_kl = fitted_kl[0]
             kl.append(pair_kl)
         fp = hashlib.sha1(repr((out._fingerprint, "kl")).encode()).hexdigest()
         out = out.add_column("kl_completion_ids", kl, new_fingerprint=fp)

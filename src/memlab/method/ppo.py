@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 
 import torch
+from torch import nn
 
 from memlab.losses import token_logps
 from memlab.method import _reference
@@ -140,11 +141,11 @@ class PPO(Online):
         return loss_sum, metrics
 
 
-def _values(model, **inputs: torch.Tensor) -> torch.Tensor:
+def _values(model: nn.Module, **inputs: torch.Tensor) -> torch.Tensor:
     base = base_model(model)
     decoder = getattr(base, base.base_model_prefix)
     hidden = decoder(**inputs, use_cache=False).last_hidden_state
-    return base.score(hidden).squeeze(-1).float()
+    return base.get_submodule("score")(hidden).squeeze(-1).float()  # the value head
 
 
 def token_values(model, inputs: dict[str, torch.Tensor]) -> torch.Tensor:

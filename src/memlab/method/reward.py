@@ -91,6 +91,9 @@ class Reward(Offline):
     def liger_model_kernels(self) -> tuple[str, ...]:
         return ()
 
+    def keeps_row_end(self) -> bool:
+        return self.truncation_mode == "keep_end"
+
     def reads_head_weight(self) -> str | None:
         return None
 
@@ -115,7 +118,8 @@ class Reward(Offline):
         has_prompt = "prompt" in cols
         margin = self.use_margin and "margin" in cols
         limit, mode = self.max_length, self.truncation_mode
-        fit = _layout.fits_row(ctx)  # packing=bfd: a pair fills one row
+        row_cap = _layout.unit_row(ctx, limit)  # packing=bfd: a pair fills one row
+        fit = row_cap is not None
         shared = self.share_prompt
 
         def fn(row: dict, idx: int) -> list[dict]:
@@ -125,8 +129,9 @@ class Reward(Offline):
             r = _rows.encode_full(tokenizer, prompt, row["rejected"], idx, "rejected", tools)
             n_in = len(c) + len(r)
             empty = int(_rows.is_empty(row["chosen"])) + int(_rows.is_empty(row["rejected"]))
-            out = {"chosen_ids": c, "rejected_ids": r, "keep": True, "n_in": n_in,
-                   "n_dropped": 0, "margin": 0.0, "n_empty": empty}
+            out: dict[str, Any] = {"chosen_ids": c, "rejected_ids": r, "keep": True,
+                                   "n_in": n_in, "n_dropped": 0, "margin": 0.0,
+                                   "n_empty": empty}
             if margin:
                 m = row["margin"]
                 if isinstance(m, bool) or not isinstance(m, (int, float)):
@@ -140,13 +145,15 @@ class Reward(Offline):
                                n_empty=0, n_train=0)
                     return [out]
                 c, r = c[-limit:], r[-limit:]
-            if fit and pair_tokens(c, r, shared) > limit:
+            if row_cap is not None and pair_tokens(c, r, shared) > row_cap:
                 if mode == "drop":
                     out.update(chosen_ids=[], rejected_ids=[], keep=False, n_dropped=n_in,
                                n_empty=0, n_train=0)
                     return [out]
-                back = _rows.fit_row(0, [c[::-1], r[::-1]], limit, False)[0]
-                c, r = back[0][::-1], back[1][::-1]
+                back = _rows.fit_row(0, [c[::-1], r[::-1]], row_cap, False)
+                if back is None:  # (a row holds at least two tokens: max_length >= 2)
+                    raise ValueError(f"row {idx}: the pair does not fit a row of {row_cap} tokens")
+                c, r = back[0][0][::-1], back[0][1][::-1]
             cut_c, cut_r = len(full_c) - len(c), len(full_r) - len(r)  # from the start
             out.update(chosen_ids=c, rejected_ids=r,
                        n_dropped=cut_c + cut_r - min(cut_c, cut_r, common))
@@ -209,8 +216,8 @@ class Reward(Offline):
         for i, (u, rows) in enumerate(zip(units, rows_of, strict=True)):
             c, r = u["chosen_ids"], u["rejected_ids"]
             n = common_prefix(c, r) if self.share_prompt and len(rows) == 1 else 0
-            pools = [self._last_non_pad([(c, c)], pad)[0].item(),
-                     self._last_non_pad([(r, r)], pad)[0].item()]
+            pools = [int(self._last_non_pad([(c, c)], pad)[0]),
+                     int(self._last_non_pad([(r, r)], pad)[0])]
             docs.append(_layout.unit_docs(c[:n], [c[n:], r[n:]], [i, b + i], shared=n > 0,
                                           scored=False, pools=pools))
         t, real, total = _layout.collate_rows(_layout.place(docs, rows_of),

@@ -97,6 +97,9 @@ class SFT(Offline, LigerKnobs):
     def packs_rows(self, ctx: BuildContext) -> bool:
         return self.flat(ctx) or ctx.packing.packs
 
+    def keeps_row_end(self) -> bool:
+        return self.truncation_mode == "keep_end"
+
     def reads_head_weight(self) -> str | None:
         if self.liger_loss():
             return LIGER_LOSS
@@ -204,6 +207,7 @@ class SFT(Offline, LigerKnobs):
     # ------------------------------------------------------------------ batches
     def collate(self, rows: list[dict], tokenizer, ctx: BuildContext) -> Batch:
         columns = {"input_ids": tokenizer.pad_token_id, "labels": IGNORE}
+        key: tuple[int, ...]
         if self.flat(ctx):
             t, real, total = flatten_batch(rows, tokenizer.pad_token_id, self.pad_to_multiple_of,
                                            columns)

@@ -14,6 +14,7 @@ from torch import nn
 from memlab.offload.base import Placement, register
 from memlab.offload.hooks import ActivationOffloader
 from memlab.registry import NonNegativeInt, Option
+from memlab.trainer.routing import unwrap
 
 if TYPE_CHECKING:
     from memlab.context import BuildContext
@@ -61,7 +62,7 @@ class Activations(Option):
             model, device=ctx.device, min_bytes=self.min_bytes, use_streams=self.use_streams,
             pin_memory=self.pin_memory, prefetch=self.prefetch, **extra,
         )
-        head = model.get_output_embeddings()
+        head = unwrap(model).get_output_embeddings()
         if head is not None:
             off.exclude_outputs_of(head)
         return off

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
 from memlab import registry
 from memlab.measure.data import DataStats
+from memlab.packing.plan import Strategy
 from memlab.registry import Option
 
 if TYPE_CHECKING:
@@ -92,7 +93,7 @@ class Packing(Option):
     packs: ClassVar[bool] = True
     keeps_overflow: ClassVar[bool] = False
     cuts_sequences: ClassVar[bool] = False
-    strategy: ClassVar[Literal["bfd", "bfd_split", "wrapped"]]
+    strategy: ClassVar[Strategy]
 
     def validate(self, ctx: BuildContext) -> list[str]:
         return packing_errors(self, ctx)

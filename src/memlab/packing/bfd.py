@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from memlab.packing.base import Packing, register
+from memlab.packing.plan import Strategy
 
 
 @register("bfd")
@@ -20,4 +21,4 @@ class Bfd(Packing):
     """No knobs; the row capacity is method.max_length."""
 
     keeps_overflow: ClassVar[bool] = False
-    strategy: ClassVar[str] = "bfd"
+    strategy: ClassVar[Strategy] = "bfd"

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from memlab.packing.base import Packing, register
+from memlab.packing.plan import Strategy
 
 
 @register("bfd_split")
@@ -19,4 +20,4 @@ class BfdSplit(Packing):
     """No knobs; the row capacity is method.max_length."""
 
     keeps_overflow: ClassVar[bool] = True
-    strategy: ClassVar[str] = "bfd_split"
+    strategy: ClassVar[Strategy] = "bfd_split"

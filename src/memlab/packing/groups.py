@@ -192,12 +192,15 @@ def plan(whole: Sequence[int], pieces: Sequence[Sequence[int]], capacity: int,
     for u in big:
         fit = _fit_in_pack(pieces[u], current_rooms, rows, current) if current is not None \
             else None
-        if fit is None:
+        if current is None or fit is None:
             if current is not None:  # hand the old pack's rows over to the whole units
                 for r, room in current_rooms.items():
                     rows.put(room, (current, r))
             current, current_rooms = rows.new_pack(), {}
             fit = _fit_in_pack(pieces[u], current_rooms, rows, current)
+            if fit is None:  # _check makes sure every split unit fits an empty pack
+                raise ValueError(f"unit {u} (pieces {list(pieces[u])}) does not fit an empty "
+                                 "pack")
         place(current, u, fit)
         tokens += sum(pieces[u])
     if current is not None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from memlab.packing.base import Packing, register
+from memlab.packing.plan import Strategy
 
 
 @register("wrapped")
@@ -18,4 +19,4 @@ class Wrapped(Packing):
 
     keeps_overflow: ClassVar[bool] = True
     cuts_sequences: ClassVar[bool] = True
-    strategy: ClassVar[str] = "wrapped"
+    strategy: ClassVar[Strategy] = "wrapped"

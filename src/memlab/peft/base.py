@@ -4,7 +4,7 @@ adapters applied to the loaded model, and what it declares."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 from torch import nn
 
@@ -16,11 +16,22 @@ if TYPE_CHECKING:
     from memlab.model.base import Head
 
 
+class QuantizedBase(Protocol):
+    """A peft option that stores the frozen base quantized by bitsandbytes (it cannot be merged
+    with the adapters): how (read by ``memlab estimate``, which lays the base out the same)."""
+
+    @property
+    def bits(self) -> Literal[4, 8]: ...
+    @property
+    def quant_type(self) -> str: ...
+    @property
+    def double_quant(self) -> bool: ...
+    @property
+    def compute_dtype(self) -> str: ...
+
+
 class Peft(Option, Protocol):
     """A ``peft=`` option."""
-
-    quantizes_base: ClassVar[bool]
-    """The frozen base is stored quantized (it cannot be merged with the adapters)."""
 
     def load_kwargs(self, ctx: BuildContext) -> dict[str, Any]:
         """Extra ``from_pretrained`` arguments (qlora: the bitsandbytes config)."""
@@ -32,6 +43,10 @@ class Peft(Option, Protocol):
 
     def has_adapter(self) -> bool:
         """Whether the trained parameters are adapters (the base can be switched off)."""
+        ...
+
+    def as_quantized_base(self) -> QuantizedBase | None:
+        """The option as one whose frozen base is stored quantized, or None."""
         ...
 
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar
+from typing import TYPE_CHECKING, Annotated, Any
 
 from torch import nn
 
-from memlab.peft.base import register
+from memlab.peft.base import QuantizedBase, register
 from memlab.registry import Option, PositiveInt, Range
 
 if TYPE_CHECKING:
@@ -18,9 +18,6 @@ if TYPE_CHECKING:
 @dataclass(kw_only=True)
 class Lora(Option):
     """LoRA knobs, named as in ``peft.LoraConfig``."""
-
-    quantizes_base: ClassVar[bool] = False
-    """The frozen base is stored quantized (bitsandbytes): it cannot be merged with adapters."""
 
     r: PositiveInt = 16
     alpha: PositiveInt = 32
@@ -57,6 +54,9 @@ class Lora(Option):
 
     def load_kwargs(self, ctx: BuildContext) -> dict[str, Any]:
         return {}
+
+    def as_quantized_base(self) -> QuantizedBase | None:
+        return None
 
     def has_adapter(self) -> bool:
         return True

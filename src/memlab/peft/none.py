@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from memlab.peft.base import register
+from memlab.peft.base import QuantizedBase, register
 from memlab.registry import Option
 
 if TYPE_CHECKING:
@@ -19,9 +19,6 @@ if TYPE_CHECKING:
 class NoPeft(Option):
     """No knobs."""
 
-    quantizes_base: ClassVar[bool] = False
-    """The frozen base is stored quantized (bitsandbytes): it cannot be merged with adapters."""
-
     def validate(self, ctx: BuildContext) -> list[str]:
         return []
 
@@ -30,6 +27,9 @@ class NoPeft(Option):
 
     def apply(self, model: nn.Module, ctx: BuildContext, task: str) -> nn.Module:
         return model
+
+    def as_quantized_base(self) -> QuantizedBase | None:
+        return None
 
     def has_adapter(self) -> bool:
         return False

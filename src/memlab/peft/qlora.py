@@ -7,11 +7,11 @@ training layout (:func:`memlab.measure.patches.keep_4bit_training_layout`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from torch import nn
 
-from memlab.peft.base import register
+from memlab.peft.base import QuantizedBase, register
 from memlab.peft.lora import Lora
 
 if TYPE_CHECKING:
@@ -23,9 +23,6 @@ if TYPE_CHECKING:
 class QLora(Lora):
     """LoRA knobs plus the quantization of the frozen base."""
 
-    quantizes_base: ClassVar[bool] = True
-    """The frozen base is stored quantized (bitsandbytes): it cannot be merged with adapters."""
-
     bits: Literal[4, 8] = 4
     """4: bitsandbytes' Linear4bit (QLoRA's NF4 / FP4); 8: Linear8bitLt (LLM.int8)."""
     quant_type: Literal["nf4", "fp4"] = "nf4"
@@ -36,6 +33,9 @@ class QLora(Lora):
     """The dtype 4-bit weights are dequantized to for each matmul (``bnb_4bit_compute_dtype``);
     float32 on a CPU without fast bf16."""
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def as_quantized_base(self) -> QuantizedBase | None:
+        return self
 
     def validate(self, ctx: BuildContext) -> list[str]:
         errors = super().validate(ctx)

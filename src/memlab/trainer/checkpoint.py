@@ -361,16 +361,14 @@ def load(trainer: Trainer, path: Path) -> None:
     if problem:
         raise CheckpointError(problem)
     native, gathered = dist.as_native_states(), dist.as_gathered_states()
-    optim = None
-    if native is None:
-        opt_tensors = _load_tensors(path / OPTIMIZER)
-        optim = from_tree(state["optimizer"], opt_tensors)
     if native is not None:
         check_pickles(path / "deepspeed")
         native.load_states(trainer.policy, path)
     elif gathered is not None:
+        optim = from_tree(state["optimizer"], _load_tensors(path / OPTIMIZER))
         gathered.load_full_state(trainer.policy, trainer.opt, read_weights(path), optim)
     else:
+        optim = from_tree(state["optimizer"], _load_tensors(path / OPTIMIZER))
         weights = read_weights(path)
         named = named_trainable(trainer.models)
         missing = sorted(set(named) - set(weights))

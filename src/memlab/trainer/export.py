@@ -23,9 +23,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
-from memlab.trainer.routing import base_model
+from memlab.trainer.routing import HFModel, base_model
 
 if TYPE_CHECKING:
     from memlab.context import BuildContext
@@ -44,7 +43,8 @@ def _inference_config(out: Path) -> None:
             path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
-def write(ctx: BuildContext, model: nn.Module, weights: dict[str, torch.Tensor] | None, out: Path) -> dict:
+def write(ctx: BuildContext, model: HFModel, weights: dict[str, torch.Tensor] | None,
+          out: Path) -> dict:
     """Write the Hugging Face directory of the policy ``model`` (unwrapped: a transformers model
     or a PeftModel) into ``out``; ``weights`` replaces the model's own tensors when they are
     sharded (gathered, named as in ``model``). Returns what was written (``kind``, ``head``,
@@ -54,7 +54,7 @@ def write(ctx: BuildContext, model: nn.Module, weights: dict[str, torch.Tensor] 
     if weights is not None:  # save_pretrained pops what it writes: give it its own dict
         kw["state_dict"] = dict(weights)
     with torch.random.fork_rng(devices=[]):  # saving must not move the run's random stream
-        model.save_pretrained(out, **kw)
+        model.save_pretrained(str(out), **kw)
         _inference_config(out)
         tokenizer = ctx.model.load_tokenizer(ctx)
         tokenizer.save_pretrained(out)

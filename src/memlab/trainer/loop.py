@@ -118,7 +118,7 @@ class Trainer:
     run's generation environment (engine, random draws) for online methods."""
 
     def __init__(self, ctx: BuildContext, method: Method, models: dict[str, nn.Module],
-                 stream: BatchStream | None, *, logger: LoggerRun | None = None,
+                 stream: BatchStream, *, logger: LoggerRun | None = None,
                  offload: OffloadHandle | None = None, generation: GenerationEnv | None = None,
                  options: LoopOptions | None = None):
         options = options or LoopOptions()
@@ -195,9 +195,8 @@ class Trainer:
         loss_total = 0.0
         sync_s = None
         with self.probe.step(self.step_idx, tracked, inputs):
-            if self.online is not None and not reuse:  # generate the training batches
-                online, env = self.online, self.generation
-                assert env is not None  # checked when the trainer was built
+            online, env = self.online, self.generation
+            if online is not None and env is not None and not reuse:  # generate the batches
                 with self._phase("generate"):
                     with self.dist.generation(self.policy):  # ZeRO-3 / FSDP2: whole weights
                         sync_s = env.sync(self.policy)
@@ -205,7 +204,7 @@ class Trainer:
                         batches[:] = [online.rollout(self.models, b, ctx, env)
                                       for b in batches]
                 self._rollouts = list(batches)
-            total_items = sum(b.num_items for b in batches)
+            total_items: float = sum(b.num_items for b in batches)
             if world > 1:  # normalise by the items of the whole step on every rank
                 total_items = self.dist.all_reduce_sum([total_items], device)[0]
             # DDP averages gradients over ranks; scaling by the world size makes that average
@@ -238,7 +237,7 @@ class Trainer:
             keys = sorted(sums)
             reduced = self.dist.all_reduce_sum([loss_total, *(sums[k] for k in keys)], device)
             loss_total, sums = reduced[0], dict(zip(keys, reduced[1:], strict=True))
-        out = {"train/loss": loss_total, "train/lr": self.sched.get_last_lr()[0]}
+        out = {"train/loss": loss_total, "train/lr": float(self.sched.get_last_lr()[0])}
         if gnorm is not None:
             out["train/grad_norm"] = gnorm
         for k, v in sums.items():
@@ -303,9 +302,10 @@ class Trainer:
         while self.step_idx < ctx.train.steps:
             # online methods with num_iterations > 1 generate on every num_iterations-th step
             # and train on those rollouts again in between (no new prompts drawn)
-            reuse = every > 1 and self.step_idx % every != 0 and self._rollouts is not None
-            if reuse:
-                batches = list(self._rollouts)
+            rollouts = self._rollouts if every > 1 and self.step_idx % every != 0 else None
+            reuse = rollouts is not None
+            if rollouts is not None:
+                batches = list(rollouts)
             else:
                 batches = [next(self.stream).to(ctx.device) for _ in range(ctx.train.grad_accum)]
             key = tuple(max(col) for col in zip(*(b.size_key for b in batches), strict=False))

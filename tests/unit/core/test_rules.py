@@ -89,8 +89,8 @@ def test_every_method_declares_every_capability():
         for attr in ("data_kinds", "head", "items_name", "supports_packing",
                      "supports_padding_free", "trains_extra_models"):
             assert attr in dir(cls), (name, attr)
-        for fn in ("as_generating", "as_group_packed", "packs_rows", "uses_liger",
-                   "liger_model_kernels",
+        for fn in ("as_generating", "as_group_packed", "packs_rows", "keeps_row_end",
+                   "uses_liger", "liger_model_kernels",
                    "reads_head_weight", "row_length", "prepare", "collate", "extra_models",
                    "before_training", "loss", "validate"):
             assert callable(getattr(cls, fn, None)), (name, fn)

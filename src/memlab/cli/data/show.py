@@ -123,7 +123,7 @@ def _rows_of(t: dict[str, Any], items: dict[str, list], batch_no: int, pad: int)
                 end -= 1
             docs = [Document(0, end)]
         marked = set(forked)
-        if scored:
+        if scored and labels is not None:
             row_labels = labels[r].tolist()
             marked |= {p for p in range(1, width) if row_labels[p - 1] != IGNORE}
         elif "last_index" in t:  # a reward model: the tokens its head reads
@@ -169,7 +169,7 @@ def _trace(ctx, tokenizer, raw, prepared, tally, rows: list[Row]) -> None:
     rows_in, _ = ctx.data.convert(raw)
     with chat.rendering(tokenizer, ctx.data):
         whole, _ = ctx_full.method.prepare(rows_in, tokenizer, ctx_full)
-    keep_end = getattr(ctx.method, "truncation_mode", "keep_start") == "keep_end"
+    keep_end = ctx.method.keeps_row_end()
     wanted: dict[tuple[int, ...], list[Document]] = {}
     pieces: dict[int, list[int]] = {}
     for row in rows:

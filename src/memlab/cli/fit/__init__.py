@@ -89,7 +89,9 @@ def options(args) -> FitOptions:
     if args.measure < 1 or args.steps < 3 or not 0 <= args.margin < 1:
         raise ValueError("--measure >= 1, --steps >= 3 (warm-up, tracked and timed steps) and "
                          "0 <= --margin < 1")
-    return FitOptions(budget_bytes=budget, device=args.device or ("cuda" if args.card else "cpu"),
+    from memlab.estimate.options import device_of
+
+    return FitOptions(budget_bytes=budget, device=device_of(args.device, args.card),
                       card=args.card, allow=allow, margin=args.margin, measure=args.measure,
                       steps=args.steps, estimate_only=args.estimate_only)
 
@@ -133,13 +135,12 @@ def fit(base: list[str], opts: FitOptions, out_dir: Path, argv: list[str],
     """Search, measure, choose; returns the ``fit.json`` record (also written to ``out_dir``)."""
     from memlab.cli.compose import compose
     from memlab.cli.fit import search, space
+    from memlab.context import plain_config
     from memlab.measure.summary import write_atomic
 
     t0 = time.perf_counter()
     cfg, choices = compose(base)
-    from omegaconf import OmegaConf
-
-    plain = OmegaConf.to_container(cfg, resolve=True)
+    plain = plain_config(cfg)
     dims, notes = space.dimensions(plain, opts.device, opts.allow, space.user_keys(base))
     cands = space.candidates(dims, plain, choices)
     log(f"[fit] {len(cands)} candidates over {', '.join(d.name for d in dims) or 'nothing'}")
@@ -153,7 +154,7 @@ def fit(base: list[str], opts: FitOptions, out_dir: Path, argv: list[str],
             else None
         measured = search.measure(base, ranked, baseline, opts, out_dir, log)
     # a run whose every step was warm-up or tracked has no tokens/s: it cannot be ranked
-    fits = [c for c in measured if c.measured["fits"] and c.measured.get("tokens_per_s")]
+    fits = [c for c in measured if c.run()["fits"] and c.run().get("tokens_per_s")]
     best = search.fastest(fits)
     if best is None and opts.estimate_only and ranked:
         best = ranked[0]

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from memlab.cli.fit.space import Candidate
 
@@ -38,7 +38,7 @@ from memlab.cli.fit.space import Candidate
 @dataclass(kw_only=True)
 class FitOptions:
     budget_bytes: int
-    device: str = "cpu"
+    device: Literal["cpu", "cuda"] = "cpu"
     card: str | None = None
     allow: tuple[str, ...] = ()
     margin: float = 0.05
@@ -197,7 +197,7 @@ def measure(base: list[str], ranked: list[Candidate], baseline: Candidate | None
                                    "raise --steps")
         done.append(c)
         if not todo and rest and len(done) < 2 * opts.measure + 1 and not any(
-                d.measured["fits"] and d.measured.get("tokens_per_s") for d in done):
+                d.run()["fits"] and d.run().get("tokens_per_s") for d in done):
             todo.append(rest.pop(0))
     return done
 
@@ -208,11 +208,11 @@ def fastest(fits: list[Candidate]) -> Candidate | None:
     order them and the speed model's order (then the smaller measured peak) decides."""
     if not fits:
         return None
-    top = max(fits, key=lambda c: c.measured["tokens_per_s"])
-    t, s = top.measured["tokens_per_s"], top.measured.get("tokens_per_s_std") or 0.0
-    tied = [c for c in fits if t - c.measured["tokens_per_s"]
-            <= max(s, c.measured.get("tokens_per_s_std") or 0.0)]
-    return min(tied, key=lambda c: (c.predicted_rank or 10**9, c.measured["peak_bytes"]))
+    top = max(fits, key=lambda c: c.run()["tokens_per_s"])
+    t, s = top.run()["tokens_per_s"], top.run().get("tokens_per_s_std") or 0.0
+    tied = [c for c in fits if t - c.run()["tokens_per_s"]
+            <= max(s, c.run().get("tokens_per_s_std") or 0.0)]
+    return min(tied, key=lambda c: (c.predicted_rank or 10**9, c.run()["peak_bytes"]))
 
 
 def spearman(xs: list[float], ys: list[float]) -> float | None:

@@ -46,6 +46,12 @@ class Candidate:
     measured: dict[str, Any] | None = None
     predicted_rank: int | None = None
 
+    def run(self) -> dict[str, Any]:
+        """:attr:`measured`: what the candidate's real run measured (it has been run)."""
+        if self.measured is None:
+            raise ValueError(f"candidate {self.label!r} has not been run")
+        return self.measured
+
 
 def user_keys(overrides: Iterable[str]) -> set[str]:
     """The keys / groups a command line sets (``+a.b=1`` -> ``a.b``; ``peft=lora`` -> ``peft``)."""

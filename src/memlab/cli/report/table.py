@@ -208,8 +208,8 @@ def _split_params(
         values = {p.get(key) for p, k in zip(params, known) if key in p or k}
         if len(values) > 1:
             varying.append(key)
-        elif values and None not in values:
-            fixed[key] = next(iter(values))  # type: ignore[assignment]
+        elif len(values) == 1 and (only := next(iter(values))) is not None:
+            fixed[key] = only
     return varying, fixed
 
 
