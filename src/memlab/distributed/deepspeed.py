@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from memlab.distributed.base import NativeStates, Ranks, Sharding, StepOwner, env_rank, register
+from memlab.measure import patches
 from memlab.registry import NonNegativeInt, PositiveInt, Range
 from memlab.trainer.optim import build_optimizer
 from memlab.trainer.routing import Routed, base_model, unwrap
@@ -212,7 +213,7 @@ class DeepSpeed(Ranks):
             if get_accelerator().device_name() != "cpu":
                 raise RuntimeError("DeepSpeed selected a GPU accelerator for a CPU run; set "
                                    "DS_ACCELERATOR=cpu")
-            _skip_shm_comm()
+            patches.skip_deepspeed_shm_comm()
         deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
 
     @contextlib.contextmanager
@@ -393,26 +394,3 @@ class DeepSpeed(Ranks):
 
     def as_native_states(self) -> NativeStates | None:
         return self
-
-
-def _skip_shm_comm() -> None:
-    """Keep DeepSpeed from building its CPU shared-memory all-reduce kernel.
-
-    DeepSpeed's comm layer compiles that kernel (a JIT C++ build, about a minute on 2 cores) the
-    first time it starts on the CPU, every rank waiting on torch's extension lock. Only its
-    inference all-reduce uses the kernel; training goes through the gloo process group. A build
-    that is stopped half-way (a rank killed by the launcher, a CI timeout) leaves the lock file
-    behind, and every later DeepSpeed run then waits on it forever. DeepSpeed reads which ops it
-    may build from ``deepspeed.ops.__compatible_ops__`` (one dict, kept once probed); marking
-    the kernel unavailable there is DeepSpeed's own fallback for machines that cannot build it.
-    """
-    import deepspeed.ops
-    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
-
-    ops = deepspeed.ops.__compatible_ops__
-    if ShareMemCommBuilder.NAME not in ops:
-        raise RuntimeError(f"deepspeed {deepspeed.__version__} no longer lists "
-                           f"{ShareMemCommBuilder.NAME!r} among its ops; memlab's CPU setup "
-                           "needs updating")
-    ops[ShareMemCommBuilder.NAME] = False
-

@@ -172,6 +172,7 @@ def estimate_tracker(round_to: int = 0):
                     winfo.mem_consumed = math.ceil(raw / round_to) * round_to if raw > 0 else 0
                 return super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
 
+    patches.check_overrides(base, EstimateTracker)
     return EstimateTracker()
 
 

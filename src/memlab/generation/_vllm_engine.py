@@ -15,6 +15,7 @@ from typing import Any, ClassVar, cast
 import torch
 
 from memlab.generation.base import Samples, SamplingParams
+from memlab.measure import patches
 from memlab.trainer.routing import base_model, unwrap
 
 GIB = 1024**3
@@ -268,14 +269,10 @@ class ColocateEngine:
             logprobs_mode=self.cfg.logprobs_mode, seed=self.seed, device=self.device,
             load_format="dummy", enable_sleep_mode=self.cfg.enable_sleep_mode,
             external_launcher=self.world_size > 1)
-        set_threads = torch.set_num_threads
         devices = [torch.cuda.current_device()] if self.device.startswith("cuda") else []
-        with _env(VLLM_ENABLE_V1_MULTIPROCESSING="0"), torch.random.fork_rng(devices=devices):
-            try:
-                with self._untracked():
-                    self.llm = vllm.LLM(**kw)
-            finally:
-                torch.set_num_threads = set_threads
+        with _env(VLLM_ENABLE_V1_MULTIPROCESSING="0"), torch.random.fork_rng(devices=devices), \
+                patches.keeping_torch_threads(), self._untracked():
+            self.llm = vllm.LLM(**kw)
         t2 = time.perf_counter()
         self._load(model)
         self.timings = {"import_s": t1 - t0, "engine_s": t2 - t1,

@@ -134,6 +134,9 @@ def tracker_class():
                 buffer_memory += sum(w.mem_consumed for w in winfos)
             return param_memory, buffer_memory
 
+    from memlab.measure.patches import check_overrides
+
+    check_overrides(MemTracker, Tracker, own=("_skips",))
     return Tracker
 
 

@@ -1,10 +1,10 @@
 """Every change memlab makes to third-party code, in one place.
 
 memlab patches no module of its own. Where it must change what a library does, the change is
-made here, scoped (a context manager that restores the original on exit), and checked: the
-target must exist as memlab expects it, or :class:`PatchTargetMissing` names it and the installed
-version, so an upgrade that renames a function fails loudly instead of silently turning the
-patch into a no-op.
+made here, scoped where it can be (a context manager that restores the original on exit), and
+checked: the target must exist as memlab expects it, or :class:`PatchTargetMissing` names it and
+the installed version, so an upgrade that renames a function fails loudly instead of silently
+turning the patch into a no-op.
 
 - :func:`recording_multi_grad_hooks` (the run's memory tracker): torch's module tracker leaves
   one multi-grad hook per module input behind; memlab records them to remove them.
@@ -20,13 +20,31 @@ patch into a no-op.
   layer's weight into a CPU layout the first time it runs in eval mode without grad (generation,
   a reference pass), after which its training forward loses the gradient of its input; memlab
   keeps the layers in the training layout. Set on the run's layers for the run (no scope).
+- :func:`keeping_torch_threads` (``generation=vllm``, colocated): vLLM's CPU worker replaces
+  ``torch.set_num_threads`` when its engine starts in the training process; torch's own is put
+  back.
+- :func:`liger_kernels` (``method.use_liger_kernel``): Liger's instance patcher swaps the
+  forward of a loaded model's modules for its fused kernels (that instance only, for good).
+- :func:`skip_deepspeed_shm_comm` (``distributed=deepspeed`` on the CPU): DeepSpeed's table of
+  buildable ops marks its shared-memory all-reduce kernel unavailable (for good: a process).
+- :func:`check_overrides`: memlab's memory tracker subclasses torch's MemTracker and overrides
+  private methods of it (:func:`memlab.measure.memory.tracker_class`, and the estimate's
+  :func:`memlab.estimate.fake.estimate_tracker`); each must still exist in torch, or the
+  override would silently never run.
+
+Not patches, though they touch third-party objects: memlab sets documented attributes of the
+objects it owns (a model's ``config``, a tokenizer's ``pad_token``), replaces modules of a model
+instance it built (``memlab estimate``'s quantized stand-ins, as PEFT does), marks that stand-in
+model as quantized for transformers (``is_loaded_in_4bit``), restores an LR scheduler's state
+after resuming (``_last_lr``, which ``load_state_dict`` leaves stale), and hands Hydra a job
+result it can pickle (``JobReturn._return_value``, in the isolating launcher's worker).
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 _MISSING = object()
@@ -198,3 +216,71 @@ def keep_4bit_training_layout(model: Any) -> int:
         check_target(layer, "support_avx512bf16_for_cpu")
         layer.support_avx512bf16_for_cpu = False
     return len(layers)
+
+
+@contextlib.contextmanager
+def keeping(owner: Any, name: str) -> Iterator[Any]:
+    """``owner.name`` as it is now, put back when the block ends (checked with
+    :func:`check_target`), for code in the block that replaces it; yields it."""
+    original = check_target(owner, name)
+    try:
+        yield original
+    finally:
+        setattr(owner, name, original)
+
+
+@contextlib.contextmanager
+def keeping_torch_threads() -> Iterator[None]:
+    """``torch.set_num_threads`` back as it was when the block ends: vLLM's CPU worker replaces
+    it while its engine starts in this process (its own thread binding must not be undone), and
+    the trainer's torch keeps its own."""
+    import torch
+
+    with keeping(torch, "set_num_threads"):
+        yield
+
+
+def liger_kernels(model: Any, kernels: Mapping[str, bool]) -> Any:
+    """Liger's kernels on a loaded transformers model, in place (returns it): Liger's instance
+    patcher (``_apply_liger_kernel_to_instance``, private in Liger) swaps the forward of the
+    model's modules named in ``kernels`` (rope, rms_norm, swiglu...: ``{name: on}``) for its
+    Triton kernels; Liger's own loss patches stay off (the methods compute their loss
+    themselves). It changes this instance only (never a class), for the life of the run: the
+    model is the run's own."""
+    from liger_kernel import transformers as liger
+
+    apply = check_target(liger, "_apply_liger_kernel_to_instance")
+    apply(model=model, fused_linear_cross_entropy=False, cross_entropy=False, **kernels)
+    return model
+
+
+def skip_deepspeed_shm_comm() -> None:
+    """Keep DeepSpeed from building its CPU shared-memory all-reduce kernel.
+
+    DeepSpeed's comm layer compiles that kernel (a JIT C++ build, about a minute on 2 cores) the
+    first time it starts on the CPU, every rank waiting on torch's extension lock. Only its
+    inference all-reduce uses the kernel; training goes through the gloo process group. A build
+    that is stopped half-way (a rank killed by the launcher, a CI timeout) leaves the lock file
+    behind, and every later DeepSpeed run then waits on it forever. DeepSpeed reads which ops it
+    may build from ``deepspeed.ops.__compatible_ops__`` (one dict, kept once probed); marking
+    the kernel unavailable there is DeepSpeed's own fallback for machines that cannot build it.
+    For the life of the process (a DeepSpeed rank)."""
+    import deepspeed.ops
+    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+
+    ops = check_target(deepspeed.ops, "__compatible_ops__")
+    if ShareMemCommBuilder.NAME not in ops:
+        raise PatchTargetMissing(f"deepspeed {deepspeed.__version__} no longer lists "
+                                 f"{ShareMemCommBuilder.NAME!r} among its ops; memlab's CPU "
+                                 "setup needs updating (memlab.measure.patches)")
+    ops[ShareMemCommBuilder.NAME] = False
+
+
+def check_overrides(base: type, cls: type, own: tuple[str, ...] = ()) -> None:
+    """Every private method ``cls`` (a subclass of the third-party ``base``) defines, but those
+    named in ``own`` (its new ones), must exist on ``base``: an override of a method the
+    installed version renamed would silently never be called."""
+    for name, value in vars(cls).items():
+        if name.startswith("_") and not name.startswith("__") and callable(value) \
+                and name not in own:
+            check_target(base, name)

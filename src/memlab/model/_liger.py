@@ -1,7 +1,8 @@
 """Liger's kernels on a loaded model (RMSNorm, RoPE, SwiGLU...: the ``liger_kernels`` a method
 selects): CUDA, or Triton's interpreter on CPU for tests (``TRITON_INTERPRET=1`` in the
 environment the process started with: Triton reads it when it is imported, and torch imports
-it). Imported only when a run asks for Liger; importing this module imports nothing of Liger's."""
+it). Imported only when a run asks for Liger; importing this module imports nothing of Liger's.
+Applying them is a patch of the model's modules (:func:`memlab.measure.patches.liger_kernels`)."""
 
 from __future__ import annotations
 
@@ -14,13 +15,8 @@ A model type that has no such module (``geglu`` on Llama) ignores the name."""
 
 
 def apply_liger(model: nn.Module, kernels: tuple[str, ...]) -> nn.Module:
-    """Patch a loaded transformers model instance with Liger's ``kernels`` (in place). Liger's
-    own loss patch stays off: the methods compute their loss themselves."""
-    import liger_kernel.transformers as liger
+    """A loaded transformers model instance with Liger's ``kernels`` (in place); Liger's own
+    loss patch stays off: the methods compute their loss themselves."""
+    from memlab.measure.patches import liger_kernels
 
-    from memlab.measure.patches import check_target
-
-    apply = check_target(liger, "_apply_liger_kernel_to_instance")  # private: checked
-    apply(model=model, fused_linear_cross_entropy=False, cross_entropy=False,
-          **{k: k in kernels for k in MODEL_KERNELS})
-    return model
+    return liger_kernels(model, {k: k in kernels for k in MODEL_KERNELS})

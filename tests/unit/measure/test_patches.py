@@ -111,3 +111,107 @@ def test_deepspeed_patch_answers_as_a_healthy_rank_0_and_restores(monkeypatch):
     with pytest.raises(patches.PatchTargetMissing, match="dont_change_device"):
         with patches.deepspeed_on_fake_tensors():
             pass
+
+
+def test_keeping_puts_back_what_the_block_replaced():
+    """vLLM's CPU worker replaces torch.set_num_threads while its engine starts; the trainer's
+    torch gets its own back (and a missing target fails loudly)."""
+    import torch
+
+    own = torch.set_num_threads
+    with patches.keeping_torch_threads():
+        torch.set_num_threads = lambda n: None  # what vLLM's worker does
+    assert torch.set_num_threads is own
+    with pytest.raises(patches.PatchTargetMissing, match="renamed_away"):
+        with patches.keeping(types.SimpleNamespace(), "renamed_away"):
+            pass
+
+
+def test_an_override_of_a_renamed_private_method_fails_loudly():
+    """memlab's tracker overrides private methods of torch's MemTracker: each must still exist
+    there (negative control: an override of a method the base no longer has)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from memlab.measure.memory import tracker_class
+
+    class Base:
+        def _hook(self):
+            return 1
+
+    class Sub(Base):
+        def _hook(self):
+            return 2
+
+        def _renamed(self):
+            return 3
+
+        def _own_helper(self):
+            return 4
+
+    with pytest.raises(patches.PatchTargetMissing, match="_renamed"):
+        patches.check_overrides(Base, Sub, own=("_own_helper",))
+    patches.check_overrides(Base, Sub, own=("_own_helper", "_renamed"))
+    tracker = tracker_class()  # checks its overrides against the installed torch
+    assert issubclass(tracker, MemTracker) and "_pre_fw_hook" in vars(tracker)
+
+
+def test_deepspeed_op_table_patch_marks_the_kernel_unbuildable():
+    pytest.importorskip("deepspeed")
+    import deepspeed.ops
+    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+
+    patches.skip_deepspeed_shm_comm()
+    assert deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] is False
+
+
+def test_liger_instance_patcher_target_exists():
+    """GPU extra: Liger's (private) instance patcher is where memlab calls it."""
+    liger = pytest.importorskip("liger_kernel.transformers")
+    assert callable(patches.check_target(liger, "_apply_liger_kernel_to_instance"))
+
+
+def test_third_party_code_is_changed_only_here():
+    """No module but memlab.measure.patches assigns an attribute of an imported module (or
+    what one holds: ``module.attr[key] = ...``) or setattr()s one; the process's documented
+    state (``os.environ``, ``sys.argv``) aside. Negative control: such a line is found."""
+    import ast
+    from pathlib import Path
+
+    src = Path(patches.__file__).resolve().parents[2]
+
+    def offending(code: str) -> list[int]:
+        tree = ast.parse(code)
+        imported = {a.asname or a.name.split(".")[0] for n in ast.walk(tree)
+                    if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+
+        def root(e: ast.expr) -> tuple[str | None, str]:
+            chain = []
+            while isinstance(e, ast.Attribute):
+                chain.append(e.attr)
+                e = e.value
+            return (e.id if isinstance(e, ast.Name) else None), (chain[-1] if chain else "")
+
+        lines = []
+        for node in ast.walk(tree):
+            targets = (node.targets if isinstance(node, ast.Assign) else
+                       [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+            for t in targets:
+                base = t.value if isinstance(t, ast.Subscript) else t
+                if isinstance(base, ast.Attribute):
+                    name, first = root(base)
+                    if name in imported and (name, first) not in {("os", "environ"),
+                                                                  ("sys", "argv")}:
+                        lines.append(node.lineno)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+                    node.func.id in ("setattr", "delattr") and node.args and \
+                    root(node.args[0])[0] in imported:
+                lines.append(node.lineno)
+        return lines
+
+    assert offending("import torch\ntorch.set_num_threads = print\n") == [2]
+    assert offending("import deepspeed.ops\ndeepspeed.ops.__compatible_ops__['x'] = 0\n") == [2]
+    assert offending("import os\nos.environ['X'] = '1'\n") == []
+    bad = [f"{p.relative_to(src)}:{line}" for p in sorted(src.rglob("*.py"))
+           if p != Path(patches.__file__).resolve() for line in offending(p.read_text())]
+    assert not bad, "third-party code changed outside memlab.measure.patches:\n  " + \
+        "\n  ".join(bad)
