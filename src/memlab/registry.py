@@ -4,7 +4,9 @@ Every option of every group is a ``@dataclass(kw_only=True)`` registered under t
 its yaml file (``conf/<group>/<name>.yaml``) and its module (``memlab/<group>/<name>.py``). It
 registers through its group's typed ``register`` (``memlab/<group>/base.py``), which mypy
 checks: a class that does not conform to the group's Protocol is a type error where it is
-registered. Every group Protocol extends :class:`Option`.
+registered (``Value of type variable "MethodClass" of function cannot be "SFT"``; passing an
+instance to a function typed with the Protocol makes mypy list the conflicting members). Every
+group Protocol extends :class:`Option`.
 ``build(group, node)`` turns a plain mapping from Hydra into that dataclass, reporting *every*
 problem (unknown option, unknown key, wrong type, a number out of its range) instead of stopping
 at the first.

@@ -44,10 +44,10 @@ class Attention(Option, Protocol):
         ...
 
 
-_A = TypeVar("_A", bound=Attention)
+AttentionClass = TypeVar("AttentionClass", bound=Attention)
 
 
-def register(name: str) -> Callable[[type[_A]], type[_A]]:
+def register(name: str) -> Callable[[type[AttentionClass]], type[AttentionClass]]:
     """Register an ``attention=`` option (mypy checks it against :class:`Attention`)."""
     return registry.register("attention", name)
 

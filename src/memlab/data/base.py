@@ -66,10 +66,10 @@ class DataSource(Option, Protocol):
         ...
 
 
-_D = TypeVar("_D", bound=DataSource)
+DataSourceClass = TypeVar("DataSourceClass", bound=DataSource)
 
 
-def register(name: str) -> Callable[[type[_D]], type[_D]]:
+def register(name: str) -> Callable[[type[DataSourceClass]], type[DataSourceClass]]:
     """Register a ``data=`` option (mypy checks it against :class:`DataSource`)."""
     return registry.register("data", name)
 

@@ -151,10 +151,10 @@ class Distributed(Option, Protocol):
     def as_native_states(self) -> NativeStates | None: ...
 
 
-_D = TypeVar("_D", bound=Distributed)
+DistributedClass = TypeVar("DistributedClass", bound=Distributed)
 
 
-def register(name: str) -> Callable[[type[_D]], type[_D]]:
+def register(name: str) -> Callable[[type[DistributedClass]], type[DistributedClass]]:
     """Register a ``distributed=`` option (mypy checks it against :class:`Distributed`)."""
     return registry.register("distributed", name)
 

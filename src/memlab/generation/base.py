@@ -161,10 +161,10 @@ class Generation(Option, Protocol):
         ...
 
 
-_G = TypeVar("_G", bound=Generation)
+GenerationClass = TypeVar("GenerationClass", bound=Generation)
 
 
-def register(name: str) -> Callable[[type[_G]], type[_G]]:
+def register(name: str) -> Callable[[type[GenerationClass]], type[GenerationClass]]:
     """Register a ``generation=`` option (mypy checks it against :class:`Generation`)."""
     return registry.register("generation", name)
 

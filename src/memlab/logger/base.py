@@ -29,10 +29,10 @@ class Logger(Option, Protocol):
         ...
 
 
-_L = TypeVar("_L", bound=Logger)
+LoggerClass = TypeVar("LoggerClass", bound=Logger)
 
 
-def register(name: str) -> Callable[[type[_L]], type[_L]]:
+def register(name: str) -> Callable[[type[LoggerClass]], type[LoggerClass]]:
     """Register a ``logger=`` option (mypy checks it against :class:`Logger`)."""
     return registry.register("logger", name)
 

@@ -143,10 +143,10 @@ class Generating(Protocol):
         ...
 
 
-_M = TypeVar("_M", bound=Method)
+MethodClass = TypeVar("MethodClass", bound=Method)
 
 
-def register(name: str) -> Callable[[type[_M]], type[_M]]:
+def register(name: str) -> Callable[[type[MethodClass]], type[MethodClass]]:
     """Register a ``method=`` option (mypy checks it against :class:`Method`)."""
     return registry.register("method", name)
 

@@ -36,10 +36,10 @@ class Model(Option, Protocol):
 
 
 
-_M = TypeVar("_M", bound=Model)
+ModelClass = TypeVar("ModelClass", bound=Model)
 
 
-def register(name: str) -> Callable[[type[_M]], type[_M]]:
+def register(name: str) -> Callable[[type[ModelClass]], type[ModelClass]]:
     """Register a ``model=`` option (mypy checks it against :class:`Model`)."""
     return registry.register("model", name)
 

@@ -57,9 +57,9 @@ class Offload(Option, Protocol):
         ...
 
 
-_O = TypeVar("_O", bound=Offload)
+OffloadClass = TypeVar("OffloadClass", bound=Offload)
 
 
-def register(name: str) -> Callable[[type[_O]], type[_O]]:
+def register(name: str) -> Callable[[type[OffloadClass]], type[OffloadClass]]:
     """Register an ``offload=`` option (mypy checks it against :class:`Offload`)."""
     return registry.register("offload", name)

@@ -47,10 +47,10 @@ class PackingOption(Option, Protocol):
         ...
 
 
-_P = TypeVar("_P", bound=PackingOption)
+PackingClass = TypeVar("PackingClass", bound=PackingOption)
 
 
-def register(name: str) -> Callable[[type[_P]], type[_P]]:
+def register(name: str) -> Callable[[type[PackingClass]], type[PackingClass]]:
     """Register a ``packing=`` option (mypy checks it against :class:`PackingOption`)."""
     return registry.register("packing", name)
 

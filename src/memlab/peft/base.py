@@ -50,9 +50,9 @@ class Peft(Option, Protocol):
         ...
 
 
-_P = TypeVar("_P", bound=Peft)
+PeftClass = TypeVar("PeftClass", bound=Peft)
 
 
-def register(name: str) -> Callable[[type[_P]], type[_P]]:
+def register(name: str) -> Callable[[type[PeftClass]], type[PeftClass]]:
     """Register a ``peft=`` option (mypy checks it against :class:`Peft`)."""
     return registry.register("peft", name)

@@ -44,10 +44,10 @@ class Precision(Option, Protocol):
         ...
 
 
-_P = TypeVar("_P", bound=Precision)
+PrecisionClass = TypeVar("PrecisionClass", bound=Precision)
 
 
-def register(name: str) -> Callable[[type[_P]], type[_P]]:
+def register(name: str) -> Callable[[type[PrecisionClass]], type[PrecisionClass]]:
     """Register a ``precision=`` option (mypy checks it against :class:`Precision`)."""
     return registry.register("precision", name)
 
