@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -175,7 +175,16 @@ def units_of(items: list[dict]) -> tuple[list[dict], list[list[int]] | None]:
     return units, rows_of
 
 
-def layout_errors(method, ctx: BuildContext) -> list[str]:
+class PairRows(Protocol):
+    """The knobs of a preference method that decide how its units are laid out in rows."""
+
+    @property
+    def max_length(self) -> int | None: ...
+    @property
+    def share_prompt(self) -> bool: ...
+
+
+def layout_errors(method: PairRows, ctx: BuildContext) -> list[str]:
     """Checks every preference method shares for packing and ``share_prompt``."""
     errors = []
     if ctx.packing.packs and method.max_length is None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 from torch import nn
@@ -112,7 +112,19 @@ class LigerKnobs:
 
 
 
-def preference_errors(method, ctx: BuildContext, loss_name: str) -> list[str]:
+class LigerPairs(Protocol):
+    """The knobs of a preference method that Liger's fused preference losses constrain."""
+
+    def liger_loss(self) -> bool: ...
+    @property
+    def padding_free(self) -> bool: ...
+    @property
+    def share_prompt(self) -> bool: ...
+    @property
+    def reference(self) -> str: ...
+
+
+def preference_errors(method: LigerPairs, ctx: BuildContext, loss_name: str) -> list[str]:
     """Checks of Liger's fused linear preference losses (dpo, kto)."""
     if not method.liger_loss():
         return []
@@ -130,7 +142,7 @@ def preference_errors(method, ctx: BuildContext, loss_name: str) -> list[str]:
     return errors
 
 
-def liger_module(method, cls_name: str, **kwargs: Any) -> nn.Module:
+def liger_module(method: LigerKnobs, cls_name: str, **kwargs: Any) -> nn.Module:
     """Instantiate ``liger_kernel.chunked_loss.<cls_name>`` with the keyword arguments its
     installed version accepts (the signature grew over releases). Its ``compiled`` chunk
     function (torch.compile) stays off in Triton's interpreter: there it would compile for the

@@ -14,7 +14,7 @@ import contextlib
 import gc
 import hashlib
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -29,7 +29,14 @@ if TYPE_CHECKING:
 REFERENCE_MODES = ("copy", "adapter_disabled", "precomputed")
 
 
-def reference_errors(method, ctx: BuildContext) -> list[str]:
+class WithReference(Protocol):
+    """A method that regularises towards the frozen initial policy: its ``reference`` mode."""
+
+    @property
+    def reference(self) -> str: ...
+
+
+def reference_errors(method: WithReference, ctx: BuildContext) -> list[str]:
     """``reference=adapter_disabled`` needs an adapter to disable (the peft option declares one)."""
     if method.reference == "adapter_disabled" and not ctx.peft.has_adapter():
         return [
@@ -97,7 +104,7 @@ def check_same_weights(policy: nn.Module, reference: nn.Module, distributed: Dis
     return compared
 
 
-def reference_models(method, policy: nn.Module, ctx: BuildContext, build: ModelFactory
+def reference_models(method: WithReference, policy: nn.Module, ctx: BuildContext, build: ModelFactory
                      ) -> dict[str, nn.Module]:
     """The models a reference mode keeps next to the policy.
 
@@ -118,7 +125,7 @@ def reference_models(method, policy: nn.Module, ctx: BuildContext, build: ModelF
 
 
 @contextlib.contextmanager
-def reference_forward(method, models: dict[str, nn.Module]) -> Iterator[nn.Module]:
+def reference_forward(method: WithReference, models: dict[str, nn.Module]) -> Iterator[nn.Module]:
     """The model to run as reference (no grad, eval mode)."""
     if "reference" in models:
         with frozen_forward(models["reference"]) as m:
@@ -128,7 +135,7 @@ def reference_forward(method, models: dict[str, nn.Module]) -> Iterator[nn.Modul
             yield m
 
 
-def precompute(method, models: dict[str, nn.Module], ds, ctx: BuildContext,
+def precompute(method: WithReference, models: dict[str, nn.Module], ds, ctx: BuildContext,
                collate: Callable[[list[dict]], Any],
                run: Callable[[nn.Module, Any, list[dict]], dict[str, list]]):
     """Run the reference once over ``ds`` (in order, ``train.batch_size`` rows at a time, or
