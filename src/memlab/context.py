@@ -10,8 +10,8 @@ tests an option's class or attributes. mypy checks every registered option again
 Protocol (the group's typed ``register``) and every use of the context against the Protocols.
 
 The group modules import this module for their annotations only (under ``TYPE_CHECKING``); at
-run time it needs nothing but the registry and the top-level configs, so ``memlab --help`` and
-``memlab estimate`` start without importing torch.
+run time it needs nothing but the registry and the top-level configs (importing it imports no
+torch: the command line starts fast).
 """
 
 from __future__ import annotations
