@@ -136,3 +136,17 @@ def test_every_point_of_every_shipped_sweep_validates():
                 validate_for(_plain(compose(overrides)), "cuda")
             except Exception as e:  # noqa: BLE001 - name the sweep and the point
                 raise AssertionError(f"{path.name}: {overrides}: {e}") from e
+
+
+def test_the_context_types_every_group_by_its_protocol():
+    """BuildContext has one field per registered group, annotated with the group's Protocol (no
+    ``Any``), and ``groups()`` gives them in the registry's order."""
+    import dataclasses
+
+    from memlab.context import BuildContext
+
+    types = {f.name: f.type for f in dataclasses.fields(BuildContext)}
+    assert all(g in types and types[g] not in ("Any", "object") for g in GROUPS), types
+    ctx = validate(_plain(compose(FAST)))
+    assert list(ctx.groups()) == list(GROUPS)
+    assert ctx.groups()["method"] is ctx.method
