@@ -272,10 +272,10 @@ class Online(Option):
     def correct_sampling(self, models: dict, out: Batch, sampler_logps: torch.Tensor,
                          engine: Engine, prompt_width: int) -> None:
         """Weight each completion token by the engine's correction of the mismatch between
-        the sampler's log-probs (``sampler_logps``, ``[N, L]``) and the trainer's (``is_weights``; methods that declare
-        ``supports_sampling_correction`` apply them in their loss). The trainer's log-probs are
-        those of the policy at generation time (one no-grad forward, shared with
-        ``old_logps`` when the method records them)."""
+        the sampler's log-probs (``sampler_logps``, ``[N, L]``) and the trainer's
+        (``is_weights``; methods that declare ``supports_sampling_correction`` apply them in
+        their loss). The trainer's log-probs are those of the policy at generation time (one
+        no-grad forward, shared with ``old_logps`` when the method records them)."""
         t = out.tensors
         labels = t["labels"][:, :-1]
         old = t.get("old_logps")

@@ -104,8 +104,8 @@ def check_same_weights(policy: nn.Module, reference: nn.Module, distributed: Dis
     return compared
 
 
-def reference_models(method: WithReference, policy: nn.Module, ctx: BuildContext, build: ModelFactory
-                     ) -> dict[str, nn.Module]:
+def reference_models(method: WithReference, policy: nn.Module, ctx: BuildContext,
+                     build: ModelFactory) -> dict[str, nn.Module]:
     """The models a reference mode keeps next to the policy.
 
     copy: a frozen copy (counted as "parameters" by the memory probe during training).

@@ -255,7 +255,8 @@ class DPO(Offline, _liger.LigerKnobs):
         with _reference.reference_forward(self, models) as ref:
             return _logps.completion_logps(ref, t, n, attention=attention)[0]
 
-    def loss(self, models: dict, batch: Batch, ctx: BuildContext) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, models: dict, batch: Batch, ctx: BuildContext
+             ) -> tuple[torch.Tensor, dict[str, float]]:
         from memlab.losses import dpo_loss
 
         if self.liger_loss():

@@ -224,7 +224,8 @@ class GKD(Option):
                            "completion_width": samples.completion.shape[1]})
 
     # ------------------------------------------------------------------ loss
-    def loss(self, models: dict, batch: Batch, ctx: BuildContext) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, models: dict, batch: Batch, ctx: BuildContext
+             ) -> tuple[torch.Tensor, dict[str, float]]:
         """Logits only for the completion block (the last ``completion_width + 1`` positions,
         ``logits_to_keep``): the prompt positions never get a [tokens, vocab] row."""
         t = batch.tensors

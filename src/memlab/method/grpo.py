@@ -48,7 +48,8 @@ class GRPO(Clipped):
     def num_items(self, completion_tokens: int, completions: int) -> int:
         return completion_tokens if self.loss_type == "dapo" else completions
 
-    def loss(self, models: dict, batch: Batch, ctx: BuildContext) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, models: dict, batch: Batch, ctx: BuildContext
+             ) -> tuple[torch.Tensor, dict[str, float]]:
         t = batch.tensors
         inputs = model_inputs(t)
         labels = t["labels"][:, :-1]

@@ -396,7 +396,8 @@ class KTO(Offline, _liger.LigerKnobs):
                                                 attention=attention)[0]
         return kto_kl_estimate(policy_kl, ref_kl)
 
-    def loss(self, models: dict, batch: Batch, ctx: BuildContext) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, models: dict, batch: Batch, ctx: BuildContext
+             ) -> tuple[torch.Tensor, dict[str, float]]:
         from memlab.losses import kto_loss
 
         t, n = batch.tensors, batch.num_items

@@ -68,7 +68,8 @@ class OnlineDPO(Online):
     def num_items(self, completion_tokens: int, completions: int) -> int:
         return completions // 2
 
-    def loss(self, models: dict, batch: Batch, ctx: BuildContext) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, models: dict, batch: Batch, ctx: BuildContext
+             ) -> tuple[torch.Tensor, dict[str, float]]:
         t = batch.tensors
         inputs = model_inputs(t)
         labels = t["labels"][:, :-1]

@@ -118,7 +118,8 @@ class PPO(Online):
         return completion_tokens
 
     # ------------------------------------------------------------------ loss
-    def loss(self, models: dict, batch: Batch, ctx: BuildContext) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, models: dict, batch: Batch, ctx: BuildContext
+             ) -> tuple[torch.Tensor, dict[str, float]]:
         t = batch.tensors
         inputs = model_inputs(t)
         labels = t["labels"][:, :-1]

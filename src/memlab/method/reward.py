@@ -264,7 +264,8 @@ class Reward(Offline):
                              **_logps.document_inputs(t, "", attention))
         return scores.reshape(-1).float()
 
-    def loss(self, models: dict, batch: Batch, ctx: BuildContext) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, models: dict, batch: Batch, ctx: BuildContext
+             ) -> tuple[torch.Tensor, dict[str, float]]:
         from memlab.losses import bradley_terry_loss
 
         b = batch.num_items

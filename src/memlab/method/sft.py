@@ -235,7 +235,8 @@ class SFT(Offline, LigerKnobs):
         return self.padding_mask == "auto" and not ctx.attention.skips_padding
 
     # ------------------------------------------------------------------ model
-    def loss(self, models: dict, batch: Batch, ctx: BuildContext) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, models: dict, batch: Batch, ctx: BuildContext
+             ) -> tuple[torch.Tensor, dict[str, float]]:
         model = models["policy"]
         t = batch.tensors
         inputs = model_inputs(t)

@@ -23,7 +23,8 @@ class NoOffload(Option):
     def validate(self, ctx: BuildContext) -> list[str]:
         return []
 
-    def build(self, model: nn.Module, ctx: BuildContext, placement: Placement | None = None) -> None:
+    def build(self, model: nn.Module, ctx: BuildContext, placement: Placement | None = None
+              ) -> None:
         """Nothing is offloaded: no handle."""
         return None
 

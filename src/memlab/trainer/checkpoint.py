@@ -18,7 +18,8 @@ needs, written without pickles and read without running code.
 Three kinds of state, by what the distributed option declares (:func:`state_format`):
 ``torch`` (one replica's state: single process, DDP), ``by_name`` (gathered from FSDP2's shards
 by parameter name, ``as_gathered_states()``: a collective, written by rank 0, re-sharded on
-load), ``native`` (DeepSpeed's shards, ``as_native_states()``). A checkpoint is written to a temporary directory and renamed when complete.
+load), ``native`` (DeepSpeed's shards, ``as_native_states()``). A checkpoint is written to a
+temporary directory and renamed when complete.
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ Usage::
 
 Options (``--...``) are this command's; the rest is a run's command line: every ``key=value`` is
 a Hydra override, ``-m`` sweeps with Hydra's sweeper and Hydra's flags work. The config is
-composed over memlab's configs and validated with :func:`memlab.context.validate`; then the tokenizer and the data are loaded (never a model) and the
+composed over memlab's configs and validated with :func:`memlab.context.validate`; then the
+tokenizer and the data are loaded (never a model) and the
 rows are tokenized by the method's own ``prepare`` with every ``max_*length`` knob set to None,
 so the lengths are exactly what training would see before truncation (chat template, EOS and
 all). Preference-style prepared datasets (``prompt_/chosen_/rejected_/completion_`` id columns)
