@@ -341,8 +341,8 @@ def dry_run(pieces: list[Piece]) -> int:
     sys.path.insert(0, str(REPO / "src"))
     from memlab.cli.compose import compose
     from memlab.config import Platform
+    from memlab.context import validate
     from memlab.registry import ConfigErrors
-    from memlab.run import validate
 
     bad = 0
     for piece in pieces:

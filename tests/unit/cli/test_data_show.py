@@ -18,7 +18,7 @@ from memlab.pipeline import batch_stream, prepare_data
 def _ctx(*overrides):
     from omegaconf import OmegaConf
 
-    from memlab.run import validate
+    from memlab.context import validate
     from memlab_testing import compose, with_fast
 
     cfg = compose(with_fast(["data.n_examples=12", "data.median_tokens=40", *overrides]))

@@ -54,7 +54,7 @@ def base(tmp_path_factory):
     """A validated context per method (composed once), a tokenizer per chat template."""
     from omegaconf import OmegaConf
 
-    from memlab.run import validate
+    from memlab.context import validate
     from memlab_testing import compose, with_fast
 
     folder = tmp_path_factory.mktemp("formats")

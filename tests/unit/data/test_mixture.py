@@ -57,7 +57,7 @@ def sources(tmp_path_factory):
 def sft(sources):
     from omegaconf import OmegaConf
 
-    from memlab.run import validate
+    from memlab.context import validate
     from memlab_testing import compose, with_fast
 
     cfg = compose(with_fast(["data=mixture", "method.max_length=null",

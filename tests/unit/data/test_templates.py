@@ -423,9 +423,9 @@ def test_preference_rows_no_template_splits_are_skipped_by_the_methods(mistral_v
 
     from omegaconf import OmegaConf
 
+    from memlab.context import validate
     from memlab.data.local import Local
     from memlab.pipeline import prepare_rows
-    from memlab.run import validate
     from memlab_testing import compose, with_fast
 
     tok, _ = mistral_v3

@@ -46,7 +46,7 @@ def tokenizers(tmp_path_factory):
 def test_bos_once_where_the_tokenizer_adds_it(tokenizers, tmp_path, method, kind):
     from omegaconf import OmegaConf
 
-    from memlab.run import validate
+    from memlab.context import validate
     from memlab_testing import compose, with_fast
 
     path = tmp_path / "rows.jsonl"

@@ -10,8 +10,8 @@ import pytest
 from omegaconf import OmegaConf, open_dict
 
 from memlab.config import Platform
+from memlab.context import validate
 from memlab.registry import ConfigErrors
-from memlab.run import validate
 from memlab_testing import FAST, compose
 
 CPU_LIGER = Platform(assume_installed=frozenset({"liger_kernel"}))
