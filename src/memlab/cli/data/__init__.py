@@ -80,9 +80,9 @@ def run_show(args: argparse.Namespace, overrides: list[str]) -> int:
     """``memlab data show``: compose, validate, inspect, print."""
     from memlab.cli.compose import compose
     from memlab.cli.data.show import as_dict, format_report, inspect
+    from memlab.context import validate
     from memlab.data.base import DataError
     from memlab.registry import ConfigErrors
-    from memlab.run import validate
 
     try:
         cfg, choices = compose(overrides)
