@@ -351,3 +351,17 @@ def test_fsdp2_gather_for_generation_keeps_units_gathered_for_the_whole_call():
     assert got["1"].startswith("['Parameter'] ['DTensor']"), got["1"]
     assert got["0"].startswith("['DTensor'] ['DTensor']"), got["0"]
     assert got["1"].split("]", 2)[2] == got["0"].split("]", 2)[2]  # the same tokens
+
+
+def test_ranks_split_the_held_out_set_and_sum(job):
+    """7 held-out rows, 3 a batch per rank: the ranks take 3 + 3, then 1 + none (that rank
+    runs a row again without counting it: its wrapper's forward is a collective) and sum; the
+    eval loss is the one process's."""
+    o = ["train.steps=2", "data.eval=0.22", "train.eval_batch_size=3"]
+    single = job(o + ["train.batch_size=4"])
+    ddp = job(o + DDP + ["train.batch_size=2"])
+    _same_training(single, ddp)
+    assert single["eval"]["examples"] == ddp["eval"]["examples"] == 7
+    assert ddp["eval"]["final"]["loss"] == pytest.approx(single["eval"]["final"]["loss"],
+                                                         rel=2e-5)
+    assert "eval" in ddp["memory"]["by_phase"]

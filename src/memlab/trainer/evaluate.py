@@ -145,6 +145,7 @@ class Evaluator:
         ctx, policy = self.ctx, trainer.policy
         t0 = time.perf_counter()
         sums: dict[str, float] = {}
+        seen: set[str] = set()  # every metric reported, counted or not (the same on every rank)
         items = 0
         if self.env is not None:  # an engine with its own weights takes the policy's
             with trainer.dist.generation(policy):
@@ -154,11 +155,13 @@ class Evaluator:
                 batch = self.collate(self._rows(idx)).to(ctx.device)
                 got, n = self.step(trainer, batch, self._tracked(batch.size_key))
                 del batch
+                seen.update(got)
                 if counted:
                     items += n
                     for k, v in got.items():
                         sums[k] = sums.get(k, 0.0) + float(v)
-        keys = list(self.method.eval_metrics)
+        # the method's metrics, then any it adds (one per reward function of an online method)
+        keys = [*self.method.eval_metrics, *sorted(seen - set(self.method.eval_metrics))]
         # items, then per metric its sum and whether this rank has it (a metric a method
         # reports only for some batches, or a rank with no counted batch)
         values = [float(items), *(x for k in keys for x in (sums.get(k, 0.0), float(k in sums)))]

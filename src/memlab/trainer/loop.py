@@ -328,6 +328,7 @@ class Trainer:
             metrics["throughput/tokens_per_s"] = real / dt if dt > 0 else 0.0
             metrics["data/padding_fraction"] = 1 - real / max(1, sum(b.total_tokens
                                                                      for b in batches))
+            del batches  # freed before an evaluation (an online method keeps its rollouts)
             res.losses.append(metrics["train/loss"])
             res.metrics = metrics
             for k, v in metrics.items():
