@@ -103,7 +103,8 @@ def add_baseline(df: pd.DataFrame, baseline: str) -> pd.DataFrame:
 
 def _notes(job: str, label: str, noisy: list[str], ok: bool) -> list[str]:
     """What the change columns mean (printed under the table)."""
-    out = [f"d_*: change against the baseline, job {job} ({label}): peak memory and each "
+    named = f"job {job}" + (f" ({label})" if "=" in label else "")
+    out = [f"d_*: change against the baseline, {named}: peak memory and each "
            "category in MiB (negative: a saving), peak and tokens/s in percent (positive: "
            "faster)"]
     if not ok:

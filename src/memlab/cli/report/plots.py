@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 _CATEGORY_COLORS = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8C8C8C")
 _PHASE_COLORS = {"generate": "#8172B3", "forward": "#4C72B0", "backward": "#C44E52",
-                 "optimizer": "#55A868"}
+                 "optimizer": "#55A868", "eval": "#CCB974"}
 _BUDGET_COLOR = "#a00000"
 
 

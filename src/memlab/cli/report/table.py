@@ -35,9 +35,10 @@ PHASES: tuple[tuple[str, str], ...] = (
     ("forward", "forward_MiB"),
     ("backward", "backward_MiB"),
     ("optimizer", "optimizer_MiB"),
+    ("eval", "eval_MiB"),
 )
 """``memory.by_phase`` keys and their columns (in the CSV and HTML; the text table leaves them
-out to stay readable)."""
+out to stay readable). ``eval``: evaluating on held-out data (``data.eval``)."""
 
 FLOAT_COLUMNS: tuple[str, ...] = (
     "peak_MiB",
