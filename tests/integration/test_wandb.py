@@ -1,8 +1,8 @@
 """A real sweep with `logger=wandb` (offline), read back from W&B's own files, as its users set
 it up (WANDB_PROJECT / WANDB_TAGS in the environment, W&B's own output on): each run's summary
 is its summary.json's measurements (the config stays in the config), the jobs share one group and
-differ in name and tags, the evaluations are in the history (samples as a table), and the job
-the sweep made invalid is a run too, with its status."""
+differ in name and tags, the evaluations are in the history (samples as a table). An invalid job
+is a run too: tests/unit/logger/test_wandb.py."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def sweep(tmp_path_factory):
     sweep = tmp_path_factory.mktemp("wandb") / "multirun" / "2026-11-23" / "14-03-22"
     r = subprocess.run([sys.executable, "-m", "memlab", "-m", *FAST, "logger=wandb",
                         "data.eval=0.25", "train.eval_every=2", "train.eval_samples=1",
-                        "train.eval_max_new_tokens=4", "train.checkpoint_every=1,2,0",
+                        "train.eval_max_new_tokens=4", "train.checkpoint_every=1,2",
                         f"hydra.sweep.dir={sweep}"],
                        cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -61,16 +61,10 @@ def test_wandb_summary_group_names_tags(sweep):
     assert {"mine", "ours", "train.checkpoint_every:1", "peft:none"} <= set(runs[0].tags)
 
 
-def test_wandb_output_is_shown_and_the_invalid_job_is_a_run(sweep):
-    sweep, output = sweep
+def test_wandb_output_is_shown(sweep):
+    _, output = sweep
     assert "wandb sync " in output  # the offline run's sync hint
     assert "Run history:" not in output  # the per-step panel stays off
-    summary = json.loads((sweep / "2" / "summary.json").read_text())
-    assert summary["status"] == "invalid" and "train.checkpoint_every" in summary["error"]
-    got = read_run(run_file(sweep / "2"))
-    assert got["summary"]["status"] == "invalid"
-    assert got["run"].run_group == "2026-11-23_14-03-22"
-    assert got["run"].display_name == "checkpoint_every=0"
 
 
 def test_wandb_history_has_the_evaluations(sweep):

@@ -395,7 +395,7 @@ def run_fake_step(ctx, opts: EstimateOptions, notes: list[str]) -> dict[str, Any
         if trainer.evaluator is not None:  # every held-out micro-batch of this rank
             ev = trainer.evaluator
             eval_cands = distinct([Candidate(f"held-out batch {k}", [], "", batch=collate(
-                ev._rows(idx))) for k, (idx, _) in enumerate(ev.slices())],
+                ev.rows(idx))) for k, (idx, _) in enumerate(ev.slices())],
                 key=lambda c: c.batch)
         notes.append(f"from_data: the run's own batch stream over the prepared data (seed "
                      f"{ctx.train.seed}): every micro-batch of its {ctx.train.steps} step(s) "

@@ -122,6 +122,12 @@ class Online:
             errors.append(f"train.save_every={ctx.train.save_every} must be a multiple of "
                           f"method.num_iterations={self.num_iterations} (checkpoints are taken "
                           "between generation batches)")
+        elif (self.num_iterations > 1 and ctx.train.save_best
+              and ctx.train.eval_every % self.num_iterations):
+            errors.append(f"train.save_best=true saves at evaluations, and train.eval_every="
+                          f"{ctx.train.eval_every} is not a multiple of method.num_iterations="
+                          f"{self.num_iterations} (checkpoints are taken between generation "
+                          "batches)")
         if self.beta > 0:
             errors += _reference.reference_errors(self, ctx)
         return errors

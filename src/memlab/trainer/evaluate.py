@@ -134,7 +134,8 @@ class Evaluator:
             out.append((mine, True) if mine else (idx[-1:], False))
         return out
 
-    def _rows(self, idx: list[int]) -> list[dict]:
+    def rows(self, idx: list[int]) -> list[dict]:
+        """The prepared held-out rows ``idx``."""
         cols = self.ds[idx]
         return [{k: cols[k][i] for k in cols} for i in range(len(idx))]
 
@@ -152,7 +153,7 @@ class Evaluator:
                 self.env.sync(policy)
         with self._eval_mode(trainer.models), torch.no_grad():
             for idx, counted in self.slices():
-                batch = self.collate(self._rows(idx)).to(ctx.device)
+                batch = self.collate(self.rows(idx)).to(ctx.device)
                 got, n = self.step(trainer, batch, self._tracked(batch.size_key))
                 del batch
                 seen.update(got)

@@ -166,11 +166,24 @@ def test_wandb_settings_come_from_the_config_then_the_environment_then_memlab(tm
     assert sources["project"] == "memlab" and sources["entity"] == "wandb"
 
 
-def test_an_invalid_job_is_a_wandb_run_with_its_status(job, tmp_path, monkeypatch):
-    """A job rejected before it trains still records a W&B run: the config as given, the
-    status and reason in the summary, a failed exit; the environment's project applies."""
+def test_an_invalid_job_is_a_wandb_run_with_its_status(tmp_path, monkeypatch):
+    """A sweep's job rejected before it trains still records a W&B run, in the sweep's group
+    and named like its siblings: the config as given, the status and reason in the summary, a
+    failed exit; the environment's project applies."""
+    from omegaconf import OmegaConf, open_dict
+
+    from memlab.run import run
+
     monkeypatch.setenv("WANDB_PROJECT", "from-env")
-    summary = job(["logger=wandb", "train.betas=[2,3]", "train.steps=0"])
+    overrides = ["train.betas=[2,3]", "train.steps=0"]
+    sweep = tmp_path / "sw"
+    run_dir = _hydra_files(sweep, 2, overrides, ["train.steps=1,0", "train.betas=[2,3]"], {})
+    cfg = compose([*FAST, "logger=wandb", *overrides])
+    choices = choices_of(cfg)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    summary = run(OmegaConf.create(OmegaConf.to_container(cfg)), run_dir, choices, overrides,
+                  job={"num": 2, "sweep_dir": str(sweep)}, print_table=False)
     assert summary["status"] == "invalid"
     assert summary["logger"]["project"] == "from-env"
     assert summary["logger"]["sources"]["project"] == "env WANDB_PROJECT"
@@ -178,6 +191,7 @@ def test_an_invalid_job_is_a_wandb_run_with_its_status(job, tmp_path, monkeypatc
     assert got["summary"]["status"] == "invalid"
     assert "train.betas" in got["summary"]["error"] and "train.steps" in got["summary"]["error"]
     assert got["run"].project == "from-env"
+    assert got["run"].run_group == "sw" and got["run"].display_name == "steps=0"
     config = {i.key: json.loads(i.value_json) for i in got["run"].config.update}
     assert config["train"]["betas"] == [2, 3]
     assert not any(k.startswith(("train/lr", "config/")) for k in got["summary"])
