@@ -33,7 +33,7 @@ import contextlib
 import dataclasses
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import datasets
@@ -351,9 +351,10 @@ def run_fake_step(ctx, opts: EstimateOptions, notes: list[str]) -> dict[str, Any
 
     world = ctx.world_size
     prepare = None  # from_data: the run's own data preparation
-    prepare_eval = None
+    prepare_eval: Callable[[Any, Any], HeldOut | None] | None = None
     eval_cands: list[Candidate] = []
     if cands is not None:
+        assert length is not None
         rows = [r for c in cands for r in c.rows * world]  # each rank's slice: the candidate
         prepare = lambda c, t: (datasets.Dataset.from_list(rows),  # noqa: E731
                                 DataStats(rows=len(rows), examples=len(rows)))
@@ -394,9 +395,9 @@ def run_fake_step(ctx, opts: EstimateOptions, notes: list[str]) -> dict[str, Any
         cands = run_batches(pipe.stream, ctx)
         if trainer.evaluator is not None:  # every held-out micro-batch of this rank
             ev = trainer.evaluator
-            eval_cands = distinct([Candidate(f"held-out batch {k}", [], "", batch=collate(
-                ev.rows(idx))) for k, (idx, _) in enumerate(ev.slices())],
-                key=lambda c: c.batch)
+            held_batches = [collate(ev.rows(idx)) for idx, _ in ev.slices()]
+            eval_cands = distinct([Candidate(f"held-out batch {k}", [], describe_rows(b), batch=b)
+                                   for k, b in enumerate(held_batches)], key=lambda c: c.batch)
         notes.append(f"from_data: the run's own batch stream over the prepared data (seed "
                      f"{ctx.train.seed}): every micro-batch of its {ctx.train.steps} step(s) "
                      f"({drawn} drawn); {len(cands)} of them measured, the others need no more "
@@ -417,9 +418,11 @@ def run_fake_step(ctx, opts: EstimateOptions, notes: list[str]) -> dict[str, Any
             start += n * world
         cands = distinct(cands, key=lambda c: c.batch)
         start = 0
+        held = pipe.held_out
         for c in eval_cands:  # the held-out rows as the pipeline prepared them
+            assert held is not None
             n = len(c.rows)
-            cols = pipe.held_out.ds[start: start + n]
+            cols = held.ds[start: start + n]
             c.rows = [{name: cols[name][i] for name in cols} for i in range(n)]
             c.batch = collate(c.rows)
             start += n * world
@@ -469,13 +472,15 @@ def run_fake_step(ctx, opts: EstimateOptions, notes: list[str]) -> dict[str, Any
                 trained.append(trained_batch(step_batches[0]))  # no tensor outlives its step
                 del batches, step_batches
             for c in eval_cands:  # after the steps: the optimizer's state exists, no gradient
+                held_batch, evaluator = c.batch, trainer.evaluator
+                assert held_batch is not None and evaluator is not None
                 with unset_fake_temporarily():
                     real.clear()
-                    real.update({n: v for n, v in c.batch.tensors.items()
+                    real.update({n: v for n, v in held_batch.tensors.items()
                                  if isinstance(v, torch.Tensor)})
-                    batch = _fake_micro_batches(c.batch, 1, mode)[0]
+                    batch = _fake_micro_batches(held_batch, 1, mode)[0]
                 trainer.step_idx = len(ran)
-                trainer.evaluator.measure(trainer, batch)
+                evaluator.measure(trainer, batch)
                 c.peak = trainer.probe.last_phase_peak
                 del batch
     except (torch._subclasses.fake_tensor.DataDependentOutputException,
@@ -505,7 +510,7 @@ def run_fake_step(ctx, opts: EstimateOptions, notes: list[str]) -> dict[str, Any
         notes.append(f"eval: {len(eval_cands)} held-out batch(es) of train.eval_batch_size="
                      f"{ctx.train.eval_rows()} rows measured after the steps, without "
                      "gradients (the optimizer's state alive): " + "; ".join(
-                         f"{c.name} ({c.description or describe_rows(c.batch)}): "
+                         f"{c.name} ({c.description}): "
                          f"{c.peak / 2**20:.2f} MiB" for c in eval_cands)
                      + (" (eval samples' generation is not modelled)"
                         if ctx.train.eval_samples else ""))

@@ -109,10 +109,10 @@ class WandbLogger:
         import wandb
 
         chosen, sources = settings(self, info, os.environ)
-        panel = {} if self.console_panel else {"max_end_of_run_history_metrics": 0,
-                                               "max_end_of_run_summary_metrics": 0}
+        lines = 10 if self.console_panel else 0  # metrics in W&B's end-of-run panel
         run = wandb.init(**chosen, config=config, reinit="finish_previous",
-                         settings=wandb.Settings(**panel))
+                         settings=wandb.Settings(max_end_of_run_history_metrics=lines,
+                                                 max_end_of_run_summary_metrics=lines))
         rename = {"name": "run_name"}
         described = {rename.get(k, k): v for k, v in chosen.items()}
         described["sources"] = {rename.get(k, k): v for k, v in sources.items()}

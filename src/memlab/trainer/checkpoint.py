@@ -29,6 +29,7 @@ import random
 import shutil
 import time
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -273,7 +274,7 @@ def step_dir(run_dir: Path, step: int) -> Path:
     return Path(run_dir) / "checkpoints" / f"step_{step:06d}"
 
 
-def prune(root: Path, newest: int, keep: list[Path] = ()) -> list[Path]:
+def prune(root: Path, newest: int, keep: Sequence[Path] = ()) -> list[Path]:
     """Delete all but the ``newest`` checkpoints in ``root`` and those in ``keep`` (the best
     evaluation's, ``train.save_best``); returns the deleted dirs."""
     protected = {Path(p).resolve() for p in keep}

@@ -208,13 +208,14 @@ class Evaluator:
     def _samples(self, trainer) -> None:
         """Greedy completions of the sample prompts (every rank generates them: a sharded
         policy's forward is a collective; rank 0 records them)."""
-        probe = trainer.probe
+        probe, sample = trainer.probe, self.sample
+        assert sample is not None
         with self._eval_mode(trainer.models), probe.step(trainer.step_idx, False, training=False):
             with trainer._phase("eval"):
-                texts = self.sample(trainer.policy, self.prompts)
+                texts = sample(trainer.policy, self.prompts)
         if self.ctx.rank == 0:
-            step = trainer.step_idx
-            self.state.samples += [{"step": step, "prompt": self.decode(p), "completion": c}
+            step, decode = trainer.step_idx, self.decode or str
+            self.state.samples += [{"step": step, "prompt": decode(p), "completion": c}
                                    for p, c in zip(self.prompts, texts, strict=True)]
 
     @contextlib.contextmanager

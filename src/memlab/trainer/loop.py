@@ -376,6 +376,7 @@ class Trainer:
         """Evaluate now: ``({"eval/<metric>": value}, whether to save it as the best)``.
         Decides early stopping (``evaluator.state.stopped``)."""
         ev, train = self.evaluator, self.ctx.train
+        assert ev is not None
         metrics, improved = ev.run(self)
         st = ev.state
         out: dict[str, Any] = {f"eval/{k}": v for k, v in metrics.items()}
@@ -383,7 +384,7 @@ class Trainer:
         if new:
             out["eval/samples"] = new
         save = improved and train.save_best
-        if save:  # the directory the save below writes
+        if save and st.best is not None:  # the directory the save below writes
             st.best["checkpoint"] = str(checkpoint.step_dir(Path(self.ctx.run_dir),
                                                             self.step_idx))
         if train.early_stop and st.since_best >= train.early_stop and \
