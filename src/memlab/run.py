@@ -27,6 +27,7 @@ from memlab import faults
 from memlab.config import BuildContext, MeasureConfig, Platform, TrainConfig
 from memlab.data.base import DataError
 from memlab.distributed import launch
+from memlab.logger.base import RunInfo
 from memlab.measure.outcome import Interrupted, NonFiniteLoss, StopSignals
 from memlab.measure.summary import (
     device_info,
@@ -100,6 +101,7 @@ def validate(cfg, run_dir: Path | str = ".", choices: dict[str, str] | None = No
     for group in GROUPS:
         errors += typed[group].validate(ctx)
     errors += train.checkpoint_errors(ctx)
+    errors += train.eval_errors(ctx)
     errors += measure.errors(train)
     if errors:
         raise ConfigErrors(errors)
@@ -176,7 +178,9 @@ def run(cfg, run_dir: Path | str, choices: dict[str, str] | None = None,
             execute(ctx, summary, logger_box)
 
     try:
-        guarded(body, summary, run_dir / "summary.json")
+        guarded(body, summary, run_dir / "summary.json",
+                on_end=lambda s, box: late_logger(cfg, RunInfo(run_dir, choices, _sweep(job)),
+                                                  s, box))
     finally:  # also when a stop signal held while the record was written is raised now
         if print_table:
             print(format_table(summary), flush=True)
@@ -188,10 +192,46 @@ class CheckpointNotWritten(RuntimeError):
     measurements are recorded all the same)."""
 
 
-def guarded(body, summary: dict[str, Any], out: Path) -> dict[str, Any]:
+def logger_config(summary: dict[str, Any]) -> dict[str, Any]:
+    """What a logger records as the run's configuration: the config, and the versions."""
+    return {**(summary.get("config") or {}), "versions": summary.get("versions")}
+
+
+def _sweep(job: dict[str, Any] | None) -> Path | None:
+    sweep = (job or {}).get("sweep_dir")
+    return Path(sweep) if sweep else None
+
+
+def late_logger(cfg, info: RunInfo, summary: dict[str, Any], logger_box: list) -> None:
+    """A job that ended before its logger started (an invalid configuration, bad data, a
+    launch that failed) starts it now, so that the logger records it too (a W&B sweep's
+    dashboard shows every job, with its status and reason). Nothing when the logger option
+    itself cannot be read or started (that is said on stderr)."""
+    if logger_box or summary.get("logger"):
+        return
+    node = _plain(cfg).get("logger")
+    if not isinstance(node, dict):
+        return
+    option, errors = build("logger", dict(node))
+    if option is None or errors:
+        return
+    config = {**_plain(cfg), "versions": summary.get("versions")}
+    try:
+        logger = option.start(info, config)
+    except Exception as e:  # noqa: BLE001 - the job's own record matters more
+        print(f"[memlab] logger={node.get('name')} could not record this "
+              f"{summary.get('status')} job: {type(e).__name__}: {e}", file=sys.stderr,
+              flush=True)
+        return
+    logger_box.append(logger)
+    summary["logger"] = logger.describe()
+
+
+def guarded(body, summary: dict[str, Any], out: Path, on_end=None) -> dict[str, Any]:
     """Run ``body(logger_box)``, record how it ended in ``summary`` (:func:`record_end`) and
     write it to ``out`` (or to a fallback path, named in ``summary["write_error"]`` and printed,
-    when ``out``'s dir cannot be written). Never raises for a failing job; SIGINT / SIGTERM stop
+    when ``out``'s dir cannot be written); ``on_end(summary, logger_box)`` runs before the
+    record is written (:func:`late_logger`). Never raises for a failing job; SIGINT / SIGTERM stop
     the body (status ``interrupted``). A stop signal that arrives while the record is made is
     held until it is written and then raised (:class:`Interrupted`); so is any failure under
     ``MEMLAB_RAISE=1`` (debugging)."""
@@ -211,6 +251,8 @@ def guarded(body, summary: dict[str, Any], out: Path) -> dict[str, Any]:
             ended = e
         # from here on a stop signal waits: the record is written whole
         record_end(summary, ended)
+        if on_end is not None and summary["status"] != "ok":
+            on_end(summary, logger_box)
         if ended is not None and summary["status"] in ("failed", "oom", "nan"):
             _write_traceback(out, ended)
         faults.reach("summary")
@@ -293,19 +335,22 @@ def execute(ctx: BuildContext, summary: dict[str, Any], logger_box: list) -> Non
 def _train(ctx: BuildContext, summary: dict[str, Any], logger_box: list) -> None:
     from memlab import pipeline
 
-    logger = ctx.logger.start(ctx, {**summary.get("config", {}), "_sweep_dir": summary["job"].get(
-        "sweep_dir")})
+    logger = ctx.logger.start(RunInfo.of(ctx, summary["job"].get("sweep_dir")),
+                              logger_config(summary))
     logger_box.append(logger)
+    if ctx.rank == 0:
+        summary["logger"] = logger.describe()
     pipe = pipeline.build(ctx, logger=logger,
                           on_data=lambda stats: summary.update(data=stats.as_dict()))
     trainer = pipe.trainer
     try:
         result = trainer.train()
-        done = Path(ctx.run_dir) / "checkpoints" / f"step_{result.steps:06d}"
-        if ctx.train.save_final and not (ctx.train.save_every and done.is_dir()):
+        if ctx.train.save_final and trainer.saved_step != result.steps:
             trainer.try_save_checkpoint()  # (unless the loop saved this step already)
     finally:  # whatever happened, what was measured so far is recorded
         summary["memory"] = trainer.probe.result()
+        if trainer.evaluator is not None and pipe.held_out is not None:
+            summary["eval"] = trainer.evaluator.summary(pipe.held_out.describe())
         if pipe.generation is not None:
             engine = pipe.generation.engine.memory()
             if engine:  # what a vLLM engine holds outside the trainer's tensors
@@ -480,7 +525,9 @@ def run_external(cfg, run_dir: Path, choices: dict[str, str], overrides: list[st
         holder.append(plan_resume(ctx, summary))
 
     scratch = run_dir / f".rank{rank}.check.json"
-    guarded(check, summary, run_dir / "summary.json" if rank == 0 else scratch)
+    info = RunInfo(run_dir, choices, _sweep(job))
+    guarded(check, summary, run_dir / "summary.json" if rank == 0 else scratch,
+            on_end=(lambda s, box: late_logger(cfg, info, s, box)) if rank == 0 else None)
     scratch.unlink(missing_ok=True)  # every rank finds the same problems; rank 0 records them
     if not holder:
         if rank:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Literal, Protocol
+from typing import Any, ClassVar, Literal, Protocol
 
 
 class DataError(ValueError):
@@ -30,6 +30,12 @@ class DataSource(Protocol):
     chat_template_kwargs: dict[str, Any] | None
     training_template: Literal["auto", "off"]
     on_unsplittable: Literal["error", "skip"]
+    eval: float | str | None
+    has_splits: ClassVar[bool]
+
+    def eval_kind(self) -> Literal["fraction", "path", "split"] | None:
+        """What ``eval`` names (:meth:`memlab.data.formats.RowOptions.eval_kind`)."""
+        ...
 
     def validate(self, ctx) -> list[str]:
         """Problems found before anything is read (each names its fix)."""
@@ -52,6 +58,14 @@ class DataSource(Protocol):
     def summary(self, ds: Any) -> dict[str, Any]:
         """Entries for the summary's ``data`` section about the rows ``ds`` (what :meth:`load`
         returned) holds (a mixture's rows per source); empty for most sources."""
+        ...
+
+
+class SplitSource(DataSource, Protocol):
+    """A source with named splits (``has_splits``): ``data.eval=<split>`` reads one."""
+
+    def load_split(self, ctx, split: str) -> Any:
+        """The rows of ``split``, as :meth:`load` reads its own."""
         ...
 
 

@@ -4,6 +4,7 @@ Works offline from a warm HF cache (HF_DATASETS_OFFLINE=1) or with a local datas
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from memlab.data.base import limit
 from memlab.data.formats import RowOptions
@@ -28,6 +29,8 @@ class Hub(RowOptions):
     """Keep only this many rows (a seeded sample when shuffle_seed is set)."""
     shuffle_seed: Seed | None = None
 
+    has_splits: ClassVar[bool] = True
+
     def validate(self, ctx) -> list[str]:
         errors = self.row_errors()
         if not self.path:
@@ -39,10 +42,15 @@ class Hub(RowOptions):
         return f"{name} split {self.split!r} row {index}"
 
     def load(self, ctx):
+        return self.load_split(ctx, self.split)
+
+    def load_split(self, ctx, split: str):
+        """The rows of ``split`` of this dataset (``data.eval=<split>``: the held-out rows),
+        ``max_examples`` of them at most."""
         import datasets
 
         ds = datasets.load_dataset(
-            self.path, self.config_name, split=self.split, revision=self.revision,
+            self.path, self.config_name, split=split, revision=self.revision,
             data_dir=self.data_dir, cache_dir=self.cache_dir,
         )
         return limit(ds, self.max_examples, self.shuffle_seed)

@@ -99,6 +99,9 @@ class Mixture(RowOptions):
                 if f.name in _RENDERING and getattr(obj, f.name) != default:
                     errors.append(f"{where}.{f.name}: chat-template settings are the mixture's; "
                                   f"set data.{f.name} instead")
+            if obj.eval is not None:
+                errors.append(f"{where}.eval: the held-out data is the mixture's; set "
+                              "data.eval instead (a fraction of the mixed rows, or a file)")
             out[label] = (obj, key, value)
         return out, errors
 

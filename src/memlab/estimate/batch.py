@@ -82,6 +82,8 @@ class Candidate:
     description: str
     batch: Batch | None = None
     """The collated batch, when it comes from the run's own stream (``--from-data``)."""
+    peak: int = 0
+    """Its measured peak (a held-out batch's ``eval`` phase)."""
 
 
 # ----------------------------------------------------------------------------- worst case

@@ -17,5 +17,5 @@ class NoLogger:
     def validate(self, ctx) -> list[str]:
         return []
 
-    def start(self, ctx, config: dict[str, Any]) -> NullRun:
+    def start(self, info, config: dict[str, Any]) -> NullRun:
         return NullRun()

@@ -18,7 +18,12 @@ A method is a registered dataclass (configuration only: no run-time state) with:
 - ``generates() -> bool``: whether it samples its training batches (online methods), which then
   also have ``rollout(models, batch, ctx, env)`` and ``num_iterations`` (:class:`Generating`);
 - ``packs_rows(ctx) -> bool``: whether its collated rows hold several sequences (packing,
-  padding-free); the attention option checks that it can keep them apart.
+  padding-free); the attention option checks that it can keep them apart;
+- ``evaluate(models, batch, ctx, env) -> (sums, items)`` and ``eval_metrics``: its metrics on
+  a held-out micro-batch (no gradients), summed over the batch's items, so that the trainer's
+  evaluation adds them up over the whole held-out set and every rank before dividing
+  (:mod:`memlab.trainer.evaluate`): the loss and the loss's metrics for methods that train on
+  a dataset (:func:`loss_sums`), the reward of greedy completions for online methods.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from memlab.trainer.batch import Batch, Segments
 from memlab.trainer.routing import unwrap
 
 __all__ = ["IGNORE", "Batch", "DataStats", "Generating", "Method", "ModelFactory", "Segments",
-           "decoder_hidden", "flatten_batch", "model_inputs", "pad_batch", "round_up",
+           "decoder_hidden", "flatten_batch", "loss_sums", "model_inputs", "pad_batch", "round_up",
            "shifted_labels"]
 
 
@@ -97,6 +102,29 @@ class Method(Protocol):
         """Padded widths are rounded up to this multiple (None: not rounded)."""
         ...
 
+    eval_metrics: ClassVar[tuple[str, ...]]
+    """The metrics :meth:`evaluate` reports (``train.best_metric`` picks one; the first is
+    the default)."""
+
+    def evaluate(self, models: dict, batch: Batch, ctx, env: Any
+                 ) -> tuple[dict[str, float], int]:
+        """Each eval metric summed over the held-out micro-batch ``batch``, and the number of
+        items summed over (loss tokens, pairs, prompts); runs under ``torch.no_grad`` with the
+        policy in eval mode. ``env``: the run's generation environment (online methods) or
+        None."""
+        ...
+
+
+def loss_sums(method: Method, models: dict, batch: Batch, ctx
+              ) -> tuple[dict[str, float], int]:
+    """:meth:`Method.evaluate` of a method whose evaluation is its loss: the loss sum and
+    each of its ``eval_metrics`` (means over the batch's items) times the items."""
+    loss_sum, metrics = method.loss(models, batch, ctx)
+    n = batch.num_items
+    sums = {"loss": float(loss_sum)}
+    sums.update({k: float(v) * n for k, v in metrics.items() if k in method.eval_metrics})
+    return sums, n
+
 
 class Generating(Method, Protocol):
     """An online method: its training batches are sampled in the trainer's generate phase."""
@@ -123,9 +151,13 @@ class Offline:
 
     trains_extra_models: ClassVar[bool] = False
     supports_sampling_correction: ClassVar[bool] = False
+    eval_metrics: ClassVar[tuple[str, ...]] = ("loss",)
 
     def generates(self) -> bool:
         return False
+
+    def evaluate(self, models, batch, ctx, env) -> tuple[dict[str, float], int]:
+        return loss_sums(self, models, batch, ctx)  # type: ignore[arg-type]
 
     def row_length(self) -> int | None:
         return self.max_length  # type: ignore[attr-defined]

@@ -31,7 +31,7 @@ from memlab.data.base import DataError
 from memlab.generation.base import GenerationEnv, SamplingParams
 from memlab.method import _overrides, _reference, _rows
 from memlab.method._online import _prompt_and_reference, join
-from memlab.method.base import IGNORE, Batch, DataStats, model_inputs
+from memlab.method.base import IGNORE, Batch, DataStats, loss_sums, model_inputs
 from memlab.registry import Fraction, PositiveFloat, PositiveInt, Range, register
 
 
@@ -63,6 +63,8 @@ class GKD:
     trains_extra_models: ClassVar[bool] = False
     supports_sampling_correction: ClassVar[bool] = False
     items_name: ClassVar[str] = "completion tokens"
+    eval_metrics: ClassVar[tuple[str, ...]] = ("loss",)
+    """The generalized JSD on the held-out conversations' own answers."""
     num_iterations: ClassVar[int] = 1
     """One optimizer step per generated batch."""
 
@@ -182,6 +184,10 @@ class GKD:
 
     def before_training(self, models, ds, ctx):
         return None
+
+    def evaluate(self, models, batch, ctx, env) -> tuple[dict[str, float], int]:
+        """The loss on the held-out conversations' own answers (no sampling)."""
+        return loss_sums(self, models, batch, ctx)
 
     def rollout(self, models: dict, batch: Batch, ctx, env: GenerationEnv) -> Batch:
         """On-policy (probability lmbda, the run's random draw): the student's samples; else
