@@ -80,6 +80,41 @@ class TrainConfig:
     """Show a progress bar with live loss and tokens/s."""
     log_every: PositiveInt = 1
     """Send metrics to the logger every N optimizer steps."""
+    eval_every: NonNegativeInt = 0
+    """Evaluate on the held-out data (``data.eval``) every N optimizer steps, and after the
+    last step in every case (0: after the last step only). The evaluation runs without
+    gradients in eval mode, in its own memory phase (``eval``), outside the timed steps
+    (training tokens/s never counts it); its metrics go to summary.json's ``eval`` and to the
+    logger as ``eval/<metric>`` (:mod:`memlab.trainer.evaluate`)."""
+    eval_batch_size: PositiveInt | None = None
+    """Rows (or prompts) per evaluation micro-batch per device (TRL's
+    ``per_device_eval_batch_size``). No gradients and no optimizer step are alive in
+    evaluation, so it can be larger than ``batch_size``; the eval loss does not depend on it
+    (it is weighted by tokens, or pairs, over the whole held-out set). None: ``batch_size``."""
+    eval_samples: NonNegativeInt = 0
+    """At every evaluation, the greedy completions of the first K held-out prompts (a
+    conversation up to its last user turn, a row's prompt; plain text: its first 32 tokens),
+    into summary.json's ``eval.samples`` and a W&B table ``eval/samples``. 0: none."""
+    eval_max_new_tokens: PositiveInt = 64
+    """New tokens per sample completion (``eval_samples``)."""
+    best_metric: str | None = None
+    """The eval metric ``save_best`` and ``early_stop`` follow (TRL's
+    ``metric_for_best_model``), named as in summary.json's ``eval`` without ``eval/``: ``loss``
+    or one of the method's eval metrics, e.g. ``rewards/accuracies`` (DPO) or ``accuracy``
+    (reward). None: ``loss`` (``reward`` for online methods, whose evaluation scores greedy
+    completions)."""
+    greater_is_better: bool | None = None
+    """Whether a larger ``best_metric`` is better. None: false for a metric whose name ends
+    in ``loss``, true otherwise (as transformers decides)."""
+    save_best: bool = False
+    """Save a checkpoint at every evaluation that improves ``best_metric`` (as ``save_every``
+    does). The best checkpoint survives ``keep_last`` pruning; summary.json's ``eval.best``
+    names it."""
+    early_stop: PositiveInt | None = None
+    """Stop training after this many evaluations in a row without an improvement of
+    ``best_metric`` (patience, as transformers' ``EarlyStoppingCallback``); the run ends
+    ``ok`` and summary.json's ``eval.stopped_early`` says at which step and why. The count
+    survives a resume. None: never stop early."""
 
     def checkpoint_errors(self, ctx: BuildContext) -> list[str]:
         """Problems of the saving / resuming knobs (``ctx``: the run's other choices)."""
@@ -111,6 +146,40 @@ class TrainConfig:
         if self.resume_root is not None and not Path(self.resume_root).is_dir():
             errors.append(f"train.resume_root={self.resume_root}: no such directory")
         return errors
+
+    def eval_errors(self, ctx) -> list[str]:
+        """Problems of the evaluation knobs (``ctx``: the run's other choices): evaluation
+        needs held-out data, and ``best_metric`` must be one the method's evaluation reports."""
+        errors = []
+        if ctx.data.eval is None:
+            asked = [f"train.{k}" for k, on in (
+                ("eval_every", self.eval_every), ("eval_samples", self.eval_samples),
+                ("save_best", self.save_best), ("early_stop", self.early_stop is not None),
+                ("best_metric", self.best_metric is not None),
+                ("eval_batch_size", self.eval_batch_size is not None)) if on]
+            if asked:
+                errors.append(f"{', '.join(asked)} evaluate on held-out data, and data.eval is "
+                              "null; hold some out: data.eval=0.05 (a fraction of the rows), "
+                              "data.eval=<file> or, for data=hub, data.eval=<split>")
+            return errors
+        metrics = ctx.method.eval_metrics
+        if self.best_metric is not None and self.best_metric not in metrics:
+            close = difflib.get_close_matches(self.best_metric, metrics, n=1)
+            errors.append(f"train.best_metric={self.best_metric}: method={ctx.method.name}'s "
+                          f"evaluation reports {', '.join(metrics)}"
+                          + (f"; did you mean {close[0]!r}?" if close else ""))
+        return errors
+
+    def best(self, method) -> tuple[str, bool]:
+        """``(best_metric, greater_is_better)`` with their defaults resolved for ``method``."""
+        metric = self.best_metric or method.eval_metrics[0]
+        greater = (not metric.endswith("loss") if self.greater_is_better is None
+                   else self.greater_is_better)
+        return metric, greater
+
+    def eval_rows(self) -> int:
+        """Rows (or prompts) per evaluation micro-batch."""
+        return self.eval_batch_size or self.batch_size
 
 
 @dataclass(kw_only=True)

@@ -142,6 +142,7 @@ def validate(cfg: Any, run_dir: Path | str = ".", choices: Mapping[str, str] | N
     for opt in ctx.groups().values():
         errors += opt.validate(ctx)
     errors += train.checkpoint_errors(ctx)
+    errors += train.eval_errors(ctx)
     errors += measure.errors(train)
     if errors:
         raise ConfigErrors(errors)

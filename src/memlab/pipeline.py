@@ -24,7 +24,10 @@ Order, and why:
    the method's one-off pass (``before_training``), which may return the dataset with added
    columns (DPO's precomputed reference log-probs) and drop a model it no longer needs.
 9. online methods: the generation engine (``generation=``) and the run's random draws.
-10. the trainer: optimizer, schedule, memory probe, loop.
+10. the held-out data (``data.eval``): read, converted, prepared and packed as the training rows
+    are (its own micro-batch size, ``train.eval_batch_size``); the method's one-off pass (step
+    8) runs over both, so precomputed reference log-probs exist for the held-out rows too.
+11. the trainer: optimizer, schedule, memory probe, loop, and the evaluator.
 
 What differs between a run and an estimate is passed in as :class:`Seams` (the estimator's
 model loader builds fake weights, its rows are the worst-case batch, its engine decodes to the
@@ -44,14 +47,16 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from memlab import faults
-from memlab.data import chat
+from memlab.data import chat, heldout
 from memlab.data.base import DataError
-from memlab.generation.base import Engine, GenerationEnv, run_rng
+from memlab.generation.base import Engine, GenerationEnv, SamplingParams, run_rng
 from memlab.generation.hf import HFEngine
 from memlab.measure.data import DataStats
+from memlab.method import _rows
 from memlab.model._liger import apply_liger
 from memlab.offload.base import Placement
 from memlab.trainer.batch import BatchStream
+from memlab.trainer.evaluate import Evaluator
 from memlab.trainer.loop import LoopOptions, Trainer
 from memlab.trainer.routing import base_model
 
@@ -89,7 +94,29 @@ class Seams:
     """Whether models hold real values (checks that compare weights run only then)."""
     model_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     """Entered around the method's one-off pass over the models (``before_training``)."""
+    prepare_eval: Callable[[Any, Any], HeldOut | None] | None = None
+    """``(ctx, tokenizer) -> the held-out data`` (default: :func:`prepare_eval`)."""
     loop: LoopOptions = field(default_factory=LoopOptions)
+
+
+@dataclass
+class HeldOut:
+    """The held-out data (``data.eval``) as the evaluator reads it."""
+
+    ds: Any
+    """Prepared and packed rows (``train.eval_batch_size`` rows per micro-batch)."""
+    stats: DataStats
+    source: str
+    """Where the rows come from, in words."""
+    prompts: list[list[int]] = field(default_factory=list)
+    """Token ids of the ``train.eval_samples`` sample prompts."""
+
+    def describe(self) -> dict[str, Any]:
+        """summary.json's ``eval`` entries about the rows."""
+        st = self.stats
+        return {"source": self.source, "examples": st.examples, "rows": st.rows,
+                "tokens": st.tokens_in - st.tokens_dropped,
+                "trainable_tokens": st.trainable_tokens}
 
 
 @dataclass
@@ -102,6 +129,7 @@ class Pipeline:
     offload: Any
     generation: GenerationEnv | None
     trainer: Trainer
+    held_out: HeldOut | None = None
 
 
 def prepare_rows(ctx: BuildContext, tokenizer) -> tuple[Any, Any, DataStats, chat.Tally]:
@@ -110,7 +138,7 @@ def prepare_rows(ctx: BuildContext, tokenizer) -> tuple[Any, Any, DataStats, cha
     templates did)``. What the conversion and the templates did goes into the stats' extras
     (``converted``, ``chat_template``, ``unsplittable``)."""
     faults.reach("data")
-    raw = ctx.data.load(ctx)
+    raw = heldout.hold_out(ctx.data, ctx.data.load(ctx))  # less a fraction held out
     if len(raw) == 0:
         raise DataError(f"data={ctx.data.name}: the data source has no rows")
     try:
@@ -134,7 +162,63 @@ def prepare_data(ctx: BuildContext, tokenizer) -> tuple[Any, DataStats]:
     return pack(ctx, ds, stats)
 
 
-def pack(ctx: BuildContext, ds, stats: DataStats) -> tuple[Any, DataStats]:
+def eval_context(ctx: BuildContext) -> BuildContext:
+    """``ctx`` with ``train.eval_batch_size`` rows per micro-batch (what packing and the
+    evaluator's batches read)."""
+    return dataclasses.replace(ctx, train=dataclasses.replace(
+        ctx.train, batch_size=ctx.train.eval_rows()))
+
+
+def prepare_eval(ctx: BuildContext, tokenizer: Any) -> HeldOut | None:
+    """The held-out rows (``data.eval``; :mod:`memlab.data.heldout`) through the steps the
+    training rows take: conversion, the chat template with the data option's settings, the
+    method's preparation, packing (with ``train.eval_batch_size``); plus the sample prompts'
+    token ids. None without ``data.eval``."""
+    source, raw = heldout.load(ctx.data, ctx)
+    if source is None:
+        return None
+    where = f"data.eval={ctx.data.eval}"
+    if len(raw) == 0:
+        raise DataError(f"{where}: the held-out data has no rows")
+    try:
+        rows, _ = source.convert(raw)
+        with chat.rendering(tokenizer, ctx.data):
+            ds, stats = ctx.method.prepare(rows, tokenizer, ctx)
+            prompts = [_rows.sample_prompt_ids(tokenizer, rows[i], i)
+                       for i in range(min(ctx.train.eval_samples, len(rows)))]
+    except DataError as e:
+        if e.row is None:
+            raise
+        raise DataError(f"{where}: {source.locate(raw, e.row)}: {e}", row=e.row) from e
+    if len(ds) == 0:
+        raise DataError(f"{where}: no held-out example survived preparation; check "
+                        "method.max_length and the data")
+    ds, stats = ctx.packing.apply(ds, stats, eval_context(ctx))
+    return HeldOut(ds, stats, heldout.describe(ctx.data), prompts)
+
+
+def sampler(ctx: BuildContext, tokenizer: Any, engine: Engine) -> Callable[[nn.Module, list[list[int]]], list[str]]:
+    """``(policy, prompts) -> completions``: greedy completions of ``train.eval_max_new_tokens``
+    tokens of left-padded ``prompts`` with ``engine``, decoded (``train.eval_samples``)."""
+    def sample(policy: nn.Module, prompts: list[list[int]]) -> list[str]:
+        import torch
+
+        pad = tokenizer.pad_token_id
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask[i, width - len(p):] = 1
+        params = SamplingParams(max_new_tokens=ctx.train.eval_max_new_tokens, greedy=True,
+                                eos=tokenizer.eos_token_id, pad=pad)
+        samples = engine.generate(policy, ids.to(ctx.device), mask.to(ctx.device), params)
+        return tokenizer.batch_decode(samples.token_ids, skip_special_tokens=True)
+
+    return sample
+
+
+def pack(ctx: BuildContext, ds: Any, stats: DataStats) -> tuple[Any, DataStats]:
     """The packing option applied to prepared rows (DataError when no example is left)."""
     ds, stats = ctx.packing.apply(ds, stats, ctx)
     if len(ds) == 0:
@@ -165,6 +249,12 @@ def check_trainable(stats: DataStats) -> None:
             + "; every completion / assistant turn / text is empty after preparation. "
             "Check the data (and method.max_length, which may cut completions away)"
         )
+
+
+def _concatenate(a: Any, b: Any) -> Any:
+    import datasets
+
+    return datasets.concatenate_datasets([a, b])
 
 
 def with_model_overrides(ctx: BuildContext, overrides: dict[str, Any] | None):
@@ -252,9 +342,14 @@ def build(ctx: BuildContext, seams: Seams | None = None, logger: Any = None,
     policy = ctx.distributed.wrap(policy, ctx)
     # no local name keeps the extra models alive: before_training may drop one (and free it)
     models = {"policy": policy, **ctx.method.extra_models(policy, ctx, loader)}
+    held = (seams.prepare_eval or prepare_eval)(ctx, tokenizer)
+    both = ds if held is None else _concatenate(ds, held.ds)
     with seams.model_context():  # the first pass that runs the models
-        prepared = ctx.method.before_training(models, ds, ctx)
+        prepared = ctx.method.before_training(models, both, ctx)
     if prepared is not None:  # the dataset with columns the method added (e.g. reference logps)
+        if held is not None:  # the held-out rows follow the training rows
+            held.ds = prepared.select(range(len(ds), len(prepared)))
+            prepared = prepared.select(range(len(ds)))
         ds = prepared
     stream = batch_stream(ctx, tokenizer, ds)
     generation = None
@@ -266,6 +361,14 @@ def build(ctx: BuildContext, seams: Seams | None = None, logger: Any = None,
         else:
             generation = GenerationEnv(ctx.generation.build(ctx, tokenizer, policy), rng,
                                        local=HFEngine(ctx.distributed))
+    evaluator = None
+    if held is not None:
+        engine = generation.engine if generation is not None else HFEngine(ctx.distributed)
+        evaluator = Evaluator(
+            ctx, ctx.method, held.ds, partial(ctx.method.collate, tokenizer=tokenizer, ctx=ctx),
+            ctx.packing.batch_items(eval_context(ctx)), env=generation,
+            sample=sampler(ctx, tokenizer, engine), prompts=held.prompts,
+            decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
     trainer = Trainer(ctx, ctx.method, models, stream, logger=logger, offload=offload,
-                      generation=generation, options=seams.loop)
-    return Pipeline(tokenizer, ds, stats, models, stream, offload, generation, trainer)
+                      generation=generation, options=seams.loop, evaluator=evaluator)
+    return Pipeline(tokenizer, ds, stats, models, stream, offload, generation, trainer, held)

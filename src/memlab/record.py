@@ -27,10 +27,13 @@ Body = Callable[[list], None]
 that the record reaches it whatever happens."""
 
 
-def guarded(body: Body, summary: dict[str, Any], out: Path) -> dict[str, Any]:
+def guarded(body: Body, summary: dict[str, Any], out: Path,
+            on_end: Callable[[dict[str, Any], list], None] | None = None) -> dict[str, Any]:
     """Run ``body(logger_box)``, record how it ended in ``summary`` (:func:`record_end`) and
     write it to ``out`` (or to a fallback path, named in ``summary["write_error"]`` and printed,
-    when ``out``'s dir cannot be written). Never raises for a failing job; SIGINT / SIGTERM stop
+    when ``out``'s dir cannot be written); ``on_end(summary, logger_box)`` runs before the
+    record is written when the job did not end ``ok`` (:func:`memlab.run.late_logger`: a job
+    that ended before its logger started is logged all the same). Never raises for a failing job; SIGINT / SIGTERM stop
     the body (status ``interrupted``). A stop signal that arrives while the record is made is
     held until it is written and then raised (:class:`Interrupted`); so is any failure under
     ``MEMLAB_RAISE=1`` (debugging)."""
@@ -50,6 +53,8 @@ def guarded(body: Body, summary: dict[str, Any], out: Path) -> dict[str, Any]:
             ended = e
         # from here on a stop signal waits: the record is written whole
         record_end(summary, ended)
+        if on_end is not None and summary["status"] != "ok":
+            on_end(summary, logger_box)
         if ended is not None and summary["status"] in ("failed", "oom", "nan"):
             _write_traceback(out, ended)
         faults.reach("summary")

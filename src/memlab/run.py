@@ -14,11 +14,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+import sys
 from pathlib import Path
 from typing import Any
 
 from memlab.context import BuildContext, plain_config, validate
 from memlab.distributed import launch
+from memlab.logger.base import RunInfo, build_logger
 from memlab.measure.summary import device_info, format_table
 from memlab.record import guarded
 
@@ -91,7 +93,9 @@ def run(cfg: Any, run_dir: Path | str, choices: dict[str, str] | None = None,
             execute(ctx, summary, logger_box)
 
     try:
-        guarded(body, summary, run_dir / "summary.json")
+        guarded(body, summary, run_dir / "summary.json",
+                on_end=lambda s, box: late_logger(cfg, RunInfo(run_dir, choices, sweep_dir(job)),
+                                                  s, box))
     finally:  # also when a stop signal held while the record was written is raised now
         if print_table:
             print(format_table(summary), flush=True)
@@ -101,6 +105,41 @@ def run(cfg: Any, run_dir: Path | str, choices: dict[str, str] | None = None,
 class CheckpointNotWritten(RuntimeError):
     """A checkpoint the run was asked for could not be written (the training and its
     measurements are recorded all the same)."""
+
+
+def logger_config(summary: dict[str, Any]) -> dict[str, Any]:
+    """What a logger records as the run's configuration: the config, and the versions."""
+    return {**(summary.get("config") or {}), "versions": summary.get("versions")}
+
+
+def sweep_dir(job: dict[str, Any] | None) -> Path | None:
+    sweep = (job or {}).get("sweep_dir")
+    return Path(sweep) if sweep else None
+
+
+def late_logger(cfg: Any, info: RunInfo, summary: dict[str, Any], logger_box: list) -> None:
+    """A job that ended before its logger started (an invalid configuration, bad data, a
+    launch that failed) starts it now, so that the logger records it too (a W&B sweep's
+    dashboard shows every job, with its status and reason). Nothing when the logger option
+    itself cannot be read or started (that is said on stderr)."""
+    if logger_box or summary.get("logger"):
+        return
+    node = plain_config(cfg).get("logger")
+    if not isinstance(node, dict):
+        return
+    option, errors = build_logger(dict(node))
+    if option is None or errors:
+        return
+    config = {**plain_config(cfg), "versions": summary.get("versions")}
+    try:
+        logger = option.start(info, config)
+    except Exception as e:  # noqa: BLE001 - the job's own record matters more
+        print(f"[memlab] logger={node.get('name')} could not record this "
+              f"{summary.get('status')} job: {type(e).__name__}: {e}", file=sys.stderr,
+              flush=True)
+        return
+    logger_box.append(logger)
+    summary["logger"] = logger.describe()
 
 
 def execute(ctx: BuildContext, summary: dict[str, Any], logger_box: list) -> None:
@@ -117,19 +156,22 @@ def execute(ctx: BuildContext, summary: dict[str, Any], logger_box: list) -> Non
 def _train(ctx: BuildContext, summary: dict[str, Any], logger_box: list) -> None:
     from memlab import pipeline
 
-    logger = ctx.logger.start(ctx, {**summary.get("config", {}), "_sweep_dir": summary["job"].get(
-        "sweep_dir")})
+    logger = ctx.logger.start(RunInfo.of(ctx, summary["job"].get("sweep_dir")),
+                              logger_config(summary))
     logger_box.append(logger)
+    if ctx.rank == 0:
+        summary["logger"] = logger.describe()
     pipe = pipeline.build(ctx, logger=logger,
                           on_data=lambda stats: summary.update(data=stats.as_dict()))
     trainer = pipe.trainer
     try:
         result = trainer.train()
-        done = Path(ctx.run_dir) / "checkpoints" / f"step_{result.steps:06d}"
-        if ctx.train.save_final and not (ctx.train.save_every and done.is_dir()):
+        if ctx.train.save_final and trainer.saved_step != result.steps:
             trainer.try_save_checkpoint()  # (unless the loop saved this step already)
     finally:  # whatever happened, what was measured so far is recorded
         summary["memory"] = trainer.probe.result()
+        if trainer.evaluator is not None and pipe.held_out is not None:
+            summary["eval"] = trainer.evaluator.summary(pipe.held_out.describe())
         if pipe.generation is not None:
             engine = pipe.generation.engine.memory()
             if engine:  # what a vLLM engine holds outside the trainer's tensors

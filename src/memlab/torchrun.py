@@ -18,10 +18,11 @@ from typing import Any
 from memlab import faults
 from memlab.context import BuildContext, plain_config, validate
 from memlab.distributed import launch
+from memlab.logger.base import RunInfo
 from memlab.measure.summary import format_table
 from memlab.record import exit_code, guarded
 from memlab.registry import ConfigErrors
-from memlab.run import base_summary, execute, plan_resume
+from memlab.run import base_summary, execute, late_logger, plan_resume, sweep_dir
 
 RANK0_GRACE_S = 60.0
 
@@ -71,7 +72,9 @@ def run_rank(cfg: Any, run_dir: Path, choices: dict[str, str] | None = None,
         holder.append(plan_resume(ctx, summary))
 
     scratch = run_dir / f".rank{rank}.check.json"
-    guarded(check, summary, run_dir / "summary.json" if rank == 0 else scratch)
+    info = RunInfo(run_dir, choices, sweep_dir(job))
+    guarded(check, summary, run_dir / "summary.json" if rank == 0 else scratch,
+            on_end=(lambda s, box: late_logger(cfg, info, s, box)) if rank == 0 else None)
     scratch.unlink(missing_ok=True)  # every rank finds the same problems; rank 0 records them
     if not holder:
         if rank:

@@ -55,11 +55,18 @@ def test_two_ranks_of_two_rows_train_like_one_process_of_four(job):
 
 
 def test_grad_accumulation_across_ranks(job):
-    """2 ranks x 2 micro-batches of 1 row (no_sync on the first) == 1 process x 4 rows."""
-    o = ["train.steps=3"]
+    """2 ranks x 2 micro-batches of 1 row (no_sync on the first) == 1 process x 4 rows. The
+    ranks split the 7 held-out rows, 3 a batch each: 3 + 3, then 1 + none (that rank runs a row
+    again without counting it: its wrapper's forward may be a collective), and sum: the eval
+    loss is the one process's."""
+    o = ["train.steps=3", "data.eval=0.22", "train.eval_batch_size=3"]
     single = job(o + ["train.batch_size=4"])
     ddp = job(o + DDP + ["train.batch_size=1", "train.grad_accum=2"])
     _same_training(single, ddp)
+    assert single["eval"]["examples"] == ddp["eval"]["examples"] == 7
+    assert ddp["eval"]["final"]["loss"] == pytest.approx(single["eval"]["final"]["loss"],
+                                                         rel=2e-5)
+    assert "eval" in ddp["memory"]["by_phase"]
 
 
 @pytest.mark.parametrize("dist", [DDP, FSDP2], ids=["ddp", "fsdp2"])
@@ -366,3 +373,4 @@ def test_fsdp2_gather_for_generation_keeps_units_gathered_for_the_whole_call():
     assert got["1"].startswith("['Parameter'] ['DTensor']"), got["1"]
     assert got["0"].startswith("['DTensor'] ['DTensor']"), got["0"]
     assert got["1"].split("]", 2)[2] == got["0"].split("]", 2)[2]  # the same tokens
+

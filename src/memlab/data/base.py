@@ -40,6 +40,16 @@ class DataSource(Option, Protocol):
     def training_template(self) -> Literal["auto", "off"]: ...
     @property
     def on_unsplittable(self) -> Literal["error", "skip"]: ...
+    @property
+    def eval(self) -> float | str | None: ...
+
+    def eval_kind(self) -> Literal["fraction", "path", "split"] | None:
+        """What ``eval`` names (:meth:`memlab.data.formats.RowOptions.eval_kind`)."""
+        ...
+
+    def as_split_source(self) -> SplitSource | None:
+        """This source, when it has named splits (``data.eval=<split>`` reads one)."""
+        ...
 
     def load(self, ctx: BuildContext) -> Any:
         """The rows as read, a ``datasets.Dataset``."""
@@ -80,6 +90,14 @@ def build_source(node: Mapping[str, Any], where: str) -> tuple[DataSource | None
     obj, errors = registry.build("data", node, where=where)
     # the data group holds only the classes its typed register admitted: DataSources
     return cast("DataSource | None", obj), errors
+
+
+class SplitSource(DataSource, Protocol):
+    """A source with named splits: ``data.eval=<split>`` reads one."""
+
+    def load_split(self, ctx: BuildContext, split: str) -> Any:
+        """The rows of ``split``, as :meth:`load` reads its own."""
+        ...
 
 
 def original_row(ds: Any, row: int) -> int:

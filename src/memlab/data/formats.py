@@ -30,10 +30,11 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any, Literal
+from pathlib import Path
+from typing import Annotated, Any, Literal
 
-from memlab.data.base import DataError, original_row
-from memlab.registry import Option
+from memlab.data.base import DataError, SplitSource, original_row
+from memlab.registry import Option, Range
 
 _VERSION = "1"
 """Part of the cache key of converted datasets: bump when a conversion changes."""
@@ -74,10 +75,47 @@ class RowOptions(Option):
     """A row the chat template still cannot split into exact prompt / answer tokens. error:
     the run is invalid, naming the row and why; skip: the row is left out and counted
     (``data.unsplittable``, with where the first ones are)."""
+    eval: Annotated[float, Range(gt=0, lt=1)] | str | None = None
+    """Held-out data the run evaluates on (``train.eval_every``): a fraction in (0, 1) of the
+    rows as read, held out with a fixed seed (the same rows whatever ``train.seed``; never
+    trained on), e.g. ``data.eval=0.05``; a file, glob or directory of rows in any format
+    ``data=local`` reads (``data.eval=val.jsonl``, with this option's ``columns``); or, for
+    ``data=hub``, a split of the same dataset (``data.eval=test``). The rows go through the
+    run's own preparation (chat template, truncation, packing). null: no evaluation."""
+
+    def eval_kind(self) -> Literal["fraction", "path", "split"] | None:
+        """What ``eval`` names: a fraction, a path (it exists, or looks like one: a ``/``, a
+        glob, a data file's suffix), or otherwise a split name."""
+        value = self.eval
+        if value is None:
+            return None
+        if not isinstance(value, str):
+            return "fraction"
+        if (Path(value).expanduser().exists() or any(c in value for c in "/*?[")
+                or Path(value).suffix in (".jsonl", ".json", ".parquet", ".csv")):
+            return "path"
+        return "split"
+
+    def as_split_source(self) -> SplitSource | None:
+        """This source, when it has named splits (``data.eval=<split name>``): none here."""
+        return None
+
+    def eval_errors(self) -> list[str]:
+        """Problems of ``eval`` found before anything is read (each names its fix)."""
+        from memlab.data import heldout
+
+        kind = self.eval_kind()
+        if kind == "split" and self.as_split_source() is None:
+            return [f"data.eval={self.eval}: no such file, and data={self.name} "
+                    "has no named splits; give a fraction of the rows (data.eval=0.05) or a "
+                    "file (data.eval=val.jsonl)"]
+        if kind == "path":
+            return heldout.path_errors(str(self.eval))
+        return []
 
     def row_errors(self) -> list[str]:
         """Problems of the shared fields (each names its fix)."""
-        errors = []
+        errors = self.eval_errors()
         columns = self.columns or {}
         bad = {k: v for k, v in columns.items() if not isinstance(k, str) or v not in ROW_NAMES}
         if bad:

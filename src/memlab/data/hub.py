@@ -42,11 +42,20 @@ class Hub(RowOptions):
         name = f"{self.path}" + (f" ({self.config_name})" if self.config_name else "")
         return f"{name} split {self.split!r} row {index}"
 
+    def as_split_source(self) -> Hub:
+        """A hub dataset has named splits (``data.eval=test`` reads one)."""
+        return self
+
     def load(self, ctx: BuildContext):
+        return self.load_split(ctx, self.split)
+
+    def load_split(self, ctx: BuildContext, split: str):
+        """The rows of ``split`` of this dataset (``data.eval=<split>``: the held-out rows),
+        ``max_examples`` of them at most."""
         import datasets
 
         ds = datasets.load_dataset(
-            self.path, self.config_name, split=self.split, revision=self.revision,
+            self.path, self.config_name, split=split, revision=self.revision,
             data_dir=self.data_dir, cache_dir=self.cache_dir,
         )
         return limit(ds, self.max_examples, self.shuffle_seed)

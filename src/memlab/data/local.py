@@ -50,6 +50,10 @@ class Local(RowOptions):
         return _BY_SUFFIX.get(Path(files[0]).suffix, "json")
 
     def validate(self, ctx: BuildContext) -> list[str]:
+        return self.file_errors()
+
+    def file_errors(self) -> list[str]:
+        """Problems found before anything is read: the shared fields, then the files."""
         errors = self.row_errors()
         if self.path in ("???", ""):
             return [*errors, "data=local needs data.path=<file, glob or dir> "

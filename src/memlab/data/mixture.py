@@ -101,6 +101,9 @@ class Mixture(RowOptions):
                 if own != unset[knob]:
                     errors.append(f"{where}.{knob}: chat-template settings are the mixture's; "
                                   f"set data.{knob} instead")
+            if obj.eval is not None:
+                errors.append(f"{where}.eval: the held-out data is the mixture's; set "
+                              "data.eval instead (a fraction of the mixed rows, or a file)")
             out[label] = (obj, key, value)
         return out, errors
 

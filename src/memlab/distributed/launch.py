@@ -192,7 +192,7 @@ def merge(summary: dict[str, Any], ranks: Path, n: int, codes: list[int | None],
     bad = [(r, rec) for r, rec in enumerate(recs) if rec is None or rec["status"] != "ok"]
     first = recs[0] or next((x for x in recs if x), None)
     if first is not None:
-        for key in ("memory", "data", "train", "device", "throughput"):
+        for key in ("memory", "data", "train", "device", "throughput", "eval", "logger"):
             summary[key] = first.get(key)
     ok = [x for x in recs if x and x.get("status") == "ok"]
     summary["distributed"] = {

@@ -85,6 +85,8 @@ class Candidate:
     batch: Batch | None = None
     """The collated batch: set when it comes from the run's own stream (``--from-data``), else
     once the pipeline has prepared the rows (:meth:`collated`)."""
+    peak: int = 0
+    """Its measured peak (a held-out batch's ``eval`` phase)."""
 
     def collated(self) -> Batch:
         """:attr:`batch`, which every candidate has by the time it is measured."""

@@ -34,7 +34,7 @@ import contextlib
 import dataclasses
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import datasets
@@ -47,6 +47,7 @@ from memlab.estimate.batch import (
     Candidate,
     candidates,
     describe_batch,
+    describe_rows,
     distinct,
     padded,
     run_batches,
@@ -68,7 +69,7 @@ from memlab.measure import patches
 from memlab.measure.data import DataStats
 from memlab.measure.memory import tracker_class
 from memlab.method.base import LOSS_INDEX
-from memlab.pipeline import Seams, build
+from memlab.pipeline import HeldOut, Seams, build, eval_context
 from memlab.trainer.batch import Batch
 from memlab.trainer.loop import LoopOptions
 from memlab.trainer.routing import unwrap
@@ -345,10 +346,21 @@ def run_fake_step(ctx: BuildContext, opts: EstimateOptions, notes: list[str]) ->
 
     world = ctx.world_size
     prepare = None  # from_data: the run's own data preparation
+    prepare_eval: Callable[[Any, Any], HeldOut | None] | None = None
+    eval_cands: list[Candidate] = []
     if cands is not None:
+        assert length is not None
         rows = [r for c in cands for r in c.rows * world]  # each rank's slice: the candidate
         prepare = lambda c, t: (datasets.Dataset.from_list(rows),  # noqa: E731
                                 DataStats(rows=len(rows), examples=len(rows)))
+        if ctx.data.eval is not None:  # the held-out batches: eval_batch_size rows each
+            eval_cands = candidates(eval_context(ctx), tokenizer, length, opts.docs_per_row)
+            eval_rows = [r for c in eval_cands for r in c.rows * world]
+            prepare_eval = lambda c, t: HeldOut(  # noqa: E731
+                datasets.Dataset.from_list(eval_rows),
+                DataStats(rows=len(eval_rows), examples=len(eval_rows)), "worst-case rows")
+        else:
+            prepare_eval = lambda c, t: None  # noqa: E731
     token = round_trip_token(tokenizer)
     placed: dict[int, dict[str, Any]] = {}  # each model's weights as built, before any wrap
 
@@ -368,6 +380,7 @@ def run_fake_step(ctx: BuildContext, opts: EstimateOptions, notes: list[str]) ->
         rng=NoDraw(),
         exact_weights=False,
         model_context=in_fake_mode,
+        prepare_eval=prepare_eval,
         loop=LoopOptions(tracker=estimate_tracker(CUDA_BLOCK if cuda else 0), grad_scaler=False,
                          foreach=True if cuda and ctx.train.optimizer == "adamw" else None),
     )
@@ -382,6 +395,11 @@ def run_fake_step(ctx: BuildContext, opts: EstimateOptions, notes: list[str]) ->
     if cands is None:
         drawn = run_micro_batches(ctx)
         cands = run_batches(pipe.stream, ctx)
+        if trainer.evaluator is not None:  # every held-out micro-batch of this rank
+            ev = trainer.evaluator
+            held_batches = [collate(ev.rows(idx)) for idx, _ in ev.slices()]
+            eval_cands = distinct([Candidate(f"held-out batch {k}", [], describe_rows(b), batch=b)
+                                   for k, b in enumerate(held_batches)], key=lambda c: c.batch)
         notes.append(f"from_data: the run's own batch stream over the prepared data (seed "
                      f"{ctx.train.seed}): every micro-batch of its {ctx.train.steps} step(s) "
                      f"({drawn} drawn); {len(cands)} of them measured, the others need no more "
@@ -401,6 +419,16 @@ def run_fake_step(ctx: BuildContext, opts: EstimateOptions, notes: list[str]) ->
             c.batch = collate(c.rows)
             start += n * world
         cands = distinct(cands, key=lambda c: c.batch)
+        start = 0
+        held = pipe.held_out
+        for c in eval_cands:  # the held-out rows as the pipeline prepared them
+            assert held is not None
+            n = len(c.rows)
+            cols = held.ds[start: start + n]
+            c.rows = [{name: cols[name][i] for name in cols} for i in range(n)]
+            c.batch = collate(c.rows)
+            start += n * world
+        eval_cands = distinct(eval_cands, key=lambda c: c.batch)
         if any(LOSS_INDEX in c.collated().tensors for c in cands):
             notes.append("every real token of the generated rows carries a label, so the "
                          "output head runs at all of them (method.head_on=labelled: a run whose "
@@ -452,6 +480,18 @@ def run_fake_step(ctx: BuildContext, opts: EstimateOptions, notes: list[str]) ->
                     trainer.run_step(step_batches, tracked=True)
                 trained.append(trained_batch(step_batches[0]))  # no tensor outlives its step
                 del batches, step_batches
+            for c in eval_cands:  # after the steps: the optimizer's state exists, no gradient
+                held_batch, evaluator = c.batch, trainer.evaluator
+                assert held_batch is not None and evaluator is not None
+                with unset_fake_temporarily():
+                    real.clear()
+                    real.update({n: v for n, v in held_batch.tensors.items()
+                                 if isinstance(v, torch.Tensor)})
+                    batch = _fake_micro_batches(held_batch, 1, mode)[0]
+                trainer.step_idx = len(ran)
+                evaluator.measure(trainer, batch)
+                c.peak = trainer.probe.last_phase_peak
+                del batch
     except (torch._subclasses.fake_tensor.DataDependentOutputException,
             torch._subclasses.fake_tensor.DynamicOutputShapeException) as e:
         raise EstimateError(
@@ -467,9 +507,22 @@ def run_fake_step(ctx: BuildContext, opts: EstimateOptions, notes: list[str]) ->
     peaks = [0] * len(cands)
     for i, (k, _) in enumerate(ran):
         peaks[k] = max(peaks[k], trainer.probe.step_peaks.get(i, 0))
-    top, top_step = ran[raw["peak_at"]["step"]] if raw.get("peak_at") else (0, run_steps[-1])
-    raw["peak_at"] = {**(raw.get("peak_at") or {}), "step": top_step,
-                      "batch": cands[top].name}
+    at = raw.get("peak_at") or {}
+    if at.get("phase") == "eval":  # a held-out batch set the peak
+        top, top_step = max(range(len(cands)), key=peaks.__getitem__), run_steps[-1]
+        raw["peak_at"] = {**at, "step": top_step, "batch": "held-out " + max(
+            eval_cands, key=lambda c: c.peak).name}
+    else:
+        top, top_step = ran[at["step"]] if at else (0, run_steps[-1])
+        raw["peak_at"] = {**at, "step": top_step, "batch": cands[top].name}
+    if eval_cands:
+        notes.append(f"eval: {len(eval_cands)} held-out batch(es) of train.eval_batch_size="
+                     f"{ctx.train.eval_rows()} rows measured after the steps, without "
+                     "gradients (the optimizer's state alive): " + "; ".join(
+                         f"{c.name} ({c.description}): "
+                         f"{c.peak / 2**20:.2f} MiB" for c in eval_cands)
+                     + (" (eval samples' generation is not modelled)"
+                        if ctx.train.eval_samples else ""))
     if len(cands) > 1:
         notes.append("batches measured: " + "; ".join(
             f"{c.name} ({c.description}): {peaks[k] / 2**20:.2f} MiB"

@@ -11,7 +11,7 @@ from memlab.measure.summary import parse_bytes  # noqa: F401 (re-exported: sizes
 GiB = 1024**3
 MiB = 1024**2
 PHASES = ("forward", "backward", "optimizer")
-ALL_PHASES = ("generate", *PHASES)  # generate: online methods only
+ALL_PHASES = ("generate", *PHASES, "eval")  # generate: online methods only; eval: with data.eval
 
 CUDA_BLOCK = 512
 """The CUDA caching allocator rounds every allocation up to a multiple of 512 bytes."""

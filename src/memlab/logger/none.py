@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from memlab.logger.base import NullRun, register
+from memlab.logger.base import NullRun, RunInfo, register
 from memlab.registry import Option
 
 if TYPE_CHECKING:
@@ -20,5 +20,5 @@ class NoLogger(Option):
     def validate(self, ctx: BuildContext) -> list[str]:
         return []
 
-    def start(self, ctx: BuildContext, config: dict[str, Any]) -> NullRun:
+    def start(self, info: RunInfo, config: dict[str, Any]) -> NullRun:
         return NullRun()

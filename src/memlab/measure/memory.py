@@ -194,6 +194,9 @@ class MemoryProbe:
         self.step_peaks: dict[int, int] = {}
         """Peak of each tracked step (the tracker's on CPU, the allocator's on CUDA)."""
         self._step = -1
+        self._training = True
+        self.last_phase_peak = 0
+        """The tracker's peak in the last phase that ran tracked."""
         if self.is_cuda:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -204,13 +207,17 @@ class MemoryProbe:
 
     # -------------------------------------------------------------- steps
     @contextlib.contextmanager
-    def step(self, index: int, tracked: bool, inputs: Sequence[torch.Tensor] = ()
-             ) -> Iterator[None]:
-        """One optimizer step; ``tracked`` runs it under the categorised tracker."""
+    def step(self, index: int, tracked: bool, inputs: Sequence[torch.Tensor] = (),
+             training: bool = True) -> Iterator[None]:
+        """One optimizer step; ``tracked`` runs it under the categorised tracker.
+        ``training=False``: an evaluation micro-batch after ``index`` steps (its ``eval``
+        phase counts in the peaks; it is not a tracked step)."""
         self._step = index
+        self._training = training
         tracker = self.tracker if tracked else None
-        if tracker is not None:
+        if tracker is not None and training:
             self.tracked_steps.append(index)
+        if tracker is not None:
             tracker.track_external(*self._external, *inputs)
             self._apply_roles()
             tracker.__enter__()
@@ -278,6 +285,7 @@ class MemoryProbe:
                 snap = categorize(
                     {k: v for k, v in t._peak_mem_snap.get(dev, {}).items() if k != "Total"}
                 )
+                self.last_phase_peak = p
                 if p > self.phase_peak.get(name, -1):
                     self.phase_peak[name] = p
                     self.phase_snap[name] = snap
@@ -293,7 +301,7 @@ class MemoryProbe:
                 self.cuda_peak_reserved = max(self.cuda_peak_reserved, r, base_res)
                 if t is not None:
                     p = a
-            if t is not None:
+            if t is not None and self._training:
                 self.step_peaks[self._step] = max(self.step_peaks.get(self._step, 0), p)
 
     def step_metrics(self, index: int) -> dict[str, int]:
@@ -329,7 +337,8 @@ class MemoryProbe:
             "by_category": {k: int(by_cat.get(k, 0)) for k in CATEGORIES},
             "by_phase": {k: int(by_phase.get(k, 0)) for k in
                          (("generate",) if "generate" in by_phase else ())
-                         + ("forward", "backward", "optimizer")},
+                         + ("forward", "backward", "optimizer")
+                         + (("eval",) if "eval" in by_phase else ())},
             "by_phase_category": self.phase_snap,
             "peak_at": {"step": self.peak_where[0], "phase": self.peak_where[1]}
             if self.peak_where

@@ -257,6 +257,22 @@ def format_table(s: dict[str, Any]) -> str:
                 else "")
         nan = f", non-finite loss at step {tr['nan_step']}" if tr.get("nan_step") else ""
         lines.append(f"train: {done} steps{loss}{nan}")
+    ev = s.get("eval") or {}
+    if ev.get("history"):
+        final, best = ev.get("final") or {}, ev.get("best") or {}
+        metric = ev.get("metric") or "loss"
+        shown = ", ".join(f"{k} {v:.4f}" for k, v in final.items()
+                          if k != "step" and isinstance(v, (int, float)))
+        line = (f"eval: {shown} at step {final.get('step')} ({len(ev['history'])} evals on "
+                f"{ev.get('examples')} held-out examples, {ev.get('seconds', 0):.1f} s)")
+        if best and best.get("step") != final.get("step"):
+            line += f"; best {metric} {best['value']:.4f} at step {best['step']}"
+        lines.append(line)
+        if best.get("checkpoint"):
+            lines.append(f"  best checkpoint: {best['checkpoint']}")
+        if ev.get("stopped_early"):
+            lines.append(f"  stopped early at step {ev['stopped_early']['step']}: "
+                         f"{ev['stopped_early']['reason']}")
     for err in (s.get("checkpoint") or {}).get("errors") or []:
         lines.append(f"checkpoint NOT written: {err}")
     if s.get("write_error"):

@@ -18,6 +18,7 @@ value and carries the policy gradient).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
@@ -89,6 +90,9 @@ class Online(Option):
     trains_extra_models: ClassVar[bool] = False
     supports_sampling_correction: ClassVar[bool] = False
     items_name: ClassVar[str] = "completion tokens"
+    eval_metrics: ClassVar[tuple[str, ...]] = ("reward", "completions/mean_length",
+                                               "completions/finished")
+    """Of greedy completions, one per held-out prompt (:meth:`evaluate`)."""
     min_generations: ClassVar[int] = 2
     reuses_rollouts: ClassVar[bool] = True
     """Whether the loss has a probability ratio to old log-probs (num_iterations > 1 allowed)."""
@@ -132,6 +136,12 @@ class Online(Option):
             errors.append(f"train.save_every={ctx.train.save_every} must be a multiple of "
                           f"method.num_iterations={self.num_iterations} (checkpoints are taken "
                           "between generation batches)")
+        elif (self.num_iterations > 1 and ctx.train.save_best
+              and ctx.train.eval_every % self.num_iterations):
+            errors.append(f"train.save_best=true saves at evaluations, and train.eval_every="
+                          f"{ctx.train.eval_every} is not a multiple of method.num_iterations="
+                          f"{self.num_iterations} (checkpoints are taken between generation "
+                          "batches)")
         if self.beta > 0:
             errors += _reference.reference_errors(self, ctx)
         return errors
@@ -268,6 +278,23 @@ class Online(Option):
         if samples.logprobs is not None and env.engine.corrects_sampling():
             self.correct_sampling(models, out, samples.logprobs, env.engine, prompt.shape[1])
         return out
+
+    def evaluate(self, models: dict, batch: Batch, ctx: BuildContext, env: GenerationEnv
+                 ) -> tuple[dict[str, float], int]:
+        """One greedy completion per held-out prompt from the run's engine, scored by the
+        run's rewards: the reward (and each reward's share, the completions' length and
+        whether they ended) summed over the prompts."""
+        t = batch.tensors
+        params = dataclasses.replace(self.sampling(batch), greedy=True)
+        samples = env.engine.generate(models["policy"], t["prompt_ids"], t["prompt_mask"], params)
+        rewards, metrics = dataclasses.replace(self, num_generations=1).score(batch, samples,
+                                                                              models)
+        n = len(samples.token_ids)
+        sums = {k: v * n for k, v in metrics.items()}
+        sums.update({"reward": float(rewards.sum()),
+                     "completions/mean_length": float(sum(samples.lengths)),
+                     "completions/finished": float(sum(samples.finished_list))})
+        return sums, n
 
     def correct_sampling(self, models: dict, out: Batch, sampler_logps: torch.Tensor,
                          engine: Engine, prompt_width: int) -> None:

@@ -97,6 +97,33 @@ def encode_prompt(tok, prompt: Any, idx: int, tools: Any = None) -> list[int]:
     return text.start_ids(tok, prompt)
 
 
+SAMPLE_TEXT_TOKENS = 32
+"""Tokens of a plain-text row that prompt its eval sample (``train.eval_samples``)."""
+
+
+def sample_prompt_ids(tok, row: dict, idx: int) -> list[int]:
+    """The prompt of held-out row ``row`` for a greedy sample (``train.eval_samples``): a
+    conversation (``messages``, or an implicit-prompt preference row's ``chosen``) up to its last
+    user turn, with the generation prompt; a row's ``prompt``; plain text's first
+    :data:`SAMPLE_TEXT_TOKENS` tokens."""
+    tools = row.get("tools")
+    conversation = row.get("messages") or (row.get("chosen") if row.get("prompt") is None
+                                           and isinstance(row.get("chosen"), list) else None)
+    if conversation:
+        check_messages(conversation, idx, "messages")
+        last = max((i for i, m in enumerate(conversation) if m["role"] == "user"), default=None)
+        if last is None:
+            raise DataError(f"row {idx}: the conversation has no user turn to prompt a sample "
+                            "with")
+        return chat.prompt_ids(tok, conversation[:last + 1], idx, "messages", tools=tools)
+    if row.get("prompt") is not None:
+        return encode_prompt(tok, row["prompt"], idx, tools)
+    if isinstance(row.get("text"), str):
+        return text.start_ids(tok, row["text"])[:SAMPLE_TEXT_TOKENS]
+    raise DataError(f"row {idx}: no prompt, conversation or text to prompt a sample with "
+                    f"(columns {sorted(row)})")
+
+
 def encode_completion(tok, prompt: Any, prompt_ids: list[int], completion: Any, idx: int,
                       field: str, tools: Any = None) -> list[int]:
     """Completion tokens that follow ``prompt_ids`` (see the module docstring)."""

@@ -16,7 +16,12 @@ A method is a registered dataclass (configuration only: no run-time state) with:
   ``num_items`` (tokens for SFT, pairs for DPO); the trainer divides by the items of the whole
   optimizer step, so gradient accumulation does not change the gradient;
 - ``packs_rows(ctx) -> bool``: whether its collated rows hold several sequences (packing,
-  padding-free); the attention option checks that it can keep them apart.
+  padding-free); the attention option checks that it can keep them apart;
+- ``evaluate(models, batch, ctx, env) -> (sums, items)`` and ``eval_metrics``: its metrics on
+  a held-out micro-batch (no gradients), summed over the batch's items, so that the trainer's
+  evaluation adds them up over the whole held-out set and every rank before dividing
+  (:mod:`memlab.trainer.evaluate`): the loss and the loss's metrics for methods that train on
+  a dataset (:func:`loss_sums`), the reward of greedy completions for online methods.
 
 Declared capabilities (None: the method does not have it):
 
@@ -49,8 +54,8 @@ if TYPE_CHECKING:
     from memlab.packing.groups import GroupPacked
 
 __all__ = ["IGNORE", "Batch", "DataStats", "Generating", "Method", "ModelFactory", "Segments",
-           "decoder_hidden", "flatten_batch", "model_inputs", "pad_batch", "register",
-           "round_up", "shifted_labels"]
+           "decoder_hidden", "flatten_batch", "loss_sums", "model_inputs", "pad_batch",
+           "register", "round_up", "shifted_labels"]
 
 
 class ModelFactory(Protocol):
@@ -119,6 +124,29 @@ class Method(Option, Protocol):
         """The method whose rows pack as units of several sequences, or None."""
         ...
 
+    eval_metrics: ClassVar[tuple[str, ...]]
+    """The metrics :meth:`evaluate` reports (``train.best_metric`` picks one; the first is
+    the default)."""
+
+    def evaluate(self, models: dict, batch: Batch, ctx: BuildContext, env: Any
+                 ) -> tuple[dict[str, float], int]:
+        """Each eval metric summed over the held-out micro-batch ``batch``, and the number of
+        items summed over (loss tokens, pairs, prompts); runs under ``torch.no_grad`` with the
+        policy in eval mode. ``env``: the run's generation environment (online methods) or
+        None."""
+        ...
+
+
+def loss_sums(method: Method, models: dict, batch: Batch, ctx: BuildContext
+              ) -> tuple[dict[str, float], int]:
+    """:meth:`Method.evaluate` of a method whose evaluation is its loss: the loss sum and
+    each of its ``eval_metrics`` (means over the batch's items) times the items."""
+    loss_sum, metrics = method.loss(models, batch, ctx)
+    n = batch.num_items
+    sums = {"loss": float(loss_sum)}
+    sums.update({k: float(v) * n for k, v in metrics.items() if k in method.eval_metrics})
+    return sums, n
+
 
 class Generating(Protocol):
     """An online method: its training batches are sampled in the trainer's generate phase."""
@@ -158,12 +186,16 @@ class Offline(Option):
     supports_sampling_correction: ClassVar[bool] = False
     max_length: int | None
     pad_to_multiple_of: int | None
+    eval_metrics: ClassVar[tuple[str, ...]] = ("loss",)
 
     def as_generating(self) -> Generating | None:
         return None
 
     def as_group_packed(self) -> GroupPacked | None:
         return None
+
+    def evaluate(self, models, batch, ctx, env) -> tuple[dict[str, float], int]:
+        return loss_sums(self, models, batch, ctx)  # type: ignore[arg-type]
 
     def row_length(self) -> int | None:
         return self.max_length

@@ -85,6 +85,9 @@ class DPO(Offline, _liger.LigerKnobs):
     supports_packing: ClassVar[bool] = True
     supports_padding_free: ClassVar[bool] = True
     items_name: ClassVar[str] = "pairs"
+    eval_metrics: ClassVar[tuple[str, ...]] = (
+        "loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
+        "logps/chosen", "logps/rejected")
 
     # ------------------------------------------------------------------ capabilities
     def packs_rows(self, ctx: BuildContext) -> bool:

@@ -31,7 +31,15 @@ from memlab.data.base import DataError
 from memlab.generation.base import GenerationEnv, SamplingParams
 from memlab.method import _overrides, _reference, _rows
 from memlab.method._online import _prompt_and_reference, join
-from memlab.method.base import IGNORE, Batch, DataStats, Generating, model_inputs, register
+from memlab.method.base import (
+    IGNORE,
+    Batch,
+    DataStats,
+    Generating,
+    loss_sums,
+    model_inputs,
+    register,
+)
 from memlab.model.base import Head
 from memlab.registry import Fraction, Option, PositiveFloat, PositiveInt, Range
 
@@ -68,6 +76,8 @@ class GKD(Option):
     trains_extra_models: ClassVar[bool] = False
     supports_sampling_correction: ClassVar[bool] = False
     items_name: ClassVar[str] = "completion tokens"
+    eval_metrics: ClassVar[tuple[str, ...]] = ("loss",)
+    """The generalized JSD on the held-out conversations' own answers."""
     num_iterations: ClassVar[int] = 1
     """One optimizer step per generated batch."""
 
@@ -195,6 +205,11 @@ class GKD(Option):
 
     def before_training(self, models, ds, ctx: BuildContext):
         return None
+
+    def evaluate(self, models: dict, batch: Batch, ctx: BuildContext, env: GenerationEnv | None
+                 ) -> tuple[dict[str, float], int]:
+        """The loss on the held-out conversations' own answers (no sampling)."""
+        return loss_sums(self, models, batch, ctx)
 
     def rollout(self, models: dict, batch: Batch, ctx: BuildContext, env: GenerationEnv) -> Batch:
         """On-policy (probability lmbda, the run's random draw): the student's samples; else

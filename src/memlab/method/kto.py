@@ -93,6 +93,9 @@ class KTO(Offline, _liger.LigerKnobs):
     supports_packing: ClassVar[bool] = True
     supports_padding_free: ClassVar[bool] = True
     items_name: ClassVar[str] = "examples"
+    eval_metrics: ClassVar[tuple[str, ...]] = (
+        "loss", "kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen",
+        "logps/rejected")
 
     # ------------------------------------------------------------------ capabilities
     def packs_rows(self, ctx: BuildContext) -> bool:

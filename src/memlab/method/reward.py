@@ -74,6 +74,8 @@ class Reward(Offline):
     supports_packing: ClassVar[bool] = True
     supports_padding_free: ClassVar[bool] = True
     items_name: ClassVar[str] = "pairs"
+    eval_metrics: ClassVar[tuple[str, ...]] = (
+        "loss", "accuracy", "rewards/margins", "rewards/chosen", "rewards/rejected")
 
     # ------------------------------------------------------------------ capabilities
     def packs_rows(self, ctx: BuildContext) -> bool:

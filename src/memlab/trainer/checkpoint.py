@@ -29,6 +29,7 @@ import json
 import random
 import shutil
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -216,7 +217,7 @@ def save(trainer: Trainer) -> Path:
     it (gathering may be a collective), rank 0 writes the files."""
     ctx, dist = trainer.ctx, trainer.dist
     root = Path(ctx.run_dir) / "checkpoints"
-    final = root / f"step_{trainer.step_idx:06d}"
+    final = step_dir(Path(ctx.run_dir), trainer.step_idx)
     tmp = root / f".tmp_step_{trainer.step_idx:06d}"
     fmt = state_format(dist)
     native, gathered = dist.as_native_states(), dist.as_gathered_states()
@@ -264,6 +265,7 @@ def save(trainer: Trainer) -> Path:
         "stream": trainer.stream.state(),
         "losses": list(trainer.result.losses),
         "curves": trainer.result.curves,
+        "eval": trainer.evaluator.state.state() if trainer.evaluator is not None else None,
         "rng": to_tree({"torch": torch.get_rng_state(), "python": random.getstate(),
                         "numpy": np.random.get_state(),
                         "cuda": (torch.cuda.get_rng_state_all() if torch.cuda.is_available()
@@ -279,13 +281,21 @@ def save(trainer: Trainer) -> Path:
         shutil.rmtree(final)
     tmp.rename(final)
     if ctx.train.keep_last:
-        prune(root, ctx.train.keep_last)
+        best = trainer.best_checkpoint()
+        prune(root, ctx.train.keep_last, keep=[best] if best is not None else [])
     return final
 
 
-def prune(root: Path, keep: int) -> list[Path]:
-    """Delete all but the newest ``keep`` checkpoints in ``root``; returns the deleted dirs."""
-    old = step_dirs(root)[:-keep]
+def step_dir(run_dir: Path, step: int) -> Path:
+    """Where the checkpoint of ``step`` goes (``run_dir/checkpoints/step_<n>``)."""
+    return Path(run_dir) / "checkpoints" / f"step_{step:06d}"
+
+
+def prune(root: Path, newest: int, keep: Sequence[Path] = ()) -> list[Path]:
+    """Delete all but the ``newest`` checkpoints in ``root`` and those in ``keep`` (the best
+    evaluation's, ``train.save_best``); returns the deleted dirs."""
+    protected = {Path(p).resolve() for p in keep}
+    old = [p for p in step_dirs(root)[:-newest] if p.resolve() not in protected]
     for p in old:
         shutil.rmtree(p)
     return old
@@ -391,6 +401,8 @@ def load(trainer: Trainer, path: Path) -> None:
     trainer.step_idx = int(state["step"])
     trainer.result.losses = list(state["losses"])
     trainer.result.curves = {k: list(v) for k, v in (state.get("curves") or {}).items()}
+    if trainer.evaluator is not None and state.get("eval"):
+        trainer.evaluator.state.load_state(state["eval"])
     rng = from_tree(state["rng"], tensors)
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])

@@ -9,7 +9,10 @@ training is not compared (:data:`NOT_COMPARED`):
 
 - bookkeeping: where and when checkpoints are written, how a run resumes, progress and
   logging (``train.save_*``, ``train.keep_last``, ``train.resume_*``, ``train.progress``,
-  ``train.log_every``), what is measured (``measure``) and where it is logged (``logger``);
+  ``train.log_every``), what is measured (``measure``) and where it is logged (``logger``),
+  how the held-out data is evaluated (``train.eval_*``, ``train.best_metric``,
+  ``train.greater_is_better``, ``train.early_stop``; which rows are held out, ``data.eval``,
+  changes what is trained and is compared);
 - the device (``train.device``: a checkpoint may move between machines);
 - memory-only techniques that compute the same arithmetic (``train.gradient_checkpointing``,
   ``train.checkpoint_every``: recomputation; ``offload``: activations moved off the device and
@@ -38,6 +41,8 @@ NOT_COMPARED = (
     "train.save_every", "train.save_final", "train.save_merged", "train.keep_last",
     "train.resume_from", "train.resume_allow", "train.resume_root", "train.progress",
     "train.log_every", "train.device", "train.gradient_checkpointing", "train.checkpoint_every",
+    "train.eval_every", "train.eval_batch_size", "train.eval_samples", "train.eval_max_new_tokens",
+    "train.best_metric", "train.greater_is_better", "train.early_stop", "train.save_best",
     "distributed.timeout_s", "distributed.master_port", "model.local_files_only",
     "generation.host", "generation.port", "generation.server_timeout_s",
     "generation.request_timeout_s",

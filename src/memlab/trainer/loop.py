@@ -34,6 +34,7 @@ from memlab.measure.outcome import NonFiniteLoss
 from memlab.measure.profile import phase_label, profiled
 from memlab.trainer import checkpoint
 from memlab.trainer.batch import Batch, BatchStream
+from memlab.trainer.evaluate import Evaluator
 from memlab.trainer.optim import build_optimizer, build_scheduler
 
 if TYPE_CHECKING:
@@ -120,10 +121,12 @@ class Trainer:
     def __init__(self, ctx: BuildContext, method: Method, models: dict[str, nn.Module],
                  stream: BatchStream, *, logger: LoggerRun | None = None,
                  offload: OffloadHandle | None = None, generation: GenerationEnv | None = None,
-                 options: LoopOptions | None = None):
+                 options: LoopOptions | None = None, evaluator: Evaluator | None = None):
         options = options or LoopOptions()
         self.ctx, self.method, self.models, self.stream = ctx, method, models, stream
         self.logger = logger
+        self.evaluator = evaluator
+        """Evaluates on the held-out data (``data.eval``; :mod:`memlab.trainer.evaluate`)."""
         self.offload = offload
         self.generation = generation
         self.online = method.as_generating()
@@ -164,6 +167,8 @@ class Trainer:
         self._max_key: tuple[int, ...] = ()
         self._rollouts: list[Batch] | None = None
         self._profiling = False  # this step runs under measure.profile_step's profiler
+        self.saved_step: int | None = None
+        """The step of the last checkpoint this run wrote."""
 
     # ---------------------------------------------------------------- one step
     def _tracked(self, step: int, key: tuple[int, ...]) -> bool:
@@ -342,6 +347,7 @@ class Trainer:
             metrics["throughput/tokens_per_s"] = real / dt if dt > 0 else 0.0
             metrics["data/padding_fraction"] = 1 - real / max(1, sum(b.total_tokens
                                                                      for b in batches))
+            del batches  # freed before an evaluation (an online method keeps its rollouts)
             res.losses.append(metrics["train/loss"])
             res.metrics = metrics
             for k, v in metrics.items():
@@ -351,16 +357,25 @@ class Trainer:
             res.steps = self.step_idx
             if not math.isfinite(metrics["train/loss"]):
                 raise NonFiniteLoss(self.step_idx, metrics["train/loss"])
-            if self.logger is not None and self.step_idx % ctx.train.log_every == 0:
-                self.logger.log({**metrics, **self.probe.step_metrics(self.step_idx - 1)},
-                                step=self.step_idx)
+            evaluated, best = self._evaluate() if self._eval_due() else ({}, False)
+            if self.logger is not None and (self.step_idx % ctx.train.log_every == 0
+                                            or evaluated):
+                self.logger.log({**metrics, **self.probe.step_metrics(self.step_idx - 1),
+                                 **evaluated}, step=self.step_idx)
             if bar is not None:
-                bar.set_postfix(loss=f"{metrics['train/loss']:.4f}",
-                                tok_s=f"{metrics['throughput/tokens_per_s']:.0f}")
+                post = {"loss": f"{metrics['train/loss']:.4f}",
+                        "tok_s": f"{metrics['throughput/tokens_per_s']:.0f}"}
+                shown = (evaluated.get(f"eval/{self.evaluator.state.metric}")
+                         if self.evaluator is not None else None)
+                if shown is not None:
+                    post["eval"] = f"{shown:.4f}"
+                bar.set_postfix(**post)
                 bar.update(1)
             faults.reach(f"step:{self.step_idx}")
-            if ctx.train.save_every and self.step_idx % ctx.train.save_every == 0:
+            if (ctx.train.save_every and self.step_idx % ctx.train.save_every == 0) or best:
                 self.try_save_checkpoint()
+            if self.evaluator is not None and self.evaluator.state.stopped is not None:
+                break
         if bar is not None:
             bar.close()
         if res.timed_steps == 0:
@@ -368,6 +383,42 @@ class Trainer:
                 "every step was warm-up or ran under the memory tracker; raise train.steps or "
                 "set measure.memory_steps=2 for a throughput number")
         return res
+
+    # ---------------------------------------------------------------- evaluation
+    def _eval_due(self) -> bool:
+        """Evaluate after this step: every ``train.eval_every`` steps and after the last."""
+        every = self.ctx.train.eval_every
+        return self.evaluator is not None and (self.step_idx >= self.ctx.train.steps
+                                               or bool(every and self.step_idx % every == 0))
+
+    def _evaluate(self) -> tuple[dict[str, Any], bool]:
+        """Evaluate now: ``({"eval/<metric>": value}, whether to save it as the best)``.
+        Decides early stopping (``evaluator.state.stopped``)."""
+        ev, train = self.evaluator, self.ctx.train
+        assert ev is not None
+        metrics, improved = ev.run(self)
+        st = ev.state
+        out: dict[str, Any] = {f"eval/{k}": v for k, v in metrics.items()}
+        new = [s for s in st.samples if s["step"] == self.step_idx]
+        if new:
+            out["eval/samples"] = new
+        save = improved and train.save_best
+        if save and st.best is not None:  # the directory the save below writes
+            st.best["checkpoint"] = str(checkpoint.step_dir(Path(self.ctx.run_dir),
+                                                            self.step_idx))
+        if train.early_stop and st.since_best >= train.early_stop and \
+                self.step_idx < train.steps:
+            best = st.best or {}
+            st.stopped = {"step": self.step_idx, "reason": (
+                f"eval {st.metric} did not improve on {best.get('value')} (step "
+                f"{best.get('step')}) in {st.since_best} evaluations (train.early_stop="
+                f"{train.early_stop})")}
+        return out, save
+
+    def best_checkpoint(self) -> Path | None:
+        """The best evaluation's checkpoint (``train.save_best``), which pruning keeps."""
+        best = self.evaluator.state.best if self.evaluator is not None else None
+        return Path(best["checkpoint"]) if best and best.get("checkpoint") else None
 
     def save_checkpoint(self):
         """A resumable checkpoint of the current step (:mod:`memlab.trainer.checkpoint`)."""
@@ -379,10 +430,15 @@ class Trainer:
         unwritable, missing or full disk) is recorded in ``result.checkpoint_errors`` and the
         training goes on; returns the checkpoint's dir or None."""
         try:
-            return self.save_checkpoint()
+            path = self.save_checkpoint()
+            self.saved_step = self.step_idx
+            return path
         except OSError as e:
             self.result.checkpoint_errors.append(
                 f"step {self.step_idx}: {type(e).__name__}: {e}")
+            best = self.evaluator.state.best if self.evaluator is not None else None
+            if best and best.get("checkpoint") and best["step"] == self.step_idx:
+                best["checkpoint"] = None  # not written
             return None
 
     def _progress(self):
