@@ -53,6 +53,7 @@ from memlab.estimate.batch import (
     trained_batch,
     worst_case_rollout_tensors,
 )
+from memlab.estimate.decode import ShortDecode
 from memlab.estimate.options import CUDA_BLOCK, EstimateError, EstimateOptions
 from memlab.estimate.sharding import shard_units
 from memlab.estimate.standins import (
@@ -289,15 +290,20 @@ class FlopCount(TorchDispatchMode):
         return out
 
 
-def run_fake_step(ctx, opts: EstimateOptions, notes: list[str]) -> dict[str, Any]:
+def run_fake_step(ctx, opts: EstimateOptions, notes: list[str], *,
+                  every_decode_step: bool = False) -> dict[str, Any]:
     """Build the configured run through :func:`memlab.pipeline.build` with the estimator's
     seams and run the tracked training step(s) through
     :meth:`memlab.trainer.loop.Trainer.run_step`, once per candidate batch
     (:mod:`memlab.estimate.batch`: the worst-case candidates, or with ``from_data`` the run's
     own micro-batches); returns the raw probe result (the largest peak of them all) plus model /
-    batch descriptions. ``ctx`` is the validated context (run on the CPU here)."""
+    batch descriptions. ``ctx`` is the validated context (run on the CPU here).
+    ``every_decode_step``: generation runs the model for every new token instead of
+    :mod:`memlab.estimate.decode`'s shortcut (the reference its tests compare with)."""
     cuda = opts.device == "cuda"
     mode = estimate_fake_mode()
+    counter = FlopCount() if opts.count_flops else None
+    steps = ShortDecode(counter, mode, every_step=every_decode_step)
     standin = ModelStandin(opts.config_overrides, notes, mode)
     dense_padding = True  # padded rows build a dense [rows, 1, T, T] mask (sdpa, eager)
     if not (ctx.attention.trains_on_cpu and "cpu" in ctx.attention.devices):
@@ -362,7 +368,7 @@ def run_fake_step(ctx, opts: EstimateOptions, notes: list[str]) -> dict[str, Any
         place_model=standin.place,
         prepare_data=prepare,
         offload=OFFLOAD,
-        engine=lambda c, t, p: WorstCaseEngine(c.distributed, token),
+        engine=lambda c, t, p: WorstCaseEngine(c.distributed, token, steps),
         rng=NoDraw(),
         exact_weights=False,
         model_context=in_fake_mode,
@@ -421,7 +427,6 @@ def run_fake_step(ctx, opts: EstimateOptions, notes: list[str]) -> dict[str, Any
     ran: list[tuple[int, int]] = []  # (candidate, run step) of each tracked step
     trained: list[dict] = []  # each candidate's trained batch (online: its rollout)
     t1 = time.perf_counter()
-    counter = FlopCount() if opts.count_flops else None
     try:
         with in_fake_mode(), counter if counter is not None else contextlib.nullcontext():
             if run_steps == [1]:  # step 0's optimizer update, by the optimizer: its state
@@ -451,6 +456,13 @@ def run_fake_step(ctx, opts: EstimateOptions, notes: list[str]) -> dict[str, Any
             "its value computed on the host (like the rows' document segments) or an answer "
             "in memlab.estimate.fake") from e
     step_s = time.perf_counter() - t1
+    if steps.skipped:
+        notes.append(f"generation: decode steps 2 to {ctx.method.sampling_length() - 2} of each "
+                     "generate call answered without running the model (every step between "
+                     "the first and the last runs the same ops on a shorter cache); the cache "
+                     "grown to its full length before the last step; FLOPs and value reads of "
+                     "the skipped steps counted from the first and the last "
+                     "(memlab.estimate.decode)")
     if mode.assumed:
         notes.append("value reads answered without values (metrics, logging): " + ", ".join(
             f"{n} {k}" for k, n in sorted(mode.assumed.items())))
