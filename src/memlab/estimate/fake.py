@@ -145,11 +145,95 @@ def exact_value_hooks(real: dict[str, torch.Tensor], fake_mode,
 def estimate_tracker(round_to: int = 0):
     """The run's tracker class, optionally rounding each storage up to ``round_to`` bytes
     (the CUDA caching allocator's 512-byte blocks) while the fake tensors live on the CPU."""
-    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, _UpdateType
+    from torch._guards import active_fake_mode
+    from torch.distributed._tools.mem_tracker import (
+        _TOTAL_KEY,
+        _MemRefType,
+        _UpdateType,
+        _WeakRefInfo,
+        get_untyped_storages,
+    )
+    from torch.distributed.tensor import DTensor
+    from torch.utils._pytree import tree_leaves
 
     base = tracker_class()
+    wait_tensor = torch.ops._c10d_functional.wait_tensor.default
+    add, delete, ref, size = (_UpdateType.ADD, _UpdateType.DEL, _UpdateType.REF,
+                              _UpdateType.SIZE)
 
     class EstimateTracker(base):  # type: ignore[misc, valid-type]
+        """The run's tracker; its per-op work made cheaper, the same storages tracked the same
+        way: MemTracker's ``__torch_dispatch__`` walks the outputs with ``tree_map_only``
+        (which wraps a new function on every call) and ``_update_snap`` builds a dict of every
+        reference type on every call (an Enum walk) even when the device has one already."""
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if self.paused:
+                return func(*args, **(kwargs or {}))
+            if DTensor in types:
+                return NotImplemented
+            if func is wait_tensor and active_fake_mode():
+                res = args[0]
+            else:
+                res = func(*args, **(kwargs or {}))
+            if active_fake_mode() is self._fake_mode_on_entry:
+                if self._in_opt:
+                    reftype = _MemRefType.OPT
+                elif self._mod_tracker.is_bw and not self._in_ac:
+                    reftype = _MemRefType.TEMP
+                else:
+                    reftype = _MemRefType.ACT
+                if isinstance(res, torch.Tensor):
+                    self._track(reftype, res)
+                elif res is not None:
+                    for leaf in tree_leaves(res):
+                        if isinstance(leaf, torch.Tensor):
+                            self._track(reftype, leaf)
+                self._update_peak_stats(None)
+            return res
+
+        def _track(self, reftype, t: torch.Tensor) -> None:
+            for st in get_untyped_storages(t):
+                winfo, _ = self._WINFO.get(st, (None, None))
+                if winfo is not None:
+                    if winfo.size != st.size():
+                        old = winfo.mem_consumed
+                        winfo.update_mem_consumed(st)
+                        self._update_snap(size, winfo, old_mem_consumed=old)
+                    return
+                winfo, w_st = _WeakRefInfo.create_winfo(st, t.device, reftype,
+                                                       self._delete_callback)
+                self._WINFO[st] = (winfo, w_st)
+                if winfo.mem_consumed > 0:
+                    self._update_snap(add, winfo)
+
+        def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None):
+            if round_to and (u_type is add or u_type is size):
+                raw = winfo.size * winfo.element_size
+                winfo.mem_consumed = math.ceil(raw / round_to) * round_to if raw > 0 else 0
+            snaps = self._curr_mem_snap
+            dev_snap = snaps.get(winfo.device)
+            if dev_snap is None:
+                dev_snap = snaps[winfo.device] = dict.fromkeys(self._ref_class, 0)
+                dev_snap[_TOTAL_KEY] = 0
+            n = winfo.mem_consumed
+            if u_type is add:
+                dev_snap[winfo.reftype] += n
+                dev_snap[_TOTAL_KEY] += n
+            elif u_type is delete:
+                dev_snap[winfo.reftype] -= n
+                dev_snap[_TOTAL_KEY] -= n
+            elif u_type is ref:
+                dev_snap[old_reftype] -= n
+                dev_snap[winfo.reftype] += n
+            elif u_type is size:
+                dev_snap[winfo.reftype] += n - old_mem_consumed
+                dev_snap[_TOTAL_KEY] += n - old_mem_consumed
+            else:
+                raise ValueError(f"Invalid update type: {u_type}")
+            if u_type is not add and u_type is not ref and dev_snap[_TOTAL_KEY] == 0:
+                del snaps[winfo.device]
+
         def _update_peak_stats(self, peak_state) -> None:
             # Only the global peak (what MemoryProbe reads). MemTracker also keeps a per-module
             # peak, walking every tracked module after every op: 2/3 of the time of a 1B
@@ -159,13 +243,6 @@ def estimate_tracker(round_to: int = 0):
                 if self._peak_mem.get(dev, 0) < total:
                     self._peak_mem[dev] = total
                     self._peak_mem_snap[dev] = dict(snap)
-
-        if round_to:
-            def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None):
-                if u_type in (_UpdateType.ADD, _UpdateType.SIZE):
-                    raw = winfo.size * winfo.element_size
-                    winfo.mem_consumed = math.ceil(raw / round_to) * round_to if raw > 0 else 0
-                return super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
 
     return EstimateTracker()
 
