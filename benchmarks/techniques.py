@@ -103,6 +103,8 @@ class Settings:
     data_seed: int = 0
     memory_steps: str = "auto"
     rounds: int = 3
+    device: str = "cpu"
+    """cpu | cuda (both sides train there; memlab's memory on CUDA is the allocator's peak)."""
 
     def memlab_common(self, data_path: str) -> list[str]:
         return [
@@ -116,7 +118,7 @@ class Settings:
             f"train.lr={self.lr}", f"train.seed={self.seed}", "train.grad_accum=1",
             "train.optimizer=adamw", "train.scheduler=cosine", "train.warmup_steps=0",
             "train.weight_decay=0.0", "train.max_grad_norm=1.0",
-            "train.device=cpu", "train.progress=false", "measure.warmup_steps=1",
+            f"train.device={self.device}", "train.progress=false", "measure.warmup_steps=1",
         ]
 
 
@@ -435,7 +437,8 @@ def trl_job(req: dict[str, Any]) -> dict[str, Any]:
         output_dir=req["dir"], max_steps=s.steps, per_device_train_batch_size=s.batch_size,
         gradient_accumulation_steps=1, learning_rate=s.lr, lr_scheduler_type="cosine",
         warmup_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
-        max_grad_norm=1.0, optim="adamw_torch", seed=s.seed, data_seed=s.seed, use_cpu=True,
+        max_grad_norm=1.0, optim="adamw_torch", seed=s.seed, data_seed=s.seed,
+        use_cpu=s.device == "cpu",
         bf16=bool(spec.get("bf16", False)), fp16=False,
         gradient_checkpointing=spec.get("gradient_checkpointing", True),
         max_length=None if pretokenized else s.max_length, truncation_mode="keep_start",
@@ -580,6 +583,8 @@ def main() -> None:
     ap.add_argument("--max-length", type=int, default=None)
     ap.add_argument("--vocab", type=int, default=None, help="model vocab (default 4096)")
     ap.add_argument("--memory-steps", choices=("auto", "all"), default="auto")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="where both sides train (cuda: benchmarks/gpu_acceptance.py)")
     ap.add_argument("--only", default=None, help="comma-separated configuration names")
     ap.add_argument("--no-trl", action="store_true")
     ap.add_argument("--trl-python", default=None)
@@ -602,6 +607,7 @@ def main() -> None:
     sys.path.insert(0, str(REPO / "src"))
     s = Settings(**(QUICK if a.quick else {}))
     s.memory_steps = a.memory_steps
+    s.device = a.device
     if a.rounds is not None:
         s.rounds = a.rounds
     if a.steps is not None:

@@ -20,9 +20,11 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 REPO = Path(__file__).resolve().parents[1]
-CONF = REPO / "src" / "memlab" / "conf"
-"""memlab's configs (shipped in the package: ``pkg://memlab.conf``); ``CONF / "sweep"`` holds the
-ready sweeps."""
+CONF = REPO / "conf"
+"""memlab's configs: config.yaml and one dir per group (a wheel ships them as ``memlab/conf``)."""
+SWEEPS = REPO / "sweeps"
+"""The ready sweeps, Hydra's group ``sweep`` (``hydra_plugins/memlab_sweeps`` mounts them beside
+:data:`CONF`; a wheel ships them as ``memlab/sweeps``)."""
 
 # Small, fast settings every in-process job starts from (tests add their own overrides).
 FAST = [
@@ -41,7 +43,7 @@ FAST = [
 
 
 def compose(overrides: list[str]):
-    """The real conf/ composed with Hydra's compose API (hydra node included)."""
+    """The real conf/ (and sweeps/) composed with Hydra's compose API (hydra node included)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 

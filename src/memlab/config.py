@@ -1,14 +1,15 @@
-"""Top-level (non-group) typed configs and the frozen build context shared by every builder."""
+"""Top-level (non-group) typed configs (``train:``, ``measure:``) and the machine a run is validated
+for (:class:`Platform`). The context every builder reads is :mod:`memlab.context`."""
 
 from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from memlab import _guards
-from memlab import conf as _conf  # noqa: F401 - registers ${memlab.asset:...} for the configs
+from memlab import resolvers as _resolvers  # noqa: F401 - registers ${memlab.asset:...}
 from memlab.registry import (
     NonNegativeFloat,
     NonNegativeInt,
@@ -17,6 +18,9 @@ from memlab.registry import (
     Range,
     Seed,
 )
+
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
 
 
 @dataclass(kw_only=True)
@@ -76,8 +80,43 @@ class TrainConfig:
     """Show a progress bar with live loss and tokens/s."""
     log_every: PositiveInt = 1
     """Send metrics to the logger every N optimizer steps."""
+    eval_every: NonNegativeInt = 0
+    """Evaluate on the held-out data (``data.eval``) every N optimizer steps, and after the
+    last step in every case (0: after the last step only). The evaluation runs without
+    gradients in eval mode, in its own memory phase (``eval``), outside the timed steps
+    (training tokens/s never counts it); its metrics go to summary.json's ``eval`` and to the
+    logger as ``eval/<metric>`` (:mod:`memlab.trainer.evaluate`)."""
+    eval_batch_size: PositiveInt | None = None
+    """Rows (or prompts) per evaluation micro-batch per device (TRL's
+    ``per_device_eval_batch_size``). No gradients and no optimizer step are alive in
+    evaluation, so it can be larger than ``batch_size``; the eval loss does not depend on it
+    (it is weighted by tokens, or pairs, over the whole held-out set). None: ``batch_size``."""
+    eval_samples: NonNegativeInt = 0
+    """At every evaluation, the greedy completions of the first K held-out prompts (a
+    conversation up to its last user turn, a row's prompt; plain text: its first 32 tokens),
+    into summary.json's ``eval.samples`` and a W&B table ``eval/samples``. 0: none."""
+    eval_max_new_tokens: PositiveInt = 64
+    """New tokens per sample completion (``eval_samples``)."""
+    best_metric: str | None = None
+    """The eval metric ``save_best`` and ``early_stop`` follow (TRL's
+    ``metric_for_best_model``), named as in summary.json's ``eval`` without ``eval/``: ``loss``
+    or one of the method's eval metrics, e.g. ``rewards/accuracies`` (DPO) or ``accuracy``
+    (reward). None: ``loss`` (``reward`` for online methods, whose evaluation scores greedy
+    completions)."""
+    greater_is_better: bool | None = None
+    """Whether a larger ``best_metric`` is better. None: false for a metric whose name ends
+    in ``loss``, true otherwise (as transformers decides)."""
+    save_best: bool = False
+    """Save a checkpoint at every evaluation that improves ``best_metric`` (as ``save_every``
+    does). The best checkpoint survives ``keep_last`` pruning; summary.json's ``eval.best``
+    names it."""
+    early_stop: PositiveInt | None = None
+    """Stop training after this many evaluations in a row without an improvement of
+    ``best_metric`` (patience, as transformers' ``EarlyStoppingCallback``); the run ends
+    ``ok`` and summary.json's ``eval.stopped_early`` says at which step and why. The count
+    survives a resume. None: never stop early."""
 
-    def checkpoint_errors(self, ctx) -> list[str]:
+    def checkpoint_errors(self, ctx: BuildContext) -> list[str]:
         """Problems of the saving / resuming knobs (``ctx``: the run's other choices)."""
         errors = []
         if self.save_merged:
@@ -107,6 +146,40 @@ class TrainConfig:
         if self.resume_root is not None and not Path(self.resume_root).is_dir():
             errors.append(f"train.resume_root={self.resume_root}: no such directory")
         return errors
+
+    def eval_errors(self, ctx) -> list[str]:
+        """Problems of the evaluation knobs (``ctx``: the run's other choices): evaluation
+        needs held-out data, and ``best_metric`` must be one the method's evaluation reports."""
+        errors = []
+        if ctx.data.eval is None:
+            asked = [f"train.{k}" for k, on in (
+                ("eval_every", self.eval_every), ("eval_samples", self.eval_samples),
+                ("save_best", self.save_best), ("early_stop", self.early_stop is not None),
+                ("best_metric", self.best_metric is not None),
+                ("eval_batch_size", self.eval_batch_size is not None)) if on]
+            if asked:
+                errors.append(f"{', '.join(asked)} evaluate on held-out data, and data.eval is "
+                              "null; hold some out: data.eval=0.05 (a fraction of the rows), "
+                              "data.eval=<file> or, for data=hub, data.eval=<split>")
+            return errors
+        metrics = ctx.method.eval_metrics
+        if self.best_metric is not None and self.best_metric not in metrics:
+            close = difflib.get_close_matches(self.best_metric, metrics, n=1)
+            errors.append(f"train.best_metric={self.best_metric}: method={ctx.method.name}'s "
+                          f"evaluation reports {', '.join(metrics)}"
+                          + (f"; did you mean {close[0]!r}?" if close else ""))
+        return errors
+
+    def best(self, method) -> tuple[str, bool]:
+        """``(best_metric, greater_is_better)`` with their defaults resolved for ``method``."""
+        metric = self.best_metric or method.eval_metrics[0]
+        greater = (not metric.endswith("loss") if self.greater_is_better is None
+                   else self.greater_is_better)
+        return metric, greater
+
+    def eval_rows(self) -> int:
+        """Rows (or prompts) per evaluation micro-batch."""
+        return self.eval_batch_size or self.batch_size
 
 
 @dataclass(kw_only=True)
@@ -167,14 +240,20 @@ class Platform:
     """bf16 kernels on the CUDA device (every CPU build has them)."""
     assume_installed: frozenset[str] = frozenset()
     """Packages counted as installed whether or not they are (a hypothetical machine)."""
+    triton_interpret: bool = False
+    """Triton interprets its kernels on the CPU (``TRITON_INTERPRET=1`` in the environment the
+    process started with: Triton reads it when it is imported)."""
 
     @classmethod
     def detect(cls) -> Platform:
+        import os
+
         import torch
 
         cuda = torch.cuda.is_available()
         return cls(cuda=cuda, gpus=torch.cuda.device_count() if cuda else 0,
-                   bf16=bool(cuda and torch.cuda.is_bf16_supported()))
+                   bf16=bool(cuda and torch.cuda.is_bf16_supported()),
+                   triton_interpret=os.environ.get("TRITON_INTERPRET") == "1")
 
     @classmethod
     def cuda_machine(cls, gpus: int = 0) -> Platform:
@@ -189,40 +268,3 @@ class Platform:
     def missing(self, module: str, what: str) -> str | None:
         """None if ``module`` is installed, else an error naming the extra that provides it."""
         return None if module in self.assume_installed else _guards.missing(module, what)
-
-
-@dataclass(frozen=True)
-class BuildContext:
-    """Everything a builder may know besides its own config: the other groups' choices, the
-    device and the world size. Frozen: builders read it, never change it."""
-
-    method: Any
-    generation: Any
-    packing: Any
-    attention: Any
-    precision: Any
-    offload: Any
-    peft: Any
-    distributed: Any
-    model: Any
-    data: Any
-    logger: Any
-    train: TrainConfig
-    measure: MeasureConfig
-    device: str = "cpu"
-    world_size: int = 1
-    rank: int = 0
-    choices: dict[str, str] = field(default_factory=dict)
-    run_dir: Path = Path(".")
-    platform: Platform = field(default_factory=Platform)
-    """The machine the run is validated for (:meth:`Platform.detect` in a run)."""
-
-    @property
-    def is_cuda(self) -> bool:
-        return self.device.startswith("cuda")
-
-    def groups(self) -> dict[str, Any]:
-        """The typed config of every group, by group name."""
-        from memlab.registry import GROUPS
-
-        return {g: getattr(self, g) for g in GROUPS}

@@ -24,7 +24,10 @@ Order, and why:
    the method's one-off pass (``before_training``), which may return the dataset with added
    columns (DPO's precomputed reference log-probs) and drop a model it no longer needs.
 9. online methods: the generation engine (``generation=``) and the run's random draws.
-10. the trainer: optimizer, schedule, memory probe, loop.
+10. the held-out data (``data.eval``): read, converted, prepared and packed as the training rows
+    are (its own micro-batch size, ``train.eval_batch_size``); the method's one-off pass (step
+    8) runs over both, so precomputed reference log-probs exist for the held-out rows too.
+11. the trainer: optimizer, schedule, memory probe, loop, and the evaluator.
 
 What differs between a run and an estimate is passed in as :class:`Seams` (the estimator's
 model loader builds fake weights, its rows are the worst-case batch, its engine decodes to the
@@ -39,20 +42,27 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from memlab import faults
+from memlab.data import chat, heldout
 from memlab.data.base import DataError
-from memlab.generation.base import Engine, GenerationEnv, run_rng
+from memlab.generation.base import Engine, GenerationEnv, SamplingParams, run_rng
 from memlab.generation.hf import HFEngine
 from memlab.measure.data import DataStats
+from memlab.method import _rows
 from memlab.model._liger import apply_liger
 from memlab.offload.base import Placement
 from memlab.trainer.batch import BatchStream
+from memlab.trainer.evaluate import Evaluator
 from memlab.trainer.loop import LoopOptions, Trainer
 from memlab.trainer.routing import base_model
+
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
+    from memlab.model.base import Head
 
 
 @dataclass(frozen=True)
@@ -84,7 +94,29 @@ class Seams:
     """Whether models hold real values (checks that compare weights run only then)."""
     model_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     """Entered around the method's one-off pass over the models (``before_training``)."""
+    prepare_eval: Callable[[Any, Any], HeldOut | None] | None = None
+    """``(ctx, tokenizer) -> the held-out data`` (default: :func:`prepare_eval`)."""
     loop: LoopOptions = field(default_factory=LoopOptions)
+
+
+@dataclass
+class HeldOut:
+    """The held-out data (``data.eval``) as the evaluator reads it."""
+
+    ds: Any
+    """Prepared and packed rows (``train.eval_batch_size`` rows per micro-batch)."""
+    stats: DataStats
+    source: str
+    """Where the rows come from, in words."""
+    prompts: list[list[int]] = field(default_factory=list)
+    """Token ids of the ``train.eval_samples`` sample prompts."""
+
+    def describe(self) -> dict[str, Any]:
+        """summary.json's ``eval`` entries about the rows."""
+        st = self.stats
+        return {"source": self.source, "examples": st.examples, "rows": st.rows,
+                "tokens": st.tokens_in - st.tokens_dropped,
+                "trainable_tokens": st.trainable_tokens}
 
 
 @dataclass
@@ -97,27 +129,114 @@ class Pipeline:
     offload: Any
     generation: GenerationEnv | None
     trainer: Trainer
+    held_out: HeldOut | None = None
 
 
-def prepare_data(ctx, tokenizer) -> tuple[Any, DataStats]:
-    """Data source -> method transforms -> packing."""
+def prepare_rows(ctx: BuildContext, tokenizer) -> tuple[Any, Any, DataStats, chat.Tally]:
+    """Data source -> conversion to memlab's row formats -> method transforms (with the data
+    option's chat-template settings): ``(rows as read, prepared rows, stats, what the chat
+    templates did)``. What the conversion and the templates did goes into the stats' extras
+    (``converted``, ``chat_template``, ``unsplittable``)."""
     faults.reach("data")
-    raw = ctx.data.load(ctx)
+    raw = heldout.hold_out(ctx.data, ctx.data.load(ctx))  # less a fraction held out
     if len(raw) == 0:
         raise DataError(f"data={ctx.data.name}: the data source has no rows")
     try:
-        ds, stats = ctx.method.prepare(raw, tokenizer, ctx)
+        rows, converted = ctx.data.convert(raw)
+        with chat.rendering(tokenizer, ctx.data) as tally:
+            ds, stats = ctx.method.prepare(rows, tokenizer, ctx)
     except DataError as e:  # name where the row comes from: a file and line, a hub row...
         if e.row is None:
             raise
         raise DataError(f"{ctx.data.locate(raw, e.row)}: {e}", row=e.row) from e
+    if converted:
+        stats.extra["converted"] = converted
+    stats.extra.update(tally.as_dict(lambda row: ctx.data.locate(raw, row)))
+    stats.extra.update(ctx.data.summary(raw))
+    return raw, ds, stats, tally
+
+
+def prepare_data(ctx: BuildContext, tokenizer) -> tuple[Any, DataStats]:
+    """:func:`prepare_rows` -> packing."""
+    _, ds, stats, _ = prepare_rows(ctx, tokenizer)
+    return pack(ctx, ds, stats)
+
+
+def eval_context(ctx: BuildContext) -> BuildContext:
+    """``ctx`` with ``train.eval_batch_size`` rows per micro-batch (what packing and the
+    evaluator's batches read)."""
+    return dataclasses.replace(ctx, train=dataclasses.replace(
+        ctx.train, batch_size=ctx.train.eval_rows()))
+
+
+def prepare_eval(ctx: BuildContext, tokenizer: Any) -> HeldOut | None:
+    """The held-out rows (``data.eval``; :mod:`memlab.data.heldout`) through the steps the
+    training rows take: conversion, the chat template with the data option's settings, the
+    method's preparation, packing (with ``train.eval_batch_size``); plus the sample prompts'
+    token ids. None without ``data.eval``."""
+    source, raw = heldout.load(ctx.data, ctx)
+    if source is None:
+        return None
+    where = f"data.eval={ctx.data.eval}"
+    if len(raw) == 0:
+        raise DataError(f"{where}: the held-out data has no rows")
+    try:
+        rows, _ = source.convert(raw)
+        with chat.rendering(tokenizer, ctx.data):
+            ds, stats = ctx.method.prepare(rows, tokenizer, ctx)
+            prompts = [_rows.sample_prompt_ids(tokenizer, rows[i], i)
+                       for i in range(min(ctx.train.eval_samples, len(rows)))]
+    except DataError as e:
+        if e.row is None:
+            raise
+        raise DataError(f"{where}: {source.locate(raw, e.row)}: {e}", row=e.row) from e
+    if len(ds) == 0:
+        raise DataError(f"{where}: no held-out example survived preparation; check "
+                        "method.max_length and the data")
+    ds, stats = ctx.packing.apply(ds, stats, eval_context(ctx))
+    return HeldOut(ds, stats, heldout.describe(ctx.data), prompts)
+
+
+def sampler(ctx: BuildContext, tokenizer: Any, engine: Engine) -> Callable[[nn.Module, list[list[int]]], list[str]]:
+    """``(policy, prompts) -> completions``: greedy completions of ``train.eval_max_new_tokens``
+    tokens of left-padded ``prompts`` with ``engine``, decoded (``train.eval_samples``)."""
+    def sample(policy: nn.Module, prompts: list[list[int]]) -> list[str]:
+        import torch
+
+        pad = tokenizer.pad_token_id
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask[i, width - len(p):] = 1
+        params = SamplingParams(max_new_tokens=ctx.train.eval_max_new_tokens, greedy=True,
+                                eos=tokenizer.eos_token_id, pad=pad)
+        samples = engine.generate(policy, ids.to(ctx.device), mask.to(ctx.device), params)
+        return tokenizer.batch_decode(samples.token_ids, skip_special_tokens=True)
+
+    return sample
+
+
+def pack(ctx: BuildContext, ds: Any, stats: DataStats) -> tuple[Any, DataStats]:
+    """The packing option applied to prepared rows (DataError when no example is left)."""
     ds, stats = ctx.packing.apply(ds, stats, ctx)
     if len(ds) == 0:
+        skipped = (stats.extra.get("unsplittable") or {}).get("skipped")
         raise DataError(
-            f"no example survived preparation ({stats.examples_dropped} dropped); "
-            "check method.max_length and the data"
+            f"no example survived preparation ({stats.examples_dropped} dropped"
+            + (f", {skipped} skipped as unsplittable by the chat template" if skipped else "")
+            + "); check method.max_length and the data"
         )
     return ds, stats
+
+
+def batch_stream(ctx: BuildContext, tokenizer, ds) -> BatchStream:
+    """The stream of collated micro-batches the trainer receives from prepared rows ``ds``
+    (this rank's slice of every global batch)."""
+    collate = partial(ctx.method.collate, tokenizer=tokenizer, ctx=ctx)
+    return BatchStream(ds, ctx.packing.batch_items(ctx), ctx.train.seed, collate,
+                       shard=(ctx.rank, ctx.world_size))
 
 
 def check_trainable(stats: DataStats) -> None:
@@ -132,7 +251,13 @@ def check_trainable(stats: DataStats) -> None:
         )
 
 
-def with_model_overrides(ctx, overrides: dict[str, Any] | None):
+def _concatenate(a: Any, b: Any) -> Any:
+    import datasets
+
+    return datasets.concatenate_datasets([a, b])
+
+
+def with_model_overrides(ctx: BuildContext, overrides: dict[str, Any] | None):
     """``ctx`` whose model group has ``overrides`` applied (a teacher of another size / seed /
     checkpoint)."""
     if not overrides:
@@ -155,11 +280,11 @@ class Loader:
     """Loads the run's models (the policy, and the method's extra models as its
     :class:`memlab.method.base.ModelFactory`) and tokenizers, through the seams."""
 
-    def __init__(self, ctx, tokenizer, seams: Seams):
+    def __init__(self, ctx: BuildContext, tokenizer, seams: Seams):
         self.ctx, self.tok, self.seams = ctx, tokenizer, seams
         self.exact_weights = seams.exact_weights
 
-    def model(self, ctx, *, trainable: bool = True, head: str | None = None,
+    def model(self, ctx: BuildContext, *, trainable: bool = True, head: Head | None = None,
               peft: bool = True) -> nn.Module:
         """Model with attention + dtype at load, then PEFT (``peft``) and checkpointing when
         trainable. ``head`` defaults to the method's."""
@@ -168,14 +293,15 @@ class Loader:
             model = self._build(ctx, head, trainable, peft)
         return self.seams.place_model(model) if self.seams.place_model else model
 
-    def _build(self, ctx, head: str, trainable: bool, peft: bool) -> nn.Module:
+    def _build(self, ctx: BuildContext, head: Head, trainable: bool, peft: bool) -> nn.Module:
         extra = ctx.peft.load_kwargs(ctx) if peft else {}
         if self.seams.load_model is not None:
             model = self.seams.load_model(ctx, self.tok, head, extra)
         else:
             model = ctx.model.load(ctx, self.tok, head, extra)
-        if ctx.method.uses_liger():
-            apply_liger(model)
+        liger = ctx.method.liger_model_kernels()
+        if liger:
+            apply_liger(model, liger)
         if not trainable:
             model.requires_grad_(False)
             return model.eval()
@@ -185,7 +311,7 @@ class Loader:
             enable_checkpointing(model, ctx.train.checkpoint_every)
         return model
 
-    def __call__(self, overrides: dict[str, Any] | None = None, *, head: str | None = None,
+    def __call__(self, overrides: dict[str, Any] | None = None, *, head: Head | None = None,
                  trainable: bool = False) -> nn.Module:
         """An extra model: the run's model (or the model group with ``overrides``), frozen
         (reference, teacher) or ``trainable`` without PEFT (a PPO value model)."""
@@ -199,7 +325,7 @@ class Loader:
         return load(ctx)
 
 
-def build(ctx, seams: Seams | None = None, logger: Any = None,
+def build(ctx: BuildContext, seams: Seams | None = None, logger: Any = None,
           on_data: Callable[[DataStats], None] | None = None) -> Pipeline:
     """Assemble everything a training run needs, in the order documented above. ``on_data``
     is called with the prepared data's stats as soon as they exist (a run records them even
@@ -210,21 +336,24 @@ def build(ctx, seams: Seams | None = None, logger: Any = None,
     if on_data is not None:
         on_data(stats)
     check_trainable(stats)
-    collate = partial(ctx.method.collate, tokenizer=tokenizer, ctx=ctx)
     loader = Loader(ctx, tokenizer, seams)
     policy = loader.model(ctx)
     offload = ctx.offload.build(policy, ctx, seams.offload)
     policy = ctx.distributed.wrap(policy, ctx)
     # no local name keeps the extra models alive: before_training may drop one (and free it)
     models = {"policy": policy, **ctx.method.extra_models(policy, ctx, loader)}
+    held = (seams.prepare_eval or prepare_eval)(ctx, tokenizer)
+    both = ds if held is None else _concatenate(ds, held.ds)
     with seams.model_context():  # the first pass that runs the models
-        prepared = ctx.method.before_training(models, ds, ctx)
+        prepared = ctx.method.before_training(models, both, ctx)
     if prepared is not None:  # the dataset with columns the method added (e.g. reference logps)
+        if held is not None:  # the held-out rows follow the training rows
+            held.ds = prepared.select(range(len(ds), len(prepared)))
+            prepared = prepared.select(range(len(ds)))
         ds = prepared
-    stream = BatchStream(ds, ctx.packing.batch_items(ctx), ctx.train.seed, collate,
-                         shard=(ctx.rank, ctx.world_size))
+    stream = batch_stream(ctx, tokenizer, ds)
     generation = None
-    if ctx.method.generates():
+    if ctx.method.as_generating() is not None:
         rng = seams.rng or run_rng(ctx.train.seed, ctx.rank)
         if seams.engine is not None:
             engine = seams.engine(ctx, tokenizer, policy)
@@ -232,6 +361,14 @@ def build(ctx, seams: Seams | None = None, logger: Any = None,
         else:
             generation = GenerationEnv(ctx.generation.build(ctx, tokenizer, policy), rng,
                                        local=HFEngine(ctx.distributed))
+    evaluator = None
+    if held is not None:
+        engine = generation.engine if generation is not None else HFEngine(ctx.distributed)
+        evaluator = Evaluator(
+            ctx, ctx.method, held.ds, partial(ctx.method.collate, tokenizer=tokenizer, ctx=ctx),
+            ctx.packing.batch_items(eval_context(ctx)), env=generation,
+            sample=sampler(ctx, tokenizer, engine), prompts=held.prompts,
+            decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
     trainer = Trainer(ctx, ctx.method, models, stream, logger=logger, offload=offload,
-                      generation=generation, options=seams.loop)
-    return Pipeline(tokenizer, ds, stats, models, stream, offload, generation, trainer)
+                      generation=generation, options=seams.loop, evaluator=evaluator)
+    return Pipeline(tokenizer, ds, stats, models, stream, offload, generation, trainer, held)

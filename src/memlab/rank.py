@@ -13,9 +13,11 @@ import os
 import sys
 from pathlib import Path
 
+from memlab.context import validate
 from memlab.distributed.base import env_rank
 from memlab.measure.outcome import Interrupted
-from memlab.run import base_summary, execute, exit_code, guarded, validate
+from memlab.record import exit_code, guarded
+from memlab.run import base_summary, execute
 
 
 def worker(run_dir: Path) -> int:
@@ -48,7 +50,8 @@ def main() -> int:
     to this rank's ``TORCHELASTIC_ERROR_FILE`` (torch's ``record``) as well as to stderr."""
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    return record(worker)(Path(sys.argv[1]))
+    code = record(worker)(Path(sys.argv[1]))
+    return 1 if code is None else code  # (record re-raises what escapes; None: it did not)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,12 @@
 """The typed registry: one dict per config group, one decorator, one typed constructor.
 
 Every option of every group is a ``@dataclass(kw_only=True)`` registered under the same name as
-its yaml file (``conf/<group>/<name>.yaml``) and its module (``memlab/<group>/<name>.py``).
+its yaml file (``conf/<group>/<name>.yaml``) and its module (``memlab/<group>/<name>.py``). It
+registers through its group's typed ``register`` (``memlab/<group>/base.py``), which mypy
+checks: a class that does not conform to the group's Protocol is a type error where it is
+registered (``Value of type variable "MethodClass" of function cannot be "SFT"``; passing an
+instance to a function typed with the Protocol makes mypy list the conflicting members). Every
+group Protocol extends :class:`Option`.
 ``build(group, node)`` turns a plain mapping from Hydra into that dataclass, reporting *every*
 problem (unknown option, unknown key, wrong type, a number out of its range) instead of stopping
 at the first.
@@ -19,7 +24,23 @@ import math
 import types
 import typing
 from collections.abc import Callable, Mapping
-from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
+from typing import (
+    TYPE_CHECKING,
+    Annotated,
+    Any,
+    ClassVar,
+    Literal,
+    Protocol,
+    TypeVar,
+    Union,
+    get_args,
+    get_origin,
+)
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+    from memlab.context import BuildContext
 
 GROUPS = (
     "method",
@@ -36,6 +57,22 @@ GROUPS = (
 )
 """Config groups whose options are registered here (each has ``conf/<group>/``)."""
 
+
+class Option(Protocol):
+    """What every registered option is: a dataclass of its knobs whose class carries its option
+    name (set by :func:`register`), and that checks itself against the run's other choices.
+    Every group's Protocol extends this one; option classes name it as a base (directly or
+    through their group's shared base) to declare ``name``."""
+
+    name: ClassVar[str] = ""
+    """The option's key: ``<group>=<name>`` on the command line, its yaml and module name (set
+    by :func:`register`)."""
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
+
+    def validate(self, ctx: BuildContext) -> list[str]:
+        """Every problem of this choice in the run ``ctx`` (each naming its fix); loads
+        nothing."""
+        ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,24 +128,25 @@ Seed = Annotated[int, Range(ge=0, lt=2**32)]
 Port = Annotated[int, Range(ge=0, le=65535)]
 """A TCP port (0: a free one)."""
 
-_REGISTRY: dict[str, dict[str, type]] = {g: {} for g in GROUPS}
-T = TypeVar("T")
+_REGISTRY: dict[str, dict[str, type[Option]]] = {g: {} for g in GROUPS}
+Opt = TypeVar("Opt", bound=Option)
+D = TypeVar("D", bound="DataclassInstance")
 
 
-def register(group: str, name: str) -> Callable[[type[T]], type[T]]:
-    """Register a config dataclass as option ``name`` of ``group``."""
+def register(group: str, name: str) -> Callable[[type[Opt]], type[Opt]]:
+    """Register a config dataclass as option ``name`` of ``group`` (option modules use their
+    group's typed ``register``, which calls this one)."""
     if group not in _REGISTRY:
         raise KeyError(f"unknown config group {group!r}; groups: {', '.join(GROUPS)}")
 
-    def deco(cls: type[T]) -> type[T]:
+    def deco(cls: type[Opt]) -> type[Opt]:
         if not dataclasses.is_dataclass(cls):
             raise TypeError(f"{cls.__name__} must be a dataclass to be registered")
         if any(f.name == "name" for f in dataclasses.fields(cls)):
             raise TypeError(f"{cls.__name__}: 'name' is the option key; call the field otherwise")
         if name in _REGISTRY[group] and _REGISTRY[group][name] is not cls:
             raise KeyError(f"{group}={name} registered twice")
-        cls.group = group  # type: ignore[attr-defined]
-        cls.name = name  # type: ignore[attr-defined]
+        cls.name = name
         _REGISTRY[group][name] = cls
         return cls
 
@@ -121,7 +159,7 @@ def options(group: str) -> list[str]:
     return sorted(_REGISTRY[group])
 
 
-def lookup(group: str, name: str) -> type:
+def lookup(group: str, name: str) -> type[Option]:
     """The config class of ``group=name``; KeyError naming the valid options otherwise."""
     load_all()
     try:
@@ -161,7 +199,7 @@ class ConfigErrors(ValueError):
 
 
 def build(group: str, node: Mapping[str, Any], where: str | None = None,
-          partial: bool = False) -> tuple[Any, list[str]]:
+          partial: bool = False) -> tuple[Option | None, list[str]]:
     """Turn a Hydra group node ``{name: ..., knob: ...}`` into its typed config.
 
     Returns ``(config_or_None, errors)``; never raises for user mistakes. ``partial``: as in
@@ -179,8 +217,8 @@ def build(group: str, node: Mapping[str, Any], where: str | None = None,
     return from_mapping(cls, node, f"{where} ({name})", partial=partial)
 
 
-def from_mapping(cls: type[T], data: Mapping[str, Any], where: str,
-                 partial: bool = False) -> tuple[T | None, list[str]]:
+def from_mapping(cls: type[D], data: Mapping[str, Any], where: str,
+                 partial: bool = False) -> tuple[D | None, list[str]]:
     """Construct dataclass ``cls`` from ``data`` with type and range checks; collect every
     error. With errors the object is None, unless ``partial``: then it is built from the values
     that passed (defaults for the others), so that the checks that follow can still run and
@@ -207,7 +245,7 @@ def from_mapping(cls: type[T], data: Mapping[str, Any], where: str,
         for n, f in fields.items()
         if n not in kwargs
         and f.default is dataclasses.MISSING
-        and f.default_factory is dataclasses.MISSING  # type: ignore[misc]
+        and f.default_factory is dataclasses.MISSING
         and not any(e.startswith(f"{where}.{n}:") for e in errors)
     ]
     for n in missing:
@@ -307,7 +345,7 @@ def _check(value: Any, tp: Any) -> tuple[bool, Any, str]:
         if not isinstance(value, Mapping):
             return False, value, "must be a mapping"
         return True, dict(value), ""
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if not isinstance(value, Mapping):
             return False, value, "must be a mapping"
         obj, errs = from_mapping(tp, value, tp.__name__)

@@ -15,12 +15,12 @@ import torch
 
 from generation.vllm_helpers import free_port, tiny_model
 from memlab import _guards
+from memlab.context import validate
 from memlab.generation._vllm_engine import policy_weights, sampling_kwargs
 from memlab.generation.base import SamplingParams
 from memlab.generation.vllm import Vllm
 from memlab.generation.vllm_client import ServerEngine, VllmServerError, _chunks
 from memlab.registry import ConfigErrors
-from memlab.run import validate
 from memlab_testing import FAST, compose
 
 

@@ -57,6 +57,25 @@ def test_liger_same_loss_lower_peak(job):
     assert lig["memory"]["peak_bytes"] < base["memory"]["peak_bytes"]
 
 
+@pytest.mark.skipif(not _has("liger_kernel"), reason="liger-kernel not installed")
+@pytest.mark.parametrize("kernel", ["rms_norm", "swiglu"])
+def test_liger_kernels_the_interpreter_cannot_run(tmp_path, kernel):
+    """RMSNorm and SwiGLU fail inside Triton's interpreter (InterpreterError: AttributeError(
+    "'float' object has no attribute 'to'"), triton 3.9 / liger-kernel 0.8.5), so only a GPU
+    checks them: the plain path's loss and gradient norms (tests/cpu_kernels has RoPE and the
+    fused loss on CPU). One fresh process, plain first: Liger's patch replaces transformers'
+    module-level classes for the rest of a process."""
+    from cpu_kernels.kernel_jobs import run_in_fresh_process
+
+    runs = run_in_fresh_process(tmp_path, {"plain": CUDA, "liger": CUDA + [
+        "method.use_liger_kernel=true", f"method.liger_kernels=[{kernel}]"]})
+    base, lig = runs["plain"], runs["liger"]
+    assert lig["status"] == "ok", lig["error"]
+    assert lig["train"]["loss_curve"] == pytest.approx(base["train"]["loss_curve"], rel=1e-4)
+    assert lig["train"]["curves"]["train/grad_norm"] == pytest.approx(
+        base["train"]["curves"]["train/grad_norm"], rel=1e-3)
+
+
 @pytest.mark.skipif(not _has("bitsandbytes"), reason="bitsandbytes not installed")
 def test_qlora_needs_a_saved_model_and_trains(job, tmp_path):
     from memlab.data.assets import load_tokenizer

@@ -24,7 +24,7 @@ def validated(tmp_path: Path, overrides: list[str], name: str = "run"):
     """The run context of the fast test config with ``overrides`` (nothing built)."""
     from omegaconf import OmegaConf, open_dict
 
-    from memlab.run import validate
+    from memlab.context import validate
 
     switched = {o.split("=")[0] for o in overrides if "=" in o and "." not in o.split("=")[0]}
     cfg = compose([o for o in FAST if o.split(".")[0] not in switched] + overrides)

@@ -154,11 +154,28 @@ ESTIMATE_SHAPE = ["model.hidden_size=128", "model.intermediate_size=384", "model
 # head runs at the labelled positions only, so completion-only rows would need less)
 
 
+def _agrees(est, real, ranks: int) -> None:
+    """The estimate measured a rank (DeepSpeed's engine on fake tensors over a fake process
+    group): its peak and its backward categories equal the real run's largest rank's within 1%
+    (gloo may free a collective's input a moment late in the real run)."""
+    assert est["status"] == "ok", est["error"]
+    _ok(real)
+    assert any(f"rank 0 of {ranks} measured" in a for a in est["assumptions"])
+    ep, rp = est["peak_bytes"], real["memory"].get("peak_bytes_max_rank", real["memory"][
+        "peak_bytes"])
+    print(f"\n[{est['choices'].get('distributed')} {est['options']['zero_stage']}] estimate {ep} "
+          f"real {rp} {100 * (ep - rp) / rp:+.2f}%")
+    assert abs(ep - rp) <= 0.01 * rp, (ep, rp)
+    for cat, v in real["memory"]["by_phase_category"]["backward"].items():
+        assert est["by_phase_category"]["backward"][cat] == pytest.approx(v, rel=0.01,
+                                                                          abs=64 * 1024), cat
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_estimate_of_each_stage_matches_the_busiest_rank(job, tmp_path, stage):
-    """``memlab estimate distributed=deepspeed`` (one rank on fake tensors, then DeepSpeed's
-    sharding, master copy, buckets and gathered layers) against the real 2-rank run's largest
-    per-rank peak, within 3%."""
+    """``memlab estimate distributed=deepspeed`` runs DeepSpeed's engine (master copy, buckets,
+    partitions, gathered layers: all its own) on fake tensors as rank 0 of a fake process group,
+    and agrees with the real 2-rank run (:func:`_agrees`)."""
     import json
 
     from memlab.cli.estimate import main as estimate_main
@@ -167,18 +184,15 @@ def test_estimate_of_each_stage_matches_the_busiest_rank(job, tmp_path, stage):
     out = tmp_path / f"est{stage}"
     assert estimate_main([*o, "--out", str(out)]) == 0
     est = json.loads((out / "estimate.json").read_text())
-    assert est["status"] == "ok", est["error"]
     real = job(o + ["measure.memory_steps=all", "train.steps=2"], fast=False)
-    _ok(real)
-    ep, rp = est["peak_bytes"], real["memory"]["peak_bytes_max_rank"]
-    print(f"\n[zero {stage}] estimate {ep} real {rp} {100 * (ep - rp) / rp:+.2f}%")
-    assert abs(ep - rp) <= 0.03 * rp, (ep, rp)
+    _agrees(est, real, 2)
     assert est["options"]["zero_stage"] == stage
 
 
 def test_one_rank_zero_offload_shape_runs_and_estimates(job, tmp_path):
     """nproc=1 (ZeRO-Offload on one GPU is the real use): the run makes and releases its own
-    one-rank process group, and the estimate (master copy at world 1) matches its peak."""
+    one-rank process group (and DeepSpeed the groups it cached from it: the estimate's engine
+    after it in this process builds on a fresh one), and the estimate agrees with it."""
     import json
 
     import torch.distributed as dist
@@ -192,6 +206,5 @@ def test_one_rank_zero_offload_shape_runs_and_estimates(job, tmp_path):
     assert not dist.is_initialized()
     out = tmp_path / "est"
     assert estimate_main([*o, "--out", str(out)]) == 0
-    est = json.loads((out / "estimate.json").read_text())
-    ep, rp = est["peak_bytes"], real["memory"]["peak_bytes"]
-    assert abs(ep - rp) <= 0.03 * rp, (ep, rp)
+    _agrees(json.loads((out / "estimate.json").read_text()), real, 1)
+    assert not dist.is_initialized()

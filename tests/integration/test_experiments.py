@@ -72,7 +72,7 @@ def test_shipped_architectures_have_the_published_size(arch):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from memlab.conf import asset
+    from memlab.resolvers import asset
 
     cfg = AutoConfig.from_pretrained(asset(f"model_configs/{arch}"))
     with torch.device("meta"):
@@ -81,12 +81,12 @@ def test_shipped_architectures_have_the_published_size(arch):
 
 
 def test_asset_resolver_names_what_is_shipped():
-    from memlab.conf import asset
+    from memlab.resolvers import asset
 
     with pytest.raises(FileNotFoundError, match="Qwen2.5-0.5B"):
         asset("model_configs/Qwen2.5-0.6B")
     with pytest.raises(ValueError, match="outside"):
-        asset("../conf")
+        asset("../resolvers.py")
 
 
 # The estimate of an online method runs every decode step of its generation on fake tensors:

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from memlab import pipeline
-from memlab.run import seed_everything, validate
+from memlab.context import validate
+from memlab.run import seed_everything
 from memlab_testing import FAST, compose
 
 pytestmark = pytest.mark.integration

@@ -17,7 +17,7 @@ from memlab.method.base import IGNORE, LOSS_INDEX, head_at, label_positions
 def _ctx(*overrides: str):
     from omegaconf import OmegaConf, open_dict
 
-    from memlab.run import validate
+    from memlab.context import validate
     from memlab_testing import FAST, compose
 
     cfg = compose([*FAST, *overrides])

@@ -91,7 +91,7 @@ def test_contamination_is_detected(attn):
 def _ctx(packing: str, padding_free=None, max_length=96, attn="sdpa"):
     from omegaconf import OmegaConf, open_dict
 
-    from memlab.run import validate
+    from memlab.context import validate
     from memlab_testing import FAST, compose
 
     cfg = compose([o for o in FAST if not o.startswith("method.max_length")] + [

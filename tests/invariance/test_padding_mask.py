@@ -16,7 +16,7 @@ from memlab.method.base import IGNORE
 def _ctx(*overrides: str):
     from omegaconf import OmegaConf, open_dict
 
-    from memlab.run import validate
+    from memlab.context import validate
     from memlab_testing import FAST, compose
 
     cfg = compose([*FAST, *overrides])

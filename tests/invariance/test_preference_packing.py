@@ -25,10 +25,11 @@ import pytest
 import torch
 
 from memlab import pipeline
+from memlab.context import validate
 from memlab.method import _layout, _logps
 from memlab.method.base import Segments
 from memlab.packing.groups import PACK_ROWS
-from memlab.run import seed_everything, validate
+from memlab.run import seed_everything
 from memlab_testing import FAST, compose
 
 LOGPS = {"rtol": 1e-5, "atol": 1e-4}

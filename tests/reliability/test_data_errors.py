@@ -106,3 +106,12 @@ def test_some_empty_completions_are_counted_and_train(tmp_path):
     s = _run(tmp_path, _file(tmp_path, "dpo.jsonl", rows), "method=dpo", "train.steps=1")
     assert s["status"] == "ok", s["error"]
     assert s["data"]["empty_completions"] == 1 and s["data"]["trainable_tokens"] > 0
+
+
+def test_a_row_converted_on_load_is_named_in_its_file(tmp_path):
+    rows = [{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]},
+            {"conversations": [{"from": "human", "value": "hi"}, {"from": "bot2", "value": "x"}]}]
+    s = _run(tmp_path, _file(tmp_path, "sharegpt.jsonl", rows))
+    assert s["status"] == "invalid", s["error"]
+    assert s["error"].startswith(f"{tmp_path / 'sharegpt.jsonl'} line 2: row 1: field "
+                                 "'messages'[1].from must be one of human, user, gpt"), s["error"]

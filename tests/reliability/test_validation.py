@@ -10,8 +10,8 @@ import pytest
 
 from memlab import registry
 from memlab.config import MeasureConfig, TrainConfig
+from memlab.context import validate
 from memlab.registry import ConfigErrors, Range, from_mapping, numeric_knobs
-from memlab.run import validate
 from memlab_testing import compose
 
 

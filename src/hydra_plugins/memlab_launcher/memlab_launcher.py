@@ -100,6 +100,12 @@ class _Job:
     stop_signal: str | None = None
     stop_sent: float = 0.0
 
+    def process(self) -> subprocess.Popen:
+        """The job's process (it has been started)."""
+        if self.proc is None:
+            raise RuntimeError(f"job #{self.idx} has not been started")
+        return self.proc
+
 
 class _SweepStop:
     """SIGINT / SIGTERM to the sweep: remembered (``signum``, ``count``), never raised, so the
@@ -147,6 +153,8 @@ class MemlabLauncher(Launcher):
 
     def _task_ref(self) -> tuple[str, str]:
         fn = self.task_function
+        if fn is None:
+            raise RuntimeError("the launcher was not set up with a task function")
         module = getattr(fn, "__module__", None) or "__main__"
         if module == "__main__":
             main_mod = sys.modules.get("__main__")
@@ -212,7 +220,7 @@ class MemlabLauncher(Launcher):
                     time.sleep(0.2)
                     for job in list(running):
                         self._supervise(job, stop)
-                        if job.proc.poll() is None:
+                        if job.process().poll() is None:
                             continue
                         running.remove(job)
                         if job.device is not None:
@@ -222,7 +230,7 @@ class MemlabLauncher(Launcher):
                     results[job.idx] = self._not_run(job, sweep_dir, stop.signum)
         finally:
             for job in running:  # only on an error in this loop: leave no orphan behind
-                _kill_group(job.proc)
+                _kill_group(job.process())
             shutil.rmtree(tmp, ignore_errors=True)
         ended = [str((results[j.idx].return_value or {}).get("status")) for j in jobs]
         _ENDED.extend(ended)
@@ -248,7 +256,7 @@ class MemlabLauncher(Launcher):
             job.dir.mkdir(parents=True, exist_ok=True)
             out = open(job.dir / "job.log", "w")  # noqa: SIM115 - closed with the process
         # its own session: a Ctrl-C reaches the launcher only, which stops the job in order
-        job.proc = subprocess.Popen(
+        proc = job.proc = subprocess.Popen(
             [self.python, "-m", "hydra_plugins.memlab_launcher.worker", str(payload)],
             env=env, stdout=out, stderr=subprocess.STDOUT if out else None, cwd=os.getcwd(),
             start_new_session=True,
@@ -256,15 +264,16 @@ class MemlabLauncher(Launcher):
         if out is not None:
             out.close()  # the child has its own copy
         job.started = time.time()
-        job.watch = OomWatch(job.proc.pid)
+        job.watch = OomWatch(proc.pid)
 
     def _supervise(self, job: _Job, stop: _SweepStop) -> None:
         """Stop the job when the sweep is interrupted or its time is up (the stop signal first,
         SIGKILL after the grace period or at a second interrupt)."""
-        proc = job.proc
+        proc = job.process()
         if proc.poll() is not None:
             return
-        job.watch.observe()  # a cgroup the job moved into (e.g. by a wrapper) gets a baseline
+        if job.watch is not None:  # a cgroup the job moved into (a wrapper's) gets a baseline
+            job.watch.observe()
         now = time.time()
         if job.stopped_by is None:
             if stop.signum is not None:
@@ -272,16 +281,16 @@ class MemlabLauncher(Launcher):
             elif job.timeout_s is not None and now - job.started > job.timeout_s:
                 job.stopped_by, job.stop_signal = "timeout", "SIGTERM"
                 log.warning(f"job #{job.idx}: {job.timeout_s / 60:g} min are up; stopping it")
-            if job.stopped_by is not None:
+            if job.stopped_by is not None and job.stop_signal is not None:  # just stopped
                 job.stop_sent = now
-                _signal(proc, getattr(signal, job.stop_signal))
+                _signal(proc, signal.Signals[job.stop_signal])
         elif now - job.stop_sent > self.grace_s or stop.count > 1:
             job.stop_signal = "SIGKILL"
             _kill_group(proc)
 
     def _collect(self, job: _Job, sweep_dir: Path) -> JobReturn:
         """The job's record, completed with what only the launcher knows."""
-        code = job.proc.returncode
+        code = job.process().returncode
         seconds = time.time() - job.started
         ret = None
         if code == 0 and job.result is not None and job.result.exists():
@@ -293,7 +302,8 @@ class MemlabLauncher(Launcher):
             own = ret._return_value
         if own is None:
             own = read_summary(job.dir / "summary.json")
-        if job.stopped_by == "timeout":
+        why: str | None
+        if job.stopped_by == "timeout" and job.timeout_s is not None:
             status = "timeout"
             why = (f"stopped by the launcher after timeout_min={job.timeout_s / 60:g} "
                    f"({seconds:.0f} s, {job.stop_signal})")
@@ -386,5 +396,7 @@ def _user_choices(sweep_config: DictConfig) -> dict[str, str]:
     """The job's top-level group choices (as memlab.measure.summary.user_choices: no Hydra
     groups, no unselected optional groups, no nested helper groups such as debug/data)."""
     choices = OmegaConf.to_container(sweep_config.hydra.runtime.choices) or {}
+    if not isinstance(choices, dict):
+        return {}
     return {str(k): str(v) for k, v in choices.items()
             if v is not None and "/" not in str(k) and "@" not in str(k)}

@@ -12,6 +12,7 @@ import os
 import pickle
 import signal
 import sys
+from typing import Any
 
 
 def _stop_with_parent() -> None:
@@ -38,18 +39,18 @@ def main(payload_path: str) -> int:
     with open(payload_path, "rb") as f:
         payload = pickle.load(f)
     config = payload["config"]
-    module = importlib.import_module(payload["module"])
-    fn = module
+    fn: Any = importlib.import_module(payload["module"])
     for part in payload["qualname"].split("."):
         fn = getattr(fn, part)
-    fn = getattr(fn, "__wrapped__", fn)
+    fn = getattr(fn, "__wrapped__", fn)  # the task under hydra.main's wrapper
+    # run_job reads only the callbacks; Hydra types config_loader as required
     ctx = HydraContext(config_loader=None, callbacks=Callbacks(config))  # type: ignore[arg-type]
     ret = run_job(hydra_context=ctx, task_function=fn, config=config,
                   job_dir_key="hydra.sweep.dir", job_subdir_key="hydra.sweep.subdir")
     try:
         blob = pickle.dumps(ret)
     except Exception as e:  # noqa: BLE001 - an unpicklable return value must not lose the job
-        ret._return_value = RuntimeError(f"unpicklable job result: {e}")  # type: ignore[attr-defined]
+        ret._return_value = RuntimeError(f"unpicklable job result: {e}")
         blob = pickle.dumps(ret)
     with open(payload["result"], "wb") as f:
         f.write(blob)

@@ -92,9 +92,11 @@ def _plan_cpu(segments: Segments, width: int) -> VarlenPlan:
 @functools.lru_cache(maxsize=4)
 def _plan_on(segments: Segments, width: int, device: torch.device) -> VarlenPlan:
     plan = _plan_cpu(segments, width)
-    move = (lambda t: None if t is None else t.to(device, non_blocking=True))  # noqa: E731
+    def move(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device, non_blocking=True)
+
     return VarlenPlan(move(plan.cu_q), move(plan.cu_k), plan.max_q, plan.max_k,
-                      move(plan.k_index))
+                      None if plan.k_index is None else move(plan.k_index))
 
 
 def varlen_plan(segments: Segments, width: int, device: torch.device | str = "cpu") -> VarlenPlan:
@@ -218,11 +220,11 @@ def _make_mask(kind: str):
 
     base = sdpa_mask if kind == "sdpa" else eager_mask
 
-    def mask(*args, attention_mask=None, **kwargs):
+    def mask(*args: Any, **kwargs: Any) -> Any:
         # No padding mask: causal and per-document structure is handled by the attention itself.
-        if attention_mask is None:
+        if kwargs.get("attention_mask") is None:
             return None
-        return base(*args, attention_mask=attention_mask, **kwargs)
+        return base(*args, **kwargs)
 
     return mask
 

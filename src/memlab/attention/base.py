@@ -1,14 +1,61 @@
-"""What an attention backend declares, and the checks every backend shares."""
+"""What an attention backend declares (:class:`Attention`), and the checks every backend shares
+(:class:`Backend`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
+
+from memlab import registry
+from memlab.registry import Option
+
+if TYPE_CHECKING:
+    import torch
+
+    from memlab.context import BuildContext
+    from memlab.trainer.batch import Segments
+
+
+class Attention(Option, Protocol):
+    """An ``attention=`` option: a transformers ``attn_implementation`` and what it can do."""
+
+    isolates_packed: ClassVar[bool]
+    """Keeps documents apart in a packed / padding-free row (restarting position_ids)."""
+    skips_padding: ClassVar[bool]
+    """Given a padding mask, the backend leaves padded positions out of its work; False:
+    padded positions cost as much with the mask as without (``method.padding_mask``)."""
+    devices: ClassVar[tuple[str, ...]]
+    """The devices it runs on (``cpu``, ``cuda``)."""
+    trains_on_cpu: ClassVar[bool]
+    """It has a backward pass on the CPU."""
+
+    def implementation(self) -> str:
+        """The string passed to transformers as ``attn_implementation``."""
+        ...
+
+    def shares_prefix(self) -> bool:
+        """Whether a document can also see a prefix stored before it in its row."""
+        ...
+
+    def document_mask(self, segments: Segments, width: int, device: torch.device | str
+                      ) -> Any:
+        """The ``attention_mask`` to pass for rows described by ``segments``, or None."""
+        ...
+
+
+AttentionClass = TypeVar("AttentionClass", bound=Attention)
+
+
+def register(name: str) -> Callable[[type[AttentionClass]], type[AttentionClass]]:
+    """Register an ``attention=`` option (mypy checks it against :class:`Attention`)."""
+    return registry.register("attention", name)
 
 
 @dataclass(kw_only=True)
-class Attention:
-    """Shape of an attention option. Subclasses set the class-level capability flags."""
+class Backend(Option):
+    """What the backends share: the checks, from the class-level capability flags that each
+    backend sets."""
 
     isolates_packed: ClassVar[bool] = True
     """Keeps documents apart in a packed / padding-free row (restarting position_ids)."""
@@ -24,22 +71,23 @@ class Attention:
 
     def implementation(self) -> str:
         """The string passed to transformers as ``attn_implementation``."""
-        return self.name  # type: ignore[attr-defined]
+        return self.name
 
     def shares_prefix(self) -> bool:
         """Whether a document can also see a prefix stored before it in its row (a preference
         pair's shared prompt: :class:`memlab.trainer.batch.Segments` entries ``(n, a, b)``)."""
         return False
 
-    def document_mask(self, segments, width: int, device) -> Any:
+    def document_mask(self, segments: Segments, width: int, device: torch.device | str
+                      ) -> Any:
         """The ``attention_mask`` to pass for rows described by ``segments`` (``width`` tokens
         each), or None when the backend keeps documents apart by itself (position ids, or
         memlab's per-document attention reading the segments)."""
         return None
 
-    def validate(self, ctx) -> list[str]:
+    def validate(self, ctx: BuildContext) -> list[str]:
         errors = []
-        name = self.name  # type: ignore[attr-defined]
+        name = self.name
         dev = "cuda" if ctx.is_cuda else "cpu"
         if dev not in self.devices:
             errors.append(
@@ -72,7 +120,7 @@ class Attention:
 
 
 @dataclass(kw_only=True)
-class VarlenAttention(Attention):
+class VarlenBackend(Backend):
     """eager / sdpa: transformers' kernels, plus memlab's per-document attention for rows that
     hold several documents (memlab/attention/_varlen.py)."""
 
@@ -86,7 +134,7 @@ class VarlenAttention(Attention):
         return self.varlen
 
     def implementation(self) -> str:
-        name = self.name  # type: ignore[attr-defined]
+        name = self.name
         if not self.varlen:
             return name
         from memlab.attention._varlen import register

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memlab.attention.base import VarlenAttention
-from memlab.registry import register
+from memlab.attention.base import VarlenBackend, register
 
 
-@register("attention", "eager")
+@register("eager")
 @dataclass(kw_only=True)
-class Eager(VarlenAttention):
-    """Knob: ``varlen`` (see VarlenAttention)."""
+class Eager(VarlenBackend):
+    """Knob: ``varlen`` (see VarlenBackend)."""

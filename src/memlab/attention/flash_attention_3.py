@@ -5,13 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from memlab.attention.base import Attention
-from memlab.registry import register
+from memlab.attention.base import Backend, register
 
 
-@register("attention", "flash_attention_3")
+@register("flash_attention_3")
 @dataclass(kw_only=True)
-class FlashAttention3(Attention):
+class FlashAttention3(Backend):
     """No knobs."""
 
     devices: ClassVar[tuple[str, ...]] = ("cuda",)

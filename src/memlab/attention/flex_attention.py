@@ -13,13 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from memlab.attention.base import Attention
-from memlab.registry import register
+from memlab.attention.base import Backend, register
 
 
-@register("attention", "flex_attention")
+@register("flex_attention")
 @dataclass(kw_only=True)
-class FlexAttention(Attention):
+class FlexAttention(Backend):
     """No knobs."""
 
     trains_on_cpu: ClassVar[bool] = False

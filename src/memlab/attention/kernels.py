@@ -4,15 +4,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
-from memlab.attention.base import Attention
-from memlab.registry import register
+from memlab.attention.base import Backend, register
+
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
 
 
-@register("attention", "kernels")
+@register("kernels")
 @dataclass(kw_only=True)
-class Kernels(Attention):
+class Kernels(Backend):
     """A kernels-hub repository name, passed as ``attn_implementation``."""
 
     repo: str = "kernels-community/flash-attn2"
@@ -25,7 +27,7 @@ class Kernels(Attention):
     def implementation(self) -> str:
         return self.repo
 
-    def validate(self, ctx) -> list[str]:
+    def validate(self, ctx: BuildContext) -> list[str]:
         errors = super().validate(ctx)
         if "/" not in self.repo:
             errors.append(

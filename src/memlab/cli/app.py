@@ -2,9 +2,14 @@
 sweep through :func:`main`; ``memlab estimate`` and ``memlab lengths`` run their own task over the
 same configs and command line through :func:`run_app`).
 
-The configs ship inside the package (``memlab/conf``, found on Hydra's package search path as
-``pkg://memlab.conf``), so an installed memlab runs from any directory exactly as a checkout does;
-``--config-dir DIR`` (or ``hydra.searchpath=[file://DIR]``) adds a user's own configs on top.
+memlab's configs are the repo's top-level ``conf/`` (``config.yaml`` and the config groups), and
+its ready sweeps the top-level ``sweeps/``; a wheel ships both inside the package (``memlab/conf``,
+``memlab/sweeps``), an editable install reads the checkout's (:func:`memlab.cli.compose.conf_dir`),
+so an installed memlab runs from any directory exactly as a checkout does. Hydra gets ``conf/`` as
+an absolute config dir, and ``hydra_plugins/memlab_sweeps`` mounts ``sweeps/`` as the ``sweep``
+group right after it (``memlab -m sweep=<name>``). ``--config-dir DIR`` (or
+``hydra.searchpath=[file://DIR]``) adds a user's own configs on top (``DIR/sweep/mine.yaml`` is
+``sweep=mine``); ``--info searchpath`` lists where each comes from.
 """
 
 from __future__ import annotations
@@ -15,10 +20,13 @@ from typing import Any
 
 import hydra
 
-from memlab.run import hydra_task
+from memlab.cli.compose import conf_dir
+from memlab.hydra_task import hydra_task
 
-CONFIG_PATH = "pkg://memlab.conf"
-"""Where Hydra finds memlab's primary config (``config.yaml``) and its groups."""
+CONFIG_PATH = str(conf_dir())
+"""Where Hydra finds memlab's primary config (``config.yaml``) and its groups (an absolute dir:
+``hydra.main`` takes a directory or a ``pkg://`` module, and an editable install has no module
+holding ``conf/``)."""
 CONFIG_NAME = "config"
 
 

@@ -9,31 +9,63 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-CONFIG_MODULE = "memlab.conf"
-"""The package holding ``config.yaml`` and one dir per group (Hydra: ``pkg://memlab.conf``)."""
 HYDRA_FLAGS_WITH_VALUE = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd",
                           "--cfg", "-c", "--package", "-p", "--info", "-i",
                           "--shell-completion", "-sc", "--experimental-rerun")
 """Hydra's flags that take the next argument as their value (``--cfg job``, ``-cd DIR``)."""
 
 
-def conf_dir() -> Path:
-    """The directory of memlab's configs inside the installed package."""
-    import memlab.conf
+def _shipped_dir(name: str, marker: str | None = None) -> Path:
+    """The directory ``name`` of memlab's layout (``conf`` or ``sweeps``): inside the package in an
+    installed wheel (``memlab/<name>``, placed there by the build: pyproject.toml's
+    ``[tool.hatch.build.targets.wheel]``), else the checkout's top-level ``<name>/`` beside
+    ``src/memlab`` (an editable install, ``pip install -e .``, imports memlab from ``src/``).
+    ``marker``, when given, must be in it (a leftover ``src/memlab/conf/__pycache__`` of the old
+    layout is no config dir)."""
+    import memlab
 
-    return Path(memlab.conf.__file__).resolve().parent
+    package = Path(memlab.__file__).resolve().parent
+    places = [package / name]
+    if package.parent.name == "src":
+        places.append(package.parents[1] / name)
+    for where in places:
+        if (where / marker).is_file() if marker else where.is_dir():
+            return where
+    raise FileNotFoundError(
+        f"memlab's {name}/ is in none of {', '.join(map(str, places))} (memlab imported from "
+        f"{package}): a wheel holds it as memlab/{name}, a checkout at its top level; "
+        f"reinstall memlab (pip install -e . in a checkout)")
+
+
+def conf_dir() -> Path:
+    """memlab's configs: ``config.yaml`` and one dir per config group (the repo's ``conf/``). Hydra
+    reads it as an absolute config dir (:data:`memlab.cli.app.CONFIG_PATH`, :func:`compose`)."""
+    return _shipped_dir("conf", "config.yaml")
+
+
+def sweeps_dir() -> Path:
+    """The ready sweeps (the repo's ``sweeps/``), the config group ``sweep`` of every search path
+    that holds :func:`conf_dir` (``hydra_plugins/memlab_sweeps`` mounts it)."""
+    return _shipped_dir("sweeps")
+
+
+def initialize():
+    """Hydra initialised on memlab's configs (:func:`conf_dir`; the sweeps mounted beside them),
+    for code that reads the config tree outside a Hydra app (a context manager)."""
+    from hydra import initialize_config_dir
+
+    return initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3")
 
 
 def compose(overrides: Sequence[str]):
     """(config without the hydra node, the user's group choices) composed from memlab's configs
     with ``overrides``, exactly as a run composes them."""
     from hydra import compose as hydra_compose
-    from hydra import initialize_config_module
     from omegaconf import OmegaConf, open_dict
 
     from memlab.measure.summary import user_choices
 
-    with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
+    with initialize():
         cfg = hydra_compose(config_name="config", overrides=list(overrides),
                             return_hydra_config=True)
     choices = user_choices(cfg.hydra.runtime.choices)

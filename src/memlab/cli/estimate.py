@@ -36,9 +36,12 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from memlab.cli.compose import app_argv, compose, parse_command
+
+if TYPE_CHECKING:
+    from memlab.estimate import EstimateOptions
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,8 +101,9 @@ def _value(text: str) -> Any:
         return text
 
 
-def options_from(args) -> Any:
+def options_from(args: argparse.Namespace) -> EstimateOptions:
     from memlab.estimate import EstimateOptions, parse_bytes
+    from memlab.estimate.options import device_of
 
     stage = args.zero_stage
     if args.shard is not None:
@@ -117,9 +121,8 @@ def options_from(args) -> Any:
         if not sep or not key:
             raise ValueError(f"--set {item!r}: expected KEY=VALUE")
         sets[key] = _value(value)
-    device = args.device or ("cuda" if args.card else "cpu")
     return EstimateOptions(
-        device=device, card=args.card,
+        device=device_of(args.device, args.card), card=args.card,
         budget_bytes=parse_bytes(args.budget) if args.budget else None,
         world_size=args.world_size, zero_stage=stage or 0, length=args.length,
         from_data=args.from_data, docs_per_row=args.docs_per_row,
@@ -311,7 +314,7 @@ def format_sweep(rows: list[dict[str, Any]]) -> str:
                          f"{est.get('status')}: {(est.get('error') or '').splitlines()[-1][:60]}"])
             continue
         cats = est["by_category"]
-        top = max(cats, key=cats.get)
+        top = max(cats, key=cats.__getitem__)
         v = est.get("verdict")
         body.append([*(point.get(k, "") for k in varied), fmt_bytes(est["peak_bytes"]), top,
                      v["text"] if v else "-"])

@@ -4,6 +4,7 @@ memlab [overrides]              train one run (``-m``: a sweep, one fresh proces
 memlab -m sweep=<name>          a ready sweep shipped with memlab (``sweep=`` group)
 memlab report DIR [DIR ...]     table, CSV, Markdown, plots (and HTML) from summaries
 memlab lengths [overrides]      token-length profile of a data config
+memlab data show [overrides]    rows as the run sees them, loss tokens marked
 memlab estimate [overrides]     predicted peak memory, no GPU needed
 memlab fit --budget SIZE [overrides]   the fastest configuration that fits, measured
 memlab vllm-serve model=... [knob=value ...]   the vLLM server of generation.mode=server
@@ -23,6 +24,7 @@ from collections.abc import Sequence
 SUBCOMMANDS = {
     "report": "memlab.cli.report",
     "lengths": "memlab.cli.lengths",
+    "data": "memlab.cli.data",
     "estimate": "memlab.cli.estimate",
     "fit": "memlab.cli.fit",
     "vllm-serve": "memlab.generation.vllm_server",
@@ -104,8 +106,8 @@ _memlab_completion()
     local word="${args[n-1]}"
     local sub="" extra=""
     if (( n == 1 )); then
-        extra="report estimate lengths fit"
-    elif [[ " report estimate lengths fit " == *" ${args[0]} "* ]]; then
+        extra="report estimate lengths data fit"
+    elif [[ " report estimate lengths data fit " == *" ${args[0]} "* ]]; then
         sub="${args[0]}"; args=("${args[@]:1}")
     fi
     if [[ "$sub" == "report" || "$word" == -* ]]; then

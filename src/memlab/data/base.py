@@ -1,10 +1,18 @@
-"""Shared helpers of the data sources: the source protocol, row validation with row/field
-names, limits."""
+"""Shared helpers of the data sources: the source protocol, row validation (and normalization,
+:func:`normalize_messages`) with row/field names, limits."""
 
 from __future__ import annotations
 
+import json
 import re
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, cast
+
+from memlab import registry
+from memlab.registry import Option
+
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
 
 
 class DataError(ValueError):
@@ -20,22 +28,75 @@ class DataError(ValueError):
         self.row = row
 
 
-class DataSource(Protocol):
-    """What every ``data=`` option provides."""
+class DataSource(Option, Protocol):
+    """What every ``data=`` option provides (the fields of
+    :class:`memlab.data.formats.RowOptions` included; its ``validate`` reads nothing)."""
 
-    name: str
+    @property
+    def columns(self) -> dict[str, str] | None: ...
+    @property
+    def chat_template_kwargs(self) -> dict[str, Any] | None: ...
+    @property
+    def training_template(self) -> Literal["auto", "off"]: ...
+    @property
+    def on_unsplittable(self) -> Literal["error", "skip"]: ...
+    @property
+    def eval(self) -> float | str | None: ...
 
-    def validate(self, ctx) -> list[str]:
-        """Problems found before anything is read (each names its fix)."""
+    def eval_kind(self) -> Literal["fraction", "path", "split"] | None:
+        """What ``eval`` names (:meth:`memlab.data.formats.RowOptions.eval_kind`)."""
         ...
 
-    def load(self, ctx) -> Any:
-        """The rows, as a ``datasets.Dataset``."""
+    def as_split_source(self) -> SplitSource | None:
+        """This source, when it has named splits (``data.eval=<split>`` reads one)."""
+        ...
+
+    def load(self, ctx: BuildContext) -> Any:
+        """The rows as read, a ``datasets.Dataset``."""
+        ...
+
+    def convert(self, ds: Any) -> tuple[Any, dict[str, int]]:
+        """``ds`` (what :meth:`load` returned) in memlab's row formats, row for row, and what
+        was converted (:func:`memlab.data.formats.convert`)."""
         ...
 
     def locate(self, ds: Any, row: int) -> str:
         """Where row ``row`` of ``ds`` (what :meth:`load` returned) comes from, in words: a
         file and line, a hub dataset's row."""
+        ...
+
+    def place(self, index: int) -> str:
+        """Where row ``index`` of the data as read (before any sample or shuffle) comes
+        from."""
+        ...
+
+    def summary(self, ds: Any) -> dict[str, Any]:
+        """Entries for the summary's ``data`` section about the rows ``ds`` (what :meth:`load`
+        returned) holds (a mixture's rows per source); empty for most sources."""
+        ...
+
+
+DataSourceClass = TypeVar("DataSourceClass", bound=DataSource)
+
+
+def register(name: str) -> Callable[[type[DataSourceClass]], type[DataSourceClass]]:
+    """Register a ``data=`` option (mypy checks it against :class:`DataSource`)."""
+    return registry.register("data", name)
+
+
+def build_source(node: Mapping[str, Any], where: str) -> tuple[DataSource | None, list[str]]:
+    """The ``data=`` option a config node describes (a mixture's source), built and checked as
+    the run's own is (:func:`memlab.registry.build`)."""
+    obj, errors = registry.build("data", node, where=where)
+    # the data group holds only the classes its typed register admitted: DataSources
+    return cast("DataSource | None", obj), errors
+
+
+class SplitSource(DataSource, Protocol):
+    """A source with named splits: ``data.eval=<split>`` reads one."""
+
+    def load_split(self, ctx: BuildContext, split: str) -> Any:
+        """The rows of ``split``, as :meth:`load` reads its own."""
         ...
 
 
@@ -58,23 +119,104 @@ def limit(ds, max_examples: int | None, seed: int | None = None):
 
 
 def check_messages(messages: Any, row: int, field: str) -> None:
-    """Raise DataError unless ``messages`` is a list of {role, content} dicts."""
+    """Raise DataError unless ``messages`` is a list of {role, content} dicts; normalize them in
+    place first (:func:`normalize_messages`: ShareGPT's from / value,
+    content given as a list of text parts, the empty keys columnar storage adds). ``content``
+    may be null only in an assistant turn that carries ``tool_calls``."""
     if not isinstance(messages, list) or not messages:
         raise DataError(f"row {row}: field '{field}' must be a non-empty list of messages, "
                         f"got {type(messages).__name__}")
+    normalize_messages(messages, row, field)
     for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise DataError(f"row {row}: field '{field}'[{i}] must be a dict with 'role' and "
-                            f"'content', got {type(m).__name__}")
         if m.get("role") not in ("system", "user", "assistant", "tool"):
             raise DataError(f"row {row}: field '{field}'[{i}].role must be system/user/assistant/"
                             f"tool, got {m.get('role')!r}")
-        if not isinstance(m.get("content"), str):
-            raise DataError(f"row {row}: field '{field}'[{i}].content must be a string, got "
-                            f"{type(m.get('content')).__name__}")
+        content = m.get("content")
+        if content is None and m["role"] == "assistant" and m.get("tool_calls"):
+            continue
+        if not isinstance(content, str):
+            raise DataError(f"row {row}: field '{field}'[{i}].content must be a string (or null "
+                            "in an assistant turn with tool_calls), got "
+                            f"{type(content).__name__}")
 
 
 def check_text(value: Any, row: int, field: str) -> None:
     if not isinstance(value, str):
         raise DataError(f"row {row}: field '{field}' must be a string, got "
                         f"{type(value).__name__}")
+
+
+SHAREGPT_ROLES = {
+    "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+    "model": "assistant", "bot": "assistant", "chatgpt": "assistant", "system": "system",
+    "tool": "tool", "observation": "tool", "function_response": "tool",
+}
+"""ShareGPT ``from`` values -> roles (case-insensitive)."""
+
+
+def normalize_messages(messages: list, row: int, field: str) -> None:
+    """Normalize a conversational field in place (module docstring); DataError naming the row,
+    field and message for what cannot be read."""
+    for i, m in enumerate(messages):
+        where = f"row {row}: field '{field}'[{i}]"
+        if not isinstance(m, dict):
+            raise DataError(f"{where} must be a dict with 'role' and 'content', got "
+                            f"{type(m).__name__}")
+        for key in [k for k, v in m.items() if v is None and k != "content"]:
+            del m[key]
+        if "role" not in m and "from" in m:  # ShareGPT
+            role = SHAREGPT_ROLES.get(str(m["from"]).lower())
+            if role is None:
+                raise DataError(f"{where}.from must be one of {', '.join(SHAREGPT_ROLES)} "
+                                f"(a ShareGPT turn), got {m['from']!r}")
+            m["role"] = role
+            m["content"] = m.pop("value", None)
+            del m["from"]
+        if isinstance(m.get("content"), list):
+            m["content"] = _text_of_parts(m["content"], where)
+        if "tool_calls" in m:
+            m["tool_calls"] = _strip_nulls(m["tool_calls"])
+        if "content" not in m:
+            m["content"] = None
+
+
+def _text_of_parts(parts: list, where: str) -> str:
+    texts = []
+    for j, part in enumerate(parts):
+        if isinstance(part, str):
+            texts.append(part)
+            continue
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise DataError(f"{where}.content[{j}] is a {kind or type(part).__name__!r} part; "
+                            "memlab trains on text: give content as a string or a list of "
+                            "{type: text, text: ...} parts")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def normalize_tools(tools: Any, row: int) -> list | None:
+    """A row's ``tools`` as the template takes them: a list of JSON schemas (parsed from a JSON
+    string, nulls dropped), or None when the row has none."""
+    if tools is None or tools == "" or tools == []:
+        return None
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as e:
+            raise DataError(f"row {row}: field 'tools' is a string but not JSON ({e.msg} at "
+                            f"column {e.colno}); give a list of tool schemas") from e
+    if isinstance(tools, dict):
+        tools = [tools]
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise DataError(f"row {row}: field 'tools' must be a list of tool schemas (dicts), got "
+                        f"{type(tools).__name__}")
+    return _strip_nulls(tools)
+
+
+def _strip_nulls(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _strip_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_strip_nulls(v) for v in value]
+    return value

@@ -26,24 +26,37 @@ as in TRL, everything the completion adds after the prompt's generation prompt.
   as token ids (a tokenizer may merge tokens across a turn boundary); the span is the difference
   of the two token prefixes.
 
-A template for which neither works raises :class:`ChatTemplateError` (a ``DataError``) naming
-the row, the template property that fails, the text where it fails, and the fixes: train on every
-token, or give the tokenizer a template with ``{% generation %}`` markers
-(``model.chat_template=path``). Properties that fail: a system prompt or date placed according
-to the number of turns (Mistral v0.3 puts the system prompt in the *last* user turn), reasoning
-dropped from earlier assistant turns, a generation prompt that differs from the header of a
-rendered assistant turn, a content the template does not render verbatim.
+**When neither works** (:class:`Unsplittable`): with ``data.training_template=auto`` a
+conversation (``messages``; prompt-completion rows are split by their own rendering of the
+prompt) is rendered with memlab's training template for the stock template's family
+(:mod:`memlab.data.templates`: Qwen3, Mistral v0.3 / Nemo), which has markers, and counted in
+the run's :class:`Tally`. Otherwise the row is unsplittable: a :class:`ChatTemplateError` (a
+``DataError``) naming the row, the template property that fails, the text where it fails, and
+the fixes (train on every token, or give the tokenizer a template with ``{% generation %}``
+markers: ``model.chat_template=path``), or, with ``data.on_unsplittable=skip``, a
+:class:`SkippedRow` that the methods' row loops drop (and the tally counts). Properties that
+fail: a system prompt or date placed according to the number of turns (Mistral v0.3 puts the
+system prompt in the *last* user turn), reasoning dropped from earlier assistant turns, a
+generation prompt that differs from the header of a rendered assistant turn, a content the
+template does not render verbatim.
+
+**Rendering settings** of a run (:func:`rendering`): ``data.chat_template_kwargs`` go to every
+rendering; a row's ``tools`` (the ``tools=`` argument of the public functions) too. Messages are
+normalized first (:func:`memlab.data.base.normalize_messages`). A message's
+``reasoning_content`` is refused unless the template reads it (it would be dropped silently).
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import re
 import weakref
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
-from memlab.data.base import DataError, check_messages
+from memlab.data.base import DataError, check_messages, normalize_tools
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
@@ -57,7 +70,107 @@ SPLIT_FIX = ("give the tokenizer a chat template that renders a prompt the same 
 
 
 class ChatTemplateError(DataError):
-    """The chat template cannot be split into exact prompt / answer tokens for this row."""
+    """The chat template cannot render this row, or cannot split it into exact prompt / answer
+    tokens."""
+
+
+class Unsplittable(ChatTemplateError):
+    """The template renders this row, but not so that it splits into exact prompt / answer
+    tokens (and no training template applies)."""
+
+
+class SkippedRow(DataError):
+    """An unsplittable row under ``data.on_unsplittable=skip``: the method's row loop leaves the
+    row out (:func:`memlab.method._rows.map_rows`, SFT); the run's :class:`Tally` counts it."""
+
+
+# ----------------------------------------------------------------------------------- settings
+
+
+class RenderOptions(Protocol):
+    """The data option's rendering fields (:class:`memlab.data.formats.RowOptions`)."""
+
+    @property
+    def chat_template_kwargs(self) -> dict[str, Any] | None: ...
+    @property
+    def training_template(self) -> str: ...
+    @property
+    def on_unsplittable(self) -> str: ...
+
+
+@dataclass
+class Tally:
+    """What rendering did to a run's rows (the summary's ``data`` section, ``memlab data
+    show``): dataset row indices, in the order met."""
+
+    template: str | None = None
+    """The training template's name (``qwen3``, ``mistral-v3``...), when one was used."""
+    template_rows: list[int] = field(default_factory=list)
+    """Rows rendered with it."""
+    skipped_rows: list[int] = field(default_factory=list)
+    """Unsplittable rows left out (``data.on_unsplittable=skip``)."""
+    skip_reason: str | None = None
+    """Why the first one could not be split."""
+
+    def as_dict(self, locate=None) -> dict[str, Any]:
+        """The summary entries (none when nothing happened); ``locate(row) -> str`` names where
+        the first skipped rows come from."""
+        out: dict[str, Any] = {}
+        if self.template_rows:
+            out["chat_template"] = {"training_template": self.template,
+                                    "rows": len(self.template_rows)}
+        if self.skipped_rows:
+            where = [locate(r) if locate else f"row {r}" for r in self.skipped_rows[:5]]
+            out["unsplittable"] = {"skipped": len(self.skipped_rows), "first": where,
+                                   "reason": self.skip_reason}
+        return out
+
+
+@dataclass(frozen=True)
+class _Settings:
+    kwargs: dict[str, Any]
+    training: bool = True
+    skip: bool = False
+    tally: Tally = field(default_factory=Tally)
+
+
+_SETTINGS: weakref.WeakKeyDictionary[Any, _Settings] = weakref.WeakKeyDictionary()
+
+
+def _settings(tok) -> _Settings:
+    return _SETTINGS.get(tok) or _Settings({})
+
+
+@contextlib.contextmanager
+def rendering(tok, options: RenderOptions | None = None) -> Iterator[Tally]:
+    """Within the block every rendering with ``tok`` uses the data option's settings (template
+    variables, training template, unsplittable rows); yields the run's :class:`Tally`. Outside
+    any block: no extra variables, training templates on, unsplittable rows raise."""
+    settings = _Settings(
+        kwargs=dict((options.chat_template_kwargs if options else None) or {}),
+        training=options is None or options.training_template == "auto",
+        skip=options is not None and options.on_unsplittable == "skip",
+    )
+    before = _SETTINGS.get(tok)
+    _SETTINGS[tok] = settings
+    try:
+        yield settings.tally
+    finally:
+        if before is None:
+            _SETTINGS.pop(tok, None)
+        else:
+            _SETTINGS[tok] = before
+
+
+def _unsplittable(tok, error: Unsplittable, row: int) -> DataError:
+    """What to raise for an unsplittable row: the error, or a :class:`SkippedRow` (counted)."""
+    settings = _settings(tok)
+    if not settings.skip:
+        return error
+    tally = settings.tally
+    tally.skipped_rows.append(row)
+    tally.skip_reason = tally.skip_reason or str(error).split(";")[0]
+    return SkippedRow(str(error), row=row)
 
 
 @dataclass(frozen=True)
@@ -97,78 +210,136 @@ def template_info(tok) -> _Template:
 
 
 def assistant_mask(tok, messages: list[dict], row: int, field: str = "messages",
-                   fix: str = SFT_FIX) -> tuple[list[int], list[int]]:
+                   fix: str = SFT_FIX, tools: Any = None) -> tuple[list[int], list[int]]:
     """Ids of the full rendering of ``messages`` and a 0/1 mask on the tokens of every assistant
-    turn (module docstring for the exact rule). Raises
-    ``ChatTemplateError`` when no assistant turn is found or the template cannot be split."""
+    turn (module docstring for the exact rule). Raises ``ChatTemplateError`` when no assistant
+    turn is found or the template cannot be split (:class:`SkippedRow` under
+    ``on_unsplittable=skip``)."""
     check_messages(messages, row, field)
+    tools = normalize_tools(tools, row)
     info = template_info(tok)
+    _check_reasoning(info.text, messages, row, field)
     if info.markers:
-        enc = tok.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                      return_assistant_tokens_mask=True)
-        ids, mask = list(enc["input_ids"]), list(enc["assistant_masks"])
+        ids, mask = _marked(tok, messages, tools, None, row, field)
     else:
-        ids, spans = _Turns(tok, info, messages, row, field, fix).spans()
-        mask = [0] * len(ids)
-        for start, end in spans:
-            mask[start:end] = [1] * (end - start)
+        try:
+            ids, spans = _Turns(tok, info, messages, row, field, fix, tools).spans()
+        except Unsplittable as e:
+            ids, mask = _with_training_template(tok, messages, tools, row, field, e)
+        else:
+            mask = [0] * len(ids)
+            for start, end in spans:
+                mask[start:end] = [1] * (end - start)
     if not any(mask):
         raise ChatTemplateError(f"row {row}: field '{field}' has no assistant turn to train on; "
                                 f"{fix}")
     return ids, mask
 
 
-def prompt_ids(tok, messages: list[dict], row: int, field: str = "prompt") -> list[int]:
+def prompt_ids(tok, messages: list[dict], row: int, field: str = "prompt",
+               tools: Any = None) -> list[int]:
     """Ids of ``messages`` rendered with the generation prompt (what the model answers to)."""
     check_messages(messages, row, field)
-    template_info(tok)
-    return _ids(tok, _render(tok, messages, True, row, field))
+    tools = normalize_tools(tools, row)
+    _check_reasoning(template_info(tok).text, messages, row, field)
+    return _ids(tok, _render(tok, messages, True, row, field, tools))
 
 
 def completion_ids(tok, prompt: list[dict], prompt_tokens: list[int], completion: list[dict],
-                   row: int, field: str, fix: str = SPLIT_FIX) -> list[int]:
+                   row: int, field: str, fix: str = SPLIT_FIX, tools: Any = None) -> list[int]:
     """The tokens ``completion`` adds after ``prompt_tokens`` (:func:`prompt_ids` of
     ``prompt``) in the rendering of ``prompt + completion``; checked to be an exact split."""
     check_messages(completion, row, field)
-    prompt_text = _render(tok, prompt, True, row, "prompt")
-    full_text = _render(tok, prompt + completion, False, row, field)
+    tools = normalize_tools(tools, row)
+    _check_reasoning(template_info(tok).text, completion, row, field)
+    prompt_text = _render(tok, prompt, True, row, "prompt", tools)
+    full_text = _render(tok, prompt + completion, False, row, field, tools)
     if not full_text.startswith(prompt_text):
-        raise ChatTemplateError(
+        raise _unsplittable(tok, Unsplittable(
             f"row {row}: the chat template renders 'prompt' differently alone (with the "
             f"generation prompt) and followed by '{field}' "
             f"({_diff(prompt_text, full_text)}), so the completion cannot be cut out; check that "
             f"the prompt ends with a user turn and the completion is an assistant turn, or {fix}"
-        )
+        ), row)
     full = _ids(tok, full_text)
     if full[: len(prompt_tokens)] != list(prompt_tokens):
-        raise ChatTemplateError(
+        raise _unsplittable(tok, Unsplittable(
             f"row {row}: the chat template renders 'prompt' differently alone (with the "
             f"generation prompt) and followed by '{field}': the tokenizer merges tokens across "
             f"the boundary ({_boundary(prompt_text, full_text)}); {fix}"
-        )
+        ), row)
     out = full[len(prompt_tokens):]
     if not out:
         raise ChatTemplateError(f"row {row}: field '{field}' renders to no tokens")
     return out
 
 
-def conversation_ids(tok, messages: list[dict], row: int, field: str) -> list[int]:
+def conversation_ids(tok, messages: list[dict], row: int, field: str,
+                     tools: Any = None) -> list[int]:
     """Ids of the full rendering of ``messages`` (no generation prompt)."""
     check_messages(messages, row, field)
-    template_info(tok)
-    return _ids(tok, _render(tok, messages, False, row, field))
+    tools = normalize_tools(tools, row)
+    _check_reasoning(template_info(tok).text, messages, row, field)
+    return _ids(tok, _render(tok, messages, False, row, field, tools))
 
 
 # ----------------------------------------------------------------------------------- internals
 
 
-def _render(tok, messages: list[dict], generation_prompt: bool, row: int, field: str) -> str:
+def _render(tok, messages: list[dict], generation_prompt: bool, row: int, field: str,
+            tools: list | None = None, template: str | None = None) -> str:
     try:
-        return tok.apply_chat_template(messages, tokenize=False,
-                                       add_generation_prompt=generation_prompt)
+        return tok.apply_chat_template(messages, tools=tools, chat_template=template,
+                                       tokenize=False, add_generation_prompt=generation_prompt,
+                                       **_settings(tok).kwargs)
     except Exception as e:  # noqa: BLE001 - templates raise their own exceptions (raise_exception)
         raise ChatTemplateError(f"row {row}: the chat template cannot render field '{field}' "
                                 f"({len(messages)} messages): {type(e).__name__}: {e}") from e
+
+
+def _marked(tok, messages: list[dict], tools: list | None, template: str | None, row: int,
+            field: str) -> tuple[list[int], list[int]]:
+    """Ids and assistant mask of a template with ``{% generation %}`` markers."""
+    try:
+        enc = tok.apply_chat_template(messages, tools=tools, chat_template=template,
+                                      tokenize=True, return_dict=True,
+                                      return_assistant_tokens_mask=True, **_settings(tok).kwargs)
+    except Exception as e:  # noqa: BLE001 - templates raise their own exceptions
+        raise ChatTemplateError(f"row {row}: the chat template cannot render field '{field}' "
+                                f"({len(messages)} messages): {type(e).__name__}: {e}") from e
+    return list(enc["input_ids"]), list(enc["assistant_masks"])
+
+
+def _with_training_template(tok, messages: list[dict], tools: list | None, row: int,
+                            field: str, error: Unsplittable) -> tuple[list[int], list[int]]:
+    """``messages`` rendered with memlab's training template for ``tok``'s template family, or
+    the error (or a skipped row) when none applies."""
+    from memlab.data import templates
+
+    settings = _settings(tok)
+    found, why = (templates.for_tokenizer(tok, settings.kwargs) if settings.training
+                  else (None, "data.training_template=off"))
+    if found is None:
+        if why:
+            error = Unsplittable(f"{error} (no training template applies: {why})", row=row)
+        raise _unsplittable(tok, error, row)
+    _check_reasoning(found.text, messages, row, field)
+    out = _marked(tok, messages, tools, found.text, row, field)
+    settings.tally.template_rows.append(row)
+    settings.tally.template = found.name
+    return out
+
+
+def _check_reasoning(template: str, messages: list[dict], row: int, field: str) -> None:
+    """A ``reasoning_content`` the template does not read would vanish from the rendering."""
+    if "reasoning_content" in template:
+        return
+    for i, m in enumerate(messages):
+        if m.get("reasoning_content"):
+            raise DataError(f"row {row}: field '{field}'[{i}].reasoning_content is set, but the "
+                            "chat template does not render reasoning_content (it would be "
+                            "dropped); put the reasoning into the content (e.g. "
+                            "<think>...</think>) or use a template that reads it")
 
 
 def _ids(tok, text: str) -> list[int]:
@@ -197,20 +368,23 @@ class _Turns:
     """The turn-by-turn method for one conversation (templates without markers)."""
 
     def __init__(self, tok, info: _Template, messages: list[dict], row: int, field: str,
-                 fix: str):
+                 fix: str, tools: list | None = None):
         self.tok, self.info, self.messages = tok, info, messages
-        self.row, self.field, self.fix = row, field, fix
+        self.row, self.field, self.fix, self.tools = row, field, fix, tools
 
-    def fail(self, what: str) -> ChatTemplateError:
-        return ChatTemplateError(f"row {self.row}: field '{self.field}': {what}; this chat "
-                                 f"template cannot be split into exact assistant turns. Fix: "
-                                 f"{self.fix}")
+    def fail(self, what: str) -> Unsplittable:
+        return Unsplittable(f"row {self.row}: field '{self.field}': {what}; this chat "
+                            f"template cannot be split into exact assistant turns. Fix: "
+                            f"{self.fix}")
+
+    def render(self, messages: list[dict], generation_prompt: bool) -> str:
+        return _render(self.tok, messages, generation_prompt, self.row, self.field, self.tools)
 
     def spans(self) -> tuple[list[int], list[tuple[int, int]]]:
         """Full ids and ``[start, end)`` token spans of the assistant turns."""
-        msgs, row, field = self.messages, self.row, self.field
+        msgs = self.messages
         turns = [k for k, m in enumerate(msgs) if m["role"] == "assistant"]
-        full_text = _render(self.tok, msgs, False, row, field)
+        full_text = self.render(msgs, False)
         if not turns:
             return _ids(self.tok, full_text), []
         if turns[0] == 0:
@@ -220,9 +394,8 @@ class _Turns:
         # text renderings: before_k (prompt + generation prompt), after_k (with turn k)
         bounds: list[tuple[str, str]] = []
         for k in turns:
-            before = _render(self.tok, msgs[:k], True, row, field)
-            after = full_text if k == len(msgs) - 1 else _render(self.tok, msgs[: k + 1], False,
-                                                                 row, field)
+            before = self.render(msgs[:k], True)
+            after = full_text if k == len(msgs) - 1 else self.render(msgs[: k + 1], False)
             self._check_text(k, before, after, full_text)
             bounds.append((before, after))
         cuts = [len(t) for pair in bounds for t in pair]
@@ -254,14 +427,14 @@ class _Turns:
 
     def _check_text(self, k: int, before: str, after: str, full: str) -> None:
         if not after.startswith(before):
-            base = _render(self.tok, self.messages[:k], False, self.row, self.field)
+            base = self.render(self.messages[:k], False)
             if after.startswith(base):
                 raise self.fail(f"its generation prompt is not how it begins assistant turn {k} "
                                 f"({_diff(before, after)})")
             raise self._reordered(k, base, after)
         if not full.startswith(after):
             raise self._reordered(k + 1, after, full)
-        content = self.messages[k]["content"].strip()
+        content = (self.messages[k].get("content") or "").strip()
         if content not in after[len(before):]:
             raise self.fail(f"it does not render the content of assistant turn {k} verbatim "
                             f"after its generation prompt (rendered: "

@@ -5,14 +5,19 @@ several thousand). Needs no network."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-from memlab.registry import PositiveInt, Seed, register
+from memlab.data.base import register
+from memlab.data.formats import RowOptions
+from memlab.registry import PositiveInt, Seed
+
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
 
 
-@register("data", "embedded")
+@register("embedded")
 @dataclass(kw_only=True)
-class Embedded:
+class Embedded(RowOptions):
     """Size and shape of the generated set."""
 
     kind: Literal["auto", "chat", "text", "preference"] = "auto"
@@ -22,8 +27,8 @@ class Embedded:
     median_tokens: PositiveInt = 300
     max_tokens: PositiveInt = 6000
 
-    def validate(self, ctx) -> list[str]:
-        errors = []
+    def validate(self, ctx: BuildContext) -> list[str]:
+        errors = self.row_errors()
         if self.n_examples <= 0:
             errors.append(f"data.n_examples must be positive (got {self.n_examples})")
         want = ctx.method.data_kinds
@@ -34,10 +39,10 @@ class Embedded:
             )
         return errors
 
-    def locate(self, ds, row: int) -> str:
-        return f"generated example {row} (data=embedded, seed {self.seed})"
+    def place(self, index: int) -> str:
+        return f"generated example {index} (data=embedded, seed {self.seed})"
 
-    def load(self, ctx):
+    def load(self, ctx: BuildContext):
         import datasets
 
         from memlab.data import synthetic

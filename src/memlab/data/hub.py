@@ -4,14 +4,19 @@ Works offline from a warm HF cache (HF_DATASETS_OFFLINE=1) or with a local datas
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from memlab.data.base import limit, original_row
-from memlab.registry import PositiveInt, Seed, register
+from memlab.data.base import limit, register
+from memlab.data.formats import RowOptions
+from memlab.registry import PositiveInt, Seed
+
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
 
 
-@register("data", "hub")
+@register("hub")
 @dataclass(kw_only=True)
-class Hub:
+class Hub(RowOptions):
     """Arguments of ``datasets.load_dataset``."""
 
     path: str = "trl-lib/Capybara"
@@ -20,22 +25,37 @@ class Hub:
     split: str = "train"
     revision: str | None = None
     data_dir: str | None = None
+    cache_dir: str | None = None
+    """Where ``datasets`` caches hub datasets (None: its default, ``HF_DATASETS_CACHE``); with
+    ``HF_DATASETS_OFFLINE=1`` a dataset is read from there without the network."""
     max_examples: PositiveInt | None = None
     """Keep only this many rows (a seeded sample when shuffle_seed is set)."""
     shuffle_seed: Seed | None = None
 
-    def validate(self, ctx) -> list[str]:
-        return [] if self.path else ["data.path must name a hub dataset, e.g. trl-lib/Capybara"]
+    def validate(self, ctx: BuildContext) -> list[str]:
+        errors = self.row_errors()
+        if not self.path:
+            errors.append("data.path must name a hub dataset, e.g. trl-lib/Capybara")
+        return errors
 
-    def locate(self, ds, row: int) -> str:
+    def place(self, index: int) -> str:
         name = f"{self.path}" + (f" ({self.config_name})" if self.config_name else "")
-        return f"{name} split {self.split!r} row {original_row(ds, row)}"
+        return f"{name} split {self.split!r} row {index}"
 
-    def load(self, ctx):
+    def as_split_source(self) -> Hub:
+        """A hub dataset has named splits (``data.eval=test`` reads one)."""
+        return self
+
+    def load(self, ctx: BuildContext):
+        return self.load_split(ctx, self.split)
+
+    def load_split(self, ctx: BuildContext, split: str):
+        """The rows of ``split`` of this dataset (``data.eval=<split>``: the held-out rows),
+        ``max_examples`` of them at most."""
         import datasets
 
         ds = datasets.load_dataset(
-            self.path, self.config_name, split=self.split, revision=self.revision,
-            data_dir=self.data_dir,
+            self.path, self.config_name, split=split, revision=self.revision,
+            data_dir=self.data_dir, cache_dir=self.cache_dir,
         )
         return limit(ds, self.max_examples, self.shuffle_seed)

@@ -11,19 +11,24 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-from memlab.data.base import DataError, limit, original_row
-from memlab.registry import PositiveInt, Seed, register
+from memlab.data.base import DataError, limit, register
+from memlab.data.formats import RowOptions
+from memlab.registry import PositiveInt, Seed
+
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
 
 _BY_SUFFIX = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
-@register("data", "local")
+@register("local")
 @dataclass(kw_only=True)
-class Local:
-    """Files to read; rows use the same fields as hub data (messages / text / prompt+completion
-    for SFT; prompt, chosen, rejected for preference methods)."""
+class Local(RowOptions):
+    """Files to read; rows in any of TRL's dataset types (text / messages, prompt, prompt +
+    completion, prompt + chosen + rejected, prompt + completion + label), ShareGPT or Alpaca
+    (:mod:`memlab.data.formats`), as for hub data."""
 
     path: str = "???"
     """A file, a glob, or a directory of files of one format."""
@@ -44,18 +49,26 @@ class Local:
             return self.format
         return _BY_SUFFIX.get(Path(files[0]).suffix, "json")
 
-    def validate(self, ctx) -> list[str]:
+    def validate(self, ctx: BuildContext) -> list[str]:
+        return self.file_errors()
+
+    def file_errors(self) -> list[str]:
+        """Problems found before anything is read: the shared fields, then the files."""
+        errors = self.row_errors()
         if self.path in ("???", ""):
-            return ["data=local needs data.path=<file, glob or dir> (jsonl/json/parquet/csv)"]
+            return [*errors, "data=local needs data.path=<file, glob or dir> "
+                    "(jsonl/json/parquet/csv)"]
         files = self._files()
         if not files:
-            return [f"data.path={self.path!r}: no such file (or no jsonl/json/parquet/csv in it)"]
+            return [*errors, f"data.path={self.path!r}: no such file (or no "
+                    "jsonl/json/parquet/csv in it)"]
         if self.format == "auto" and Path(files[0]).suffix not in _BY_SUFFIX:
-            return [f"data.path={self.path!r}: unknown format; set data.format=json|parquet|csv"]
-        return [f"data.path={self.path!r}: {f} is empty; give it rows (or remove it)"
-                for f in files if _is_empty(Path(f))]
+            return [*errors, f"data.path={self.path!r}: unknown format; set "
+                    "data.format=json|parquet|csv"]
+        return errors + [f"data.path={self.path!r}: {f} is empty; give it rows (or remove it)"
+                         for f in files if _is_empty(Path(f))]
 
-    def load(self, ctx):
+    def load(self, ctx: BuildContext):
         import datasets
 
         files = self._files()
@@ -70,18 +83,18 @@ class Local:
                             f"{', '.join(files)} as {fmt}: {type(e).__name__}: {e}") from e
         return limit(ds, self.max_examples, self.shuffle_seed)
 
-    def locate(self, ds, row: int) -> str:
+    def place(self, index: int) -> str:
         """``"<file> line <n>"`` (jsonl / csv), ``"<file> item <n>"`` (a JSON array) or
-        ``"<file> row <n>"`` (parquet) of the loaded dataset's row ``row``."""
-        index = original_row(ds, row)
+        ``"<file> row <n>"`` (parquet) of row ``index`` of the files as read."""
         files = self._files()
         fmt = self._format(files)
+        rest = index
         for f in files:
             places = _places(Path(f), fmt)
-            if index < len(places):
-                return f"{f} {places[index]}"
-            index -= len(places)
-        return f"{', '.join(files)} row {original_row(ds, row)}"
+            if rest < len(places):
+                return f"{f} {places[rest]}"
+            rest -= len(places)
+        return f"{', '.join(files)} row {index}"
 
 
 def _is_empty(path: Path) -> bool:

@@ -1,9 +1,10 @@
-"""What every distributed option shares (:class:`Distributed`), and the process-group plumbing
+"""What every distributed option provides (:class:`Distributed`), what only some provide (their
+own small Protocols, asked for through ``as_<capability>()``), and the process-group plumbing
 of the multi-process ones (:class:`Ranks`).
 
 An option (``distributed=<name>``) is a registered dataclass with:
 
-- ``processes(device) -> int``: processes this run needs (1 = this process trains;
+- ``processes(device, gpus) -> int``: processes this run needs (1 = this process trains;
   more = ``memlab.distributed.launch`` starts that many workers, one per rank);
 - ``validate(ctx) -> list[str]``;
 - ``setup(ctx)`` / ``teardown()``: the process group of a worker;
@@ -14,21 +15,32 @@ An option (``distributed=<name>``) is a registered dataclass with:
   logged metrics);
 - ``generation(model) -> context``: around an online method's ``generate`` (ZeRO-3 / FSDP2
   gather the partitioned weights once);
+- ``gathered(param) -> context``: one parameter of the wrapped model, whole, for the block (a
+  collective where it is sharded);
 - ``memory_roles(model) -> {category: [tensors]}``: the wrapper's own buffers (DeepSpeed's
   partitions, master weights), categorised for the memory tracker;
 - ``describe(model) -> dict``: the wrapper's own buffers for the summary (DDP's buckets);
-- ``shards_states() -> bool``.
+- ``sharding() -> Sharding | None``: what a rank holds, for ``memlab estimate`` (None: one
+  plain process);
+- ``on_fake_group(ctx) -> context``: entered by ``memlab estimate`` around building and
+  stepping a ``wraps_fake_tensors`` wrapper as rank 0 of torch's fake process group; yields
+  the assumptions it adds to the estimate's (what it answers without values).
 
-Declared capabilities (class variables):
+Declared capabilities:
 
-- ``owns_step``: the wrapper owns backward and the optimizer step (DeepSpeed's engine): the
-  trainer calls its ``optimizer(model)``, ``backward(model, loss)`` and ``step(model) -> grad
-  norm`` instead of its own optimizer, ``loss.backward()`` and clipping;
-- ``checkpoint_format``: ``torch`` (one replica's state dicts), ``by_name`` (gathered from
-  shards: ``full_state`` / ``load_full_state``) or ``native`` (the wrapper's own sharded format:
-  ``save_states`` / ``load_states`` / ``full_weights``), see :mod:`memlab.trainer.checkpoint`;
-- ``wraps_fake_tensors``: its ``wrap`` works on fake weights over a fake process group, so
-  ``memlab estimate`` measures a rank (FSDP2) instead of modelling the sharding.
+- ``wraps_fake_tensors`` (a class variable): its ``wrap`` and steps work on fake weights over a
+  fake process group, so ``memlab estimate`` measures a rank (FSDP2, DeepSpeed) instead of
+  modelling the sharding (DDP: its C++ reducer reads tensor data, see
+  :mod:`memlab.estimate.sharding`);
+- ``as_ranks() -> Ranks | None``: a multi-process option (its process group, its rendezvous);
+- ``as_step_owner() -> StepOwner | None``: the wrapper owns backward and the optimizer step
+  (DeepSpeed's engine): the trainer calls its ``optimizer(model)``, ``backward(model, loss)``
+  and ``step(model) -> grad norm`` instead of its own optimizer, ``loss.backward()`` and
+  clipping;
+- ``as_gathered_states() -> GatheredStates | None`` (FSDP2: checkpoints gathered from the shards
+  by parameter name) and ``as_native_states() -> NativeStates | None`` (DeepSpeed: the
+  wrapper's own sharded format); neither: one replica's state dicts. See
+  :mod:`memlab.trainer.checkpoint`.
 
 Methods call the policy through :mod:`memlab.trainer.routing` (``call_inside``) when they need
 only part of it, so the part still runs inside the wrapper's forward.
@@ -38,34 +50,113 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import ClassVar, Literal, Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, TypeVar
 
 import torch
 from torch import nn
 
-from memlab.registry import Port, PositiveInt
+from memlab import registry
+from memlab.registry import Option, Port, PositiveInt
+
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
 
 
-class Distributed(Protocol):
+class StepOwner(Protocol):
+    """A wrapper that owns backward and the optimizer step (DeepSpeed's engine)."""
+
+    def optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        """The torch optimizer inside the wrapper (memlab's LR schedule sets its groups)."""
+        ...
+
+    def backward(self, model: nn.Module, loss: torch.Tensor) -> None: ...
+
+    def step(self, model: nn.Module) -> float | None:
+        """Clip, step, zero the gradients; the gradient norm before clipping."""
+        ...
+
+
+class GatheredStates(Protocol):
+    """Checkpoints gathered from the shards by parameter name (``by_name``: FSDP2). Both calls
+    are collectives: every rank makes them."""
+
+    def full_state(self, model: nn.Module, optimizer: torch.optim.Optimizer
+                   ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The unsharded trainable weights, by name, and the optimizer state, on the CPU."""
+        ...
+
+    def load_full_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                        weights: dict[str, Any], optim: dict[str, Any]) -> None:
+        """Shard a :meth:`full_state` back onto this rank's model and optimizer."""
+        ...
+
+
+class NativeStates(Protocol):
+    """Checkpoints in the wrapper's own sharded format (``native``: DeepSpeed)."""
+
+    def save_states(self, model: nn.Module, path: Path) -> None:
+        """Every rank writes its shards of weights and optimizer state under ``path``."""
+        ...
+
+    def load_states(self, model: nn.Module, path: Path) -> None: ...
+
+    def full_weights(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The trainable weights, whole, by name, on the CPU (a collective when sharded)."""
+        ...
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """What one rank of a distributed option holds, declared for ``memlab estimate`` (the ZeRO
+    stage it reports; the model of :mod:`memlab.estimate.sharding` for a wrapper it cannot run
+    on fake tensors)."""
+
+    zero_stage: int = 0
+    """What is split over the ranks: 0 nothing (every rank a replica), 1 optimizer state,
+    2 + gradients, 3 + parameters."""
+    gradient_as_bucket_view: bool = False
+    """Replicas (stage 0) reduce gradients in resident buckets (DDP); True: the gradients live
+    inside them instead of beside them."""
+
+
+class Distributed(Option, Protocol):
     """What every ``distributed=`` option provides (module docstring)."""
 
-    owns_step: ClassVar[bool]
-    checkpoint_format: ClassVar[str]
     wraps_fake_tensors: ClassVar[bool]
 
-    def processes(self, device: str) -> int: ...
-    def validate(self, ctx) -> list[str]: ...
-    def setup(self, ctx) -> None: ...
+    def processes(self, device: str, gpus: int = 0) -> int:
+        """The processes the run needs on ``device`` with ``gpus`` visible GPUs (0: unknown)."""
+        ...
+
+    def setup(self, ctx: BuildContext) -> None: ...
     def teardown(self) -> None: ...
-    def wrap(self, model: nn.Module, ctx) -> nn.Module: ...
+    def wrap(self, model: nn.Module, ctx: BuildContext) -> nn.Module: ...
     def sync(self, model: nn.Module, last: bool) -> contextlib.AbstractContextManager: ...
     def all_reduce_sum(self, values: list[float], device: str) -> list[float]: ...
     def generation(self, model: nn.Module) -> contextlib.AbstractContextManager: ...
+    def gathered(self, param: torch.Tensor
+                 ) -> contextlib.AbstractContextManager[torch.Tensor]: ...
     def memory_roles(self, model: nn.Module) -> dict[str, list[torch.Tensor]]: ...
-    def describe(self, model: nn.Module) -> dict: ...
-    def shards_states(self) -> bool: ...
+    def describe(self, model: nn.Module) -> dict[str, Any]: ...
+    def sharding(self) -> Sharding | None: ...
+    def on_fake_group(self, ctx: BuildContext) -> contextlib.AbstractContextManager[list[str]]:
+        ...
+    def as_ranks(self) -> Ranks | None: ...
+    def as_step_owner(self) -> StepOwner | None: ...
+    def as_gathered_states(self) -> GatheredStates | None: ...
+    def as_native_states(self) -> NativeStates | None: ...
+
+
+DistributedClass = TypeVar("DistributedClass", bound=Distributed)
+
+
+def register(name: str) -> Callable[[type[DistributedClass]], type[DistributedClass]]:
+    """Register a ``distributed=`` option (mypy checks it against :class:`Distributed`)."""
+    return registry.register("distributed", name)
 
 
 def env_rank() -> tuple[int, int, int]:
@@ -86,7 +177,7 @@ def external_launch() -> bool:
 
 
 @dataclass(kw_only=True)
-class Ranks:
+class Ranks(Option):
     """What every multi-process option shares: how many ranks, the process group, sums."""
 
     nproc: PositiveInt | None = None
@@ -99,8 +190,6 @@ class Ranks:
     """Port of the rendezvous store the run's process holds on 127.0.0.1 (the ranks connect
     to it); 0: one the OS gives."""
 
-    owns_step: ClassVar[bool] = False
-    checkpoint_format: ClassVar[str] = "torch"
     wraps_fake_tensors: ClassVar[bool] = False
 
     def processes(self, device: str, gpus: int = 0) -> int:
@@ -116,7 +205,7 @@ class Ranks:
             return self.backend
         return "nccl" if device.startswith("cuda") else "gloo"
 
-    def validate(self, ctx) -> list[str]:
+    def validate(self, ctx: BuildContext) -> list[str]:
         errors = []
         n = self.processes(ctx.device, ctx.platform.gpus)
         if n < 1:
@@ -136,7 +225,7 @@ class Ranks:
                           "use distributed=single")
         return errors
 
-    def setup(self, ctx) -> None:
+    def setup(self, ctx: BuildContext) -> None:
         import torch.distributed as dist
 
         if dist.is_initialized():
@@ -166,7 +255,27 @@ class Ranks:
         """Nothing to gather for a replicated model."""
         return contextlib.nullcontext()
 
+    def gathered(self, param: torch.Tensor) -> contextlib.AbstractContextManager[torch.Tensor]:
+        """A replica's parameter is whole already."""
+        return contextlib.nullcontext(param)
+
     def memory_roles(self, model: nn.Module) -> dict[str, list[torch.Tensor]]:
         """No buffers of the wrapper's own to categorise."""
         return {}
 
+    @contextlib.contextmanager
+    def on_fake_group(self, ctx: BuildContext) -> Iterator[list[str]]:
+        """Nothing to add: the wrap runs on the fake process group as it is."""
+        yield []
+
+    def as_ranks(self) -> Ranks | None:
+        return self
+
+    def as_step_owner(self) -> StepOwner | None:
+        return None
+
+    def as_gathered_states(self) -> GatheredStates | None:
+        return None
+
+    def as_native_states(self) -> NativeStates | None:
+        return None

@@ -14,16 +14,20 @@ from __future__ import annotations
 import contextlib
 import inspect
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from memlab.distributed.base import Ranks
-from memlab.registry import PositiveFloat, register
+from memlab.distributed.base import Ranks, Sharding, register
+from memlab.registry import PositiveFloat
 from memlab.trainer.routing import Routed
 
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
 
-@register("distributed", "ddp")
+
+@register("ddp")
 @dataclass(kw_only=True)
 class DDP(Ranks):
     """Data parallel: every rank a full replica, gradients all-reduced in backward."""
@@ -39,13 +43,13 @@ class DDP(Ranks):
     """Re-send rank 0's buffers before every forward (DDP's ``broadcast_buffers``). Needed for
     running statistics (batch norm); a causal LM's buffers (rotary frequencies) are constant
     and identical on every rank, so the default skips the per-step broadcast."""
-    def wrap(self, model: nn.Module, ctx) -> nn.Module:
+    def wrap(self, model: nn.Module, ctx: BuildContext) -> nn.Module:
         from torch.nn.parallel import DistributedDataParallel
 
-        kwargs = dict(bucket_cap_mb=self.bucket_cap_mb,
-                      gradient_as_bucket_view=self.gradient_as_bucket_view,
-                      find_unused_parameters=self.find_unused_parameters,
-                      static_graph=self.static_graph)
+        kwargs: dict[str, Any] = dict(bucket_cap_mb=self.bucket_cap_mb,
+                                      gradient_as_bucket_view=self.gradient_as_bucket_view,
+                                      find_unused_parameters=self.find_unused_parameters,
+                                      static_graph=self.static_graph)
         params = inspect.signature(DistributedDataParallel.__init__).parameters
         kwargs["forward_sync_buffers" if "forward_sync_buffers" in params
                else "broadcast_buffers"] = self.sync_buffers
@@ -55,19 +59,25 @@ class DDP(Ranks):
 
     def sync(self, model: nn.Module, last: bool) -> contextlib.AbstractContextManager:
         """All-reduce gradients only in the step's last micro-batch."""
-        if last or not hasattr(model, "no_sync"):
+        from torch.nn.parallel import DistributedDataParallel
+
+        if last or not isinstance(model, DistributedDataParallel):
             return contextlib.nullcontext()
         return model.no_sync()
 
-    def describe(self, model: nn.Module) -> dict:
+    def describe(self, model: nn.Module) -> dict[str, Any]:
         """DDP's own buffers, for the summary: its gradient buckets are allocated when the model
         is wrapped (before the memory tracker starts) and stay for the whole run, so the
         tracker sees them only as gradients while those exist; on CUDA the allocator's peak
         includes them."""
-        data = model._get_ddp_logging_data() if hasattr(model, "_get_ddp_logging_data") else {}
+        from torch.nn.parallel import DistributedDataParallel
+
+        data = (model._get_ddp_logging_data() if isinstance(model, DistributedDataParallel)
+                else {})
         sizes = [int(x) for x in str(data.get("bucket_sizes", "")).split(",") if x.strip()]
         return {"bucket_bytes": sum(sizes), "buckets": len(sizes),
                 "gradient_as_bucket_view": self.gradient_as_bucket_view}
 
-    def shards_states(self) -> bool:
-        return False
+    def sharding(self) -> Sharding | None:
+        """A full replica per rank, plus DDP's resident gradient buckets."""
+        return Sharding(zero_stage=0, gradient_as_bucket_view=self.gradient_as_bucket_view)

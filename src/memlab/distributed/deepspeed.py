@@ -34,15 +34,20 @@ import contextlib
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Annotated, Any, ClassVar, Literal
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 import torch
 from torch import nn
 
-from memlab.distributed.base import Ranks, env_rank
-from memlab.registry import NonNegativeInt, PositiveInt, Range, register
+from memlab.distributed.base import NativeStates, Ranks, Sharding, StepOwner, env_rank, register
+from memlab.measure import patches
+from memlab.registry import NonNegativeInt, PositiveInt, Range
 from memlab.trainer.optim import build_optimizer
-from memlab.trainer.routing import Routed, unwrap
+from memlab.trainer.routing import Routed, base_model, unwrap
+
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
 
 
 def _merge(base: dict, extra: dict) -> dict:
@@ -70,13 +75,12 @@ def _engine(model: nn.Module):
     return model
 
 
-@register("distributed", "deepspeed")
+@register("deepspeed")
 @dataclass(kw_only=True)
 class DeepSpeed(Ranks):
     """ZeRO data parallelism through a DeepSpeed engine."""
 
-    owns_step: ClassVar[bool] = True
-    checkpoint_format: ClassVar[str] = "native"
+    wraps_fake_tensors: ClassVar[bool] = True
 
     zero_stage: Annotated[int, Range(ge=0, le=3)] = 2
     """0: replicate everything; 1: shard optimizer state; 2: + gradients; 3: + parameters."""
@@ -112,7 +116,7 @@ class DeepSpeed(Ranks):
     """Merged over the generated DeepSpeed config (any other DeepSpeed key)."""
 
     # ---------------------------------------------------------------- checks
-    def validate(self, ctx) -> list[str]:
+    def validate(self, ctx: BuildContext) -> list[str]:
         errors = super().validate(ctx)
         if (err := ctx.platform.missing("deepspeed", "distributed=deepspeed")) is not None:
             errors.append(err)
@@ -138,7 +142,7 @@ class DeepSpeed(Ranks):
         return errors
 
     # ---------------------------------------------------------------- the engine
-    def ds_config(self, ctx, hidden_size: int) -> dict[str, Any]:
+    def ds_config(self, ctx: BuildContext, hidden_size: int) -> dict[str, Any]:
         """The DeepSpeed config this option generates (then ``config`` merged over it); bucket
         sizes left at None follow the model's ``hidden_size``."""
         square = hidden_size * hidden_size
@@ -181,11 +185,21 @@ class DeepSpeed(Ranks):
             cfg["bf16"] = {"enabled": True}
         return _merge(cfg, self.config)
 
-    def setup(self, ctx) -> None:
+    def setup(self, ctx: BuildContext) -> None:
         super().setup(ctx)  # the process group; DeepSpeed's comm layer adopts it
         self._adopt_group(ctx, env_rank()[1])
 
-    def _adopt_group(self, ctx, local_rank: int) -> None:
+    def teardown(self) -> None:
+        """The process group, through DeepSpeed's comm layer when it adopted it: that also
+        drops the groups DeepSpeed cached from it (a later engine in this process, such as an
+        estimate's after a one-rank run, would otherwise find them destroyed)."""
+        import deepspeed.comm
+
+        if deepspeed.comm.is_initialized():
+            deepspeed.comm.destroy_process_group()
+        super().teardown()
+
+    def _adopt_group(self, ctx: BuildContext, local_rank: int) -> None:
         """DeepSpeed's comm layer on the existing process group (with the rank variables it
         reads), after checking that it picked the accelerator this run is on."""
         import deepspeed
@@ -199,10 +213,43 @@ class DeepSpeed(Ranks):
             if get_accelerator().device_name() != "cpu":
                 raise RuntimeError("DeepSpeed selected a GPU accelerator for a CPU run; set "
                                    "DS_ACCELERATOR=cpu")
-            _skip_shm_comm()
+            patches.skip_deepspeed_shm_comm()
         deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False)
 
-    def wrap(self, model: nn.Module, ctx) -> nn.Module:
+    @contextlib.contextmanager
+    def on_fake_group(self, ctx: BuildContext) -> Iterator[list[str]]:
+        """``memlab estimate``'s rank 0 of a fake process group: DeepSpeed's rank variables for
+        the block only, its comm layer on the fake group (torn down with it), and
+        :func:`memlab.measure.patches.deepspeed_on_fake_tensors` (the engine built in the fake
+        weights' mode and left where they are; its value reads answered as on a healthy rank
+        0). A step the engine skipped anyway fails the estimate: it would be too low."""
+        from unittest import mock
+
+        from memlab.measure import patches
+
+        env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(ctx.world_size)}
+        with mock.patch.dict(os.environ, env), patches.deepspeed_on_fake_tensors() as engines:
+            self._adopt_group(ctx, 0)
+            offloaded = [k for k, where in (("offload_optimizer", self.offload_optimizer),
+                                            ("offload_param", self.offload_param))
+                         if where != "none"]
+            try:
+                yield ["DeepSpeed's value reads answered as on a healthy rank 0: the gradients "
+                       "are finite (the step is applied, not skipped as an overflow)"
+                       + ("; every rank records the same module and parameter order"
+                          if self.zero_stage == 3 else "")] + (
+                    [f"{' and '.join(offloaded)}: what DeepSpeed moves to the host is counted in "
+                     "the device's memory (the fake tensors all live on one device): an upper "
+                     "bound"] if offloaded else [])
+            finally:
+                self.teardown()  # the fake group, and the groups DeepSpeed cached from it
+            skipped = sum(e.skipped_steps for e in engines)
+            if skipped:  # an overflow check the patch does not answer: the estimate is too low
+                raise RuntimeError(
+                    f"DeepSpeed skipped {skipped} optimizer step(s) on fake tensors as overflows: "
+                    "a check memlab.measure.patches.deepspeed_on_fake_tensors does not answer")
+
+    def wrap(self, model: nn.Module, ctx: BuildContext) -> nn.Module:
         import deepspeed
         import torch.distributed as dist
 
@@ -218,16 +265,14 @@ class DeepSpeed(Ranks):
             model=root, model_parameters=params, config=self.ds_config(ctx, hidden),
             optimizer=lambda ps: build_optimizer(list(ps), ctx.train),
             dist_init_required=False)
-        if self.zero_stage == 3 and ctx.method.reads_head_weight():
+        if self.zero_stage == 3 and ctx.method.reads_head_weight() is not None:
             # a chunked / fused loss reads the output head's weight directly, inside the root's
             # forward (call_inside): gather it (and the tied input embedding) for that forward.
             # The cost: the head stays gathered for the whole forward and backward.
             from deepspeed.runtime.zero import register_external_parameter
 
-            inner = unwrap(model)
-            base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
-            for get in ("get_output_embeddings", "get_input_embeddings"):
-                mod = getattr(base, get, lambda: None)()
+            base = base_model(unwrap(model))
+            for mod in (base.get_output_embeddings(), base.get_input_embeddings()):
                 if mod is not None and getattr(mod, "weight", None) is not None:
                     register_external_parameter(root, mod.weight)
         return engine
@@ -267,6 +312,18 @@ class DeepSpeed(Ranks):
         import deepspeed
 
         return deepspeed.zero.GatheredParameters(list(_engine(model).module.parameters()))
+
+    @contextlib.contextmanager
+    def gathered(self, param: torch.Tensor) -> Iterator[torch.Tensor]:
+        """Under ZeRO-3 the parameter's partitions gathered for the block (every rank calls
+        it); whole already at stages 0-2."""
+        if self.zero_stage != 3:
+            yield param
+            return
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([param]):
+            yield param
 
     def memory_roles(self, model: nn.Module) -> dict[str, list[torch.Tensor]]:
         """DeepSpeed's own persistent buffers, by memlab category, for the tracker: the rank's
@@ -313,43 +370,27 @@ class DeepSpeed(Ranks):
         with gather:
             return {n: p.detach().to("cpu", copy=True) for n, p in named}
 
-    def save_states(self, model: nn.Module, path) -> None:
+    def save_states(self, model: nn.Module, path: Path) -> None:
         """Every rank writes its shards of weights and optimizer state (DeepSpeed's format)."""
         _engine(model).save_checkpoint(str(path), tag="deepspeed",
                                        exclude_frozen_parameters=True)
 
-    def load_states(self, model: nn.Module, path) -> None:
+    def load_states(self, model: nn.Module, path: Path) -> None:
         engine = _engine(model)
         engine.load_checkpoint(str(path), tag="deepspeed", load_module_strict=False,
                                load_optimizer_states=True, load_lr_scheduler_states=False)
 
-    def describe(self, model: nn.Module) -> dict:
+    def describe(self, model: nn.Module) -> dict[str, Any]:
         return {"zero_stage": self.zero_stage, "offload_optimizer": self.offload_optimizer,
                 "offload_param": self.offload_param,
                 "gather_for_generation": self.gather_for_generation}
 
-    def shards_states(self) -> bool:
-        return self.zero_stage >= 1
+    def sharding(self) -> Sharding | None:
+        """ZeRO's stage (measured by ``memlab estimate`` on the fake process group)."""
+        return Sharding(zero_stage=self.zero_stage)
 
+    def as_step_owner(self) -> StepOwner | None:
+        return self
 
-def _skip_shm_comm() -> None:
-    """Keep DeepSpeed from building its CPU shared-memory all-reduce kernel.
-
-    DeepSpeed's comm layer compiles that kernel (a JIT C++ build, about a minute on 2 cores) the
-    first time it starts on the CPU, every rank waiting on torch's extension lock. Only its
-    inference all-reduce uses the kernel; training goes through the gloo process group. A build
-    that is stopped half-way (a rank killed by the launcher, a CI timeout) leaves the lock file
-    behind, and every later DeepSpeed run then waits on it forever. DeepSpeed reads which ops it
-    may build from ``deepspeed.ops.__compatible_ops__`` (one dict, kept once probed); marking
-    the kernel unavailable there is DeepSpeed's own fallback for machines that cannot build it.
-    """
-    import deepspeed.ops
-    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
-
-    ops = deepspeed.ops.__compatible_ops__
-    if ShareMemCommBuilder.NAME not in ops:
-        raise RuntimeError(f"deepspeed {deepspeed.__version__} no longer lists "
-                           f"{ShareMemCommBuilder.NAME!r} among its ops; memlab's CPU setup "
-                           "needs updating")
-    ops[ShareMemCommBuilder.NAME] = False
-
+    def as_native_states(self) -> NativeStates | None:
+        return self

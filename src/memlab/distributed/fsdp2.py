@@ -18,13 +18,16 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
+import torch
 from torch import nn
 
-from memlab.distributed.base import Ranks
-from memlab.registry import register
-from memlab.trainer.routing import Routed, unwrap
+from memlab.distributed.base import GatheredStates, Ranks, Sharding, register
+from memlab.trainer.routing import Routed, base_model, unwrap
+
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
 
 _ROOT = "module."  # the Routed root's prefix in state-dict names
 
@@ -32,19 +35,17 @@ _ROOT = "module."  # the Routed root's prefix in state-dict names
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The model's repeated blocks: modules whose class the model lists in ``_no_split_modules``
     (transformers' own marker for "keep this block on one device")."""
-    inner = unwrap(model)
-    base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+    base = base_model(unwrap(model))
     names = set(getattr(base, "_no_split_modules", None) or ())
     # by class name through the MRO: fully_shard turns a LlamaDecoderLayer into a subclass
     return [m for m in base.modules() if any(c.__name__ in names for c in type(m).__mro__)]
 
 
-@register("distributed", "fsdp2")
+@register("fsdp2")
 @dataclass(kw_only=True)
 class FSDP2(Ranks):
     """Fully sharded data parallel: parameters, gradients and optimizer state split over ranks."""
 
-    checkpoint_format: ClassVar[str] = "by_name"
     wraps_fake_tensors: ClassVar[bool] = True
 
     reshard_after_forward: bool = True
@@ -54,7 +55,7 @@ class FSDP2(Ranks):
     """Online methods: all-gather every unit once for a whole ``generate`` call (fast; every
     rank briefly holds the whole weights) instead of once per unit per decoding step."""
 
-    def validate(self, ctx) -> list[str]:
+    def validate(self, ctx: BuildContext) -> list[str]:
         errors = super().validate(ctx)
         if ctx.method.uses_liger():
             errors.append("distributed=fsdp2 with method.use_liger_kernel=true is not supported "
@@ -62,7 +63,7 @@ class FSDP2(Ranks):
                           "method.loss_impl=chunked or distributed=ddp")
         return errors
 
-    def wrap(self, model: nn.Module, ctx) -> nn.Module:
+    def wrap(self, model: nn.Module, ctx: BuildContext) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
@@ -75,14 +76,17 @@ class FSDP2(Ranks):
             fully_shard(layer, mesh=mesh, reshard_after_forward=self.reshard_after_forward)
         # the root: embeddings, norm, head; ``Routed`` lets methods run a part of the model
         # inside the root's forward (call_inside), where every unit's hooks fire as usual
-        return fully_shard(Routed(model), mesh=mesh,
+        root = fully_shard(Routed(model), mesh=mesh,
                            reshard_after_forward=self.reshard_after_forward)
+        return cast(nn.Module, root)  # the Routed module itself, now also an FSDPModule
 
     @contextlib.contextmanager
     def sync(self, model: nn.Module, last: bool) -> Iterator[None]:
         """Reduce-scatter gradients only in the step's last micro-batch (earlier ones
         accumulate unsharded gradients locally)."""
-        if hasattr(model, "set_requires_gradient_sync"):
+        from torch.distributed.fsdp import FSDPModule
+
+        if isinstance(model, FSDPModule):
             model.set_requires_gradient_sync(last)
         yield
 
@@ -109,7 +113,16 @@ class FSDP2(Ranks):
             for m in layers:
                 m.set_reshard_after_forward(self.reshard_after_forward, recurse=False)
 
-    def full_state(self, model: nn.Module, optimizer) -> tuple[dict, dict]:
+    @contextlib.contextmanager
+    def gathered(self, param: torch.Tensor) -> Iterator[torch.Tensor]:
+        """A sharded parameter (a DTensor) all-gathered: every rank calls it."""
+        from torch.distributed.tensor import DTensor
+
+        local = param.detach()
+        yield local.full_tensor() if isinstance(local, DTensor) else param
+
+    def full_state(self, model: nn.Module, optimizer: torch.optim.Optimizer
+                   ) -> tuple[dict[str, Any], dict[str, Any]]:
         """The gathered (unsharded) trainable weights, named as in the unwrapped model, and the
         optimizer state keyed by parameter name, on CPU. A collective: every rank calls it."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
@@ -119,7 +132,8 @@ class FSDP2(Ranks):
         weights, optim = get_state_dict(model, optimizer, options=opts)
         return {k.removeprefix(_ROOT): v for k, v in weights.items()}, optim
 
-    def load_full_state(self, model: nn.Module, optimizer, weights: dict, optim: dict) -> None:
+    def load_full_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                        weights: dict[str, Any], optim: dict[str, Any]) -> None:
         """Shard a :meth:`full_state` back onto this rank's model and optimizer."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
@@ -128,9 +142,13 @@ class FSDP2(Ranks):
                                                            weights.items()},
                        optim_state_dict=optim, options=opts)
 
-    def describe(self, model: nn.Module) -> dict:
+    def describe(self, model: nn.Module) -> dict[str, Any]:
         return {"units": len(decoder_layers(model)) + 1,
                 "reshard_after_forward": self.reshard_after_forward}
 
-    def shards_states(self) -> bool:
-        return True
+    def sharding(self) -> Sharding | None:
+        """Parameters, gradients and optimizer state split over the ranks (ZeRO-3)."""
+        return Sharding(zero_stage=3)
+
+    def as_gathered_states(self) -> GatheredStates | None:
+        return self

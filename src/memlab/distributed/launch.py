@@ -20,7 +20,7 @@ run itself is stopped (SIGINT / SIGTERM), its ranks are stopped too and record `
 with what they measured, which is merged before the run records its own end.
 
 Under an external launcher (``torchrun``) every process is a rank already
-(``memlab.run.run_external``); :func:`merge` combines their records the same way.
+(:func:`memlab.torchrun.run_rank`); :func:`merge` combines their records the same way.
 """
 
 from __future__ import annotations
@@ -31,7 +31,10 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
 
 GRACE_S = 20.0
 
@@ -72,7 +75,7 @@ def error_files(ranks: Path, n: int) -> dict[int, str]:
     return {r: str(ranks / f"rank{r}.error.json") for r in range(n)}
 
 
-def launch(ctx, summary: dict[str, Any], worker: str) -> None:
+def launch(ctx: BuildContext, summary: dict[str, Any], worker: str) -> None:
     """Start ``ctx.world_size`` ranks of the job in ``summary`` (each ``python -m <worker>
     RUN_DIR``) through torch's launcher API and merge their results into it. Raises RankFailed
     when a rank failed.
@@ -95,6 +98,10 @@ def launch(ctx, summary: dict[str, Any], worker: str) -> None:
     from memlab.measure.outcome import STOP_SIGNALS, Interrupted, OomWatch
     from memlab.measure.summary import write_atomic
 
+    multi = ctx.distributed.as_ranks()
+    if multi is None:
+        raise ValueError(f"distributed={ctx.distributed.name} runs one process; it has no "
+                         "ranks to start")
     n = ctx.world_size
     run_dir = Path(ctx.run_dir)
     ranks = run_dir / "ranks"
@@ -103,7 +110,7 @@ def launch(ctx, summary: dict[str, Any], worker: str) -> None:
         old.unlink()
     write_atomic(ranks / "job.json", {k: summary[k] for k in
                                       ("config", "choices", "overrides", "job", "run_dir")})
-    store = TCPStore("127.0.0.1", ctx.distributed.master_port or 0,
+    store = TCPStore("127.0.0.1", multi.master_port or 0,
                      is_master=True, wait_for_workers=False)
     # the ranks import what this process can (a reward function in the user's module, say)
     path = [p for p in sys.path if p and os.path.isdir(p)]
@@ -185,7 +192,7 @@ def merge(summary: dict[str, Any], ranks: Path, n: int, codes: list[int | None],
     bad = [(r, rec) for r, rec in enumerate(recs) if rec is None or rec["status"] != "ok"]
     first = recs[0] or next((x for x in recs if x), None)
     if first is not None:
-        for key in ("memory", "data", "train", "device", "throughput"):
+        for key in ("memory", "data", "train", "device", "throughput", "eval", "logger"):
             summary[key] = first.get(key)
     ok = [x for x in recs if x and x.get("status") == "ok"]
     summary["distributed"] = {

@@ -5,36 +5,45 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
 
-from memlab.registry import register
+from memlab.distributed.base import (
+    GatheredStates,
+    NativeStates,
+    Ranks,
+    Sharding,
+    StepOwner,
+    register,
+)
+from memlab.registry import Option
+
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
 
 
-@register("distributed", "single")
+@register("single")
 @dataclass(kw_only=True)
-class Single:
+class Single(Option):
     """No knobs."""
 
-    owns_step: ClassVar[bool] = False
-    checkpoint_format: ClassVar[str] = "torch"
     wraps_fake_tensors: ClassVar[bool] = True
 
     def processes(self, device: str, gpus: int = 0) -> int:
         return 1
 
-    def validate(self, ctx) -> list[str]:
+    def validate(self, ctx: BuildContext) -> list[str]:
         return []
 
-    def setup(self, ctx) -> None:
+    def setup(self, ctx: BuildContext) -> None:
         return None
 
     def teardown(self) -> None:
         return None
 
-    def wrap(self, model: nn.Module, ctx) -> nn.Module:
+    def wrap(self, model: nn.Module, ctx: BuildContext) -> nn.Module:
         return model
 
     def sync(self, model: nn.Module, last: bool) -> contextlib.AbstractContextManager:
@@ -46,13 +55,32 @@ class Single:
     def generation(self, model: nn.Module) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
+    def gathered(self, param: torch.Tensor) -> contextlib.AbstractContextManager[torch.Tensor]:
+        return contextlib.nullcontext(param)
+
     def memory_roles(self, model: nn.Module) -> dict[str, list[torch.Tensor]]:
         return {}
 
-    def describe(self, model: nn.Module) -> dict:
+    def describe(self, model: nn.Module) -> dict[str, Any]:
         """Buffers the wrapper itself holds (none here)."""
         return {}
 
-    def shards_states(self) -> bool:
-        """Whether parameters / gradients / optimizer state are sharded across ranks."""
-        return False
+    def on_fake_group(self, ctx: BuildContext) -> contextlib.AbstractContextManager[list[str]]:
+        """No process group: nothing to add."""
+        return contextlib.nullcontext([])
+
+    def sharding(self) -> Sharding | None:
+        """One plain process: nothing to shard."""
+        return None
+
+    def as_ranks(self) -> Ranks | None:
+        return None
+
+    def as_step_owner(self) -> StepOwner | None:
+        return None
+
+    def as_gathered_states(self) -> GatheredStates | None:
+        return None
+
+    def as_native_states(self) -> NativeStates | None:
+        return None

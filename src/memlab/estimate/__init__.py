@@ -35,15 +35,16 @@ import contextlib
 import dataclasses
 import resource
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from memlab.config import Platform
-from memlab.distributed.ddp import DDP
-from memlab.distributed.deepspeed import DeepSpeed
+from memlab.context import BuildContext
+from memlab.distributed.base import Sharding
 from memlab.distributed.single import Single
-from memlab.estimate.fake import fake_process_group, run_fake_step
+from memlab.estimate.fake import run_fake_step
 from memlab.estimate.options import (
     ALL_PHASES,
     CARDS,
@@ -57,8 +58,9 @@ from memlab.estimate.options import (
     fmt_bytes,
     parse_bytes,
     verdict,
+    zero_stage,
 )
-from memlab.estimate.sharding import apply_sharding, deepspeed_info
+from memlab.estimate.sharding import apply_sharding
 from memlab.registry import ConfigErrors
 
 __all__ = ["ALL_PHASES", "CARDS", "PHASES", "EstimateError", "EstimateOptions", "estimate",
@@ -66,10 +68,10 @@ __all__ = ["ALL_PHASES", "CARDS", "PHASES", "EstimateError", "EstimateOptions", 
 
 
 def validate_for(cfg, device: str, choices: dict[str, str] | None = None):
-    """:func:`memlab.run.validate` of ``cfg`` as a run on ``device`` (cpu | cuda)."""
+    """:func:`memlab.context.validate` of ``cfg`` as a run on ``device`` (cpu | cuda)."""
     from omegaconf import OmegaConf, open_dict
 
-    from memlab.run import validate
+    from memlab.context import validate
 
     cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)) if OmegaConf.is_config(
         cfg) else OmegaConf.create(dict(cfg))
@@ -94,7 +96,7 @@ def _add_engine(mem: dict[str, Any], eng) -> dict[str, Any]:
         add = eng.total_bytes if (ph == "generate" or not eng.released_in_training) else 0
         phc[ph] = {**(mem.get("by_phase_category") or {}).get(ph, {}), "generation_engine": add}
         by_phase[ph] = v + add
-    top = max(by_phase, key=by_phase.get)
+    top = max(by_phase, key=by_phase.__getitem__)
     return {**mem, "by_phase": by_phase, "by_phase_category": phc, "peak_bytes": by_phase[top],
             "by_category": phc[top], "peak_at": {**(mem.get("peak_at") or {}), "phase": top}}
 
@@ -103,7 +105,7 @@ def _policy_dtype(model_info: dict[str, Any]) -> torch.dtype:
     """The dtype holding most of the policy's parameter bytes."""
     by = {k: v for k, v in model_info.get("bytes_by_dtype", {}).items()
           if k in ("float32", "bfloat16", "float16")}
-    return getattr(torch, max(by, key=by.get)) if by else torch.float32
+    return getattr(torch, max(by, key=by.__getitem__)) if by else torch.float32
 
 
 def _add_other(mem: dict[str, Any], nbytes: int) -> dict[str, Any]:
@@ -116,41 +118,67 @@ def _add_other(mem: dict[str, Any], nbytes: int) -> dict[str, Any]:
     return out
 
 
-def _distributed_plan(ctx, opts: EstimateOptions, notes: list[str]):
-    """How the run's distributed option is estimated: ``(ctx, opts, modelled wrapper or None,
-    ranks of the fake process group)``. A wrapper that runs on fake tensors (FSDP2) keeps its
-    ranks and is measured on a fake process group; DDP and DeepSpeed run as one plain process
-    and are sharded by :func:`memlab.estimate.sharding.apply_sharding` (a model); a single
-    process with ``--world-size N --zero-stage S`` likewise."""
+@contextlib.contextmanager
+def _fake_rank(ctx: BuildContext, world: int, notes: list[str]) -> Iterator[None]:
+    """Rank 0 of torch's fake process group (``FakeStore``, backend ``fake``) of ``world`` ranks
+    for the block (collectives move no data; shapes are right), with what the run's wrapper
+    needs there (its ``on_fake_group``, whose assumptions join ``notes``)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise EstimateError("memlab estimate needs its own (fake) process group, and one is "
+                            "already initialized in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        with ctx.distributed.on_fake_group(ctx) as assumed:
+            notes.extend(assumed)
+            yield
+    finally:
+        if dist.is_initialized():  # (the wrapper's teardown may have destroyed it)
+            dist.destroy_process_group()
+
+
+def _distributed_plan(ctx: BuildContext, opts: EstimateOptions, notes: list[str]
+                      ) -> tuple[BuildContext, EstimateOptions, Sharding | None, int]:
+    """How the run's distributed option is estimated: ``(ctx, opts, the sharding modelled or
+    None, ranks of the fake process group or 0)``. A wrapper that runs on fake tensors (FSDP2,
+    DeepSpeed) keeps its ranks and is measured as rank 0 of a fake process group; DDP runs as
+    one plain process and is sharded by :func:`memlab.estimate.sharding.apply_sharding` (a
+    model, from what the option declares: :meth:`~memlab.distributed.base.Distributed.sharding`);
+    a single process with ``--world-size N --zero-stage S`` likewise."""
     wrapper, procs = ctx.distributed, ctx.world_size
     world = opts.world_size if opts.world_size > 1 else procs
-    if isinstance(wrapper, Single):
-        return ctx, opts, (wrapper if opts.world_size > 1 else None), 1
-    if wrapper.wraps_fake_tensors:  # its real wrap, on a fake process group of `world` ranks
-        if opts.zero_stage not in (0, 3):
-            raise EstimateError(f"distributed={wrapper.name} shards parameters, gradients and "
-                                f"optimizer state (ZeRO-3); --zero-stage {opts.zero_stage} does "
-                                "not apply")
-        notes.append(f"distributed={wrapper.name}: rank 0 of {world} measured: the real wrap on "
-                     "the fake weights over torch's fake process group (collectives move no "
-                     "data; each rank's memory is the same), train.batch_size rows per rank")
-        opts = dataclasses.replace(opts, world_size=world, zero_stage=3)
-        return dataclasses.replace(ctx, world_size=world, rank=0), opts, None, world
-    stage = wrapper.zero_stage if isinstance(wrapper, DeepSpeed) else 0
+    declared = wrapper.sharding()
+    if declared is None:  # one plain process; --world-size N --zero-stage S models its ranks
+        return ctx, opts, (Sharding() if opts.world_size > 1 else None), 0
+    stage = zero_stage(declared.zero_stage)
     if opts.zero_stage and opts.zero_stage != stage:
         raise EstimateError(f"--zero-stage {opts.zero_stage} disagrees with the run's "
-                            f"distributed={wrapper.name} (stage {stage})")
+                            f"distributed={wrapper.name} (ZeRO stage {stage}); leave it out")
+    opts = dataclasses.replace(opts, world_size=world, zero_stage=stage)
+    if wrapper.wraps_fake_tensors:  # its real wrap, on a fake process group of `world` ranks
+        notes.append(f"distributed={wrapper.name}: rank 0 of {world} measured: the real wrap on "
+                     "the fake weights over torch's fake process group (collectives move no "
+                     "data; each rank's memory is the same), train.batch_size rows per rank"
+                     + ("; its engine's own step 0 runs first, once (its optimizer state, "
+                        "buffers and traces), as in a run"
+                        if wrapper.as_step_owner() is not None else ""))
+        return dataclasses.replace(ctx, world_size=world, rank=0), opts, None, world
     notes.append(f"distributed={wrapper.name}: one rank of {world}, estimated as one plain "
                  f"process (its wrapper needs real storage) and sharded by the model below; "
                  "train.batch_size rows per rank")
-    opts = dataclasses.replace(opts, world_size=world, zero_stage=stage)
-    return dataclasses.replace(ctx, distributed=Single(), world_size=1, rank=0), opts, wrapper, 1
+    return (dataclasses.replace(ctx, distributed=Single(), world_size=1, rank=0), opts,
+            declared, 0)
 
 
 def estimate(cfg, opts: EstimateOptions | None = None, choices: dict[str, str] | None = None,
-             overrides: list[str] | None = None) -> dict[str, Any]:
+             overrides: list[str] | None = None, *,
+             every_decode_step: bool = False) -> dict[str, Any]:
     """Estimate one composed configuration; returns the ``estimate.json`` dict (``status`` ok /
-    invalid / failed, ``error`` says why)."""
+    invalid / failed, ``error`` says why). ``every_decode_step``: online methods generate with
+    one fake forward per new token (:mod:`memlab.estimate.decode`'s reference) instead of the
+    shortened decode."""
     opts = opts or EstimateOptions()
     t0 = time.perf_counter()
     notes: list[str] = []
@@ -176,12 +204,12 @@ def estimate(cfg, opts: EstimateOptions | None = None, choices: dict[str, str] |
             except ConfigErrors:
                 pass
         return out
-    ctx, opts, model, fake_world = _distributed_plan(ctx, opts, notes)
+    ctx, opts, modelled, fake_world = _distributed_plan(ctx, opts, notes)
     out["options"]["world_size"] = opts.world_size
     out["options"]["zero_stage"] = opts.zero_stage
     try:
-        with fake_process_group(fake_world) if fake_world > 1 else contextlib.nullcontext():
-            res = run_fake_step(ctx, opts, notes)
+        with _fake_rank(ctx, fake_world, notes) if fake_world else contextlib.nullcontext():
+            res = run_fake_step(ctx, opts, notes, every_decode_step=every_decode_step)
     except EstimateError as e:
         out["error"] = str(e)
         return out
@@ -204,17 +232,9 @@ def estimate(cfg, opts: EstimateOptions | None = None, choices: dict[str, str] |
                      "fragmentation (reserved > allocated) is not included")
     else:
         notes.append("device=cpu: byte-exact for a CPU run of the same shapes")
-    if model is not None:  # sharding this estimate models instead of measuring
-        ds_info = (deepspeed_info(model, ctx, opts.zero_stage, res["model"])
-                   if isinstance(model, DeepSpeed) else None)
-        gather = isinstance(model, DeepSpeed) and model.gather_for_generation
-        if gather and opts.zero_stage >= 3 and "generate" in mem.get("by_phase", {}):
-            notes.append("gather_for_generation: the generate phase holds the whole weights "
-                         "beside the rank's shards")
+    if modelled is not None:  # sharding this estimate models instead of measuring
         mem = apply_sharding(mem, opts.world_size, opts.zero_stage, res["model"]["shard_units"],
-                             notes, bucket_view=isinstance(model, DDP)
-                             and model.gradient_as_bucket_view,
-                             deepspeed=ds_info, gather_generation=gather)
+                             notes, bucket_view=modelled.gradient_as_bucket_view)
     budget = opts.budget_bytes
     overhead = 0
     if opts.card:

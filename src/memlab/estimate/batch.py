@@ -56,7 +56,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import datasets
 import torch
@@ -64,9 +64,11 @@ import torch
 from memlab.data import synthetic
 from memlab.estimate.options import EstimateError
 from memlab.measure.data import DataStats
-from memlab.method.base import layout_shapes, shifted_labels
-from memlab.packing.groups import GroupPacked
+from memlab.method.base import Generating, layout_shapes, shifted_labels
 from memlab.trainer.batch import Batch, Segments
+
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
 
 
 @dataclass
@@ -80,7 +82,16 @@ class Candidate:
     taken from the run's stream (``batch`` holds it)."""
     description: str
     batch: Batch | None = None
-    """The collated batch, when it comes from the run's own stream (``--from-data``)."""
+    """The collated batch: set when it comes from the run's own stream (``--from-data``), else
+    once the pipeline has prepared the rows (:meth:`collated`)."""
+    peak: int = 0
+    """Its measured peak (a held-out batch's ``eval`` phase)."""
+
+    def collated(self) -> Batch:
+        """:attr:`batch`, which every candidate has by the time it is measured."""
+        if self.batch is None:
+            raise ValueError(f"candidate {self.name!r} was measured before it was collated")
+        return self.batch
 
 
 # ----------------------------------------------------------------------------- worst case
@@ -102,17 +113,18 @@ def _split(total: int, parts: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
-def candidates(ctx, tokenizer, length: int, docs_per_row: int | None = None
+def candidates(ctx: BuildContext, tokenizer, length: int, docs_per_row: int | None = None
                ) -> list[Candidate]:
     """The worst-case candidates of one micro-batch (module docstring), in the order measured;
     duplicates in memory are not removed here (:func:`distinct`)."""
     method, packing = ctx.method, ctx.packing
-    if isinstance(method, GroupPacked) and packing.packs:
+    grouped = method.as_group_packed() is not None
+    if grouped and packing.packs:
         return [Candidate("fullest pack", [_largest_pack(ctx, tokenizer, length)],
                           f"the fullest of the micro-batches packing={packing.name} makes of "
                           f"the longest generated {method.data_kinds[0]} rows "
                           f"({ctx.train.batch_size} rows of up to {length} tokens)")]
-    if not method.supports_packing or isinstance(method, GroupPacked):
+    if not method.supports_packing or grouped:
         return _generic_candidates(ctx, tokenizer, length)
     if packing.packs:
         counts = [docs_per_row] if docs_per_row else sorted({1, min(2, length)})
@@ -120,7 +132,7 @@ def candidates(ctx, tokenizer, length: int, docs_per_row: int | None = None
     return _sft_candidates(ctx, tokenizer, length)
 
 
-def _sft_candidates(ctx, tokenizer, length: int) -> list[Candidate]:
+def _sft_candidates(ctx: BuildContext, tokenizer, length: int) -> list[Candidate]:
     bs = ctx.train.batch_size
     token = min(100, len(tokenizer) - 1)
     out = [Candidate("full", _token_rows([length] * bs, token),
@@ -131,7 +143,7 @@ def _sft_candidates(ctx, tokenizer, length: int) -> list[Candidate]:
     return out
 
 
-def _packed(ctx, tokenizer, length: int, docs: int) -> Candidate:
+def _packed(ctx: BuildContext, tokenizer, length: int, docs: int) -> Candidate:
     bs, packing = ctx.train.batch_size, ctx.packing
     token = min(100, len(tokenizer) - 1)
     lengths = [n for _ in range(bs) for n in _split(length, docs)]
@@ -145,7 +157,7 @@ def _packed(ctx, tokenizer, length: int, docs: int) -> Candidate:
                                  f"(packing={packing.name})")
 
 
-def _largest_pack(ctx, tokenizer, length: int) -> dict:
+def _largest_pack(ctx: BuildContext, tokenizer, length: int) -> dict:
     """The packed item (one micro-batch) that collates to the most token slots (then real
     tokens), of the ``4 * batch_size`` longest generated units packed by the run's option."""
     more = dataclasses.replace(ctx, train=dataclasses.replace(
@@ -161,7 +173,7 @@ def _largest_pack(ctx, tokenizer, length: int) -> dict:
     return items[max(range(len(items)), key=sizes.__getitem__)]
 
 
-def _generic_prepared(ctx, tokenizer, length: int):
+def _generic_prepared(ctx: BuildContext, tokenizer, length: int):
     """Generated rows of the method's data kind around ``length`` tokens through its own
     ``prepare`` (format, tokenize, truncate or drop)."""
     kind = ctx.method.data_kinds[0]
@@ -186,11 +198,12 @@ def _token_columns(row: dict) -> list[str]:
             and isinstance(v, list)]
 
 
-def _sizes(ctx, ds) -> list[int]:
+def _sizes(ctx: BuildContext, ds) -> list[int]:
     """Tokens of each prepared row: all its token columns (methods that generate their
     completions: its prompt)."""
     cols = _token_columns(ds[0])
-    sized = ["prompt_ids"] if ctx.method.generates() and "prompt_ids" in cols else cols
+    online = ctx.method.as_generating() is not None
+    sized = ["prompt_ids"] if online and "prompt_ids" in cols else cols
     lens = [ds[c] for c in sized]
     return [sum(len(col[i]) for col in lens) for i in range(len(ds))]
 
@@ -211,13 +224,13 @@ def _shorter(rows: list[dict], i: int, columns: list[str]) -> list[dict]:
     return [*rows[:i], row, *rows[i + 1:]]
 
 
-def _padded_variant(ctx, tokenizer, rows: list[dict], cols: list[str]
+def _padded_variant(ctx: BuildContext, tokenizer, rows: list[dict], cols: list[str]
                     ) -> tuple[int, list[str], list[dict]] | None:
     """The rows with one token less in one row, collated to the same shapes as ``rows`` with
     padding: every completion column of a row (methods that generate their completions: its
     prompt), else its last completion column only (one pair: its rejected answer), trying the
     rows from the last; None if no such batch exists (one sequence per batch, padding-free)."""
-    if ctx.method.generates():
+    if ctx.method.as_generating() is not None:
         tried = [["prompt_ids"]] if "prompt_ids" in cols else [cols]
     else:
         rest = [c for c in cols if c != "prompt_ids"] or cols
@@ -232,7 +245,7 @@ def _padded_variant(ctx, tokenizer, rows: list[dict], cols: list[str]
     return None
 
 
-def _generic_candidates(ctx, tokenizer, length: int) -> list[Candidate]:
+def _generic_candidates(ctx: BuildContext, tokenizer, length: int) -> list[Candidate]:
     ds = _generic_prepared(ctx, tokenizer, length)
     bs, kind = ctx.train.batch_size, ctx.method.data_kinds[0]
     cols = _token_columns(ds[0])
@@ -242,14 +255,17 @@ def _generic_candidates(ctx, tokenizer, length: int) -> list[Candidate]:
     rows = _pick(ds, by_total, bs)
     what = f"generated {kind} rows through method.prepare (max_length={length})"
     out = [Candidate("longest", rows, f"the {len(rows)} longest {what}")]
-    shorter = _padded_variant(ctx, tokenizer, rows, cols)
-    if shorter is not None:
-        i, columns, shorter = shorter
+    variant = _padded_variant(ctx, tokenizer, rows, cols)
+    if variant is not None:
+        i, columns, shorter = variant
         out.append(Candidate("padded", shorter, f"{out[0].description}, row {i + 1} one token "
                                                 f"shorter in {', '.join(columns)} (padded)"))
     if len(cols) > 1 and bs > 1:  # a collate that pads columns separately (a prompt block and
         # a completion block) is widest with the longest of each column in one batch
-        widest = [max(range(len(ds)), key=lambda i, c=c: (lens[c][i], total[i])) for c in cols]
+        def longest_in(col: list[int]) -> int:
+            return max(range(len(ds)), key=lambda i: (col[i], total[i]))
+
+        widest = [longest_in(lens[c]) for c in cols]
         order = list(dict.fromkeys(widest + by_total))
         out.append(Candidate("widest", _pick(ds, order, bs),
                              f"the {kind} rows with the longest {', '.join(cols)} and the "
@@ -299,16 +315,17 @@ def distinct(items: list[Any], key: Callable[[Any], Batch]) -> list[Any]:
     return keep
 
 
-def run_micro_batches(ctx) -> int:
+def run_micro_batches(ctx: BuildContext) -> int:
     """How many micro-batches a run draws from its stream: ``grad_accum`` per step (an online
     method: per generation batch, one every ``num_iterations`` steps)."""
     steps = ctx.train.steps
-    if ctx.method.generates():
-        steps = math.ceil(steps / max(1, ctx.method.num_iterations))
+    online = ctx.method.as_generating()
+    if online is not None:
+        steps = math.ceil(steps / max(1, online.num_iterations))
     return steps * ctx.train.grad_accum
 
 
-def run_batches(stream, ctx) -> list[Candidate]:
+def run_batches(stream, ctx: BuildContext) -> list[Candidate]:
     """Every micro-batch of the run's steps from its own :class:`BatchStream` (this rank's
     slice), in order, as candidates (dominated ones removed)."""
     n = run_micro_batches(ctx)
@@ -332,7 +349,7 @@ def trained_batch(batch: Batch) -> dict[str, Any]:
             "tokens": int(batch.total_tokens), "real_tokens": int(batch.real_tokens)}
 
 
-def describe_batch(trained: dict[str, Any], ctx, rows_desc: str, length: int | None,
+def describe_batch(trained: dict[str, Any], ctx: BuildContext, rows_desc: str, length: int | None,
                    is_padded: bool) -> dict[str, Any]:
     """The ``batch`` section of estimate.json for a :func:`trained_batch`."""
     return {
@@ -345,17 +362,18 @@ def describe_batch(trained: dict[str, Any], ctx, rows_desc: str, length: int | N
     }
 
 
-def new_tokens(method) -> int:
+def new_tokens(method: Generating) -> int:
     """Tokens an online method generates per completion."""
     return method.sampling_length()
 
 
-def worst_case_rollout_tensors(ctx, batch: Batch, token: int) -> dict[str, torch.Tensor]:
+def worst_case_rollout_tensors(method: Generating, batch: Batch, token: int, ctx: BuildContext
+                               ) -> dict[str, torch.Tensor]:
     """The real values of the worst-case generated training batch of the prompt ``batch``
     (every completion runs to its full length, the method's own layout): the candidates
     :func:`exact_value_hooks` evaluates the training forward's mask decisions on, as it does
     for collated batches."""
     if "prompt_ids" not in batch.tensors:
         return {}
-    t = ctx.method.worst_case_tensors(batch, new_tokens(ctx.method), token, ctx)
+    t = method.worst_case_tensors(batch, new_tokens(method), token, ctx)
     return {f"rollout_{k}": v for k, v in t.items() if isinstance(v, torch.Tensor)}

@@ -21,10 +21,11 @@ branches as the real one. Where memlab itself needs a value (the documents of a 
 collator computed it on the host already. Other value reads are answered without values by
 :class:`EstimateFakeMode` and reported.
 
-Sharded runs: ``distributed=fsdp2`` runs its real wrap (``fully_shard``) on the fake weights over
-torch's fake process group (``FakeStore``, backend ``fake``) with ``nproc`` ranks, so a rank's
-peak is measured. Wrappers that need real storage (DDP's C++ reducer, DeepSpeed's engine) are
-estimated as one plain process and sharded by a stated model (:mod:`memlab.estimate.sharding`).
+Sharded runs: ``distributed=fsdp2`` (``fully_shard``) and ``distributed=deepspeed`` (its engine,
+ZeRO 0-3) run their real wrap on the fake weights over torch's fake process group
+(``FakeStore``, backend ``fake``) with ``nproc`` ranks, so a rank's peak is measured (what the
+wrapper needs there: its ``on_fake_group``). DDP, whose C++ reducer needs real storage, is estimated as one plain process and sharded by a
+stated model (:mod:`memlab.estimate.sharding`).
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ import contextlib
 import dataclasses
 import math
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import datasets
 import torch
@@ -46,6 +47,7 @@ from memlab.estimate.batch import (
     Candidate,
     candidates,
     describe_batch,
+    describe_rows,
     distinct,
     padded,
     run_batches,
@@ -53,6 +55,7 @@ from memlab.estimate.batch import (
     trained_batch,
     worst_case_rollout_tensors,
 )
+from memlab.estimate.decode import ShortDecode
 from memlab.estimate.options import CUDA_BLOCK, EstimateError, EstimateOptions
 from memlab.estimate.sharding import shard_units
 from memlab.estimate.standins import (
@@ -67,9 +70,13 @@ from memlab.measure import patches
 from memlab.measure.data import DataStats
 from memlab.measure.memory import tracker_class
 from memlab.method.base import LOSS_INDEX
-from memlab.pipeline import Seams, build
+from memlab.pipeline import HeldOut, Seams, build, eval_context
 from memlab.trainer.batch import Batch
 from memlab.trainer.loop import LoopOptions
+from memlab.trainer.routing import unwrap
+
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
 
 
 def _candidates(real: dict[str, torch.Tensor], suffix: str, fake: Any) -> list[torch.Tensor]:
@@ -144,11 +151,96 @@ def exact_value_hooks(real: dict[str, torch.Tensor], fake_mode,
 def estimate_tracker(round_to: int = 0):
     """The run's tracker class, optionally rounding each storage up to ``round_to`` bytes
     (the CUDA caching allocator's 512-byte blocks) while the fake tensors live on the CPU."""
-    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, _UpdateType
+    from torch._guards import active_fake_mode
+    from torch.distributed._tools.mem_tracker import (
+        _TOTAL_KEY,
+        _MemRefType,
+        _UpdateType,
+        _WeakRefInfo,
+        get_untyped_storages,
+    )
+    from torch.distributed.tensor import DTensor
+    from torch.utils._pytree import tree_leaves
 
     base = tracker_class()
+    wait_tensor = torch.ops._c10d_functional.wait_tensor.default
+    add, delete, ref, size = (_UpdateType.ADD, _UpdateType.DEL, _UpdateType.REF,
+                              _UpdateType.SIZE)
 
+    # (the base class is made at run time: mypy cannot check a class derived from a variable)
     class EstimateTracker(base):  # type: ignore[misc, valid-type]
+        """The run's tracker; its per-op work made cheaper, the same storages tracked the same
+        way: MemTracker's ``__torch_dispatch__`` walks the outputs with ``tree_map_only``
+        (which wraps a new function on every call) and ``_update_snap`` builds a dict of every
+        reference type on every call (an Enum walk) even when the device has one already."""
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if self.paused:
+                return func(*args, **(kwargs or {}))
+            if DTensor in types:
+                return NotImplemented
+            if func is wait_tensor and active_fake_mode():
+                res = args[0]
+            else:
+                res = func(*args, **(kwargs or {}))
+            if active_fake_mode() is self._fake_mode_on_entry:
+                if self._in_opt:
+                    reftype = _MemRefType.OPT
+                elif self._mod_tracker.is_bw and not self._in_ac:
+                    reftype = _MemRefType.TEMP
+                else:
+                    reftype = _MemRefType.ACT
+                if isinstance(res, torch.Tensor):
+                    self._track(reftype, res)
+                elif res is not None:
+                    for leaf in tree_leaves(res):
+                        if isinstance(leaf, torch.Tensor):
+                            self._track(reftype, leaf)
+                self._update_peak_stats(None)
+            return res
+
+        def _track(self, reftype, t: torch.Tensor) -> None:
+            for st in get_untyped_storages(t):
+                winfo, _ = self._WINFO.get(st, (None, None))
+                if winfo is not None:
+                    if winfo.size != st.size():
+                        old = winfo.mem_consumed
+                        winfo.update_mem_consumed(st)
+                        self._update_snap(size, winfo, old_mem_consumed=old)
+                    return
+                winfo, w_st = _WeakRefInfo.create_winfo(st, t.device, reftype,
+                                                       self._delete_callback)
+                self._WINFO[st] = (winfo, w_st)
+                if winfo.mem_consumed > 0:
+                    self._update_snap(add, winfo)
+
+        def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None):
+            if round_to and (u_type is add or u_type is size):
+                raw = winfo.size * winfo.element_size
+                winfo.mem_consumed = math.ceil(raw / round_to) * round_to if raw > 0 else 0
+            snaps = self._curr_mem_snap
+            dev_snap = snaps.get(winfo.device)
+            if dev_snap is None:
+                dev_snap = snaps[winfo.device] = dict.fromkeys(self._ref_class, 0)
+                dev_snap[_TOTAL_KEY] = 0
+            n = winfo.mem_consumed
+            if u_type is add:
+                dev_snap[winfo.reftype] += n
+                dev_snap[_TOTAL_KEY] += n
+            elif u_type is delete:
+                dev_snap[winfo.reftype] -= n
+                dev_snap[_TOTAL_KEY] -= n
+            elif u_type is ref:
+                dev_snap[old_reftype] -= n
+                dev_snap[winfo.reftype] += n
+            elif u_type is size:
+                dev_snap[winfo.reftype] += n - old_mem_consumed
+                dev_snap[_TOTAL_KEY] += n - old_mem_consumed
+            else:
+                raise ValueError(f"Invalid update type: {u_type}")
+            if u_type is not add and u_type is not ref and dev_snap[_TOTAL_KEY] == 0:
+                del snaps[winfo.device]
+
         def _update_peak_stats(self, peak_state) -> None:
             # Only the global peak (what MemoryProbe reads). MemTracker also keeps a per-module
             # peak, walking every tracked module after every op: 2/3 of the time of a 1B
@@ -159,12 +251,6 @@ def estimate_tracker(round_to: int = 0):
                     self._peak_mem[dev] = total
                     self._peak_mem_snap[dev] = dict(snap)
 
-        if round_to:
-            def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None):
-                if u_type in (_UpdateType.ADD, _UpdateType.SIZE):
-                    raw = winfo.size * winfo.element_size
-                    winfo.mem_consumed = math.ceil(raw / round_to) * round_to if raw > 0 else 0
-                return super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
 
     return EstimateTracker()
 
@@ -179,8 +265,11 @@ def _param_info(model: nn.Module) -> dict[str, Any]:
             quant += 1
             total += mod.logical_numel
             key = f"{'uint8(4-bit)' if mod.weight.dtype == torch.uint8 else 'int8'}"
-            by_dtype[key] = by_dtype.get(key, 0) + mod.weight.numel() * mod.weight.element_size()
-            seen.add(id(mod.weight))
+            for p in mod.parameters(recurse=False):  # the weight and its quantization state
+                if p is mod.bias or id(p) in seen:
+                    continue
+                by_dtype[key] = by_dtype.get(key, 0) + p.numel() * p.element_size()
+                seen.add(id(p))
     for p in model.parameters():
         if id(p) in seen:
             continue
@@ -226,6 +315,7 @@ def estimate_fake_mode():
                 key = "data-dependent shapes (all elements kept)"
                 self.assumed[key] = self.assumed.get(key, 0) + 1
                 x = args[0]
+                shape: tuple[int, ...]
                 if func is aten.nonzero.default:
                     shape, dtype = (x.numel(), x.dim()), torch.long
                 else:
@@ -239,25 +329,6 @@ def estimate_fake_mode():
     mode = EstimateFakeMode()
     mode.assumed = {}
     return mode
-
-
-
-
-@contextlib.contextmanager
-def fake_process_group(world: int) -> Iterator[None]:
-    """torch's fake process group (``FakeStore``, backend ``fake``) of ``world`` ranks, this
-    process rank 0, for the block (collectives do nothing; shapes are right)."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        raise EstimateError("memlab estimate needs its own (fake) process group, and one is "
-                            "already initialized in this process")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _fake_micro_batches(batch: Batch, micro: int, mode) -> list[Batch]:
@@ -289,35 +360,43 @@ class FlopCount(TorchDispatchMode):
         return out
 
 
-def run_fake_step(ctx, opts: EstimateOptions, notes: list[str]) -> dict[str, Any]:
+def run_fake_step(ctx: BuildContext, opts: EstimateOptions, notes: list[str], *,
+                  every_decode_step: bool = False) -> dict[str, Any]:
     """Build the configured run through :func:`memlab.pipeline.build` with the estimator's
     seams and run the tracked training step(s) through
     :meth:`memlab.trainer.loop.Trainer.run_step`, once per candidate batch
     (:mod:`memlab.estimate.batch`: the worst-case candidates, or with ``from_data`` the run's
     own micro-batches); returns the raw probe result (the largest peak of them all) plus model /
-    batch descriptions. ``ctx`` is the validated context (run on the CPU here)."""
+    batch descriptions. ``ctx`` is the validated context (run on the CPU here).
+    ``every_decode_step``: generation runs the model for every new token instead of
+    :mod:`memlab.estimate.decode`'s shortcut (the reference its tests compare with)."""
     cuda = opts.device == "cuda"
+    if ctx.method.uses_liger():
+        raise EstimateError(
+            "memlab estimate runs the training step on fake tensors, which Liger's Triton "
+            "kernels cannot launch on (they need real device memory); estimate the "
+            "configuration with method.use_liger_kernel=false (method.loss_impl=chunked for a "
+            "fused loss that never builds the logits), and measure Liger on a GPU "
+            "(benchmarks/gpu_acceptance.py --only liger)")
     mode = estimate_fake_mode()
+    counter = FlopCount() if opts.count_flops else None
+    steps = ShortDecode(counter, mode, every_step=every_decode_step)
     standin = ModelStandin(opts.config_overrides, notes, mode)
     dense_padding = True  # padded rows build a dense [rows, 1, T, T] mask (sdpa, eager)
     if not (ctx.attention.trains_on_cpu and "cpu" in ctx.attention.devices):
-        from memlab.registry import lookup
+        from memlab.attention.sdpa import Sdpa
 
-        ctx = dataclasses.replace(ctx, attention=lookup("attention", "sdpa")())
+        ctx = dataclasses.replace(ctx, attention=Sdpa())
         dense_padding = False
         notes.append("a CUDA-only attention backend is estimated with per-document sdpa (no "
                      "[L, L] scores, per-document in packed rows, as flash attention); its "
                      "padded rows build no dense mask (flash unpads them into one varlen row, "
                      "flex builds a block mask), so sdpa runs them without one (a model: "
                      "flash's unpadded query / key / value copies stand in for the padded ones)")
-    if ctx.peft.has_adapter() and ctx.peft.load_kwargs(ctx).get("quantization_config"):
-        notes.append("qlora: base linear weights stored as bitsandbytes packs them (4-bit: "
-                     "n/2 bytes + absmax state; 8-bit: n bytes + row scales), computed "
-                     "analytically; dequantized weights are temporaries in forward and backward")
     ctx = dataclasses.replace(ctx, device="cpu")
     tokenizer = standin.load_tokenizer(ctx)
 
-    online = ctx.method.generates()
+    online = ctx.method.as_generating()
     length = None
     cands: list[Candidate] | None = None
     if opts.from_data:
@@ -331,8 +410,8 @@ def run_fake_step(ctx, opts: EstimateOptions, notes: list[str]) -> dict[str, Any
                                 "N (or set method.max_length), or measure the real batches "
                                 "with --from-data")
         cands = candidates(ctx, tokenizer, length, opts.docs_per_row)
-    if online:
-        notes.append(f"generation: every completion runs to {ctx.method.sampling_length()} new "
+    if online is not None:
+        notes.append(f"generation: every completion runs to {online.sampling_length()} new "
                      "tokens (no early EOS), with the model's own generate (KV cache, "
                      "sampling); the training batch is the prompts x completions it makes; "
                      "reward functions and reward models score the decoded worst-case "
@@ -350,22 +429,41 @@ def run_fake_step(ctx, opts: EstimateOptions, notes: list[str]) -> dict[str, Any
 
     world = ctx.world_size
     prepare = None  # from_data: the run's own data preparation
+    prepare_eval: Callable[[Any, Any], HeldOut | None] | None = None
+    eval_cands: list[Candidate] = []
     if cands is not None:
+        assert length is not None
         rows = [r for c in cands for r in c.rows * world]  # each rank's slice: the candidate
         prepare = lambda c, t: (datasets.Dataset.from_list(rows),  # noqa: E731
                                 DataStats(rows=len(rows), examples=len(rows)))
+        if ctx.data.eval is not None:  # the held-out batches: eval_batch_size rows each
+            eval_cands = candidates(eval_context(ctx), tokenizer, length, opts.docs_per_row)
+            eval_rows = [r for c in eval_cands for r in c.rows * world]
+            prepare_eval = lambda c, t: HeldOut(  # noqa: E731
+                datasets.Dataset.from_list(eval_rows),
+                DataStats(rows=len(eval_rows), examples=len(eval_rows)), "worst-case rows")
+        else:
+            prepare_eval = lambda c, t: None  # noqa: E731
     token = round_trip_token(tokenizer)
+    placed: dict[int, dict[str, Any]] = {}  # each model's weights as built, before any wrap
+
+    def place(model: nn.Module) -> nn.Module:
+        model = standin.place(model)  # (ZeRO-3 then partitions them: counted here, whole)
+        placed[id(model)] = {**_param_info(model), "shard_units": shard_units(model)}
+        return model
+
     seams = Seams(
         load_tokenizer=standin.load_tokenizer,
         load_model=standin.load,
         build_context=standin.build_context,
-        place_model=standin.place,
+        place_model=place,
         prepare_data=prepare,
         offload=OFFLOAD,
-        engine=lambda c, t, p: WorstCaseEngine(c.distributed, token),
+        engine=lambda c, t, p: WorstCaseEngine(c.distributed, token, steps),
         rng=NoDraw(),
         exact_weights=False,
         model_context=in_fake_mode,
+        prepare_eval=prepare_eval,
         loop=LoopOptions(tracker=estimate_tracker(CUDA_BLOCK if cuda else 0), grad_scaler=False,
                          foreach=True if cuda and ctx.train.optimizer == "adamw" else None),
     )
@@ -380,6 +478,11 @@ def run_fake_step(ctx, opts: EstimateOptions, notes: list[str]) -> dict[str, Any
     if cands is None:
         drawn = run_micro_batches(ctx)
         cands = run_batches(pipe.stream, ctx)
+        if trainer.evaluator is not None:  # every held-out micro-batch of this rank
+            ev = trainer.evaluator
+            held_batches = [collate(ev.rows(idx)) for idx, _ in ev.slices()]
+            eval_cands = distinct([Candidate(f"held-out batch {k}", [], describe_rows(b), batch=b)
+                                   for k, b in enumerate(held_batches)], key=lambda c: c.batch)
         notes.append(f"from_data: the run's own batch stream over the prepared data (seed "
                      f"{ctx.train.seed}): every micro-batch of its {ctx.train.steps} step(s) "
                      f"({drawn} drawn); {len(cands)} of them measured, the others need no more "
@@ -399,7 +502,17 @@ def run_fake_step(ctx, opts: EstimateOptions, notes: list[str]) -> dict[str, Any
             c.batch = collate(c.rows)
             start += n * world
         cands = distinct(cands, key=lambda c: c.batch)
-        if any(LOSS_INDEX in c.batch.tensors for c in cands):
+        start = 0
+        held = pipe.held_out
+        for c in eval_cands:  # the held-out rows as the pipeline prepared them
+            assert held is not None
+            n = len(c.rows)
+            cols = held.ds[start: start + n]
+            c.rows = [{name: cols[name][i] for name in cols} for i in range(n)]
+            c.batch = collate(c.rows)
+            start += n * world
+        eval_cands = distinct(eval_cands, key=lambda c: c.batch)
+        if any(LOSS_INDEX in c.collated().tensors for c in cands):
             notes.append("the output head runs at the labelled positions of the generated rows "
                          "(method.head_on=labelled: every real token for SFT, the completions "
                          "for preference pairs); a run whose data labels fewer, such as "
@@ -415,14 +528,20 @@ def run_fake_step(ctx, opts: EstimateOptions, notes: list[str]) -> dict[str, Any
     for m in models.values():
         m.train(m is trainer.policy)
 
+    # a wrapper that owns the step (DeepSpeed's engine) makes its state, buffers and ZeRO-3's
+    # module trace in its own step 0, and links its state into its buffers (no clearing it to
+    # replay a step 0): its step 0 runs once, the first batch's; later batches continue the run
+    owned = ctx.distributed.as_step_owner() is not None
     if ctx.train.steps == 1:  # the run's only step: no optimizer state before its update
         run_steps = [0]
     else:
-        run_steps = [0, 1] if opts.run_first_step else [1]
+        run_steps = [0, 1] if opts.run_first_step or owned else [1]
+    if owned and ctx.train.steps == 1 and len(cands) > 1:
+        notes.append("train.steps=1: batches after the first are measured as later steps of "
+                     f"{ctx.distributed.name}'s engine, with its optimizer state (an upper bound)")
     ran: list[tuple[int, int]] = []  # (candidate, run step) of each tracked step
     trained: list[dict] = []  # each candidate's trained batch (online: its rollout)
     t1 = time.perf_counter()
-    counter = FlopCount() if opts.count_flops else None
     try:
         with in_fake_mode(), counter if counter is not None else contextlib.nullcontext():
             if run_steps == [1]:  # step 0's optimizer update, by the optimizer: its state
@@ -430,12 +549,12 @@ def run_fake_step(ctx, opts: EstimateOptions, notes: list[str]) -> dict[str, Any
             for k, c in enumerate(cands):
                 with unset_fake_temporarily():  # made here, freed after: one batch alive
                     real.clear()
-                    real.update({n: v for n, v in c.batch.tensors.items()
+                    real.update({n: v for n, v in c.collated().tensors.items()
                                  if isinstance(v, torch.Tensor)})
-                    if online:
-                        real.update(worst_case_rollout_tensors(ctx, c.batch, token))
-                    batches = _fake_micro_batches(c.batch, micro, mode)
-                for step in run_steps:
+                    if online is not None:
+                        real.update(worst_case_rollout_tensors(online, c.collated(), token, ctx))
+                    batches = _fake_micro_batches(c.collated(), micro, mode)
+                for step in (run_steps if not (owned and k) else [max(run_steps[-1], 1)]):
                     if step == 0:  # this candidate as the run's first step: no state yet
                         trainer.opt.state.clear()
                     trainer.step_idx = len(ran)
@@ -444,6 +563,18 @@ def run_fake_step(ctx, opts: EstimateOptions, notes: list[str]) -> dict[str, Any
                     trainer.run_step(step_batches, tracked=True)
                 trained.append(trained_batch(step_batches[0]))  # no tensor outlives its step
                 del batches, step_batches
+            for c in eval_cands:  # after the steps: the optimizer's state exists, no gradient
+                held_batch, evaluator = c.batch, trainer.evaluator
+                assert held_batch is not None and evaluator is not None
+                with unset_fake_temporarily():
+                    real.clear()
+                    real.update({n: v for n, v in held_batch.tensors.items()
+                                 if isinstance(v, torch.Tensor)})
+                    batch = _fake_micro_batches(held_batch, 1, mode)[0]
+                trainer.step_idx = len(ran)
+                evaluator.measure(trainer, batch)
+                c.peak = trainer.probe.last_phase_peak
+                del batch
     except (torch._subclasses.fake_tensor.DataDependentOutputException,
             torch._subclasses.fake_tensor.DynamicOutputShapeException) as e:
         raise EstimateError(
@@ -452,6 +583,14 @@ def run_fake_step(ctx, opts: EstimateOptions, notes: list[str]) -> dict[str, Any
             "its value computed on the host (like the rows' document segments) or an answer "
             "in memlab.estimate.fake") from e
     step_s = time.perf_counter() - t1
+    online = ctx.method.as_generating()
+    if steps.skipped and online is not None:
+        notes.append(f"generation: decode steps 2 to {online.sampling_length() - 2} of each "
+                     "generate call answered without running the model (every step between "
+                     "the first and the last runs the same ops on a shorter cache); the cache "
+                     "grown to its full length before the last step; FLOPs and value reads of "
+                     "the skipped steps counted from the first and the last "
+                     "(memlab.estimate.decode)")
     if mode.assumed:
         notes.append("value reads answered without values (metrics, logging): " + ", ".join(
             f"{n} {k}" for k, n in sorted(mode.assumed.items())))
@@ -459,27 +598,40 @@ def run_fake_step(ctx, opts: EstimateOptions, notes: list[str]) -> dict[str, Any
     peaks = [0] * len(cands)
     for i, (k, _) in enumerate(ran):
         peaks[k] = max(peaks[k], trainer.probe.step_peaks.get(i, 0))
-    top, top_step = ran[raw["peak_at"]["step"]] if raw.get("peak_at") else (0, run_steps[-1])
-    raw["peak_at"] = {**(raw.get("peak_at") or {}), "step": top_step,
-                      "batch": cands[top].name}
+    at = raw.get("peak_at") or {}
+    if at.get("phase") == "eval":  # a held-out batch set the peak
+        top, top_step = max(range(len(cands)), key=peaks.__getitem__), run_steps[-1]
+        raw["peak_at"] = {**at, "step": top_step, "batch": "held-out " + max(
+            eval_cands, key=lambda c: c.peak).name}
+    else:
+        top, top_step = ran[at["step"]] if at else (0, run_steps[-1])
+        raw["peak_at"] = {**at, "step": top_step, "batch": cands[top].name}
+    if eval_cands:
+        notes.append(f"eval: {len(eval_cands)} held-out batch(es) of train.eval_batch_size="
+                     f"{ctx.train.eval_rows()} rows measured after the steps, without "
+                     "gradients (the optimizer's state alive): " + "; ".join(
+                         f"{c.name} ({c.description}): "
+                         f"{c.peak / 2**20:.2f} MiB" for c in eval_cands)
+                     + (" (eval samples' generation is not modelled)"
+                        if ctx.train.eval_samples else ""))
     if len(cands) > 1:
         notes.append("batches measured: " + "; ".join(
             f"{c.name} ({c.description}): {peaks[k] / 2**20:.2f} MiB"
             for k, c in enumerate(cands)) + f"; the peak is the {cands[top].name} batch's")
-    policy = trainer.policy
+    policy = unwrap(trainer.policy)
     return {
         "raw": raw,
         "offload": pipe.offload.stats() if pipe.offload is not None else None,
-        "model": {**_param_info(policy),
+        "model": {**placed[id(policy)],
                   "config": _hf_summary(standin.config(ctx.model, tokenizer)),
-                  "shard_units": shard_units(policy), "extra_models": extra,
+                  "extra_models": extra,
                   "models_in_training": sorted(models)},
         "batch": {**describe_batch(trained[top], ctx, cands[top].description, length,
-                                   padded(cands[top].batch.tensors)),
+                                   padded(cands[top].collated().tensors)),
                   "peak_from": cands[top].name,
                   "candidates": [{"name": c.name, "rows": c.description, "peak_bytes": peaks[k],
                                   "shapes": trained[k]["shapes"],
-                                  "padded": padded(c.batch.tensors)}
+                                  "padded": padded(c.collated().tensors)}
                                  for k, c in enumerate(cands)],
                   "micro_batches_per_step": micro, "grad_accum": ctx.train.grad_accum},
         "flops": None if counter is None else {

@@ -11,7 +11,7 @@ from memlab.measure.summary import parse_bytes  # noqa: F401 (re-exported: sizes
 GiB = 1024**3
 MiB = 1024**2
 PHASES = ("forward", "backward", "optimizer")
-ALL_PHASES = ("generate", *PHASES)  # generate: online methods only
+ALL_PHASES = ("generate", *PHASES, "eval")  # generate: online methods only; eval: with data.eval
 
 CUDA_BLOCK = 512
 """The CUDA caching allocator rounds every allocation up to a multiple of 512 bytes."""
@@ -51,11 +51,34 @@ class EstimateError(RuntimeError):
     """The configuration cannot be estimated (the message says why and what to do)."""
 
 
+Device = Literal["cpu", "cuda"]
+ZeroStage = Literal[0, 1, 2, 3]
+
+
+def device_of(requested: str | None, card: str | None) -> Device:
+    """The device to estimate for: ``--device``, else cuda with a ``--card``, else cpu."""
+    if requested is None:
+        return "cuda" if card else "cpu"
+    if requested == "cuda":
+        return "cuda"
+    if requested == "cpu":
+        return "cpu"
+    raise EstimateError(f"device {requested!r}: choose cpu or cuda")
+
+
+def zero_stage(stage: int) -> ZeroStage:
+    """``stage`` as a ZeRO stage (0-3)."""
+    for s in (0, 1, 2, 3):
+        if stage == s:
+            return s
+    raise EstimateError(f"ZeRO stage {stage}: choose 0, 1, 2 or 3")
+
+
 @dataclass(kw_only=True)
 class EstimateOptions:
     """How to estimate (everything else comes from the composed configuration)."""
 
-    device: Literal["cpu", "cuda"] = "cpu"
+    device: Device = "cpu"
     """cpu: the tracker's byte-exact CPU peak; cuda: the CUDA model described in the module
     docstring (validated as a CUDA run)."""
     card: str | None = None
@@ -63,7 +86,7 @@ class EstimateOptions:
     budget_bytes: int | None = None
     """Memory available per device; None = the card's, or no verdict."""
     world_size: int = 1
-    zero_stage: Literal[0, 1, 2, 3] = 0
+    zero_stage: ZeroStage = 0
     """ZeRO stage (3 = FSDP full shard) applied to the categories when world_size > 1."""
     length: int | None = None
     """Tokens per row of the worst-case batches; None = method.max_length."""
@@ -98,7 +121,7 @@ def verdict(peak: int, budget: int | None, by_category: dict[str, int],
     if budget is None:
         return None
     need = peak + overhead
-    top = max(by_category, key=by_category.get) if by_category else "?"
+    top = max(by_category, key=by_category.__getitem__) if by_category else "?"
     fits = need <= budget
     if fits:
         text = f"fits with {fmt_bytes(budget - need)} headroom"

@@ -1,11 +1,17 @@
 """Sharding that an estimate *models* rather than measures, stated in its assumptions.
 
-``distributed=fsdp2`` is measured (its real wrap on fake tensors over a fake process group, see
-:mod:`memlab.estimate.fake`). What cannot run on fake tensors is estimated as one plain process
-whose categories are then sharded here: DDP (its C++ reducer needs real storage: one resident
-gradient-sized bucket buffer is added), DeepSpeed ZeRO 0-3 (its engine: master copy, reduce
-bucket, gathered parameters, see :func:`apply_sharding`), and the hypothetical ``--world-size N
---zero-stage S`` of a single-process configuration.
+``distributed=fsdp2`` and ``distributed=deepspeed`` (ZeRO 0-3) are measured: their real wrap on
+fake tensors as rank 0 of torch's fake process group (:mod:`memlab.estimate.fake`). What cannot
+run there is estimated as one plain process whose categories are then sharded here:
+
+- ``distributed=ddp``: its C++ reducer reads tensor data, which fake tensors have none of
+  (``DistributedDataParallel.__init__`` verifies the parameters' shapes across ranks through a
+  metadata tensor, and the second iteration rebuilds the gradient buckets the same way: "The
+  tensor has a non-zero number of elements, but its data is not allocated yet"; built outside
+  the fake mode instead, its real buckets receive fake gradients, which the fake mode refuses).
+  Its model adds one resident gradient-sized bucket buffer; its error against a real 2-rank
+  run is :data:`DDP_MODEL_ERROR` (asserted in ``tests/integration/test_distributed.py``);
+- the hypothetical ``--world-size N --zero-stage S`` of a single-process configuration.
 """
 
 from __future__ import annotations
@@ -18,21 +24,10 @@ from torch import nn
 from memlab.estimate.options import ALL_PHASES, fmt_bytes
 from memlab.trainer.routing import base_model
 
-
-def deepspeed_info(ds, ctx, stage: int, model: dict[str, Any]) -> dict[str, int]:
-    """What :func:`apply_sharding` adds for ``distributed=deepspeed`` (``ds``, the run's option):
-    master copy, bucket, weight / gradient bytes, state factor and the live-parameter cap, from
-    the model's trainable count and hidden size."""
-    bf16 = ctx.precision.param_dtype == "bfloat16"
-    hidden = int(model.get("config", {}).get("hidden_size") or 4096)
-    elems = ds.reduce_bucket_size if ds.reduce_bucket_size is not None else hidden * hidden
-    width = 2 if bf16 else 4  # bytes per weight / gradient element
-    trainable = int(model["trainable"])
-    return {"master_bytes": 4 * trainable if stage >= 1 else 0,
-            "weight_bytes": width * trainable, "grad_bytes": width * trainable,
-            "bucket_bytes": int(elems) * width if ds.contiguous_gradients and stage >= 1 else 0,
-            "state_factor": 2 if bf16 else 1,
-            "live_bytes": int(ds.stage3_max_live_parameters) * width}
+DDP_MODEL_ERROR = 0.0
+"""The DDP model's peak against a real 2-rank CPU run (gloo) of the agreement case in
+``tests/integration/test_distributed.py``, as a fraction of the real peak: equal to the byte
+(the run's tracker books DDP's rebuilt buckets as activations, the model as gradients)."""
 
 
 def shard_units(model: nn.Module) -> dict[str, int]:
@@ -62,27 +57,16 @@ def shard_units(model: nn.Module) -> dict[str, int]:
 def apply_sharding(mem: dict[str, Any], world: int, stage: int,
                    units: dict[str, int] | None = None,
                    notes: list[str] | None = None,
-                   bucket_view: bool = False,
-                   deepspeed: dict[str, int] | None = None,
-                   gather_generation: bool = False) -> dict[str, Any]:
+                   bucket_view: bool = False) -> dict[str, Any]:
     """Divide what ZeRO / FSDP shard by the world size, per phase; the peak is then the largest
     phase. Stage 3 adds the gathered parameters of the two largest units in forward and backward
     (the current one and the prefetched next); stages 2-3 add one unit of unsharded gradients in
     backward (before its reduce-scatter). Stage 0 with world > 1 is DDP: its gradient buckets
     (allocated when the model is wrapped, resident for the whole run) add one gradient-sized
     buffer; with ``bucket_view`` (``gradient_as_bucket_view=True``) the gradients live inside
-    them instead, so gradient memory is the full gradient size in every phase.
-
-    ``deepspeed`` (``distributed=deepspeed``: ``master_bytes``, ``bucket_bytes``,
-    ``state_factor``): stages >= 1 add DeepSpeed's fp32 master copy of the rank's slice of the
-    trainable weights to the optimizer state and multiply the state by ``state_factor`` (2 when
-    bf16 weights get fp32 moments); backward holds its contiguous reduce bucket; stage 0 is
-    DeepSpeed's own all-reduce at the boundary, without DDP's resident buckets.
-
-    ``gather_generation`` (stage 3, ``gather_for_generation``): the generate phase holds the
-    whole weights gathered beside the rank's shards."""
+    them instead, so gradient memory is the full gradient size in every phase."""
     notes = notes if notes is not None else []
-    if world <= 1 and deepspeed is None:
+    if world <= 1:
         return mem
     units = units or {}
     unit_p, unit_g = units.get("largest_bytes", 0), units.get("largest_grad_bytes", 0)
@@ -90,58 +74,23 @@ def apply_sharding(mem: dict[str, Any], world: int, stage: int,
     phases = {}
     for ph, snap in (mem.get("by_phase_category") or {}).items():
         new = {k: (math.ceil(v / world) if div.get(k) else v) for k, v in snap.items()}
-        if deepspeed is not None:
-            if stage >= 3 and ph in ("forward", "backward"):
-                # gathered: at least two units in flight, at most stage3_max_live_parameters
-                # (all of a model below it: measured, whatever stage3_max_reuse_distance)
-                full = snap.get("parameters", 0)
-                new["parameters"] += min(full, max(2 * unit_p, deepspeed["live_bytes"]))
-            elif stage >= 3 and ph == "generate":  # no backward to reuse them for
-                new["parameters"] += min(snap.get("parameters", 0), 2 * unit_p)
-            if stage >= 1:
-                master = math.ceil(deepspeed["master_bytes"] / world)
-                new["optimizer"] = new.get("optimizer", 0) * deepspeed["state_factor"] + master
-                if ph == "backward":
-                    new["gradients"] += deepspeed["bucket_bytes"]
-                if ph == "optimizer":  # the step's fp32 gradient slice, then the all-gather
-                    new["optimizer"] += master  # of the updated weights
-                    new["activations"] += math.ceil(deepspeed["weight_bytes"] / world)
-            if stage >= 3:  # one flat gradient partition, allocated once, resident
-                new["gradients"] = max(new["gradients"],
-                                       math.ceil(deepspeed["grad_bytes"] / world))
-        else:
-            if stage == 0:
-                full = (mem.get("by_phase_category") or {}).get("optimizer", {}).get(
-                    "gradients", 0)
-                g = snap.get("gradients", 0)
-                new["gradients"] = max(g, full) if bucket_view else g + full
-            if stage >= 3 and ph in ("generate", "forward", "backward"):
-                new["parameters"] += 2 * unit_p
-            if stage >= 2 and ph == "backward":
-                new["gradients"] += unit_g
-        if stage >= 3 and ph == "generate" and gather_generation:
-            full = snap.get("parameters", 0)
-            new["parameters"] = math.ceil(full / world) + full
+        if stage == 0:
+            full = (mem.get("by_phase_category") or {}).get("optimizer", {}).get("gradients", 0)
+            g = snap.get("gradients", 0)
+            new["gradients"] = max(g, full) if bucket_view else g + full
+        if stage >= 3 and ph in ("generate", "forward", "backward"):
+            new["parameters"] += 2 * unit_p
+        if stage >= 2 and ph == "backward":
+            new["gradients"] += unit_g
         phases[ph] = new
-    if deepspeed is not None:
-        notes.append(f"world_size={world}, distributed=deepspeed zero_stage={stage}: "
-                     + ("nothing sharded" if stage == 0 else
-                        f"{', '.join(k for k in ('optimizer', 'gradients', 'parameters') if div[k])}"
-                        f" divided by {world} per rank, plus DeepSpeed's fp32 master copy of the "
-                        f"rank's slice ({fmt_bytes(math.ceil(deepspeed['master_bytes'] / world))})"
-                        f" in optimizer (and an fp32 gradient slice of that size in the "
-                        f"step), its reduce bucket ({fmt_bytes(deepspeed['bucket_bytes'])}) in "
-                        f"backward, the all-gather of the updated slice after the step"
-                        + ("; stage 3 keeps up to stage3_max_live_parameters gathered in "
-                           "forward/backward (at least two units, at most all of them) and one "
-                           "flat gradient partition for the whole run"
-                           if stage >= 3 else ""))
-                     + "; other communication buffers are not modelled")
-    elif stage == 0:
+    if stage == 0:
         notes.append(f"world_size={world}, zero_stage=0 (DDP): nothing sharded; DDP's gradient "
                      "buckets hold one gradient-sized buffer for the whole run ("
                      + ("gradient_as_bucket_view=True: the gradients live in it)" if bucket_view
-                        else "gradient_as_bucket_view=False: beside the gradients)"))
+                        else "gradient_as_bucket_view=False: beside the gradients)")
+                     + f"; this model's measured error: {100 * DDP_MODEL_ERROR:+.2f}% of a "
+                       "real 2-rank CPU run's peak (gloo, the agreement case of "
+                       "tests/integration/test_distributed.py)")
     else:
         what = [k for k in ("optimizer", "gradients", "parameters") if div[k]]
         extra = []
@@ -158,7 +107,7 @@ def apply_sharding(mem: dict[str, Any], world: int, stage: int,
                      + "activations are per rank (each rank runs its own micro-batch); other "
                        "communication buffers are not modelled")
     by_phase = {ph: sum(s.values()) for ph, s in phases.items()}
-    peak_phase = max(by_phase, key=by_phase.get) if by_phase else None
+    peak_phase = max(by_phase, key=by_phase.__getitem__) if by_phase else None
     out = dict(mem)
     out["by_phase_category"] = phases
     out["by_phase"] = {ph: int(by_phase[ph]) for ph in ALL_PHASES if ph in by_phase}

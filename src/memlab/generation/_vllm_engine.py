@@ -10,12 +10,13 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterator
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 
 from memlab.generation.base import Samples, SamplingParams
-from memlab.trainer.routing import unwrap
+from memlab.measure import patches
+from memlab.trainer.routing import base_model, unwrap
 
 GIB = 1024**3
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -31,20 +32,22 @@ def policy_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     ``W + sum over active adapters of get_delta_weight`` (computed; the model is not touched),
     PEFT's ``modules_to_save`` copies under the original name. Detached; not copied where a
     tensor can be passed as it is. A ZeRO-3 model must be gathered around the call."""
-    from peft import PeftModel
     from peft.tuners.lora import LoraLayer
 
-    inner = unwrap(model)
-    base = inner.get_base_model() if isinstance(inner, PeftModel) else inner
+    base = base_model(unwrap(model))
     merged: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for name, mod in base.named_modules():
             if isinstance(mod, LoraLayer) and not mod.merged:
-                w = _full(mod.get_base_layer().weight)
+                # (torch types a module attribute as Tensor | Module; a layer's weight is a Tensor)
+                w = _full(cast(torch.Tensor, mod.get_base_layer().weight))
                 if not mod.disable_adapters:
                     for a in mod.active_adapters:
                         if a in mod.lora_A:
-                            w = w + _full(mod.get_delta_weight(a)).to(w.dtype)
+                            # every LoRA layer class defines get_delta_weight; peft's LoraLayer
+                            # base does not declare it
+                            delta = mod.get_delta_weight(a)  # type: ignore[attr-defined]
+                            w = w + _full(delta).to(w.dtype)
                 merged[f"{name}.weight"] = w
         out: dict[str, torch.Tensor] = {}
         for key, t in base.state_dict().items():
@@ -143,7 +146,7 @@ def to_samples(tokens: list[list[int]], logprobs: list[list[float]] | None,
     for i, t in enumerate(tokens):
         comp[i, :len(t)] = torch.tensor(t, dtype=torch.long)
         mask[i, :len(t)] = 1
-        if lps is not None:
+        if lps is not None and logprobs is not None:
             lps[i, :len(t)] = torch.tensor(logprobs[i], dtype=torch.float32)
         finished.append(bool(t) and params.eos is not None and t[-1] == params.eos)
     return Samples(completion=comp.to(device), mask=mask.to(device),
@@ -163,7 +166,7 @@ def read_outputs(outputs: list[Any]) -> tuple[list[list[int]], list[list[float]]
     return tokens, lps
 
 
-def engine_memory(worker: Any) -> dict[str, int]:
+def engine_memory(worker: Any) -> dict[str, int | None]:
     """Bytes of the engine's weights, buffers and KV cache, counted from its tensors (run on a
     vLLM worker through ``collective_rpc``; a storage shared by several tensors counts once).
 
@@ -203,11 +206,7 @@ def engine_memory(worker: Any) -> dict[str, int]:
 def save_config(model: torch.nn.Module, path: str) -> str:
     """The policy's ``config.json`` in ``path`` (what vLLM needs to build the architecture;
     the weights come through :func:`policy_weights`)."""
-    from peft import PeftModel
-
-    inner = unwrap(model)
-    base = inner.get_base_model() if isinstance(inner, PeftModel) else inner
-    base.config.save_pretrained(path)
+    base_model(unwrap(model)).config.save_pretrained(path)
     return path
 
 
@@ -273,14 +272,10 @@ class ColocateEngine:
             logprobs_mode=self.cfg.logprobs_mode, seed=self.seed, device=self.device,
             load_format="dummy", enable_sleep_mode=self.cfg.enable_sleep_mode,
             external_launcher=self.world_size > 1)
-        set_threads = torch.set_num_threads
         devices = [torch.cuda.current_device()] if self.device.startswith("cuda") else []
-        with _env(VLLM_ENABLE_V1_MULTIPROCESSING="0"), torch.random.fork_rng(devices=devices):
-            try:
-                with self._untracked():
-                    self.llm = vllm.LLM(**kw)
-            finally:
-                torch.set_num_threads = set_threads
+        with _env(VLLM_ENABLE_V1_MULTIPROCESSING="0"), torch.random.fork_rng(devices=devices), \
+                patches.keeping_torch_threads(), self._untracked():
+            self.llm = vllm.LLM(**kw)
         t2 = time.perf_counter()
         self._load(model)
         self.timings = {"import_s": t1 - t0, "engine_s": t2 - t1,
@@ -336,7 +331,7 @@ class ColocateEngine:
     def importance_weights(self, trainer_logps, sampler_logps, mask):
         return self.cfg.importance_weights(trainer_logps, sampler_logps, mask)
 
-    def memory(self) -> dict[str, int]:
+    def memory(self) -> dict[str, int | None]:
         """The engine's weights and KV cache in bytes (vLLM's tensors; the trainer's memory
         tracker does not see them)."""
         if self.llm is None:

@@ -17,9 +17,15 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
 import torch
+
+from memlab import registry
+from memlab.registry import Option
+
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
 
 
 @dataclass(frozen=True)
@@ -120,7 +126,7 @@ class Engine(Protocol):
         trainer's (truncated importance sampling), or None when the engine applies none."""
         ...
 
-    def memory(self) -> dict[str, int]:
+    def memory(self) -> dict[str, int | None]:
         """What the engine holds outside the trainer's tensors (its weights, its KV cache)."""
         ...
 
@@ -147,22 +153,28 @@ class EngineMemory:
         return self.weights_bytes + self.kv_cache_bytes
 
 
-class Generation(Protocol):
+class Generation(Option, Protocol):
     """A ``generation=`` option."""
 
-    def validate(self, ctx) -> list[str]: ...
-
-    def build(self, ctx, tokenizer, policy: torch.nn.Module) -> Engine:
+    def build(self, ctx: BuildContext, tokenizer: Any, policy: torch.nn.Module) -> Engine:
         """The engine that samples from ``policy`` (the wrapped training model)."""
         ...
 
-    def engine_memory(self, ctx, weight_elements: int, dtype: torch.dtype,
+    def engine_memory(self, ctx: BuildContext, weight_elements: int, dtype: torch.dtype,
                       device_bytes: int | None) -> EngineMemory | None:
         """What this option's engine will hold on the training device, for an estimate:
         ``weight_elements`` the engine's copy of the weights holds (LoRA: the merged base),
         ``dtype`` the policy's, ``device_bytes`` the device's memory where known. None: the
         engine holds nothing there beyond the trainer's tensors."""
         ...
+
+
+GenerationClass = TypeVar("GenerationClass", bound=Generation)
+
+
+def register(name: str) -> Callable[[type[GenerationClass]], type[GenerationClass]]:
+    """Register a ``generation=`` option (mypy checks it against :class:`Generation`)."""
+    return registry.register("generation", name)
 
 
 class GenerationEnv:
@@ -207,5 +219,5 @@ def run_rng(seed: int, rank: int) -> random.Random:
     return random.Random(seed * 7919 + rank)
 
 
-__all__ = ["Engine", "EngineMemory", "Generation", "GenerationEnv", "SamplingParams", "Samples", "run_rng",
-           "samples_from"]
+__all__ = ["Engine", "EngineMemory", "Generation", "GenerationEnv", "SamplingParams", "Samples",
+           "register", "run_rng", "samples_from"]

@@ -8,27 +8,30 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from memlab.generation.base import Samples, SamplingParams, samples_from
-from memlab.registry import register
+from memlab.generation.base import Samples, SamplingParams, register, samples_from
+from memlab.registry import Option
 from memlab.trainer.routing import base_model, call_inside, unwrap
 
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
 
-@register("generation", "hf")
+
+@register("hf")
 @dataclass(kw_only=True)
-class HF:
+class HF(Option):
     """No knobs: sampling settings are the method's (temperature, top_p, ...)."""
 
-    def validate(self, ctx) -> list[str]:
+    def validate(self, ctx: BuildContext) -> list[str]:
         return []
 
-    def build(self, ctx, tokenizer, policy) -> HFEngine:
+    def build(self, ctx: BuildContext, tokenizer, policy) -> HFEngine:
         return HFEngine(ctx.distributed)
 
-    def engine_memory(self, ctx, weight_elements, dtype, device_bytes) -> None:
+    def engine_memory(self, ctx: BuildContext, weight_elements, dtype, device_bytes) -> None:
         return None  # generates with the policy itself: its KV cache is the generate phase's
 
 
@@ -110,7 +113,7 @@ class HFEngine:
     def importance_weights(self, trainer_logps, sampler_logps, mask) -> None:
         return None  # samples come from the policy itself
 
-    def memory(self) -> dict[str, int]:
+    def memory(self) -> dict[str, int | None]:
         return {}  # the policy's own tensors: the trainer's tracker sees them
 
     def close(self) -> None:

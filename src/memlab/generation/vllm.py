@@ -26,19 +26,22 @@ Importing this module never imports vLLM; the colocated engine imports it when i
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import torch
 
 from memlab.generation._vllm_engine import INSTALL, ColocateEngine
-from memlab.generation.base import EngineMemory
+from memlab.generation.base import EngineMemory, register
 from memlab.generation.vllm_client import ServerEngine
-from memlab.registry import PositiveFloat, PositiveInt, Range, Seed, register
+from memlab.registry import Option, PositiveFloat, PositiveInt, Range, Seed
+
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
 
 
-@register("generation", "vllm")
+@register("vllm")
 @dataclass(kw_only=True)
-class Vllm:
+class Vllm(Option):
     """vLLM generation; knobs named as TRL's ``vllm_*`` options and vLLM's engine arguments."""
 
     mode: Literal["colocate", "server"] = "colocate"
@@ -87,10 +90,10 @@ class Vllm:
     """Ratios above the cap are cut to it (truncate) or zeroed (mask)."""
 
     # ------------------------------------------------------------------ validation
-    def validate(self, ctx) -> list[str]:
+    def validate(self, ctx: BuildContext) -> list[str]:
         """Every problem with its fix; on CPU, sleep mode is refused with vLLM's reason."""
         errors: list[str] = []
-        if not ctx.method.generates():
+        if ctx.method.as_generating() is None:
             errors.append(f"generation=vllm samples the completions of online methods; method="
                           f"{ctx.method.name} trains on its dataset as configured: use "
                           "generation=hf (the default)")
@@ -133,29 +136,31 @@ class Vllm:
             errors.append(f"generation.mode=colocate with {ctx.world_size} ranks needs CUDA "
                           "(one engine per rank over vLLM's external launcher); on CPU use "
                           "generation.mode=server")
-        if ctx.peft.quantizes_base:
+        if ctx.peft.as_quantized_base() is not None:
             errors.append(f"generation=vllm with peft={ctx.peft.name}: merging LoRA into a "
                           "quantized base is not supported by this engine; use peft=lora or "
                           "generation=hf")
         if not 0 < self.port < 65536:
             errors.append(f"generation.port must be in 1..65535 (got {self.port})")
-        for knob in ("server_timeout_s", "request_timeout_s", "importance_sampling_cap"):
-            if getattr(self, knob) <= 0:
-                errors.append(f"generation.{knob} must be > 0 (got {getattr(self, knob)})")
+        for knob, value in (("server_timeout_s", self.server_timeout_s),
+                            ("request_timeout_s", self.request_timeout_s),
+                            ("importance_sampling_cap", self.importance_sampling_cap)):
+            if value <= 0:
+                errors.append(f"generation.{knob} must be > 0 (got {value})")
         if self.weight_chunk_mib < 1:
             errors.append(f"generation.weight_chunk_mib must be >= 1 (got "
                           f"{self.weight_chunk_mib})")
         return errors
 
     # ------------------------------------------------------------------ engines
-    def build(self, ctx, tokenizer, policy) -> ColocateEngine | ServerEngine:
+    def build(self, ctx: BuildContext, tokenizer, policy) -> ColocateEngine | ServerEngine:
         """The engine of this run (nothing starts until its first use)."""
         seed = (self.seed if self.seed is not None else ctx.train.seed) + ctx.rank
         if self.mode == "colocate":
             return ColocateEngine(self, device=ctx.device, seed=seed, world_size=ctx.world_size)
         return ServerEngine(self, rank=ctx.rank)
 
-    def engine_memory(self, ctx, weight_elements: int, dtype: torch.dtype,
+    def engine_memory(self, ctx: BuildContext, weight_elements: int, dtype: torch.dtype,
                       device_bytes: int | None) -> EngineMemory | None:
         """The colocated engine's weights copy (``dtype`` knob, else the policy's) and KV cache:
         ``kv_cache_space_gib`` when set; else on CPU vLLM's 1 GiB default; on CUDA vLLM sizes

@@ -152,7 +152,7 @@ class ServerEngine:
     def importance_weights(self, trainer_logps, sampler_logps, mask):
         return self.cfg.importance_weights(trainer_logps, sampler_logps, mask)
 
-    def memory(self) -> dict[str, int]:
+    def memory(self) -> dict[str, int | None]:
         """The server's engine weights and KV cache in bytes (its own process and devices)."""
         return dict(self._call("/health").get("memory", {}))
 
@@ -177,7 +177,7 @@ def _chunks(weights: dict[str, torch.Tensor], limit: int, dtype: torch.dtype | N
     size = 0
     seen: set[tuple[int, int]] = set()
     for name, t in weights.items():
-        key = (t.untyped_storage().data_ptr(), t.storage_offset())
+        key = (t.untyped_storage().data_ptr(), int(t.storage_offset()))
         if key in seen:
             continue
         seen.add(key)

@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from memlab.logger.base import NullRun
-from memlab.registry import register
+from memlab.logger.base import NullRun, RunInfo, register
+from memlab.registry import Option
+
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
 
 
-@register("logger", "none")
+@register("none")
 @dataclass(kw_only=True)
-class NoLogger:
+class NoLogger(Option):
     """No knobs."""
 
-    def validate(self, ctx) -> list[str]:
+    def validate(self, ctx: BuildContext) -> list[str]:
         return []
 
-    def start(self, ctx, config: dict[str, Any]) -> NullRun:
+    def start(self, info: RunInfo, config: dict[str, Any]) -> NullRun:
         return NullRun()

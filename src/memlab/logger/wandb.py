@@ -2,11 +2,27 @@
 
 What a W&B user expects, and how memlab meets it:
 
-- **The run summary is summary.json.** Every step is committed as it is logged, and at the end
-  the whole summary.json, flattened with ``/`` (``memory/peak_bytes``,
-  ``memory/by_category/activations``, ``throughput/tokens_per_s``...; lists such as the loss
-  curve stay in the history), goes into the run summary with one ``run.summary.update``, so no
-  late history row overwrites it.
+- **W&B's own settings work.** ``WANDB_PROJECT``, ``WANDB_ENTITY``, ``WANDB_TAGS``,
+  ``WANDB_RUN_GROUP``, ``WANDB_NAME``, ``WANDB_NOTES``, ``WANDB_JOB_TYPE``, ``WANDB_MODE``
+  (and ``WANDB_DISABLED``) and ``WANDB_DIR`` apply as they do to any W&B script; a value set in
+  memlab's config (``logger.project=...``) wins over the variable, and memlab's own defaults
+  (project ``memlab``, offline, the sweep's group and run names, the run dir) apply only where
+  neither sets one. Tags add up: the config's, ``WANDB_TAGS``' and memlab's. summary.json's
+  ``logger`` records every setting and where it came from (:func:`settings`). Other variables
+  (``WANDB_API_KEY``, ``WANDB_BASE_URL``, ``WANDB_RUN_ID``, ``WANDB_RESUME``...) reach W&B
+  untouched.
+- **W&B's own output is shown**: where the run is saved, the ``wandb sync`` line of an offline
+  run, the run's URL. Only its end-of-run panel of per-step sparklines and summary values is
+  off (``logger.console_panel=true`` brings it back; ``WANDB_SILENT=true`` silences W&B).
+- **Every job of a sweep is a run**, the invalid and failed ones included: a job that ends
+  before it trains still starts a run (with its config) and finishes it with its status and
+  reason in the summary and a failed state (:func:`memlab.run.run`).
+- **The run summary holds the measurements; the config stays in the config.** At the end
+  summary.json's measurements (status, memory, throughput, data, train, eval...), flattened
+  with ``/`` (``memory/peak_bytes``, ``memory/by_category/activations``,
+  ``throughput/tokens_per_s``, ``eval/final/loss``...; lists such as the loss curve stay in the
+  history), go into the run summary with one ``run.summary.update``, so no late history row
+  overwrites them. The configuration (and the versions) are the W&B config only.
 - **One group per sweep**, named by the sweep (``sweep=<name>`` when one was chosen) and its
   directory (``packing-2026-11-23_14-03-22``); a single run has no group.
 - **Short run names, unique within a sweep**: what this job's overrides set among the keys
@@ -17,87 +33,171 @@ What a W&B user expects, and how memlab meets it:
   (``peft:lora``) and its options are config keys (``peft.r``); every other varying override is
   a tag too (``train.gradient_checkpointing:false``) besides its config key.
 - Per step: the metrics the trainer logs (``train/loss``, ``throughput/tokens_per_s``... and
-  ``memory/step_peak_bytes`` on tracked steps). Only rank 0 logs.
+  ``memory/step_peak_bytes`` on tracked steps); at evaluations ``eval/<metric>`` and the sample
+  completions as a table, ``eval/samples``. Only rank 0 logs.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from memlab.logger.base import LoggerRun, NullRun
+from memlab.logger.base import LoggerRun, NullRun, RunInfo, register
 from memlab.measure.summary import flatten, user_choices
-from memlab.registry import register
+from memlab.registry import Option
+
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
 
 TAG_MAX = 64
 """W&B's longest tag."""
 NAME_MAX = 128
 GROUP_MAX = 128
+DEFAULT_PROJECT = "memlab"
+DEFAULT_MODE = "offline"
+
+ENV = {"project": "WANDB_PROJECT", "entity": "WANDB_ENTITY", "mode": "WANDB_MODE",
+       "group": "WANDB_RUN_GROUP", "name": "WANDB_NAME", "notes": "WANDB_NOTES",
+       "job_type": "WANDB_JOB_TYPE", "dir": "WANDB_DIR", "tags": "WANDB_TAGS"}
+"""W&B's environment variable of each setting."""
+
+NOT_MEASURED = ("config", "choices", "overrides", "job", "run_dir", "versions")
+"""summary.json's entries that describe the job rather than measure it: the W&B config (and
+W&B's own run fields: tags, group, name) holds them, not the run summary."""
 
 
-@register("logger", "wandb")
+@register("wandb")
 @dataclass(kw_only=True)
-class WandbLogger:
-    """W&B run settings."""
+class WandbLogger(Option):
+    """W&B run settings. Each one left null is W&B's environment variable, else memlab's
+    default (module docstring)."""
 
-    project: str = "memlab"
+    project: str | None = None
+    """null: ``WANDB_PROJECT``, else ``memlab``."""
     entity: str | None = None
-    mode: Literal["online", "offline", "disabled"] = "offline"
-    """offline writes ./wandb/offline-run-* under the run dir; sync with `wandb sync`."""
+    """null: ``WANDB_ENTITY``, else your W&B default entity."""
+    mode: Literal["online", "offline", "disabled"] | None = None
+    """null: ``WANDB_MODE`` (``WANDB_DISABLED=true``: disabled), else offline (written under
+    the run dir; ``wandb sync`` later)."""
     group: str | None = None
-    """Defaults to the sweep (its name and dir: see the module docstring); none for one run."""
+    """null: ``WANDB_RUN_GROUP``, else the sweep (its name and dir: see the module docstring);
+    none for one run."""
     run_name: str | None = None
-    """Defaults to what this job sets among what its sweep varies (its overrides for one run)."""
+    """null: ``WANDB_NAME``, else what this job sets among what its sweep varies (its
+    overrides for one run)."""
     tags: list[str] = field(default_factory=list)
-    """Extra tags; every group choice and every varying override is added as 'key:value'."""
+    """Extra tags, added to ``WANDB_TAGS`` (comma-separated) and to memlab's: every group
+    choice and every varying override as 'key:value'."""
+    notes: str | None = None
+    """null: ``WANDB_NOTES``."""
+    job_type: str | None = None
+    """null: ``WANDB_JOB_TYPE``."""
     dir: str | None = None
-    """Where W&B writes its files; defaults to the run dir."""
+    """Where W&B writes its files. null: ``WANDB_DIR``, else the run dir."""
+    console_panel: bool = False
+    """Print W&B's end-of-run panel (a sparkline per logged metric, the summary values);
+    off by default, everything else W&B prints is shown."""
 
-    def validate(self, ctx) -> list[str]:
+    def validate(self, ctx: BuildContext) -> list[str]:
         err = ctx.platform.missing("wandb", "logger=wandb")
         return [err] if err else []
 
-    def start(self, ctx, config: dict[str, Any]) -> LoggerRun:
-        if ctx.rank != 0:
+    def start(self, info: RunInfo, config: dict[str, Any]) -> LoggerRun:
+        if info.rank != 0:
             return NullRun()
         import wandb
 
-        choices = user_choices(ctx.choices)
-        sweep_dir = config.get("_sweep_dir")
-        names = run_names(Path(ctx.run_dir), Path(sweep_dir) if sweep_dir else None, choices)
-        tags = [f"{k}:{v}" for k, v in sorted(choices.items())]
-        tags += [f"{k}:{v}" for k, v in names["varying"] if k not in choices]
-        tags = list(dict.fromkeys(t[:TAG_MAX] for t in [*tags, *self.tags]))
-        os.environ.setdefault("WANDB_SILENT", "true")
-        return WandbRun(wandb.init(
-            project=self.project,
-            entity=self.entity,
-            mode=self.mode,
-            group=self.group or names["group"],
-            name=self.run_name or names["name"],
-            tags=tags,
-            dir=self.dir or str(ctx.run_dir),
-            config={k: v for k, v in config.items() if not k.startswith("_")},
-            reinit="finish_previous",
-        ))
+        chosen, sources = settings(self, info, os.environ)
+        lines = 10 if self.console_panel else 0  # metrics in W&B's end-of-run panel
+        run = wandb.init(**chosen, config=config, reinit="finish_previous",
+                         settings=wandb.Settings(max_end_of_run_history_metrics=lines,
+                                                 max_end_of_run_summary_metrics=lines))
+        rename = {"name": "run_name"}
+        described = {rename.get(k, k): v for k, v in chosen.items()}
+        described["sources"] = {rename.get(k, k): v for k, v in sources.items()}
+        described["id"] = run.id
+        if chosen["mode"] == "online":
+            described["url"] = run.url
+        return WandbRun(run, described)
+
+
+def _env_mode(env: Mapping[str, str]) -> str | None:
+    """W&B's mode from the environment (its legacy spellings too), or None."""
+    if str(env.get("WANDB_DISABLED", "")).lower() in ("true", "1", "yes"):
+        return "disabled"
+    mode = str(env.get("WANDB_MODE", "")).lower()
+    return {"dryrun": "offline", "run": "online"}.get(mode, mode) or None
+
+
+def settings(opt: WandbLogger, info: RunInfo, env: Mapping[str, str]
+             ) -> tuple[dict[str, Any], dict[str, str]]:
+    """``(wandb.init's settings, where each came from)``: the config's value, else W&B's
+    environment variable, else memlab's default (module docstring). Sources read ``config``,
+    ``env WANDB_...`` or ``memlab``; tags list every source that added some."""
+    choices = user_choices(info.choices)
+    names = run_names(info.run_dir, info.sweep_dir, choices)
+    defaults: dict[str, Any] = {
+        "project": DEFAULT_PROJECT, "entity": None, "mode": DEFAULT_MODE,
+        "group": names["group"], "name": names["name"], "notes": None, "job_type": None,
+        "dir": str(info.run_dir)}
+    given = {"project": opt.project, "entity": opt.entity, "mode": opt.mode,
+             "group": opt.group, "name": opt.run_name, "notes": opt.notes,
+             "job_type": opt.job_type, "dir": opt.dir}
+    from_env = {k: env.get(ENV[k]) or None for k in given}
+    from_env["mode"] = _env_mode(env)
+    chosen: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for key, value in given.items():
+        if value is not None:
+            chosen[key], sources[key] = value, "config"
+        elif from_env[key] is not None:
+            chosen[key], sources[key] = from_env[key], f"env {ENV[key]}"
+        else:
+            chosen[key] = defaults[key]
+            sources[key] = "memlab" if defaults[key] is not None else "wandb"
+    ours = [f"{k}:{v}" for k, v in sorted(choices.items())]
+    ours += [f"{k}:{v}" for k, v in names["varying"] if k not in choices]
+    env_tags = [t.strip() for t in str(env.get(ENV["tags"], "")).split(",") if t.strip()]
+    chosen["tags"] = list(dict.fromkeys(t[:TAG_MAX] for t in [*opt.tags, *env_tags, *ours]))
+    sources["tags"] = ", ".join(name for name, tags in (
+        ("config", opt.tags), (f"env {ENV['tags']}", env_tags), ("memlab", ours)) if tags)
+    return chosen, sources
+
+
+def measurements(summary: dict[str, Any]) -> dict[str, Any]:
+    """The W&B run summary of summary.json: its measurements flattened with ``/``, without
+    what describes the job (:data:`NOT_MEASURED`)."""
+    return flatten({k: v for k, v in summary.items() if k not in NOT_MEASURED})
 
 
 class WandbRun:
     """A started W&B run (rank 0): the connection lives here, not on the config."""
 
-    def __init__(self, run: Any):
+    def __init__(self, run: Any, described: dict[str, Any] | None = None):
         self.run = run
+        self.described = dict(described or {})
 
-    def log(self, metrics: dict[str, float], step: int) -> None:
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        samples = metrics.get("eval/samples")
+        if samples is not None:
+            import wandb
+
+            metrics = dict(metrics)
+            metrics["eval/samples"] = wandb.Table(
+                columns=["step", "prompt", "completion"],
+                data=[[r["step"], r["prompt"], r["completion"]] for r in samples])
         # committed now: a row left pending would be flushed at finish, after the summary
         self.run.log(metrics, step=step, commit=True)
 
+    def describe(self) -> dict[str, Any]:
+        return {"option": "wandb", **self.described}
+
     def finish(self, summary: dict[str, Any]) -> None:
-        self.run.summary.update(flatten(summary))
+        self.run.summary.update(measurements(summary))
         self.run.finish(exit_code=0 if summary.get("status") == "ok" else 1)
 
 

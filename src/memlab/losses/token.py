@@ -18,11 +18,11 @@ positions whose label equals ``ignore_index`` contribute nothing.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal, TypeAlias
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.function import FunctionCtx, once_differentiable
+from torch.autograd.function import once_differentiable
 
 __all__ = [
     "ChunkedCrossEntropy",
@@ -33,6 +33,11 @@ __all__ = [
     "sequence_logps",
     "token_logps",
 ]
+
+AutogradCtx: TypeAlias = Any
+"""The ``ctx`` of a custom autograd function: forward stores on it what backward reads
+(torch types it as ``FunctionCtx``, which declares neither those attributes nor
+``saved_tensors`` / ``needs_input_grad``)."""
 
 # Default work budget of one chunk of ``token_logps`` (elements of the fp32 [chunk, V] temporary).
 _LOGPS_CHUNK_ELEMENTS = 1 << 24  # 64 MiB in fp32
@@ -75,8 +80,8 @@ class _TokenLogps(torch.autograd.Function):
     position), so that backward writes one gradient of the logits' size for both."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: FunctionCtx, logits: Tensor, labels: Tensor, ignore_index: int, chunk_tokens: int,
+    def forward(
+        ctx: AutogradCtx, logits: Tensor, labels: Tensor, ignore_index: int, chunk_tokens: int,
         extra_index: Tensor, extra_labels: Tensor,
     ) -> tuple[Tensor, Tensor]:
         valid = labels != ignore_index
@@ -91,17 +96,18 @@ class _TokenLogps(torch.autograd.Function):
         target = logits.gather(-1, safe.unsqueeze(-1)).squeeze(-1).to(acc)
         out = (target - lse).masked_fill_(~valid, 0.0)
         at = torch.unravel_index(extra_index, labels.shape)
-        extra = logits[(*at, extra_labels)].to(acc) - lse[at]
+        index = (*at, extra_labels)  # (a starred subscript is Python 3.11 syntax)
+        extra = logits[index].to(acc) - lse[at]
         ctx.save_for_backward(logits, safe, valid, lse, extra_index, extra_labels)
-        ctx.chunk_tokens = chunk_tokens  # type: ignore[attr-defined]
+        ctx.chunk_tokens = chunk_tokens
         return out, extra
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: FunctionCtx, grad_out: Tensor, grad_extra: Tensor
+    def backward(ctx: AutogradCtx, grad_out: Tensor, grad_extra: Tensor
                  ) -> tuple[Tensor | None, None, None, None, None, None]:
-        logits, safe, valid, lse, extra_index, extra_labels = ctx.saved_tensors  # type: ignore[attr-defined]
-        if not ctx.needs_input_grad[0]:  # type: ignore[attr-defined]
+        logits, safe, valid, lse, extra_index, extra_labels = ctx.saved_tensors
+        if not ctx.needs_input_grad[0]:
             return None, None, None, None, None, None
         # d logp_t / d logits_t = onehot(label_t) - softmax(logits_t)
         x3 = _as_3d(logits)
@@ -111,7 +117,7 @@ class _TokenLogps(torch.autograd.Function):
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         grad3 = grad.view(x3.shape)
         for b in range(x3.shape[0]):
-            for s, e in _chunks(x3.shape[1], ctx.chunk_tokens):  # type: ignore[attr-defined]
+            for s, e in _chunks(x3.shape[1], ctx.chunk_tokens):
                 p = (x3[b, s:e].to(lse.dtype) - lse3[b, s:e]).exp_()
                 p.mul_(-g3[b, s:e])
                 p.scatter_add_(-1, lab3[b, s:e], g3[b, s:e])
@@ -267,8 +273,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: FunctionCtx,
+    def forward(
+        ctx: AutogradCtx,
         hidden: Tensor,
         weight: Tensor,
         labels: Tensor,
@@ -313,13 +319,13 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             if tanh is not None:  # d(cap * tanh(x / cap)) / dx = 1 - tanh^2
                 dz.mul_(tanh.mul_(tanh).neg_().add_(1.0))
                 del tanh
-            if need_b:
+            if grad_b is not None:
                 grad_b += dz.sum(0)
             dz_lp = dz.to(hidden.dtype)  # matmuls in the input dtype
             del dz, z
-            if need_h:
+            if grad_h is not None:
                 torch.mm(dz_lp, weight, out=grad_h[s:e])
-            if need_w:
+            if grad_w is not None:
                 if grad_w.dtype == hidden.dtype:
                     grad_w.addmm_(dz_lp.t(), h)
                 else:  # low-precision GEMM per chunk, fp32 accumulation across chunks
@@ -329,21 +335,21 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             grad_w = grad_w.to(weight.dtype)
         if grad_b is not None and bias is not None and grad_b.dtype != bias.dtype:
             grad_b = grad_b.to(bias.dtype)
-        ctx.grads = [grad_h, grad_w, grad_b]  # type: ignore[attr-defined]
+        ctx.grads = [grad_h, grad_w, grad_b]
         return loss
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: FunctionCtx, grad_out: Tensor) -> tuple[Tensor | None, ...]:
-        grads = ctx.grads  # type: ignore[attr-defined]
+    def backward(ctx: AutogradCtx, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        grads = ctx.grads
         if grads is None:
             raise RuntimeError(
                 "chunked_linear_cross_entropy: backward can run only once per forward "
                 "(the gradients were computed in forward and already handed over)"
             )
-        ctx.grads = None  # type: ignore[attr-defined]
+        ctx.grads = None
         out: list[Tensor | None] = []
-        needs = ctx.needs_input_grad  # type: ignore[attr-defined]
+        needs = ctx.needs_input_grad
         for g, needed in zip(grads, (needs[0], needs[1], needs[3])):
             out.append(g.mul_(grad_out) if (g is not None and needed) else None)
         grad_h, grad_w, grad_b = out

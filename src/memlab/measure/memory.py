@@ -16,7 +16,7 @@ whose batch shape is the largest so far - enough to catch the peak of the whole 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -125,13 +125,36 @@ def tracker_class():
                         param.register_hook(hook),
                         param.register_post_accumulate_grad_hook(lambda p: hook(p.grad)),
                     )
+                for t in quantization_state(param):
+                    winfos = self._update_and_maybe_create_winfos(t, _MemRefType.PARAM)
+                    param_memory += sum(w.mem_consumed for w in winfos)
             buffer_memory = 0
             for buf in module.buffers():
                 winfos = self._update_and_maybe_create_winfos(buf, _MemRefType.BUFFER)
                 buffer_memory += sum(w.mem_consumed for w in winfos)
             return param_memory, buffer_memory
 
+    from memlab.measure.patches import check_overrides
+
+    check_overrides(MemTracker, Tracker, own=("_skips",))
     return Tracker
+
+
+def quantization_state(param: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors a quantized parameter keeps beside its data, which count as parameters:
+    bitsandbytes' 4-bit ``quant_state`` (the per-block scales, the code book and, with double
+    quantization, the scales' own scales and code book) and its 8-bit row scales (``SCB``).
+    Empty for any other parameter."""
+    out: list[torch.Tensor] = []
+    state = getattr(param, "quant_state", None)
+    while state is not None:
+        out += [t for t in (state.absmax, state.code, state.offset)
+                if isinstance(t, torch.Tensor)]
+        state = state.state2
+    scb = getattr(param, "SCB", None)
+    if isinstance(scb, torch.Tensor):
+        out.append(scb)
+    return out
 
 
 def categorize(raw: dict[Any, int]) -> dict[str, int]:
@@ -171,6 +194,9 @@ class MemoryProbe:
         self.step_peaks: dict[int, int] = {}
         """Peak of each tracked step (the tracker's on CPU, the allocator's on CUDA)."""
         self._step = -1
+        self._training = True
+        self.last_phase_peak = 0
+        """The tracker's peak in the last phase that ran tracked."""
         if self.is_cuda:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -181,23 +207,28 @@ class MemoryProbe:
 
     # -------------------------------------------------------------- steps
     @contextlib.contextmanager
-    def step(self, index: int, tracked: bool, inputs: list[torch.Tensor] = ()):
-        """One optimizer step; ``tracked`` runs it under the categorised tracker."""
+    def step(self, index: int, tracked: bool, inputs: Sequence[torch.Tensor] = (),
+             training: bool = True) -> Iterator[None]:
+        """One optimizer step; ``tracked`` runs it under the categorised tracker.
+        ``training=False``: an evaluation micro-batch after ``index`` steps (its ``eval``
+        phase counts in the peaks; it is not a tracked step)."""
         self._step = index
-        use = tracked and self.tracker is not None
-        if use:
+        self._training = training
+        tracker = self.tracker if tracked else None
+        if tracker is not None and training:
             self.tracked_steps.append(index)
-            self.tracker.track_external(*self._external, *inputs)
+        if tracker is not None:
+            tracker.track_external(*self._external, *inputs)
             self._apply_roles()
-            self.tracker.__enter__()
+            tracker.__enter__()
             self._active = True
         try:
             yield
         finally:
-            if use:
+            if tracker is not None:
                 self._active = False
-                self.tracker.reset_mod_stats()
-                self.tracker.__exit__(None, None, None)
+                tracker.reset_mod_stats()
+                tracker.__exit__(None, None, None)
 
     @contextlib.contextmanager
     def untracked(self) -> Iterator[None]:
@@ -228,7 +259,7 @@ class MemoryProbe:
 
     def micro_end(self) -> None:
         """After each micro-batch's backward: module stats are per iteration."""
-        if self._active:
+        if self._active and self.tracker is not None:
             self.tracker.reset_mod_stats()
 
     @contextlib.contextmanager
@@ -254,6 +285,7 @@ class MemoryProbe:
                 snap = categorize(
                     {k: v for k, v in t._peak_mem_snap.get(dev, {}).items() if k != "Total"}
                 )
+                self.last_phase_peak = p
                 if p > self.phase_peak.get(name, -1):
                     self.phase_peak[name] = p
                     self.phase_snap[name] = snap
@@ -269,7 +301,7 @@ class MemoryProbe:
                 self.cuda_peak_reserved = max(self.cuda_peak_reserved, r, base_res)
                 if t is not None:
                     p = a
-            if t is not None:
+            if t is not None and self._training:
                 self.step_peaks[self._step] = max(self.step_peaks.get(self._step, 0), p)
 
     def step_metrics(self, index: int) -> dict[str, int]:
@@ -305,7 +337,8 @@ class MemoryProbe:
             "by_category": {k: int(by_cat.get(k, 0)) for k in CATEGORIES},
             "by_phase": {k: int(by_phase.get(k, 0)) for k in
                          (("generate",) if "generate" in by_phase else ())
-                         + ("forward", "backward", "optimizer")},
+                         + ("forward", "backward", "optimizer")
+                         + (("eval",) if "eval" in by_phase else ())},
             "by_phase_category": self.phase_snap,
             "peak_at": {"step": self.peak_where[0], "phase": self.peak_where[1]}
             if self.peak_where

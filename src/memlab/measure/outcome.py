@@ -20,9 +20,10 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 STATUSES = ("ok", "oom", "invalid", "nan", "failed", "killed", "timeout", "interrupted",
             "not_run")
@@ -85,7 +86,7 @@ class StopSignals:
     def __init__(self) -> None:
         self.held: Interrupted | None = None
         self._live = False
-        self._saved: dict[int, object] = {}
+        self._saved: dict[int, Callable[[int, FrameType | None], Any] | int | None] = {}
 
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
@@ -95,7 +96,8 @@ class StopSignals:
 
     def __exit__(self, *exc) -> None:
         for sig, old in self._saved.items():
-            signal.signal(sig, old)  # type: ignore[arg-type]
+            # None: the old handler was not installed from Python; the default stands for it
+            signal.signal(sig, signal.SIG_DFL if old is None else old)
         self._saved.clear()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:

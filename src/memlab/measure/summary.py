@@ -196,6 +196,27 @@ def _device_info(device: str, torch) -> dict[str, Any]:
             "count": 1, "threads": torch.get_num_threads()}
 
 
+def data_notes(d: dict[str, Any]) -> list[str]:
+    """What happened to the rows, from a summary's ``data`` section: rows rendered with a
+    training template, skipped as unsplittable, converted on load, a mixture's sources."""
+    notes = []
+    if d.get("chat_template"):
+        ct = d["chat_template"]
+        notes.append(f"chat template: memlab's {ct['training_template']} training template "
+                     f"rendered {ct['rows']} rows the stock one cannot split")
+    if d.get("unsplittable"):
+        un = d["unsplittable"]
+        notes.append(f"skipped: {un['skipped']} rows the chat template cannot split (first: "
+                     f"{'; '.join(un['first'])}): {un['reason']}")
+    if d.get("converted"):
+        notes.append("converted on load: " + ", ".join(
+            f"{k} ({v} rows)" for k, v in d["converted"].items()))
+    if d.get("sources"):
+        notes.append("mixture: " + ", ".join(f"{k} {v['rows']} rows"
+                                             for k, v in d["sources"].items()))
+    return notes
+
+
 def format_table(s: dict[str, Any]) -> str:
     """Human-readable end-of-run table."""
     lines = []
@@ -227,6 +248,7 @@ def format_table(s: dict[str, Any]) -> str:
             f"{(d.get('padding_fraction') or 0):.1%}, tokens dropped {d.get('tokens_dropped')}"
             + (f", fill {fill:.3f}" if fill is not None else "")
         )
+        lines += [f"  {note}" for note in data_notes(d)]
     tr = s.get("train") or {}
     if tr:
         steps, planned = tr.get("steps"), tr.get("steps_planned")
@@ -235,6 +257,22 @@ def format_table(s: dict[str, Any]) -> str:
                 else "")
         nan = f", non-finite loss at step {tr['nan_step']}" if tr.get("nan_step") else ""
         lines.append(f"train: {done} steps{loss}{nan}")
+    ev = s.get("eval") or {}
+    if ev.get("history"):
+        final, best = ev.get("final") or {}, ev.get("best") or {}
+        metric = ev.get("metric") or "loss"
+        shown = ", ".join(f"{k} {v:.4f}" for k, v in final.items()
+                          if k != "step" and isinstance(v, (int, float)))
+        line = (f"eval: {shown} at step {final.get('step')} ({len(ev['history'])} evals on "
+                f"{ev.get('examples')} held-out examples, {ev.get('seconds', 0):.1f} s)")
+        if best and best.get("step") != final.get("step"):
+            line += f"; best {metric} {best['value']:.4f} at step {best['step']}"
+        lines.append(line)
+        if best.get("checkpoint"):
+            lines.append(f"  best checkpoint: {best['checkpoint']}")
+        if ev.get("stopped_early"):
+            lines.append(f"  stopped early at step {ev['stopped_early']['step']}: "
+                         f"{ev['stopped_early']['reason']}")
     for err in (s.get("checkpoint") or {}).get("errors") or []:
         lines.append(f"checkpoint NOT written: {err}")
     if s.get("write_error"):

@@ -26,12 +26,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from memlab.method.base import IGNORE, Segments, round_up, scored_tensors, shifted_labels
 from memlab.packing.groups import PACK_ROWS
+
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
 
 
 @dataclass
@@ -106,7 +109,9 @@ def collate_rows(rows: list[list[Doc]], pad_id: int, multiple: int | None, flat:
     listed: list[tuple[int, int, int]] = []  # (position, label, sequence) with ``scored``
     pooled: dict[int, int] = {}
     for r, row in enumerate(rows):
-        starts, start, entry = [], 0, []
+        starts: list[int] = []
+        start = 0
+        entry: list[int | tuple[int, int, int]] = []
         for j, d in enumerate(row):
             n = len(d.ids)
             starts.append(start)
@@ -182,7 +187,16 @@ def units_of(items: list[dict]) -> tuple[list[dict], list[list[int]] | None]:
     return units, rows_of
 
 
-def layout_errors(method, ctx) -> list[str]:
+class PairRows(Protocol):
+    """The knobs of a preference method that decide how its units are laid out in rows."""
+
+    @property
+    def max_length(self) -> int | None: ...
+    @property
+    def share_prompt(self) -> bool: ...
+
+
+def layout_errors(method: PairRows, ctx: BuildContext) -> list[str]:
     """Checks every preference method shares for packing and ``share_prompt``."""
     errors = []
     if ctx.packing.packs and method.max_length is None:
@@ -217,13 +231,15 @@ def per_item(values: list, items: list[dict]) -> list:
     return out
 
 
-def fits_row(ctx) -> bool:
-    """Whether a unit must fit one row (``packing=bfd``: packed, no splitting); False without a
-    run context (a method used on its own)."""
-    return ctx is not None and ctx.packing.packs and not ctx.packing.keeps_overflow
+def unit_row(ctx: BuildContext | None, max_length: int | None) -> int | None:
+    """The row a unit must fit whole (``packing=bfd``: packed, no splitting): its capacity
+    ``max_length`` (which packing requires); None when units are not packed whole, or without
+    a run context (a method used on its own)."""
+    whole = ctx is not None and ctx.packing.packs and not ctx.packing.keeps_overflow
+    return max_length if whole else None
 
 
-def attention_of(ctx) -> Any:
+def attention_of(ctx: BuildContext | None) -> Any:
     """The run's attention option (it builds the document masks some backends need), or None
     without a run context."""
     return None if ctx is None else ctx.attention

@@ -21,21 +21,35 @@ only where a completion token is predicted; completions whose loss term is zero 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Annotated, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 import torch
 from torch import nn
 
 from memlab.data.base import DataError, check_messages, check_text
-from memlab.generation.base import GenerationEnv, Samples, SamplingParams
+from memlab.generation.base import Engine, GenerationEnv, Samples, SamplingParams
 from memlab.method import _layout, _overrides, _reference, _rewards, _rollout, _rows
-from memlab.method.base import IGNORE, Batch, DataStats, ModelFactory, drops_padding_mask
-from memlab.registry import NonNegativeFloat, PositiveFloat, PositiveInt, Range
+from memlab.method.base import (
+    IGNORE,
+    Batch,
+    DataStats,
+    Generating,
+    ModelFactory,
+    drops_padding_mask,
+)
+from memlab.model.base import Head
+from memlab.registry import NonNegativeFloat, Option, PositiveFloat, PositiveInt, Range
+from memlab.trainer.routing import base_model
+
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
+    from memlab.packing.groups import GroupPacked
 
 
 @dataclass(kw_only=True)
-class Online:
+class Online(Option):
     """Knobs every online method has, named as in TRL's GRPOConfig / RLOOConfig."""
 
     num_generations: PositiveInt = 4
@@ -89,19 +103,23 @@ class Online:
     one row: restarting position ids, no padding."""
 
     data_kinds: ClassVar[tuple[str, ...]] = ("chat", "preference")
-    head: ClassVar[str] = "causal_lm"
+    head: ClassVar[Head] = "causal_lm"
     supports_packing: ClassVar[bool] = False
     supports_padding_free: ClassVar[bool] = True
     trains_extra_models: ClassVar[bool] = False
     supports_sampling_correction: ClassVar[bool] = False
     items_name: ClassVar[str] = "completion tokens"
+    eval_metrics: ClassVar[tuple[str, ...]] = ("reward", "completions/mean_length",
+                                               "completions/finished")
+    """Of greedy completions, one per held-out prompt (:meth:`evaluate`)."""
     min_generations: ClassVar[int] = 2
     reuses_rollouts: ClassVar[bool] = True
     """Whether the loss has a probability ratio to old log-probs (num_iterations > 1 allowed)."""
 
     # ------------------------------------------------------------------ validation
-    def validate(self, ctx) -> list[str]:
-        errors = _rows.length_errors(self, ["max_prompt_length", "max_completion_length"])
+    def validate(self, ctx: BuildContext) -> list[str]:
+        errors = _rows.length_errors({"max_prompt_length": self.max_prompt_length,
+                                      "max_completion_length": self.max_completion_length})
         if self.num_generations < self.min_generations:
             errors.append(f"method.num_generations must be >= {self.min_generations}: the "
                           f"advantage compares completions of the same prompt (got "
@@ -137,6 +155,12 @@ class Online:
             errors.append(f"train.save_every={ctx.train.save_every} must be a multiple of "
                           f"method.num_iterations={self.num_iterations} (checkpoints are taken "
                           "between generation batches)")
+        elif (self.num_iterations > 1 and ctx.train.save_best
+              and ctx.train.eval_every % self.num_iterations):
+            errors.append(f"train.save_best=true saves at evaluations, and train.eval_every="
+                          f"{ctx.train.eval_every} is not a multiple of method.num_iterations="
+                          f"{self.num_iterations} (checkpoints are taken between generation "
+                          "batches)")
         if self.beta > 0:
             errors += _reference.reference_errors(self, ctx)
         if self.share_prompt:  # asked for explicitly (None turns on only where it can)
@@ -145,7 +169,7 @@ class Online:
                 "the other completions")
         return errors
 
-    def _reward_model_errors(self, ctx) -> list[str]:
+    def _reward_model_errors(self, ctx: BuildContext) -> list[str]:
         errors: list[str] = []
         for i, entry in enumerate(self.reward_models):
             where = f"method.reward_models[{i}]"
@@ -160,7 +184,7 @@ class Online:
         return errors
 
     # ------------------------------------------------------------------ data
-    def prepare(self, ds, tokenizer, ctx) -> tuple[Any, DataStats]:
+    def prepare(self, ds, tokenizer, ctx: BuildContext) -> tuple[Any, DataStats]:
         """Prompt tokens (chat template with the generation prompt, cut from the left) and the
         reference answer text, from conversations or preference rows."""
         cols = set(ds.column_names)
@@ -172,7 +196,7 @@ class Online:
 
         def fn(row: dict, idx: int) -> list[dict]:
             prompt, reference = _prompt_and_reference(row, idx)
-            ids = _rows.encode_prompt(tokenizer, prompt, idx)
+            ids = _rows.encode_prompt(tokenizer, prompt, idx, row.get("tools"))
             n_in = len(ids)
             if limit is not None and len(ids) > limit:
                 ids = ids[len(ids) - limit:]
@@ -189,7 +213,7 @@ class Online:
                           tokens_dropped=n_in - kept)
         return out, stats
 
-    def collate(self, rows: list[dict], tokenizer, ctx) -> Batch:
+    def collate(self, rows: list[dict], tokenizer, ctx: BuildContext) -> Batch:
         """Left-padded prompts ``[B, P]``: generation appends to the right end of every row."""
         pad = tokenizer.pad_token_id
         width = max(len(r["prompt_ids"]) for r in rows)
@@ -211,7 +235,7 @@ class Online:
                            "decode": tokenizer.batch_decode})
 
     # ------------------------------------------------------------------ models
-    def extra_models(self, policy, ctx, build: ModelFactory) -> dict[str, nn.Module]:
+    def extra_models(self, policy, ctx: BuildContext, build: ModelFactory) -> dict[str, nn.Module]:
         models = _reference.reference_models(self, policy, ctx, build) if self.beta > 0 else {}
         return {**models, **self.reward_model_instances(build)}
 
@@ -222,12 +246,15 @@ class Online:
                                                  build.tokenizer(entry or None))
                 for i, entry in enumerate(self.reward_models)}
 
-    def before_training(self, models, ds, ctx):
+    def before_training(self, models, ds, ctx: BuildContext):
         return None
 
     # ------------------------------------------------------------------ capabilities
-    def generates(self) -> bool:
-        return True
+    def as_generating(self) -> Generating | None:
+        return self
+
+    def as_group_packed(self) -> GroupPacked | None:
+        return None
 
     def row_length(self) -> int | None:
         return self.max_prompt_length
@@ -235,10 +262,13 @@ class Online:
     def pad_multiple(self) -> int | None:
         return None
 
-    def packs_rows(self, ctx) -> bool:
+    def keeps_row_end(self) -> bool:
+        return False
+
+    def packs_rows(self, ctx: BuildContext) -> bool:
         return self.padding_free or self.shares_prompt(ctx)
 
-    def shares_prompt(self, ctx) -> bool:
+    def shares_prompt(self, ctx: BuildContext | None) -> bool:
         """Whether a group's prompt is stored once (``share_prompt``; None: where the attention
         can show a document a prefix; without a run context, off)."""
         if self.share_prompt is not None:
@@ -252,8 +282,11 @@ class Online:
     def uses_liger(self) -> bool:
         return False
 
-    def reads_head_weight(self) -> bool:
-        return False
+    def liger_model_kernels(self) -> tuple[str, ...]:
+        return ()
+
+    def reads_head_weight(self) -> str | None:
+        return None
 
     # ------------------------------------------------------------------ generation
     def sampling_length(self) -> int:
@@ -269,7 +302,7 @@ class Online:
                               eos=batch.meta["eos"], pad=batch.meta["pad"],
                               n=self.num_generations)
 
-    def rollout(self, models: dict, batch: Batch, ctx, env: GenerationEnv) -> Batch:
+    def rollout(self, models: dict, batch: Batch, ctx: BuildContext, env: GenerationEnv) -> Batch:
         """Sample ``num_generations`` completions per prompt with the run's engine (each prompt
         prefilled once), score them, and return the training batch
         (:meth:`training_batch`)."""
@@ -282,20 +315,42 @@ class Online:
             self.correct_sampling(models, out, samples, env.engine, ctx)
         return out
 
-    def correct_sampling(self, models: dict, out: Batch, samples: Samples, engine, ctx) -> None:
+    def evaluate(self, models: dict, batch: Batch, ctx: BuildContext, env: GenerationEnv
+                 ) -> tuple[dict[str, float], int]:
+        """One greedy completion per held-out prompt from the run's engine, scored by the
+        run's rewards: the reward (and each reward's share, the completions' length and
+        whether they ended) summed over the prompts."""
+        t = batch.tensors
+        params = dataclasses.replace(self.sampling(batch), greedy=True, n=1)
+        samples = env.engine.generate(models["policy"], t["prompt_ids"], t["prompt_mask"], params)
+        rewards, metrics = dataclasses.replace(self, num_generations=1).score(batch, samples,
+                                                                              models)
+        n = len(samples.token_ids)
+        sums = {k: v * n for k, v in metrics.items()}
+        sums.update({"reward": float(rewards.sum()),
+                     "completions/mean_length": float(sum(samples.lengths)),
+                     "completions/finished": float(sum(samples.finished_list))})
+        return sums, n
+
+    def correct_sampling(self, models: dict, out: Batch, samples: Samples, engine: Engine,
+                         ctx: BuildContext) -> None:
         """Weight each completion token by the engine's correction of the mismatch between
-        the sampler's log-probs and the trainer's (``is_weights``; methods that declare
-        ``supports_sampling_correction`` apply them in their loss). The trainer's log-probs are
-        those of the policy at generation time (one no-grad forward, shared with
-        ``old_logps`` when the method records them)."""
+        the sampler's log-probs (``samples.logprobs``, ``[N, L]``) and the trainer's
+        (``is_weights``; methods that declare ``supports_sampling_correction`` apply them in
+        their loss). The trainer's log-probs are those of the policy at generation time (one
+        no-grad forward, shared with ``old_logps`` when the method records them)."""
         t = out.tensors
         mask = t["completion_mask"]
         old = t.get("old_logps")
         if old is None:
             with torch.no_grad():
                 old = self.completion_logps(models["policy"], t, ctx)
+        assert samples.logprobs is not None
         sampler = samples.logprobs[:, : mask.shape[1]].to(old)
-        weights, metrics = engine.importance_weights(old, sampler * mask, mask.bool())
+        corrected = engine.importance_weights(old, sampler * mask, mask.bool())
+        if corrected is None:  # the engine applies no correction after all
+            return
+        weights, metrics = corrected
         t["is_weights"] = weights.to(old.device)
         out.meta["rollout"].update(metrics)
 
@@ -426,7 +481,7 @@ class RewardModel(nn.Module):
             tokenizer.pad_token = tokenizer.eos_token
         tokenizer.padding_side = "right"
         self.tokenizer = tokenizer
-        model.config.pad_token_id = tokenizer.pad_token_id  # its tokenizer's, not the policy's
+        base_model(model).config.pad_token_id = tokenizer.pad_token_id  # its own tokenizer's
 
     def forward(self, **inputs: torch.Tensor) -> Any:
         return self.model(**inputs)
@@ -463,7 +518,8 @@ def _prompt_and_reference(row: dict, idx: int) -> tuple[Any, str]:
         last = max((i for i, m in enumerate(msgs) if m["role"] == "user"), default=None)
         if last is None:
             raise DataError(f"row {idx}: field 'messages' has no user turn to prompt with")
-        answer = next((m["content"] for m in msgs[last + 1:] if m["role"] == "assistant"), "")
+        answer = next((m["content"] or "" for m in msgs[last + 1:] if m["role"] == "assistant"),
+                      "")
         return msgs[: last + 1], answer
     prompt = row.get("prompt")
     chosen = row.get("chosen")
@@ -474,7 +530,7 @@ def _prompt_and_reference(row: dict, idx: int) -> tuple[Any, str]:
     else:
         raise DataError(f"row {idx}: field 'prompt' is empty")
     if isinstance(chosen, list):
-        answer = " ".join(m.get("content", "") for m in chosen if isinstance(m, dict))
+        answer = " ".join(m.get("content") or "" for m in chosen if isinstance(m, dict))
     else:
         answer = chosen or ""
     return prompt, answer
@@ -488,7 +544,7 @@ class Clipped(Online):
     epsilon_high: PositiveFloat | None = None
     """Upper clip (DAPO's clip-higher); None = epsilon."""
 
-    def validate(self, ctx) -> list[str]:
+    def validate(self, ctx: BuildContext) -> list[str]:
         errors = super().validate(ctx)
         if self.epsilon <= 0 or (self.epsilon_high is not None and self.epsilon_high <= 0):
             errors.append("method.epsilon and method.epsilon_high must be > 0")

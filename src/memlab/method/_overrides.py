@@ -8,10 +8,13 @@ Not an option of its own.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
 
 
-def override_key_errors(ctx, overrides: dict[str, Any], where: str) -> list[str]:
+def override_key_errors(ctx: BuildContext, overrides: dict[str, Any], where: str) -> list[str]:
     """Keys of ``overrides`` (model-group overrides: a teacher, a reward model) that the run's
     model group does not have, one error each, named ``<where>.<key>``."""
     if not dataclasses.is_dataclass(ctx.model):
@@ -21,7 +24,7 @@ def override_key_errors(ctx, overrides: dict[str, Any], where: str) -> list[str]
             f"{', '.join(sorted(fields_))})" for key in overrides if key not in fields_]
 
 
-def overridden_model_errors(ctx, overrides: dict[str, Any], where: str) -> list[str]:
+def overridden_model_errors(ctx: BuildContext, overrides: dict[str, Any], where: str) -> list[str]:
     """The model group's own validation of itself with ``overrides`` applied (keys known)."""
     if not dataclasses.is_dataclass(ctx.model):
         return []

@@ -14,7 +14,7 @@ import contextlib
 import gc
 import hashlib
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -22,10 +22,21 @@ from torch import nn
 from memlab.method.base import ModelFactory
 from memlab.trainer.routing import unwrap
 
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
+    from memlab.distributed.base import Distributed
+
 REFERENCE_MODES = ("copy", "adapter_disabled", "precomputed")
 
 
-def reference_errors(method, ctx) -> list[str]:
+class WithReference(Protocol):
+    """A method that regularises towards the frozen initial policy: its ``reference`` mode."""
+
+    @property
+    def reference(self) -> str: ...
+
+
+def reference_errors(method: WithReference, ctx: BuildContext) -> list[str]:
     """``reference=adapter_disabled`` needs an adapter to disable (the peft option declares one)."""
     if method.reference == "adapter_disabled" and not ctx.peft.has_adapter():
         return [
@@ -39,13 +50,15 @@ def reference_errors(method, ctx) -> list[str]:
 @contextlib.contextmanager
 def frozen_forward(model: nn.Module, disable_adapter: bool = False) -> Iterator[nn.Module]:
     """No grad, eval mode (no dropout), optionally the LoRA adapter off; the mode is restored."""
+    from peft import PeftModel
+
     inner = unwrap(model)
     was_training = inner.training
     inner.eval()
     try:
         with torch.no_grad():
             if disable_adapter:
-                if not hasattr(inner, "disable_adapter"):
+                if not isinstance(inner, PeftModel):
                     raise TypeError("reference=adapter_disabled needs a PEFT model with a LoRA "
                                     f"adapter; the policy is a {type(inner).__name__}")
                 with inner.disable_adapter():
@@ -64,45 +77,35 @@ def _base_name(name: str) -> str:
     return name.replace(".base_layer.", ".").replace(".original_module.", ".")
 
 
-def check_same_weights(policy: nn.Module, reference: nn.Module) -> int:
+def check_same_weights(policy: nn.Module, reference: nn.Module, distributed: Distributed
+                       ) -> int:
     """Every reference parameter must equal the policy's (frozen base) parameter of the same
-    name: a DPO / KTO reference is the policy *before* training. Returns the number compared;
-    raises ValueError naming the first mismatch."""
+    name: a DPO / KTO reference is the policy *before* training. ``distributed`` (the run's
+    option) gathers a parameter its wrapper shards (a collective: every rank compares). Returns
+    the number compared; raises ValueError naming the first mismatch."""
     ours = {_base_name(n): p for n, p in unwrap(policy).named_parameters() if "lora_" not in n}
-    gather = contextlib.nullcontext()
-    if any(hasattr(p, "ds_id") for p in ours.values()):  # DeepSpeed ZeRO-3 partitions
-        import deepspeed
-
-        gather = deepspeed.zero.GatheredParameters(list(ours.values()))
-    with gather:
-        compared = _compare_weights(ours, reference)
+    compared = 0
+    for name, ref in reference.named_parameters():
+        mine = ours.get(_base_name(name))
+        if mine is None or not ref.dtype.is_floating_point:
+            continue
+        with distributed.gathered(mine) as whole:
+            if whole.shape != ref.shape or not whole.dtype.is_floating_point:
+                continue  # quantized storage (bitsandbytes): compared through its neighbours
+            if not torch.equal(whole.detach().to(ref.dtype), ref.detach()):
+                raise ValueError(
+                    f"the reference copy differs from the policy at {name!r}: the model loader "
+                    "did not give the same initial weights twice (for model=tiny keep one "
+                    "seed); use method.reference=adapter_disabled (with peft=lora) or fix the "
+                    "loader")
+        compared += 1
     if compared == 0:
         raise ValueError("could not match any reference parameter to the policy's by name")
     return compared
 
 
-def _compare_weights(ours: dict[str, nn.Parameter], reference: nn.Module) -> int:
-    compared = 0
-    for name, ref in reference.named_parameters():
-        mine = ours.get(_base_name(name))
-        if mine is None or mine.shape != ref.shape or not ref.dtype.is_floating_point:
-            continue
-        if hasattr(mine, "full_tensor"):  # an FSDP2 shard: compare the gathered parameter
-            mine = mine.detach().full_tensor()
-        elif type(ref) is not nn.Parameter or type(mine) is not nn.Parameter:
-            continue  # quantized storage (bitsandbytes): compared through its float neighbours
-        if not torch.equal(mine.detach().to(ref.dtype), ref.detach()):
-            raise ValueError(
-                f"the reference copy differs from the policy at {name!r}: the model loader did "
-                "not give the same initial weights twice (for model=tiny keep one seed); use "
-                "method.reference=adapter_disabled (with peft=lora) or fix the loader"
-            )
-        compared += 1
-    return compared
-
-
-def reference_models(method, policy: nn.Module, ctx, build: ModelFactory
-                     ) -> dict[str, nn.Module]:
+def reference_models(method: WithReference, policy: nn.Module, ctx: BuildContext,
+                     build: ModelFactory) -> dict[str, nn.Module]:
     """The models a reference mode keeps next to the policy.
 
     copy: a frozen copy (counted as "parameters" by the memory probe during training).
@@ -117,12 +120,12 @@ def reference_models(method, policy: nn.Module, ctx, build: ModelFactory
         return {}
     reference = build()
     if build.exact_weights:  # fake weights (an estimate) have no values to compare
-        check_same_weights(policy, reference)
+        check_same_weights(policy, reference, ctx.distributed)
     return {"reference": reference}
 
 
 @contextlib.contextmanager
-def reference_forward(method, models: dict[str, nn.Module]) -> Iterator[nn.Module]:
+def reference_forward(method: WithReference, models: dict[str, nn.Module]) -> Iterator[nn.Module]:
     """The model to run as reference (no grad, eval mode)."""
     if "reference" in models:
         with frozen_forward(models["reference"]) as m:
@@ -132,7 +135,7 @@ def reference_forward(method, models: dict[str, nn.Module]) -> Iterator[nn.Modul
             yield m
 
 
-def precompute(method, models: dict[str, nn.Module], ds, ctx,
+def precompute(method: WithReference, models: dict[str, nn.Module], ds, ctx: BuildContext,
                collate: Callable[[list[dict]], Any],
                run: Callable[[nn.Module, Any, list[dict]], dict[str, list]]):
     """Run the reference once over ``ds`` (in order, ``train.batch_size`` rows at a time, or
@@ -161,8 +164,8 @@ def precompute(method, models: dict[str, nn.Module], ds, ctx,
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     fp = hashlib.sha1(repr((ds._fingerprint, "reference_logps", sorted(out))).encode())
-    for i, (name, values) in enumerate(out.items()):
-        ds = ds.add_column(name, values, new_fingerprint=f"{fp.hexdigest()}-{i}")
+    for i, (name, column) in enumerate(out.items()):
+        ds = ds.add_column(name, column, new_fingerprint=f"{fp.hexdigest()}-{i}")
     print(f"[memlab] reference log-probs precomputed for {len(ds)} rows in "
           f"{time.perf_counter() - t0:.1f}s; no reference model is kept for training",
           flush=True)

@@ -73,9 +73,9 @@ def training_tensors(prompts: list[list[int]], completions: list[list[int]], kee
     if share:
         units = []
         for b, prompt in enumerate(prompts):
-            seqs = [i for i in placed if i // group == b]
-            if seqs:
-                units.append(_layout.unit_docs(prompt, [completions[i] for i in seqs], seqs,
+            mine = [i for i in placed if i // group == b]
+            if mine:
+                units.append(_layout.unit_docs(prompt, [completions[i] for i in mine], mine,
                                                shared=True))
         t, real, total = _layout.collate_rows(units, pad_id, None, flat, scored=True)
     else:
@@ -119,9 +119,10 @@ def _values(model, index: torch.Tensor, labelled: bool, **inputs: Any) -> torch.
     base = base_model(model)
     hidden = getattr(base, base.base_model_prefix)(**inputs, use_cache=False).last_hidden_state
     hidden = hidden.reshape(-1, hidden.shape[-1])
+    score = base.get_submodule("score")  # the value head
     if labelled:
-        return base.score(hidden.index_select(0, index)).squeeze(-1).float()
-    return base.score(hidden).squeeze(-1).float().index_select(0, index)
+        return score(hidden.index_select(0, index)).squeeze(-1).float()
+    return score(hidden).squeeze(-1).float().index_select(0, index)
 
 
 def completion_values(model, t: dict[str, Any], labelled: bool, attention: Any = None

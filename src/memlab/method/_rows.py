@@ -7,10 +7,12 @@ Not an option of its own (the registry skips modules whose name starts with ``_`
   assistant messages): the prompt is rendered with the chat template and
   ``add_generation_prompt=True``; a completion is the suffix of the rendering of prompt +
   completion, after checking that this rendering starts with the prompt's (``DataError``
-  naming the row otherwise). Plain-string rows: ``prompt`` and completion tokenized without
-  special tokens, the tokenizer's EOS appended to the completion (as SFT does). Conversational
-  rows without a ``prompt`` column get the longest common message prefix of chosen and rejected
-  as prompt.
+  naming the row otherwise); a row's ``tools`` go to the template. Plain-string rows
+  (:mod:`memlab.data.text`): the ``prompt`` starts with the tokenizer's BOS when it adds one, the
+  completion ends with its EOS (as SFT does). Rows without a ``prompt`` column (implicit prompt)
+  get the longest common start of chosen and rejected as prompt: their common message prefix
+  (conversational), or their common text up to the last whitespace before they differ (strings;
+  the whitespace goes to the completions, as a tokenizer attaches it to the next word).
 * **Truncation** (all limits optional): the prompt is cut from the LEFT to
   ``max_prompt_length`` (its end, next to the answer, is kept), each completion from the RIGHT to
   ``max_completion_length``, then prompt + completion to ``max_length`` by cutting the
@@ -22,24 +24,26 @@ Not an option of its own (the registry skips modules whose name starts with ``_`
   largest that fits (the shorter ones are cut only if longer than ``k``); the prompt is never
   cut by it; a unit with no room for one token of each completion is dropped and counted.
 * **Datasets.** :func:`map_rows` runs a row function (0, 1 or more output rows per input row) as
-  one batched ``datasets.map``; :func:`keep_rows` drops the rows a method flagged.
+  one batched ``datasets.map`` (a row the chat template cannot split is left out there under
+  ``data.on_unsplittable=skip``: :class:`memlab.data.chat.SkippedRow`); :func:`keep_rows` drops
+  the rows a method flagged.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from memlab.data import chat
+from memlab.data import chat, text
 from memlab.data.base import DataError, check_messages, check_text
 
 
-def length_errors(method, names: Sequence[str]) -> list[str]:
-    """Each named limit must be null or positive (>= 2 for max_length)."""
+def length_errors(limits: Mapping[str, int | None]) -> list[str]:
+    """Each length limit (``method.<name>``: its value) must be null or positive (>= 2 for
+    max_length)."""
     errors = []
-    for name in names:
-        value = getattr(method, name)
+    for name, value in limits.items():
         low = 2 if name == "max_length" else 1
         if value is not None and value < low:
             errors.append(f"method.{name} must be >= {low} or null (got {value})")
@@ -49,9 +53,11 @@ def length_errors(method, names: Sequence[str]) -> list[str]:
 # ----------------------------------------------------------------------------------- rows
 
 
-def split_implicit_prompt(chosen: Any, rejected: Any, idx: int) -> tuple[list, list, list]:
-    """Conversational chosen / rejected without a prompt column: the longest common message
-    prefix is the prompt, the rest are the completions."""
+def split_implicit_prompt(chosen: Any, rejected: Any, idx: int) -> tuple[Any, Any, Any]:
+    """Chosen / rejected without a prompt column: their common start is the prompt, the rest
+    are the completions (module docstring)."""
+    if isinstance(chosen, str) or isinstance(rejected, str):
+        return _split_text(chosen, rejected, idx)
     check_messages(chosen, idx, "chosen")
     check_messages(rejected, idx, "rejected")
     n = 0
@@ -65,36 +71,82 @@ def split_implicit_prompt(chosen: Any, rejected: Any, idx: int) -> tuple[list, l
     return chosen[:n], chosen[n:], rejected[n:]
 
 
-def encode_prompt(tok, prompt: Any, idx: int) -> list[int]:
-    """Prompt tokens: the chat template with the generation prompt, or plain text."""
+def _split_text(chosen: Any, rejected: Any, idx: int) -> tuple[str, str, str]:
+    check_text(chosen, idx, "chosen")
+    check_text(rejected, idx, "rejected")
+    n = 0
+    while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+        n += 1
+    while n > 0 and not chosen[n - 1].isspace():  # back to a word start
+        n -= 1
+    while n > 0 and chosen[n - 1].isspace():  # the whitespace goes with the completions
+        n -= 1
+    if n == 0 or chosen == rejected:
+        raise DataError(f"row {idx}: without a 'prompt' field, 'chosen' and 'rejected' must "
+                        "start with the same words (the prompt) and differ after them; add a "
+                        "'prompt' field")
+    return chosen[:n], chosen[n:], rejected[n:]
+
+
+def encode_prompt(tok, prompt: Any, idx: int, tools: Any = None) -> list[int]:
+    """Prompt tokens: the chat template with the generation prompt, or plain text (with the
+    tokenizer's BOS when it adds one)."""
     if isinstance(prompt, list):
-        return chat.prompt_ids(tok, prompt, idx, "prompt")
+        return chat.prompt_ids(tok, prompt, idx, "prompt", tools=tools)
     check_text(prompt, idx, "prompt")
-    return list(tok(prompt, add_special_tokens=False)["input_ids"])
+    return text.start_ids(tok, prompt)
+
+
+SAMPLE_TEXT_TOKENS = 32
+"""Tokens of a plain-text row that prompt its eval sample (``train.eval_samples``)."""
+
+
+def sample_prompt_ids(tok, row: dict, idx: int) -> list[int]:
+    """The prompt of held-out row ``row`` for a greedy sample (``train.eval_samples``): a
+    conversation (``messages``, or an implicit-prompt preference row's ``chosen``) up to its last
+    user turn, with the generation prompt; a row's ``prompt``; plain text's first
+    :data:`SAMPLE_TEXT_TOKENS` tokens."""
+    tools = row.get("tools")
+    conversation = row.get("messages") or (row.get("chosen") if row.get("prompt") is None
+                                           and isinstance(row.get("chosen"), list) else None)
+    if conversation:
+        check_messages(conversation, idx, "messages")
+        last = max((i for i, m in enumerate(conversation) if m["role"] == "user"), default=None)
+        if last is None:
+            raise DataError(f"row {idx}: the conversation has no user turn to prompt a sample "
+                            "with")
+        return chat.prompt_ids(tok, conversation[:last + 1], idx, "messages", tools=tools)
+    if row.get("prompt") is not None:
+        return encode_prompt(tok, row["prompt"], idx, tools)
+    if isinstance(row.get("text"), str):
+        return text.start_ids(tok, row["text"])[:SAMPLE_TEXT_TOKENS]
+    raise DataError(f"row {idx}: no prompt, conversation or text to prompt a sample with "
+                    f"(columns {sorted(row)})")
 
 
 def encode_completion(tok, prompt: Any, prompt_ids: list[int], completion: Any, idx: int,
-                      field: str) -> list[int]:
+                      field: str, tools: Any = None) -> list[int]:
     """Completion tokens that follow ``prompt_ids`` (see the module docstring)."""
     if isinstance(prompt, list):
-        return chat.completion_ids(tok, prompt, prompt_ids, completion, idx, field)
+        return chat.completion_ids(tok, prompt, prompt_ids, completion, idx, field, tools=tools)
     if isinstance(completion, list):
         raise DataError(f"row {idx}: 'prompt' is a string but '{field}' is a list of messages; "
                         "use the same format (both strings or both messages)")
     check_text(completion, idx, field)
-    return list(tok(completion, add_special_tokens=False)["input_ids"]) + [tok.eos_token_id]
+    return text.end_ids(tok, completion)
 
 
-def encode_full(tok, prompt: Any | None, completion: Any, idx: int, field: str) -> list[int]:
+def encode_full(tok, prompt: Any | None, completion: Any, idx: int, field: str,
+                tools: Any = None) -> list[int]:
     """One whole sequence (reward models): prompt + completion, or the completion alone when it
     is a full conversation / text."""
     if prompt is None:
         if isinstance(completion, list):
-            return chat.conversation_ids(tok, completion, idx, field)
+            return chat.conversation_ids(tok, completion, idx, field, tools=tools)
         check_text(completion, idx, field)
-        return list(tok(completion, add_special_tokens=False)["input_ids"]) + [tok.eos_token_id]
-    p = encode_prompt(tok, prompt, idx)
-    return p + encode_completion(tok, prompt, p, completion, idx, field)
+        return text.document_ids(tok, completion)
+    p = encode_prompt(tok, prompt, idx, tools)
+    return p + encode_completion(tok, prompt, p, completion, idx, field, tools)
 
 
 # ----------------------------------------------------------------------------------- truncation
@@ -151,7 +203,7 @@ def is_empty(completion: Any) -> bool:
         return not completion.strip()
     if isinstance(completion, list):
         return all(isinstance(m, dict) and not str(m.get("content") or "").strip()
-                   for m in completion)
+                   and not m.get("tool_calls") for m in completion)
     return False
 
 
@@ -168,7 +220,11 @@ def map_rows(ds, fn: Callable[[dict, int], list[dict]], columns: Sequence[str], 
     def batch_fn(batch: dict[str, list], idx: list[int]) -> dict[str, list]:
         out: dict[str, list] = {c: [] for c in columns}
         for j, i in enumerate(idx):
-            for row in fn({k: v[j] for k, v in batch.items()}, i):
+            try:
+                rows = fn({k: v[j] for k, v in batch.items()}, i)
+            except chat.SkippedRow:
+                continue
+            for row in rows:
                 for c in columns:
                     out[c].append(row[c])
         return out

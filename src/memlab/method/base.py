@@ -15,29 +15,47 @@ A method is a registered dataclass (configuration only: no run-time state) with:
 - ``loss(models, batch, ctx) -> (loss_sum, metrics)``: the loss *summed* over the batch's
   ``num_items`` (tokens for SFT, pairs for DPO); the trainer divides by the items of the whole
   optimizer step, so gradient accumulation does not change the gradient;
-- ``generates() -> bool``: whether it samples its training batches (online methods), which then
-  also have ``rollout(models, batch, ctx, env)`` and ``num_iterations`` (:class:`Generating`);
 - ``packs_rows(ctx) -> bool``: whether its collated rows hold several sequences (packing,
-  padding-free); the attention option checks that it can keep them apart.
+  padding-free); the attention option checks that it can keep them apart;
+- ``evaluate(models, batch, ctx, env) -> (sums, items)`` and ``eval_metrics``: its metrics on
+  a held-out micro-batch (no gradients), summed over the batch's items, so that the trainer's
+  evaluation adds them up over the whole held-out set and every rank before dividing
+  (:mod:`memlab.trainer.evaluate`): the loss and the loss's metrics for methods that train on
+  a dataset (:func:`loss_sums`), the reward of greedy completions for online methods.
+
+Declared capabilities (None: the method does not have it):
+
+- ``as_generating() -> Generating | None``: it samples its training batches (online methods):
+  ``rollout(models, batch, ctx, env)``, ``num_iterations``... (:class:`Generating`);
+- ``as_group_packed() -> GroupPacked | None``: its rows pack as units of several sequences
+  (preference pairs; :class:`memlab.packing.groups.GroupPacked`).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import Any, ClassVar, Protocol
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
 import torch
 from torch import nn
 
+from memlab import registry
 from memlab.losses import IGNORE
 from memlab.measure.data import DataStats
+from memlab.model.base import Head
+from memlab.registry import Option
 from memlab.trainer.batch import Batch, Segments
 from memlab.trainer.routing import unwrap
 
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
+    from memlab.generation.base import GenerationEnv
+    from memlab.packing.groups import GroupPacked
+
 __all__ = ["IGNORE", "Batch", "DataStats", "Generating", "Method", "ModelFactory", "Segments",
-           "decoder_hidden", "flatten_batch", "head_logits", "model_inputs", "pad_batch",
-           "round_up", "scored_tensors", "shifted_labels"]
+           "decoder_hidden", "flatten_batch", "head_logits", "loss_sums", "model_inputs",
+           "pad_batch", "register", "round_up", "scored_tensors", "shifted_labels"]
 
 
 class ModelFactory(Protocol):
@@ -50,7 +68,7 @@ class ModelFactory(Protocol):
     """Whether the models hold real weight values (False while estimating on fake tensors):
     checks that compare weights run only when True."""
 
-    def __call__(self, overrides: dict[str, Any] | None = None, *, head: str | None = None,
+    def __call__(self, overrides: dict[str, Any] | None = None, *, head: Head | None = None,
                  trainable: bool = False) -> nn.Module: ...
 
     def tokenizer(self, overrides: dict[str, Any] | None = None) -> Any:
@@ -58,11 +76,11 @@ class ModelFactory(Protocol):
         ...
 
 
-class Method(Protocol):
+class Method(Option, Protocol):
     """What every ``method=`` option provides (module docstring)."""
 
     data_kinds: ClassVar[tuple[str, ...]]
-    head: ClassVar[str]
+    head: ClassVar[Head]
     items_name: ClassVar[str]
     supports_packing: ClassVar[bool]
     supports_padding_free: ClassVar[bool]
@@ -71,21 +89,24 @@ class Method(Protocol):
     supports_sampling_correction: ClassVar[bool]
     """Its loss can weight tokens by the sampler/trainer mismatch (generation=vllm)."""
 
-    def validate(self, ctx) -> list[str]: ...
-    def prepare(self, ds, tokenizer, ctx) -> tuple[Any, DataStats]: ...
-    def collate(self, rows: list[dict], tokenizer, ctx) -> Batch: ...
-    def extra_models(self, policy: nn.Module, ctx, build: ModelFactory) -> dict[str, nn.Module]:
-        ...
-    def before_training(self, models: dict[str, nn.Module], ds, ctx) -> Any: ...
-    def loss(self, models: dict, batch: Batch, ctx) -> tuple[torch.Tensor, dict[str, float]]:
-        ...
-    def generates(self) -> bool: ...
-    def packs_rows(self, ctx) -> bool: ...
+    def prepare(self, ds: Any, tokenizer: Any, ctx: BuildContext) -> tuple[Any, DataStats]: ...
+    def collate(self, rows: list[dict], tokenizer: Any, ctx: BuildContext) -> Batch: ...
+    def extra_models(self, policy: nn.Module, ctx: BuildContext, build: ModelFactory
+                     ) -> dict[str, nn.Module]: ...
+    def before_training(self, models: dict[str, nn.Module], ds: Any, ctx: BuildContext
+                        ) -> Any: ...
+    def loss(self, models: dict[str, nn.Module], batch: Batch, ctx: BuildContext
+             ) -> tuple[torch.Tensor, dict[str, Any]]: ...
+    def packs_rows(self, ctx: BuildContext) -> bool: ...
     def uses_liger(self) -> bool:
         """Liger's fused kernels (they read the output head's weight directly)."""
         ...
-    def reads_head_weight(self) -> bool:
-        """The loss reads the output head's weight directly (chunked / fused losses)."""
+    def liger_model_kernels(self) -> tuple[str, ...]:
+        """Liger's kernels that replace modules of the method's models (empty: none)."""
+        ...
+    def reads_head_weight(self) -> str | None:
+        """The setting whose loss reads the output head's weight directly (a chunked or fused
+        loss, e.g. ``method.loss_impl=chunked``), or None."""
         ...
     def row_length(self) -> int | None:
         """The longest prepared row it keeps (an online method: its prompts), or None."""
@@ -93,13 +114,47 @@ class Method(Protocol):
     def pad_multiple(self) -> int | None:
         """Padded widths are rounded up to this multiple (None: not rounded)."""
         ...
+    def keeps_row_end(self) -> bool:
+        """Truncation keeps a row's last tokens (cuts its start); False: its first."""
+        ...
+    def as_generating(self) -> Generating | None:
+        """The method as an online one (it samples its training batches), or None."""
+        ...
+    def as_group_packed(self) -> GroupPacked | None:
+        """The method whose rows pack as units of several sequences, or None."""
+        ...
+
+    eval_metrics: ClassVar[tuple[str, ...]]
+    """The metrics :meth:`evaluate` reports (``train.best_metric`` picks one; the first is
+    the default)."""
+
+    def evaluate(self, models: dict, batch: Batch, ctx: BuildContext, env: Any
+                 ) -> tuple[dict[str, float], int]:
+        """Each eval metric summed over the held-out micro-batch ``batch``, and the number of
+        items summed over (loss tokens, pairs, prompts); runs under ``torch.no_grad`` with the
+        policy in eval mode. ``env``: the run's generation environment (online methods) or
+        None."""
+        ...
 
 
-class Generating(Method, Protocol):
+def loss_sums(method: Method, models: dict, batch: Batch, ctx: BuildContext
+              ) -> tuple[dict[str, float], int]:
+    """:meth:`Method.evaluate` of a method whose evaluation is its loss: the loss sum and
+    each of its ``eval_metrics`` (means over the batch's items) times the items."""
+    loss_sum, metrics = method.loss(models, batch, ctx)
+    n = batch.num_items
+    sums = {"loss": float(loss_sum)}
+    sums.update({k: float(v) * n for k, v in metrics.items() if k in method.eval_metrics})
+    return sums, n
+
+
+class Generating(Protocol):
     """An online method: its training batches are sampled in the trainer's generate phase."""
 
-    num_iterations: int
-    """Optimizer steps per generation batch."""
+    @property
+    def num_iterations(self) -> int:
+        """Optimizer steps per generation batch."""
+        ...
 
     def sampling_length(self) -> int:
         """New tokens per completion (at most)."""
@@ -109,7 +164,8 @@ class Generating(Method, Protocol):
         """Completions sampled per prompt."""
         ...
 
-    def rollout(self, models: dict, batch: Batch, ctx, env) -> Batch:
+    def rollout(self, models: dict[str, nn.Module], batch: Batch, ctx: BuildContext,
+                env: GenerationEnv) -> Batch:
         """The training batch generated from the prompt batch ``batch``; ``env`` is the run's
         :class:`memlab.generation.base.GenerationEnv` (engine, random draws)."""
         ...
@@ -122,25 +178,47 @@ class Generating(Method, Protocol):
         ...
 
 
-class Offline:
+MethodClass = TypeVar("MethodClass", bound=Method)
+
+
+def register(name: str) -> Callable[[type[MethodClass]], type[MethodClass]]:
+    """Register a ``method=`` option (mypy checks it against :class:`Method`)."""
+    return registry.register("method", name)
+
+
+class Offline(Option):
     """Defaults of the methods that train on a fixed dataset (mixed into their dataclasses)."""
 
     trains_extra_models: ClassVar[bool] = False
     supports_sampling_correction: ClassVar[bool] = False
+    max_length: int | None
+    pad_to_multiple_of: int | None
+    eval_metrics: ClassVar[tuple[str, ...]] = ("loss",)
 
-    def generates(self) -> bool:
-        return False
+    def as_generating(self) -> Generating | None:
+        return None
+
+    def as_group_packed(self) -> GroupPacked | None:
+        return None
+
+    def evaluate(self, models, batch, ctx, env) -> tuple[dict[str, float], int]:
+        return loss_sums(self, models, batch, ctx)  # type: ignore[arg-type]
 
     def row_length(self) -> int | None:
-        return self.max_length  # type: ignore[attr-defined]
+        return self.max_length
 
     def pad_multiple(self) -> int | None:
-        return self.pad_to_multiple_of  # type: ignore[attr-defined]
+        return self.pad_to_multiple_of
 
-    def extra_models(self, policy, ctx, build) -> dict[str, nn.Module]:
+    def keeps_row_end(self) -> bool:
+        return False
+
+    def extra_models(self, policy: nn.Module, ctx: BuildContext, build: ModelFactory
+                     ) -> dict[str, nn.Module]:
         return {}
 
-    def before_training(self, models, ds, ctx) -> Any:
+    def before_training(self, models: dict[str, nn.Module], ds: Any, ctx: BuildContext
+                        ) -> Any:
         return None
 
 

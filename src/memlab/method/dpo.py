@@ -42,20 +42,24 @@ completion log-probs).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 import torch
 
 from memlab.data.base import DataError
 from memlab.method import _collate, _layout, _liger, _logps, _reference, _rows
-from memlab.method.base import Batch, DataStats, Offline, batch_key, drops_padding_mask
-from memlab.packing.groups import GroupPacked
-from memlab.registry import PositiveFloat, PositiveInt, Range, register
+from memlab.method.base import Batch, DataStats, Offline, batch_key, drops_padding_mask, register
+from memlab.model.base import Head
+from memlab.registry import PositiveFloat, PositiveInt, Range
+
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
+    from memlab.packing.groups import GroupPacked
 
 
-@register("method", "dpo")
+@register("dpo")
 @dataclass(kw_only=True)
-class DPO(Offline, GroupPacked):
+class DPO(Offline, _liger.LigerKnobs):
     """DPO knobs, named as in TRL's DPOConfig where one exists."""
 
     beta: PositiveFloat = 0.1
@@ -78,8 +82,6 @@ class DPO(Offline, GroupPacked):
     """All 2B sequences of a batch in one row, restarting position_ids, no padding."""
     pad_to_multiple_of: PositiveInt | None = None
     """Round padded lengths (or the flat row) up to a multiple."""
-    use_liger_kernel: bool = False
-    """Liger's fused linear DPO loss (CUDA + the gpu extra); never materialises the logits."""
     share_prompt: bool = False
     """Store each pair's prompt once: chosen and rejected attend to it and to themselves only."""
     head_on: Literal["labelled", "all"] = "labelled"
@@ -92,26 +94,29 @@ class DPO(Offline, GroupPacked):
     (``method=sft``'s knob)."""
 
     data_kinds: ClassVar[tuple[str, ...]] = ("preference",)
-    head: ClassVar[str] = "causal_lm"
+    head: ClassVar[Head] = "causal_lm"
     supports_packing: ClassVar[bool] = True
     supports_padding_free: ClassVar[bool] = True
     items_name: ClassVar[str] = "pairs"
+    eval_metrics: ClassVar[tuple[str, ...]] = (
+        "loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
+        "logps/chosen", "logps/rejected")
 
     # ------------------------------------------------------------------ capabilities
-    def packs_rows(self, ctx) -> bool:
+    def packs_rows(self, ctx: BuildContext) -> bool:
         return self.padding_free or self.share_prompt or ctx.packing.packs
+
+    def as_group_packed(self) -> GroupPacked | None:
+        return self
 
     def unit_pieces(self) -> int:
         return 2
 
-    def uses_liger(self) -> bool:
-        return self.use_liger_kernel
-
-    def reads_head_weight(self) -> bool:
-        return self.use_liger_kernel
+    def reads_head_weight(self) -> str | None:
+        return _liger.LIGER_LOSS if self.liger_loss() else None
 
     # ------------------------------------------------------------------ validation
-    def validate(self, ctx) -> list[str]:
+    def validate(self, ctx: BuildContext) -> list[str]:
         errors = []
         if self.beta <= 0:
             errors.append(f"method.beta must be > 0 (got {self.beta})")
@@ -121,21 +126,24 @@ class DPO(Offline, GroupPacked):
         if self.label_smoothing and self.loss_type != "sigmoid":
             errors.append(f"method.label_smoothing applies to loss_type=sigmoid only, not "
                           f"{self.loss_type}; set method.label_smoothing=0")
-        errors += _rows.length_errors(self, ("max_length", "max_prompt_length",
-                                         "max_completion_length"))
+        errors += _rows.length_errors({"max_length": self.max_length,
+                                       "max_prompt_length": self.max_prompt_length,
+                                       "max_completion_length": self.max_completion_length})
         if self.pad_to_multiple_of is not None and self.pad_to_multiple_of <= 0:
             errors.append("method.pad_to_multiple_of must be a positive integer or null")
         errors += _reference.reference_errors(self, ctx)
         errors += _layout.layout_errors(self, ctx)
-        errors += _liger.liger_errors(self, ctx, "DPO")
-        if self.use_liger_kernel and (self.loss_type != "sigmoid" or self.label_smoothing):
-            errors.append("method.use_liger_kernel=true implements loss_type=sigmoid without "
-                          "label smoothing; set method.loss_type=sigmoid, "
-                          "method.label_smoothing=0")
+        errors += self.liger_errors(ctx)
+        errors += _liger.preference_errors(self, ctx, "DPO")
+        if self.liger_loss() and (self.loss_type != "sigmoid" or self.label_smoothing):
+            errors.append("Liger's fused linear DPO loss (method.use_liger_kernel=true) "
+                          "implements loss_type=sigmoid without label smoothing; set "
+                          "method.loss_type=sigmoid, method.label_smoothing=0 (or drop "
+                          "fused_linear_cross_entropy from method.liger_kernels)")
         return errors
 
     # ------------------------------------------------------------------ data
-    def prepare(self, ds, tokenizer, ctx) -> tuple[Any, DataStats]:
+    def prepare(self, ds, tokenizer, ctx: BuildContext) -> tuple[Any, DataStats]:
         """tokenize + truncate every pair; rows: prompt_ids, chosen_ids, rejected_ids."""
         cols = set(ds.column_names)
         if not {"chosen", "rejected"} <= cols:
@@ -143,7 +151,8 @@ class DPO(Offline, GroupPacked):
                             f"(preference pairs); this dataset has columns {sorted(cols)}")
         explicit = "prompt" in cols
         limits = (self.max_prompt_length, self.max_completion_length, self.max_length)
-        fit = _layout.fits_row(ctx)  # packing=bfd: a pair fills one row
+        row_cap = _layout.unit_row(ctx, self.max_length)  # packing=bfd: a pair fills one row
+        fit = row_cap is not None
         shared = self.share_prompt
 
         def fn(row: dict, idx: int) -> list[dict]:
@@ -152,13 +161,14 @@ class DPO(Offline, GroupPacked):
             else:
                 prompt, chosen, rejected = _rows.split_implicit_prompt(row["chosen"],
                                                                        row["rejected"], idx)
-            p = _rows.encode_prompt(tokenizer, prompt, idx)
-            c = _rows.encode_completion(tokenizer, prompt, p, chosen, idx, "chosen")
-            r = _rows.encode_completion(tokenizer, prompt, p, rejected, idx, "rejected")
+            tools = row.get("tools")
+            p = _rows.encode_prompt(tokenizer, prompt, idx, tools)
+            c = _rows.encode_completion(tokenizer, prompt, p, chosen, idx, "chosen", tools)
+            r = _rows.encode_completion(tokenizer, prompt, p, rejected, idx, "rejected", tools)
             n_in = (1 if shared else 2) * len(p) + len(c) + len(r)
             cut = _rows.truncate(p, [c, r], *limits)
-            if cut is not None and fit:
-                fitted = _rows.fit_row(len(cut[0]), cut[1], self.max_length, shared)
+            if cut is not None and row_cap is not None:
+                fitted = _rows.fit_row(len(cut[0]), cut[1], row_cap, shared)
                 cut = None if fitted is None else (cut[0], fitted[0], 0)
             if cut is None:
                 return [{"prompt_ids": [], "chosen_ids": [], "rejected_ids": [], "keep": False,
@@ -183,7 +193,7 @@ class DPO(Offline, GroupPacked):
                           extra={"empty_completions": int(sum(n_empty))})
         return out, stats
 
-    def unit_sizes(self, ds, ctx) -> tuple[list[int], list[list[int]]]:
+    def unit_sizes(self, ds, ctx: BuildContext) -> tuple[list[int], list[list[int]]]:
         """A pair in one row (the prompt once with ``share_prompt``), and its two sequences."""
         k = 1 if self.share_prompt else 2
         whole, pieces = [], []
@@ -198,7 +208,7 @@ class DPO(Offline, GroupPacked):
         runs its own head over every position)."""
         return self.head_on == "labelled" and not self.use_liger_kernel
 
-    def collate(self, rows: list[dict], tokenizer, ctx) -> Batch:
+    def collate(self, rows: list[dict], tokenizer, ctx: BuildContext) -> Batch:
         return self._collate(rows, tokenizer.pad_token_id,
                              not drops_padding_mask(self.padding_mask, ctx))
 
@@ -242,10 +252,10 @@ class DPO(Offline, GroupPacked):
                      meta={"samples": b})
 
     # ------------------------------------------------------------------ models
-    def extra_models(self, policy, ctx, build) -> dict[str, Any]:
+    def extra_models(self, policy, ctx: BuildContext, build) -> dict[str, Any]:
         return _reference.reference_models(self, policy, ctx, build)
 
-    def before_training(self, models, ds, ctx):
+    def before_training(self, models, ds, ctx: BuildContext):
         """reference=precomputed: reference log-probs of every pair, as dataset columns."""
         if self.reference != "precomputed":
             return None
@@ -271,10 +281,11 @@ class DPO(Offline, GroupPacked):
         with _reference.reference_forward(self, models) as ref:
             return _logps.completion_logps(ref, t, n, attention=attention)[0]
 
-    def loss(self, models: dict, batch: Batch, ctx) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, models: dict, batch: Batch, ctx: BuildContext
+             ) -> tuple[torch.Tensor, dict[str, float]]:
         from memlab.losses import dpo_loss
 
-        if self.use_liger_kernel:
+        if self.liger_loss():
             return self._liger_loss(models, batch)
         t, b = batch.tensors, batch.num_items
         # reference first: its logits are freed before the policy's graph exists (lower peak)
@@ -304,9 +315,9 @@ class DPO(Offline, GroupPacked):
         hidden, head = _liger.hidden_and_head(models["policy"], t)
         with _reference.reference_forward(self, models) as ref:
             ref_hidden, ref_head = _liger.hidden_and_head(ref, t)
-        fn = _liger.liger_module("LigerFusedLinearDPOLoss", beta=self.beta, use_ref_model=True,
-                            compute_nll_loss=False, average_log_prob=False,
-                            loss_type="sigmoid")
+        fn = _liger.liger_module(self, "LigerFusedLinearDPOLoss", beta=self.beta,
+                                 use_ref_model=True, compute_nll_loss=False,
+                                 average_log_prob=False, loss_type="sigmoid")
         out = fn(head.weight, hidden, t["labels"], bias=getattr(head, "bias", None),
                  ref_input=ref_hidden, ref_weight=ref_head.weight,
                  ref_bias=getattr(ref_head, "bias", None))

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Annotated, Any, ClassVar
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -31,13 +31,26 @@ from memlab.data.base import DataError
 from memlab.generation.base import GenerationEnv, SamplingParams
 from memlab.method import _overrides, _reference, _rows
 from memlab.method._online import _prompt_and_reference, join
-from memlab.method.base import IGNORE, Batch, DataStats, model_inputs
-from memlab.registry import Fraction, PositiveFloat, PositiveInt, Range, register
+from memlab.method.base import (
+    IGNORE,
+    Batch,
+    DataStats,
+    Generating,
+    loss_sums,
+    model_inputs,
+    register,
+)
+from memlab.model.base import Head
+from memlab.registry import Fraction, Option, PositiveFloat, PositiveInt, Range
+
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
+    from memlab.packing.groups import GroupPacked
 
 
-@register("method", "gkd")
+@register("gkd")
 @dataclass(kw_only=True)
-class GKD:
+class GKD(Option):
     """GKD knobs, named as in TRL's GKDConfig."""
 
     teacher: dict[str, Any] | None = None
@@ -57,29 +70,37 @@ class GKD:
     max_prompt_length: PositiveInt | None = 512
 
     data_kinds: ClassVar[tuple[str, ...]] = ("chat",)
-    head: ClassVar[str] = "causal_lm"
+    head: ClassVar[Head] = "causal_lm"
     supports_packing: ClassVar[bool] = False
     supports_padding_free: ClassVar[bool] = False
     trains_extra_models: ClassVar[bool] = False
     supports_sampling_correction: ClassVar[bool] = False
     items_name: ClassVar[str] = "completion tokens"
+    eval_metrics: ClassVar[tuple[str, ...]] = ("loss",)
+    """The generalized JSD on the held-out conversations' own answers."""
     num_iterations: ClassVar[int] = 1
     """One optimizer step per generated batch."""
 
     # ------------------------------------------------------------------ capabilities
-    def generates(self) -> bool:
+    def as_generating(self) -> Generating | None:
         """Samples in the generate phase when some micro-batches are on-policy or the
         teacher's (``lmbda > 0`` or ``seq_kd``)."""
-        return self.lmbda > 0 or self.seq_kd
+        return self if self.lmbda > 0 or self.seq_kd else None
 
-    def packs_rows(self, ctx) -> bool:
+    def as_group_packed(self) -> GroupPacked | None:
+        return None
+
+    def packs_rows(self, ctx: BuildContext) -> bool:
         return False
 
     def pad_multiple(self) -> int | None:
         return None
 
+    def keeps_row_end(self) -> bool:
+        return False
+
     def row_length(self) -> int | None:
-        return self.max_prompt_length if self.generates() else self.max_length
+        return self.max_prompt_length if self.as_generating() is not None else self.max_length
 
     def sampling_length(self) -> int:
         return self.max_new_tokens
@@ -97,12 +118,17 @@ class GKD:
     def uses_liger(self) -> bool:
         return False
 
-    def reads_head_weight(self) -> bool:
-        return False
+    def liger_model_kernels(self) -> tuple[str, ...]:
+        return ()
+
+    def reads_head_weight(self) -> str | None:
+        return None
 
     # ------------------------------------------------------------------ validation
-    def validate(self, ctx) -> list[str]:
-        errors = _rows.length_errors(self, ["max_length", "max_prompt_length", "max_new_tokens"])
+    def validate(self, ctx: BuildContext) -> list[str]:
+        errors = _rows.length_errors({"max_length": self.max_length,
+                                      "max_prompt_length": self.max_prompt_length,
+                                      "max_new_tokens": self.max_new_tokens})
         if not 0 <= self.lmbda <= 1:
             errors.append(f"method.lmbda must be in [0, 1] (got {self.lmbda})")
         if not 0 <= self.beta <= 1:
@@ -119,7 +145,7 @@ class GKD:
         return errors
 
     # ------------------------------------------------------------------ data
-    def prepare(self, ds, tokenizer, ctx) -> tuple[Any, DataStats]:
+    def prepare(self, ds, tokenizer, ctx: BuildContext) -> tuple[Any, DataStats]:
         """Prompt (conversation up to its last user turn, chat template with the generation
         prompt) and completion (the following assistant turn) tokens, truncated like DPO's."""
         if "messages" not in ds.column_names:
@@ -129,9 +155,11 @@ class GKD:
 
         def fn(row: dict, idx: int) -> list[dict]:
             prompt, answer = _prompt_and_reference(row, idx)
-            p = _rows.encode_prompt(tokenizer, prompt, idx)
+            tools = row.get("tools")
+            p = _rows.encode_prompt(tokenizer, prompt, idx, tools)
             c = _rows.encode_completion(tokenizer, prompt, p, [{"role": "assistant",
-                                                             "content": answer}], idx, "messages")
+                                                             "content": answer}], idx, "messages",
+                                        tools)
             cut = _rows.truncate(p, [c], self.max_prompt_length, None, self.max_length)
             if cut is None:
                 return [{"prompt_ids": [], "completion_ids": [], "keep": False,
@@ -152,7 +180,7 @@ class GKD:
                               tokens_dropped=stats["dropped"],
                               examples_dropped=n_before - len(out))
 
-    def collate(self, rows: list[dict], tokenizer, ctx) -> Batch:
+    def collate(self, rows: list[dict], tokenizer, ctx: BuildContext) -> Batch:
         """The dataset's prompt + completion (left-padded prompts, right-padded completions, as
         generated batches are laid out), plus the prompts alone for sampling."""
         pad = tokenizer.pad_token_id
@@ -179,13 +207,18 @@ class GKD:
                            "prompt_tokens": int(pmask.sum())})
 
     # ------------------------------------------------------------------ models
-    def extra_models(self, policy, ctx, build) -> dict[str, Any]:
+    def extra_models(self, policy, ctx: BuildContext, build) -> dict[str, Any]:
         return {"teacher": build(self.teacher or None)}
 
-    def before_training(self, models, ds, ctx):
+    def before_training(self, models, ds, ctx: BuildContext):
         return None
 
-    def rollout(self, models: dict, batch: Batch, ctx, env: GenerationEnv) -> Batch:
+    def evaluate(self, models: dict, batch: Batch, ctx: BuildContext, env: GenerationEnv | None
+                 ) -> tuple[dict[str, float], int]:
+        """The loss on the held-out conversations' own answers (no sampling)."""
+        return loss_sums(self, models, batch, ctx)
+
+    def rollout(self, models: dict, batch: Batch, ctx: BuildContext, env: GenerationEnv) -> Batch:
         """On-policy (probability lmbda, the run's random draw): the student's samples; else
         with seq_kd the teacher's; else the dataset's completion."""
         u = env.rng.random()
@@ -213,7 +246,8 @@ class GKD:
                            "completion_width": samples.completion.shape[1]})
 
     # ------------------------------------------------------------------ loss
-    def loss(self, models: dict, batch: Batch, ctx) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, models: dict, batch: Batch, ctx: BuildContext
+             ) -> tuple[torch.Tensor, dict[str, float]]:
         """Logits only for the completion block (the last ``completion_width + 1`` positions,
         ``logits_to_keep``): the prompt positions never get a [tokens, vocab] row."""
         t = batch.tensors

@@ -18,17 +18,19 @@ divided by completions x ``max_completion_length``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 import torch
 
 from memlab.method import _reference
 from memlab.method._online import Clipped
-from memlab.method.base import Batch
-from memlab.registry import register
+from memlab.method.base import Batch, register
+
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
 
 
-@register("method", "grpo")
+@register("grpo")
 @dataclass(kw_only=True)
 class GRPO(Clipped):
     """GRPO knobs, named as in TRL's GRPOConfig where one exists."""
@@ -52,7 +54,8 @@ class GRPO(Clipped):
     def num_items(self, completion_tokens: int, completions: int) -> int:
         return completion_tokens if self.loss_type == "dapo" else completions
 
-    def loss(self, models: dict, batch: Batch, ctx) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, models: dict, batch: Batch, ctx: BuildContext
+             ) -> tuple[torch.Tensor, dict[str, float]]:
         t = batch.tensors
         logps = self.completion_logps(models["policy"], t, ctx)  # [N, L]
         mask = t["completion_mask"].to(logps.dtype)

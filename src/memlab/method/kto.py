@@ -34,15 +34,19 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Annotated, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 import torch
 
 from memlab.data.base import DataError
 from memlab.method import _collate, _layout, _liger, _logps, _reference, _rows
-from memlab.method.base import Batch, DataStats, Offline, batch_key, drops_padding_mask
-from memlab.packing.groups import GroupPacked
-from memlab.registry import NonNegativeFloat, PositiveFloat, PositiveInt, Range, register
+from memlab.method.base import Batch, DataStats, Offline, batch_key, drops_padding_mask, register
+from memlab.model.base import Head
+from memlab.registry import NonNegativeFloat, PositiveFloat, PositiveInt, Range
+
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
+    from memlab.packing.groups import GroupPacked
 
 
 def mismatched_partners(prompts: list[list[int]]) -> list[int]:
@@ -61,9 +65,9 @@ def mismatched_partners(prompts: list[list[int]]) -> list[int]:
     return out
 
 
-@register("method", "kto")
+@register("kto")
 @dataclass(kw_only=True)
-class KTO(Offline, GroupPacked):
+class KTO(Offline, _liger.LigerKnobs):
     """KTO knobs, named as in TRL's KTOConfig where one exists."""
 
     beta: PositiveFloat = 0.1
@@ -84,8 +88,6 @@ class KTO(Offline, GroupPacked):
     """All sequences of a batch in one row, restarting position_ids, no padding."""
     pad_to_multiple_of: PositiveInt | None = None
     """Round padded lengths (or the flat row) up to a multiple."""
-    use_liger_kernel: bool = False
-    """Liger's fused linear KTO loss (CUDA + the gpu extra)."""
     share_prompt: bool = False
     """Paired rows: the pair's prompt stored once for its two examples (and their KL sequences)."""
     head_on: Literal["labelled", "all"] = "labelled"
@@ -97,46 +99,54 @@ class KTO(Offline, GroupPacked):
     padded positions anyway (eager, sdpa); always: send it (``method=sft``'s knob)."""
 
     data_kinds: ClassVar[tuple[str, ...]] = ("preference",)
-    head: ClassVar[str] = "causal_lm"
+    head: ClassVar[Head] = "causal_lm"
     supports_packing: ClassVar[bool] = True
     supports_padding_free: ClassVar[bool] = True
     items_name: ClassVar[str] = "examples"
+    eval_metrics: ClassVar[tuple[str, ...]] = (
+        "loss", "kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen",
+        "logps/rejected")
 
     # ------------------------------------------------------------------ capabilities
-    def packs_rows(self, ctx) -> bool:
+    def packs_rows(self, ctx: BuildContext) -> bool:
         return self.padding_free or self.share_prompt or ctx.packing.packs
+
+    def as_group_packed(self) -> GroupPacked | None:
+        return self
 
     def unit_pieces(self) -> int:
         return 2 if self.share_prompt else 1
 
-    def uses_liger(self) -> bool:
-        return self.use_liger_kernel
-
-    def reads_head_weight(self) -> bool:
-        return self.use_liger_kernel
+    def reads_head_weight(self) -> str | None:
+        return _liger.LIGER_LOSS if self.liger_loss() else None
 
     # ------------------------------------------------------------------ validation
-    def validate(self, ctx) -> list[str]:
+    def validate(self, ctx: BuildContext) -> list[str]:
         errors = []
         if self.beta <= 0:
             errors.append(f"method.beta must be > 0 (got {self.beta})")
-        for name in ("desirable_weight", "undesirable_weight"):
-            if getattr(self, name) < 0:
-                errors.append(f"method.{name} must be >= 0 (got {getattr(self, name)})")
-        errors += _rows.length_errors(self, ("max_length", "max_prompt_length",
-                                         "max_completion_length"))
+        for name, weight in (("desirable_weight", self.desirable_weight),
+                             ("undesirable_weight", self.undesirable_weight)):
+            if weight < 0:
+                errors.append(f"method.{name} must be >= 0 (got {weight})")
+        errors += _rows.length_errors({"max_length": self.max_length,
+                                       "max_prompt_length": self.max_prompt_length,
+                                       "max_completion_length": self.max_completion_length})
         if self.pad_to_multiple_of is not None and self.pad_to_multiple_of <= 0:
             errors.append("method.pad_to_multiple_of must be a positive integer or null")
         errors += _reference.reference_errors(self, ctx)
         errors += _layout.layout_errors(self, ctx)
-        errors += _liger.liger_errors(self, ctx, "KTO")
-        if self.use_liger_kernel and (self.desirable_weight != 1 or self.undesirable_weight != 1):
-            errors.append("method.use_liger_kernel=true has no class weights; set "
-                          "method.desirable_weight=1 and method.undesirable_weight=1")
+        errors += self.liger_errors(ctx)
+        errors += _liger.preference_errors(self, ctx, "KTO")
+        if self.liger_loss() and (self.desirable_weight != 1 or self.undesirable_weight != 1):
+            errors.append("Liger's fused linear KTO loss (method.use_liger_kernel=true) has no "
+                          "class weights; set method.desirable_weight=1 and "
+                          "method.undesirable_weight=1 (or drop fused_linear_cross_entropy from "
+                          "method.liger_kernels)")
         return errors
 
     # ------------------------------------------------------------------ data
-    def prepare(self, ds, tokenizer, ctx) -> tuple[Any, DataStats]:
+    def prepare(self, ds, tokenizer, ctx: BuildContext) -> tuple[Any, DataStats]:
         """Rows: prompt_ids, completion_ids, kl_completion_ids, label."""
         cols = set(ds.column_names)
         if {"completion", "label"} <= cols and "prompt" in cols:
@@ -171,10 +181,11 @@ class KTO(Offline, GroupPacked):
                     raise DataError(f"row {idx}: field 'label' must be true/false (desirable or "
                                     f"not), got {label!r}")
                 items = [(row["completion"], bool(label), "completion")]
-            p = _rows.encode_prompt(tokenizer, prompt, idx)
+            tools = row.get("tools")
+            p = _rows.encode_prompt(tokenizer, prompt, idx, tools)
             out = []
             for completion, label, field in items:
-                c = _rows.encode_completion(tokenizer, prompt, p, completion, idx, field)
+                c = _rows.encode_completion(tokenizer, prompt, p, completion, idx, field, tools)
                 n_in = len(p) + len(c)
                 cut = _rows.truncate(p, [c], *limits)
                 if cut is None:
@@ -213,11 +224,12 @@ class KTO(Offline, GroupPacked):
                                  "empty_completions": int(sum(n_empty))})
         return out, stats
 
-    def _prepare_pairs(self, ds, tokenizer, ctx, explicit: bool, limits: tuple
+    def _prepare_pairs(self, ds, tokenizer, ctx: BuildContext, explicit: bool, limits: tuple
                        ) -> tuple[Any, DataStats]:
         """``share_prompt``: one row per pair, its two examples in lists: prompt_ids,
         completion_ids [chosen, rejected], label [true, false], kl_completion_ids."""
-        fit = _layout.fits_row(ctx)  # packing=bfd: a pair fills one row
+        row_cap = _layout.unit_row(ctx, self.max_length)  # packing=bfd: a pair fills one row
+        fit = row_cap is not None
 
         def fn(row: dict, idx: int) -> list[dict]:
             if explicit:
@@ -225,13 +237,14 @@ class KTO(Offline, GroupPacked):
             else:
                 prompt, chosen, rejected = _rows.split_implicit_prompt(row["chosen"],
                                                                        row["rejected"], idx)
-            p = _rows.encode_prompt(tokenizer, prompt, idx)
-            c = _rows.encode_completion(tokenizer, prompt, p, chosen, idx, "chosen")
-            r = _rows.encode_completion(tokenizer, prompt, p, rejected, idx, "rejected")
+            tools = row.get("tools")
+            p = _rows.encode_prompt(tokenizer, prompt, idx, tools)
+            c = _rows.encode_completion(tokenizer, prompt, p, chosen, idx, "chosen", tools)
+            r = _rows.encode_completion(tokenizer, prompt, p, rejected, idx, "rejected", tools)
             n_in = len(p) + len(c) + len(r)
             cut = _rows.truncate(p, [c, r], *limits)
-            if cut is not None and fit:
-                fitted = _rows.fit_row(len(cut[0]), cut[1], self.max_length, True)
+            if cut is not None and row_cap is not None:
+                fitted = _rows.fit_row(len(cut[0]), cut[1], row_cap, True)
                 cut = None if fitted is None else (cut[0], fitted[0], 0)
             if cut is None:
                 return [{"prompt_ids": [], "completion_ids": [[], []], "label": [True, False],
@@ -257,8 +270,13 @@ class KTO(Offline, GroupPacked):
         for pair, p in enumerate(out["prompt_ids"]):
             room = None if self.max_length is None else self.max_length - len(p)
             pair_kl = [completions[partners[2 * pair + i]][:room] for i in range(2)]
-            if fit:  # the KL lane's row holds the pair's two KL sequences, the prompt once
-                pair_kl = _rows.fit_row(len(p), pair_kl, self.max_length, True)[0]
+            if row_cap is not None:  # the KL lane's row holds the pair's two KL sequences, the
+                # prompt once (its pair fitted that row, so the prompt leaves room for them)
+                fitted_kl = _rows.fit_row(len(p), pair_kl, row_cap, True)
+                if fitted_kl is None:
+                    raise ValueError(f"pair {pair}: the KL sequences do not fit a row of {row_cap} "
+                                     "tokens beside the prompt")
+                pair_kl = fitted_kl[0]
             kl.append(pair_kl)
         fp = hashlib.sha1(repr((out._fingerprint, "kl")).encode()).hexdigest()
         out = out.add_column("kl_completion_ids", kl, new_fingerprint=fp)
@@ -270,7 +288,7 @@ class KTO(Offline, GroupPacked):
                                  "empty_completions": int(sum(n_empty))})
         return out, stats
 
-    def unit_sizes(self, ds, ctx) -> tuple[list[int], list[list[int]]]:
+    def unit_sizes(self, ds, ctx: BuildContext) -> tuple[list[int], list[list[int]]]:
         """A unit's tokens in the larger of its main and KL rows: an example (its sequence,
         its KL sequence), or with ``share_prompt`` a pair (the prompt once per row)."""
         whole, pieces = [], []
@@ -291,7 +309,7 @@ class KTO(Offline, GroupPacked):
         runs its own head over every position)."""
         return self.head_on == "labelled" and not self.use_liger_kernel
 
-    def collate(self, rows: list[dict], tokenizer, ctx) -> Batch:
+    def collate(self, rows: list[dict], tokenizer, ctx: BuildContext) -> Batch:
         return self._collate(rows, tokenizer.pad_token_id,
                              not drops_padding_mask(self.padding_mask, ctx))
 
@@ -354,10 +372,10 @@ class KTO(Offline, GroupPacked):
                      meta={"samples": n, "kl_tokens": real_kl})
 
     # ------------------------------------------------------------------ models
-    def extra_models(self, policy, ctx, build) -> dict[str, Any]:
+    def extra_models(self, policy, ctx: BuildContext, build) -> dict[str, Any]:
         return _reference.reference_models(self, policy, ctx, build)
 
-    def before_training(self, models, ds, ctx):
+    def before_training(self, models, ds, ctx: BuildContext):
         """reference=precomputed: reference log-probs of each example and of its mismatched
         (KL) sequence, as dataset columns."""
         if self.reference != "precomputed":
@@ -399,11 +417,12 @@ class KTO(Offline, GroupPacked):
                                                 attention=attention)[0]
         return kto_kl_estimate(policy_kl, ref_kl)
 
-    def loss(self, models: dict, batch: Batch, ctx) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, models: dict, batch: Batch, ctx: BuildContext
+             ) -> tuple[torch.Tensor, dict[str, float]]:
         from memlab.losses import kto_loss
 
         t, n = batch.tensors, batch.num_items
-        if self.use_liger_kernel:
+        if self.liger_loss():
             return self._liger_loss(models, batch)
         attention = _layout.attention_of(ctx)
         ref, ref_kl = self.reference_logps(models, t, n, attention)
@@ -440,8 +459,8 @@ class KTO(Offline, GroupPacked):
             ref_hidden, ref_head = _liger.hidden_and_head(ref, t)
         kl = self.kl_estimate(models, t, n, ref_kl)
         hidden, head = _liger.hidden_and_head(models["policy"], t)
-        fn = _liger.liger_module("LigerFusedLinearKTOLoss", beta=self.beta, use_ref_model=True,
-                            average_log_prob=False)
+        fn = _liger.liger_module(self, "LigerFusedLinearKTOLoss", beta=self.beta,
+                                 use_ref_model=True, average_log_prob=False)
         out = fn(hidden, head.weight, t["labels"], bias=getattr(head, "bias", None),
                  preference_labels=t["label"], ref_input=ref_hidden, ref_weight=ref_head.weight,
                  ref_bias=getattr(ref_head, "bias", None), kl=kl)

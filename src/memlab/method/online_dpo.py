@@ -11,18 +11,21 @@ the number of pairs (prompts).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, ClassVar, Literal
 
 import torch
 
 from memlab.losses import dpo_loss
 from memlab.method import _reference
 from memlab.method._online import Online
-from memlab.method.base import Batch
-from memlab.registry import PositiveFloat, PositiveInt, Range, register
+from memlab.method.base import Batch, register
+from memlab.registry import PositiveFloat, PositiveInt, Range
+
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
 
 
-@register("method", "online_dpo")
+@register("online_dpo")
 @dataclass(kw_only=True)
 class OnlineDPO(Online):
     """Online DPO knobs, named as in TRL's OnlineDPOConfig."""
@@ -35,7 +38,7 @@ class OnlineDPO(Online):
     loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
     missing_eos_penalty: Annotated[float, Range()] | None = None
 
-    def validate(self, ctx) -> list[str]:
+    def validate(self, ctx: BuildContext) -> list[str]:
         errors = super().validate(ctx)
         if self.num_generations != 2:
             errors.append(f"method.num_generations must be 2 for method=online_dpo (one pair "
@@ -47,7 +50,7 @@ class OnlineDPO(Online):
                           "method=online_dpo penalises them with method.missing_eos_penalty")
         return errors
 
-    def extra_models(self, policy, ctx, build):
+    def extra_models(self, policy, ctx: BuildContext, build):
         return {**_reference.reference_models(self, policy, ctx, build),
                 **self.reward_model_instances(build)}
 
@@ -65,7 +68,8 @@ class OnlineDPO(Online):
     def num_items(self, completion_tokens: int, completions: int) -> int:
         return completions // 2
 
-    def loss(self, models: dict, batch: Batch, ctx) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, models: dict, batch: Batch, ctx: BuildContext
+             ) -> tuple[torch.Tensor, dict[str, float]]:
         t = batch.tensors
         n = t["completion_mask"].sum(1).clamp(min=1)
         with _reference.reference_forward(self, models) as ref:

@@ -24,17 +24,20 @@ Runs in one process for now (the value model is not wrapped by DDP / FSDP2).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Any, ClassVar
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 
 import torch
 
 from memlab.method import _layout, _reference, _rollout
 from memlab.method._online import Online
-from memlab.method.base import Batch
-from memlab.registry import Fraction, NonNegativeFloat, PositiveFloat, PositiveInt, Range, register
+from memlab.method.base import Batch, register
+from memlab.registry import Fraction, NonNegativeFloat, PositiveFloat, PositiveInt, Range
+
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
 
 
-@register("method", "ppo")
+@register("ppo")
 @dataclass(kw_only=True)
 class PPO(Online):
     """PPO knobs, named as in TRL's PPOConfig."""
@@ -54,7 +57,7 @@ class PPO(Online):
     min_generations: ClassVar[int] = 1
     trains_extra_models: ClassVar[bool] = True
 
-    def validate(self, ctx) -> list[str]:
+    def validate(self, ctx: BuildContext) -> list[str]:
         errors = super().validate(ctx)
         if self.cliprange <= 0 or self.cliprange_value <= 0:
             errors.append("method.cliprange and method.cliprange_value must be > 0")
@@ -66,7 +69,7 @@ class PPO(Online):
         return errors
 
     # ------------------------------------------------------------------ models
-    def extra_models(self, policy, ctx, build) -> dict[str, Any]:
+    def extra_models(self, policy, ctx: BuildContext, build) -> dict[str, Any]:
         """The reference (frozen copy, or the disabled adapter) and the value model (the model
         group with a one-output head, trainable, no PEFT)."""
         models = _reference.reference_models(self, policy, ctx, build)
@@ -115,7 +118,8 @@ class PPO(Online):
         return completion_tokens
 
     # ------------------------------------------------------------------ loss
-    def loss(self, models: dict, batch: Batch, ctx) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, models: dict, batch: Batch, ctx: BuildContext
+             ) -> tuple[torch.Tensor, dict[str, float]]:
         t = batch.tensors
         mask = t["completion_mask"].float()
         logps = self.completion_logps(models["policy"], t, ctx)

@@ -32,22 +32,26 @@ stored once; each sequence's rest sees it and itself only. The rewards equal the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 import torch
 from torch import nn
 
 from memlab.data.base import DataError
 from memlab.method import _collate, _layout, _logps, _rows
-from memlab.method.base import Batch, DataStats, Offline, model_inputs
-from memlab.packing.groups import GroupPacked
-from memlab.registry import NonNegativeFloat, PositiveInt, Range, register
+from memlab.method.base import Batch, DataStats, Offline, model_inputs, register
+from memlab.model.base import Head
+from memlab.registry import NonNegativeFloat, PositiveInt, Range
 from memlab.trainer.routing import base_model, call_inside
 
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
+    from memlab.packing.groups import GroupPacked
 
-@register("method", "reward")
+
+@register("reward")
 @dataclass(kw_only=True)
-class Reward(Offline, GroupPacked):
+class Reward(Offline):
     """Reward-model knobs, named as in TRL's RewardConfig where one exists."""
 
     max_length: Annotated[int, Range(ge=2)] | None = 1024
@@ -66,14 +70,19 @@ class Reward(Offline, GroupPacked):
     """Store a pair's common start once: each sequence's rest sees it and itself only."""
 
     data_kinds: ClassVar[tuple[str, ...]] = ("preference",)
-    head: ClassVar[str] = "seq_cls"
+    head: ClassVar[Head] = "seq_cls"
     supports_packing: ClassVar[bool] = True
     supports_padding_free: ClassVar[bool] = True
     items_name: ClassVar[str] = "pairs"
+    eval_metrics: ClassVar[tuple[str, ...]] = (
+        "loss", "accuracy", "rewards/margins", "rewards/chosen", "rewards/rejected")
 
     # ------------------------------------------------------------------ capabilities
-    def packs_rows(self, ctx) -> bool:
+    def packs_rows(self, ctx: BuildContext) -> bool:
         return self.padding_free or self.share_prompt or ctx.packing.packs
+
+    def as_group_packed(self) -> GroupPacked | None:
+        return self
 
     def unit_pieces(self) -> int:
         return 2
@@ -81,12 +90,18 @@ class Reward(Offline, GroupPacked):
     def uses_liger(self) -> bool:
         return False
 
-    def reads_head_weight(self) -> bool:
-        return False
+    def liger_model_kernels(self) -> tuple[str, ...]:
+        return ()
+
+    def keeps_row_end(self) -> bool:
+        return self.truncation_mode == "keep_end"
+
+    def reads_head_weight(self) -> str | None:
+        return None
 
     # ------------------------------------------------------------------ validation
-    def validate(self, ctx) -> list[str]:
-        errors = _rows.length_errors(self, ("max_length",))
+    def validate(self, ctx: BuildContext) -> list[str]:
+        errors = _rows.length_errors({"max_length": self.max_length})
         if self.center_rewards_coefficient is not None and self.center_rewards_coefficient < 0:
             errors.append("method.center_rewards_coefficient must be >= 0 or null")
         if self.pad_to_multiple_of is not None and self.pad_to_multiple_of <= 0:
@@ -95,7 +110,7 @@ class Reward(Offline, GroupPacked):
         return errors
 
     # ------------------------------------------------------------------ data
-    def prepare(self, ds, tokenizer, ctx) -> tuple[Any, DataStats]:
+    def prepare(self, ds, tokenizer, ctx: BuildContext) -> tuple[Any, DataStats]:
         """Rows: chosen_ids, rejected_ids (whole sequences) [, margin]."""
         cols = set(ds.column_names)
         if not {"chosen", "rejected"} <= cols:
@@ -105,17 +120,20 @@ class Reward(Offline, GroupPacked):
         has_prompt = "prompt" in cols
         margin = self.use_margin and "margin" in cols
         limit, mode = self.max_length, self.truncation_mode
-        fit = _layout.fits_row(ctx)  # packing=bfd: a pair fills one row
+        row_cap = _layout.unit_row(ctx, limit)  # packing=bfd: a pair fills one row
+        fit = row_cap is not None
         shared = self.share_prompt
 
         def fn(row: dict, idx: int) -> list[dict]:
             prompt = row["prompt"] if has_prompt else None
-            c = _rows.encode_full(tokenizer, prompt, row["chosen"], idx, "chosen")
-            r = _rows.encode_full(tokenizer, prompt, row["rejected"], idx, "rejected")
+            tools = row.get("tools")
+            c = _rows.encode_full(tokenizer, prompt, row["chosen"], idx, "chosen", tools)
+            r = _rows.encode_full(tokenizer, prompt, row["rejected"], idx, "rejected", tools)
             n_in = len(c) + len(r)
             empty = int(_rows.is_empty(row["chosen"])) + int(_rows.is_empty(row["rejected"]))
-            out = {"chosen_ids": c, "rejected_ids": r, "keep": True, "n_in": n_in,
-                   "n_dropped": 0, "margin": 0.0, "n_empty": empty}
+            out: dict[str, Any] = {"chosen_ids": c, "rejected_ids": r, "keep": True,
+                                   "n_in": n_in, "n_dropped": 0, "margin": 0.0,
+                                   "n_empty": empty}
             if margin:
                 m = row["margin"]
                 if isinstance(m, bool) or not isinstance(m, (int, float)):
@@ -129,13 +147,15 @@ class Reward(Offline, GroupPacked):
                                n_empty=0, n_train=0)
                     return [out]
                 c, r = c[-limit:], r[-limit:]
-            if fit and pair_tokens(c, r, shared) > limit:
+            if row_cap is not None and pair_tokens(c, r, shared) > row_cap:
                 if mode == "drop":
                     out.update(chosen_ids=[], rejected_ids=[], keep=False, n_dropped=n_in,
                                n_empty=0, n_train=0)
                     return [out]
-                back = _rows.fit_row(0, [c[::-1], r[::-1]], limit, False)[0]
-                c, r = back[0][::-1], back[1][::-1]
+                back = _rows.fit_row(0, [c[::-1], r[::-1]], row_cap, False)
+                if back is None:  # (a row holds at least two tokens: max_length >= 2)
+                    raise ValueError(f"row {idx}: the pair does not fit a row of {row_cap} tokens")
+                c, r = back[0][0][::-1], back[0][1][::-1]
             cut_c, cut_r = len(full_c) - len(c), len(full_r) - len(r)  # from the start
             out.update(chosen_ids=c, rejected_ids=r,
                        n_dropped=cut_c + cut_r - min(cut_c, cut_r, common))
@@ -160,7 +180,7 @@ class Reward(Offline, GroupPacked):
                           extra={"empty_completions": int(sum(n_empty))})
         return out, stats
 
-    def unit_sizes(self, ds, ctx) -> tuple[list[int], list[list[int]]]:
+    def unit_sizes(self, ds, ctx: BuildContext) -> tuple[list[int], list[list[int]]]:
         """A pair in one row (the common start once with ``share_prompt``), and its two
         sequences."""
         whole, pieces = [], []
@@ -170,7 +190,7 @@ class Reward(Offline, GroupPacked):
         return whole, pieces
 
     # ------------------------------------------------------------------ batches
-    def collate(self, rows: list[dict], tokenizer, ctx) -> Batch:
+    def collate(self, rows: list[dict], tokenizer, ctx: BuildContext) -> Batch:
         pad = tokenizer.pad_token_id
         units, rows_of = _layout.units_of(rows)
         if rows_of is not None or self.share_prompt:
@@ -198,8 +218,8 @@ class Reward(Offline, GroupPacked):
         for i, (u, rows) in enumerate(zip(units, rows_of, strict=True)):
             c, r = u["chosen_ids"], u["rejected_ids"]
             n = common_prefix(c, r) if self.share_prompt and len(rows) == 1 else 0
-            pools = [self._last_non_pad([(c, c)], pad)[0].item(),
-                     self._last_non_pad([(r, r)], pad)[0].item()]
+            pools = [int(self._last_non_pad([(c, c)], pad)[0]),
+                     int(self._last_non_pad([(r, r)], pad)[0])]
             docs.append(_layout.unit_docs(c[:n], [c[n:], r[n:]], [i, b + i], shared=n > 0,
                                           scored=False, pools=pools))
         t, real, total = _layout.collate_rows(_layout.place(docs, rows_of),
@@ -229,10 +249,10 @@ class Reward(Offline, GroupPacked):
         return torch.tensor(out)
 
     # ------------------------------------------------------------------ models
-    def extra_models(self, policy, ctx, build) -> dict[str, Any]:
+    def extra_models(self, policy, ctx: BuildContext, build) -> dict[str, Any]:
         return {}
 
-    def before_training(self, models, ds, ctx):
+    def before_training(self, models, ds, ctx: BuildContext):
         return None
 
     # ------------------------------------------------------------------ loss
@@ -246,7 +266,8 @@ class Reward(Offline, GroupPacked):
                              **_logps.document_inputs(t, "", attention))
         return scores.reshape(-1).float()
 
-    def loss(self, models: dict, batch: Batch, ctx) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, models: dict, batch: Batch, ctx: BuildContext
+             ) -> tuple[torch.Tensor, dict[str, float]]:
         from memlab.losses import bradley_terry_loss
 
         b = batch.num_items

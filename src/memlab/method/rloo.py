@@ -14,16 +14,20 @@ averaged over completions:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from memlab.method import _reference
 from memlab.method._online import Clipped
-from memlab.method.base import Batch
-from memlab.registry import NonNegativeFloat, PositiveInt, register
+from memlab.method.base import Batch, register
+from memlab.registry import NonNegativeFloat, PositiveInt
+
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
 
 
-@register("method", "rloo")
+@register("rloo")
 @dataclass(kw_only=True)
 class RLOO(Clipped):
     """RLOO knobs, named as in TRL's RLOOConfig."""
@@ -56,7 +60,8 @@ class RLOO(Clipped):
     def num_items(self, completion_tokens: int, completions: int) -> int:
         return completions
 
-    def loss(self, models: dict, batch: Batch, ctx) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, models: dict, batch: Batch, ctx: BuildContext
+             ) -> tuple[torch.Tensor, dict[str, float]]:
         t = batch.tensors
         logps = self.completion_logps(models["policy"], t, ctx).sum(1)
         old = t.get("old_logps")

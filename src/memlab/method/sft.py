@@ -1,8 +1,10 @@
 """`method=sft`: supervised fine-tuning with next-token cross-entropy.
 
-Rows: conversations (``messages``) through the tokenizer's chat template, plain ``text``, or
-``prompt`` + ``completion`` (strings or messages). Loss on completion / assistant tokens only
-by default (``loss_on=all`` for every token). Order: format -> tokenize -> truncate
+Rows: conversations (``messages``, with the row's ``tools``) through the tokenizer's chat
+template, plain ``text``, or ``prompt`` + ``completion`` (strings or messages); plain text starts
+with the tokenizer's BOS when it adds one and ends with its EOS (:mod:`memlab.data.text`). Loss
+on completion / assistant tokens only by default (``loss_on=all`` for every token). A row the
+chat template cannot split is left out under ``data.on_unsplittable=skip``. Order: format -> tokenize -> truncate
 (``max_length``, keep_start | keep_end; skipped when the packing strategy keeps overflow
 tokens itself) -> shifted labels per document -> (packing, by the pipeline) -> collate
 (padded, or padding-free: one flat row with restarting position_ids).
@@ -12,14 +14,15 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Annotated, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
 
-from memlab.data import chat
+from memlab.data import chat, text
 from memlab.data.base import DataError, check_text
 from memlab.losses import chunked_linear_cross_entropy
+from memlab.method._liger import LIGER_LOSS, LigerKnobs
 from memlab.method.base import (
     IGNORE,
     LOSS_INDEX,
@@ -34,16 +37,20 @@ from memlab.method.base import (
     label_positions,
     model_inputs,
     pad_batch,
+    register,
     shifted_labels,
 )
-from memlab.model._liger import liger_errors
-from memlab.registry import PositiveInt, Range, register
+from memlab.model.base import Head
+from memlab.registry import PositiveInt, Range
 from memlab.trainer.routing import call_inside
 
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
 
-@register("method", "sft")
+
+@register("sft")
 @dataclass(kw_only=True)
-class SFT(Offline):
+class SFT(Offline, LigerKnobs):
     """SFT knobs, named as in TRL's SFTConfig where one exists."""
 
     max_length: Annotated[int, Range(ge=2)] | None = 1024
@@ -75,36 +82,34 @@ class SFT(Offline):
     kernel (about half the attention work, no ``[rows, 1, T, T]`` mask, no key / value heads
     repeated for it). always: send the mask (TRL's way; what flash / flex attention get under
     auto too, as they unpad)."""
-    use_liger_kernel: bool = False
-    """Liger's Triton kernels (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy). CUDA + the
-    gpu extra."""
-
     data_kinds: ClassVar[tuple[str, ...]] = ("chat", "text")
-    head: ClassVar[str] = "causal_lm"
+    head: ClassVar[Head] = "causal_lm"
     supports_packing: ClassVar[bool] = True
     supports_padding_free: ClassVar[bool] = True
     trains_extra_models: ClassVar[bool] = False
     items_name: ClassVar[str] = "loss tokens"
 
     # ------------------------------------------------------------------ capabilities
-    def flat(self, ctx) -> bool:
+    def flat(self, ctx: BuildContext) -> bool:
         """Whether batches are collated padding-free."""
         if self.padding_free is None:
             return ctx.packing.packs
         return self.padding_free
 
-    def packs_rows(self, ctx) -> bool:
+    def packs_rows(self, ctx: BuildContext) -> bool:
         return self.flat(ctx) or ctx.packing.packs
 
-    def uses_liger(self) -> bool:
-        return self.use_liger_kernel
+    def keeps_row_end(self) -> bool:
+        return self.truncation_mode == "keep_end"
 
-    def reads_head_weight(self) -> bool:
-        return self.use_liger_kernel or self.loss_impl == "chunked"
+    def reads_head_weight(self) -> str | None:
+        if self.liger_loss():
+            return LIGER_LOSS
+        return "method.loss_impl=chunked" if self.loss_impl == "chunked" else None
 
     # ------------------------------------------------------------------ validation
 
-    def validate(self, ctx) -> list[str]:
+    def validate(self, ctx: BuildContext) -> list[str]:
         errors = []
         if self.max_length is not None and self.max_length < 2:
             errors.append(f"method.max_length must be >= 2 or null (got {self.max_length})")
@@ -115,22 +120,13 @@ class SFT(Offline):
             )
         if self.pad_to_multiple_of is not None and self.pad_to_multiple_of <= 0:
             errors.append("method.pad_to_multiple_of must be a positive integer or null")
-        if self.use_liger_kernel:
-            errors += liger_errors(ctx, "method")
-        if self.loss_impl == "chunked":
-            if self.chunk_size <= 0:
-                errors.append("method.chunk_size must be positive")
-            targets = getattr(ctx.peft, "target_modules", None)
-            if isinstance(targets, list) and "lm_head" in targets:
-                errors.append(
-                    "method.loss_impl=chunked reads the output head's weight directly; it cannot "
-                    "train a LoRA adapter on lm_head: drop lm_head from peft.target_modules or "
-                    "use method.loss_impl=standard"
-                )
+        errors += self.liger_errors(ctx)
+        if self.loss_impl == "chunked" and self.chunk_size <= 0:
+            errors.append("method.chunk_size must be positive")
         return errors
 
     # ------------------------------------------------------------------ data
-    def prepare(self, ds, tokenizer, ctx) -> tuple[Any, DataStats]:
+    def prepare(self, ds, tokenizer, ctx: BuildContext) -> tuple[Any, DataStats]:
         """format + tokenize + truncate + shifted labels, as one batched ``datasets.map``."""
         cols = set(ds.column_names)
         if "messages" in cols:
@@ -150,7 +146,11 @@ class SFT(Offline):
         def fn(batch: dict[str, list], idx: list[int]) -> dict[str, list]:
             out: dict[str, list] = {"input_ids": [], "labels": [], "n_in": [], "n_train": []}
             for j, row in enumerate(idx):
-                ids, mask = self._encode(fmt, {k: v[j] for k, v in batch.items()}, row, tokenizer)
+                try:
+                    ids, mask = self._encode(fmt, {k: v[j] for k, v in batch.items()}, row,
+                                             tokenizer)
+                except chat.SkippedRow:
+                    continue
                 out["n_in"].append(len(ids))
                 if limit is not None and len(ids) > limit:
                     if self.truncation_mode == "keep_start":
@@ -179,32 +179,35 @@ class SFT(Offline):
         return out, stats
 
     def _encode(self, fmt: str, row: dict, idx: int, tok) -> tuple[list[int], list[int]]:
-        eos = tok.eos_token_id
         train_completion = self.loss_on == "completion"
+        tools = row.get("tools")
         if fmt == "messages":
             if not train_completion:
-                ids = chat.conversation_ids(tok, row["messages"], idx, "messages")
+                ids = chat.conversation_ids(tok, row["messages"], idx, "messages", tools=tools)
                 return ids, [1] * len(ids)
-            return chat.assistant_mask(tok, row["messages"], idx, "messages")
+            return chat.assistant_mask(tok, row["messages"], idx, "messages", tools=tools)
         if fmt == "text":
             check_text(row["text"], idx, "text")
-            ids = tok(row["text"], add_special_tokens=False)["input_ids"] + [eos]
+            ids = text.document_ids(tok, row["text"])
             return ids, [1] * len(ids)
         prompt, completion = row["prompt"], row["completion"]
         if isinstance(prompt, list):
-            p = chat.prompt_ids(tok, prompt, idx, "prompt")
+            p = chat.prompt_ids(tok, prompt, idx, "prompt", tools=tools)
             full = p + chat.completion_ids(tok, prompt, p, completion, idx, "completion",
-                                           fix=chat.SFT_FIX)
+                                           fix=chat.SFT_FIX, tools=tools)
         else:
             check_text(prompt, idx, "prompt")
+            if isinstance(completion, list):
+                raise DataError(f"row {idx}: 'prompt' is a string but 'completion' is a list of "
+                                "messages; use the same format (both strings or both messages)")
             check_text(completion, idx, "completion")
-            p = tok(prompt, add_special_tokens=False)["input_ids"]
-            full = p + tok(completion, add_special_tokens=False)["input_ids"] + [eos]
+            p = text.start_ids(tok, prompt)
+            full = p + text.end_ids(tok, completion)
         mask = [0] * len(p) + [1] * (len(full) - len(p)) if train_completion else [1] * len(full)
         return full, mask
 
     # ------------------------------------------------------------------ batches
-    def collate(self, rows: list[dict], tokenizer, ctx) -> Batch:
+    def collate(self, rows: list[dict], tokenizer, ctx: BuildContext) -> Batch:
         columns = {"input_ids": tokenizer.pad_token_id, "labels": IGNORE}
         flat = self.flat(ctx)
         if flat:
@@ -226,12 +229,13 @@ class SFT(Offline):
         return Batch(t, num_items=n_items, real_tokens=real, total_tokens=total,
                      size_key=batch_key(t, real, total, flat), meta={"samples": len(rows)})
 
-    def causal_padding(self, ctx) -> bool:
+    def causal_padding(self, ctx: BuildContext) -> bool:
         """Whether padded rows go without their attention mask (``padding_mask``)."""
         return drops_padding_mask(self.padding_mask, ctx)
 
     # ------------------------------------------------------------------ model
-    def loss(self, models: dict, batch: Batch, ctx) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, models: dict, batch: Batch, ctx: BuildContext
+             ) -> tuple[torch.Tensor, dict[str, float]]:
         model = models["policy"]
         t = batch.tensors
         inputs = model_inputs(t)
@@ -239,7 +243,7 @@ class SFT(Offline):
         labels = t["labels"].reshape(-1)
         if index is not None:
             labels = labels.index_select(0, index)
-        if self.use_liger_kernel or self.loss_impl == "chunked":
+        if self.reads_head_weight() is not None:
             # decoder + head + loss in one call inside the wrapper's forward: under FSDP2 the
             # head's weight is gathered only there
             loss_sum = call_inside(model, self._fused_head_loss, labels, index, **inputs)
@@ -263,7 +267,7 @@ class SFT(Offline):
             hidden = hidden.index_select(0, index)
         head = model.get_output_embeddings()
         bias = getattr(head, "bias", None)
-        if self.use_liger_kernel:
+        if self.liger_loss():
             from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
             loss_fn = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE, reduction="sum")

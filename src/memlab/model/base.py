@@ -3,30 +3,45 @@ attention + dtype at load time, the right head, use_cache off."""
 
 from __future__ import annotations
 
-from typing import Any, Literal, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 import torch
-from torch import nn
+
+from memlab import registry
+from memlab.registry import Option
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from memlab.context import BuildContext
 
 Head = Literal["causal_lm", "seq_cls"]
 
 
-class Model(Protocol):
+class Model(Option, Protocol):
     """A ``model=`` option: where the tokenizer, the architecture and the weights come from."""
 
-    def validate(self, ctx) -> list[str]: ...
+    def load_tokenizer(self, ctx: BuildContext) -> Any: ...
 
-    def load_tokenizer(self, ctx) -> Any: ...
-
-    def hf_config(self, tokenizer) -> Any:
+    def hf_config(self, tokenizer: Any) -> Any:
         """The transformers config of the architecture (no weights read)."""
         ...
 
-    def load(self, ctx, tokenizer, head: Head, extra: dict[str, Any]) -> nn.Module:
+    def load(self, ctx: BuildContext, tokenizer: Any, head: Head, extra: dict[str, Any]
+             ) -> PreTrainedModel:
         """The model with the run's attention backend and dtype (``load_kwargs``), on the
         run's device; ``extra``: the PEFT option's load arguments (a quantization config)."""
         ...
 
+
+
+ModelClass = TypeVar("ModelClass", bound=Model)
+
+
+def register(name: str) -> Callable[[type[ModelClass]], type[ModelClass]]:
+    """Register a ``model=`` option (mypy checks it against :class:`Model`)."""
+    return registry.register("model", name)
 
 def auto_class(head: Head):
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
@@ -34,7 +49,7 @@ def auto_class(head: Head):
     return AutoModelForCausalLM if head == "causal_lm" else AutoModelForSequenceClassification
 
 
-def finish_load(model: nn.Module, tokenizer, head: Head) -> nn.Module:
+def finish_load(model: PreTrainedModel, tokenizer: Any, head: Head) -> PreTrainedModel:
     """Settings every loaded model gets: no KV cache in training, pad id for classification."""
     model.config.use_cache = False
     if getattr(model, "generation_config", None) is not None:
@@ -44,7 +59,7 @@ def finish_load(model: nn.Module, tokenizer, head: Head) -> nn.Module:
     return model
 
 
-def load_kwargs(ctx, extra: dict[str, Any]) -> dict[str, Any]:
+def load_kwargs(ctx: BuildContext, extra: dict[str, Any]) -> dict[str, Any]:
     """Keyword arguments for from_pretrained / from_config: attention backend and dtype."""
     kw: dict[str, Any] = {
         "attn_implementation": ctx.attention.implementation(),

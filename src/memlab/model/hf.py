@@ -11,18 +11,21 @@ that part loads; a hub name is checked against the cache (offline) or with one s
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
-
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from memlab.model import _files
-from memlab.model.base import Head, auto_class, finish_load, load_kwargs
-from memlab.registry import register
+from memlab.model.base import Head, auto_class, finish_load, load_kwargs, register
+from memlab.registry import Option
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from memlab.context import BuildContext
 
 
-@register("model", "hf")
+@register("hf")
 @dataclass(kw_only=True)
-class HubModel:
+class HubModel(Option):
     """Where to load weights and tokenizer from."""
 
     name_or_path: str = "Qwen/Qwen2.5-0.5B"
@@ -36,7 +39,7 @@ class HubModel:
     local_files_only: bool = False
     """Never touch the network (a local directory, or a model in the HF cache)."""
 
-    def validate(self, ctx) -> list[str]:
+    def validate(self, ctx: BuildContext) -> list[str]:
         if not self.name_or_path:
             return ["model.name_or_path must name a hub model or a local directory"]
         errors = []
@@ -55,7 +58,7 @@ class HubModel:
         return _files.hub_local_only(key, name, self.revision, self.local_files_only,
                                      probe_file)
 
-    def load_tokenizer(self, ctx):
+    def load_tokenizer(self, ctx: BuildContext):
         from transformers import AutoTokenizer
 
         key, name = ("model.tokenizer", self.tokenizer) if self.tokenizer else (
@@ -81,7 +84,8 @@ class HubModel:
                                           trust_remote_code=self.trust_remote_code,
                                           local_files_only=local_only)
 
-    def load(self, ctx, tokenizer, head: Head, extra: dict[str, Any]) -> nn.Module:
+    def load(self, ctx: BuildContext, tokenizer: Any, head: Head, extra: dict[str, Any]
+             ) -> PreTrainedModel:
         local_only = self._local_only("model.name_or_path", self.name_or_path,
                                       ("config", "weights"), "config.json")
         kw = load_kwargs(ctx, extra)

@@ -4,18 +4,21 @@ init and the tokenizer memlab ships. Needs no network; the default for tests and
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
-
-from torch import nn
+from typing import TYPE_CHECKING, Any, Literal
 
 from memlab.model import _files
-from memlab.model.base import Head, auto_class, finish_load, load_kwargs, seeded
-from memlab.registry import PositiveInt, Seed, register
+from memlab.model.base import Head, auto_class, finish_load, load_kwargs, register, seeded
+from memlab.registry import Option, PositiveInt, Seed
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from memlab.context import BuildContext
 
 
-@register("model", "tiny")
+@register("tiny")
 @dataclass(kw_only=True)
-class Tiny:
+class Tiny(Option):
     """Architecture sizes of the randomly initialised model."""
 
     arch: Literal["llama", "qwen2"] = "llama"
@@ -35,7 +38,7 @@ class Tiny:
     seed: Seed | None = None
     """Init seed; None = train.seed."""
 
-    def validate(self, ctx) -> list[str]:
+    def validate(self, ctx: BuildContext) -> list[str]:
         errors = []
         if self.hidden_size % self.num_heads:
             errors.append(
@@ -52,7 +55,7 @@ class Tiny:
         errors += _files.chat_template_errors("model.chat_template", self.chat_template)
         return errors
 
-    def load_tokenizer(self, ctx):
+    def load_tokenizer(self, ctx: BuildContext):
         from memlab.data.assets import load_tokenizer
 
         if self.tokenizer is not None:
@@ -82,14 +85,23 @@ class Tiny:
             return LlamaConfig(**common)
         return Qwen2Config(**common)
 
-    def load(self, ctx, tokenizer, head: Head, extra: dict[str, Any]) -> nn.Module:
-        """Build the model with the run's attention backend and parameter dtype."""
-        if extra.get("quantization_config") is not None:
-            raise ValueError(
-                "model=tiny is built from a config and cannot be quantized at load; "
-                "use model=hf with a saved checkpoint for peft=qlora"
-            )
+    def load(self, ctx: BuildContext, tokenizer: Any, head: Head, extra: dict[str, Any]
+             ) -> PreTrainedModel:
+        """Build the model with the run's attention backend and parameter dtype. A quantized
+        load (peft=qlora) builds it in float32, saves it and loads it back the way
+        ``from_pretrained`` quantizes a checkpoint (transformers' bitsandbytes path)."""
         kw = load_kwargs(ctx, extra)
+        quantized = extra.get("quantization_config") is not None
         with seeded(self.seed if self.seed is not None else ctx.train.seed):
-            model = auto_class(head).from_config(self.hf_config(tokenizer), **kw)
+            model = auto_class(head).from_config(
+                self.hf_config(tokenizer), **({} if quantized else kw))
+        if quantized:
+            import tempfile
+
+            with tempfile.TemporaryDirectory(prefix="memlab-tiny-") as tmp:
+                model.save_pretrained(tmp)
+                del model
+                model = auto_class(head).from_pretrained(tmp, **kw)
+            model.name_or_path = model.config.name_or_path = ""  # as if built from a config
+            return finish_load(model, tokenizer, head)
         return finish_load(model.to(ctx.device), tokenizer, head)

@@ -7,18 +7,22 @@ inputs) is offloaded. See memlab/offload/hooks.py for the mechanics."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from memlab.offload.base import Placement
+from memlab.offload.base import Placement, register
 from memlab.offload.hooks import ActivationOffloader
-from memlab.registry import NonNegativeInt, register
+from memlab.registry import NonNegativeInt, Option
+from memlab.trainer.routing import unwrap
+
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
 
 
-@register("offload", "activations")
+@register("activations")
 @dataclass(kw_only=True)
-class Activations:
+class Activations(Option):
     """Offloading knobs."""
 
     min_bytes: NonNegativeInt = 1 << 20
@@ -34,7 +38,7 @@ class Activations:
     """On CPU activations already live in host memory, so offloading saves nothing; true runs
     the hooks anyway (to test the mechanics)."""
 
-    def validate(self, ctx) -> list[str]:
+    def validate(self, ctx: BuildContext) -> list[str]:
         errors = []
         if not ctx.is_cuda and not self.allow_cpu:
             errors.append(
@@ -46,7 +50,7 @@ class Activations:
             errors.append("offload.min_bytes and offload.prefetch must be >= 0")
         return errors
 
-    def build(self, model: nn.Module, ctx, placement: Placement | None = None
+    def build(self, model: nn.Module, ctx: BuildContext, placement: Placement | None = None
               ) -> ActivationOffloader:
         """The offloader for ``model`` (one per run; the trainer resets it every micro-batch)."""
         placement = placement or Placement()
@@ -58,7 +62,7 @@ class Activations:
             model, device=ctx.device, min_bytes=self.min_bytes, use_streams=self.use_streams,
             pin_memory=self.pin_memory, prefetch=self.prefetch, **extra,
         )
-        head = model.get_output_embeddings()
+        head = unwrap(model).get_output_embeddings()
         if head is not None:
             off.exclude_outputs_of(head)
         return off

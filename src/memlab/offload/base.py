@@ -12,10 +12,17 @@ host copies on another fake device).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from torch import nn
+
+from memlab import registry
+from memlab.registry import Option
+
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
 
 
 class OffloadHandle(Protocol):
@@ -37,13 +44,22 @@ class Placement:
     tensor_types: tuple[type, ...] | None = None
 
 
-class Offload(Protocol):
+class Offload(Option, Protocol):
     """An ``offload=`` option."""
 
-    def validate(self, ctx) -> list[str]: ...
-
-    def build(self, model: nn.Module, ctx, placement: Placement | None = None
-              ) -> OffloadHandle | None: ...
+    def build(self, model: nn.Module, ctx: BuildContext, placement: Placement | None = None
+              ) -> OffloadHandle | None:
+        """The run's handle on ``model`` (None: nothing is offloaded)."""
+        ...
 
     def forward_context(self, handle: OffloadHandle | None) -> contextlib.AbstractContextManager:
+        """Around each forward + loss."""
         ...
+
+
+OffloadClass = TypeVar("OffloadClass", bound=Offload)
+
+
+def register(name: str) -> Callable[[type[OffloadClass]], type[OffloadClass]]:
+    """Register an ``offload=`` option (mypy checks it against :class:`Offload`)."""
+    return registry.register("offload", name)

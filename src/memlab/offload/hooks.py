@@ -33,18 +33,10 @@ De-duplication
     version counter* share one host copy; the version counter makes a tensor modified in place
     between two saves count as a different tensor. A view and its base are *not* merged.
 
-Streams (CUDA, ``use_streams=True``)
-    Device-to-host copies run on a side stream that first waits for the compute stream, so they
-    overlap the rest of the forward pass. The source tensor is kept alive until its copy's event
-    has completed (polled at every pack). At most ``max_inflight`` copies may be outstanding:
-    beyond that the compute stream waits for the oldest copy (a device-side wait, the host does
-    not block) and its source is released, so device memory stays bounded when compute outpaces
-    the host link; at ``__exit__`` the compute stream waits for the last copy and all remaining
-    sources are released. In backward, when a tensor is unpacked the
-    next ``prefetch`` offloaded tensors (in reverse forward order) are copied back on a second
-    side stream; the compute stream waits on that copy's event before use and the reloaded tensor
-    is ``record_stream``-ed on the compute stream. With ``use_streams=False`` every copy is
-    synchronous on the current stream.
+Copies
+    Moving the bytes (synchronous, or on CUDA side streams overlapping compute, with prefetch in
+    backward) is :mod:`memlab.offload.copies`'s job; this module decides what is offloaded and
+    keeps the books.
 
 CPU
     On a CPU-only run there is no device memory to save: the default storage copies each
@@ -70,7 +62,6 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -79,6 +70,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
+from memlab.offload.copies import Copies, Entry
 from memlab.offload.storage import HostStorage, OffloadStorage, storage_key
 
 __all__ = ["ActivationOffloader", "HostStorage", "OffloadStorage"]
@@ -88,42 +80,12 @@ _KEEP_REASONS = ("small", "param", "non_float", "excluded", "disabled", "other_d
                  "unsupported")
 
 
-class _Entry:
-    """One offloaded tensor: owns the storage handle; shared by every save of that tensor.
-
-    Lives exactly as long as the packed objects autograd holds; its ``__del__`` returns its bytes
-    to the offloader's ``host_bytes`` counter.
-    """
-
-    __slots__ = (
-        "__weakref__", "handle", "device", "nbytes", "seq", "ready", "prefetched", "reloaded",
-        "_release",
-    )
-
-    def __init__(self, handle: Any, device: torch.device, nbytes: int, seq: int,
-                 release: Any) -> None:
-        self.handle = handle
-        self.device = device
-        self.nbytes = nbytes
-        self.seq = seq
-        self.ready: Any = None  # CUDA event: device-to-host copy finished
-        self.prefetched: tuple[Tensor, Any] | None = None  # (device tensor, CUDA event)
-        self.reloaded: weakref.ref[Tensor] | None = None
-        self._release = release
-
-    def __del__(self) -> None:
-        release, self._release = self._release, None
-        if release is not None:
-            with contextlib.suppress(Exception):  # interpreter shutdown
-                release(self.nbytes)
-
-
 class _Packed:
     """What autograd stores for an offloaded tensor (one per save, several may share an entry)."""
 
     __slots__ = ("entry",)
 
-    def __init__(self, entry: _Entry) -> None:
+    def __init__(self, entry: Entry) -> None:
         self.entry = entry
 
 
@@ -191,8 +153,9 @@ class ActivationOffloader:
         self.device = torch.device(device) if device is not None else None
         self.floating_only = floating_only
         self.dedup = dedup
-        self.prefetch = int(prefetch)
-        self.max_inflight = max(1, int(max_inflight))
+        self._copies = Copies(self.storage, use_streams=self.use_streams, prefetch=int(prefetch),
+                              max_inflight=max(1, int(max_inflight)),
+                              on_prefetch=lambda: self._count("prefetched_tensors"))
         self._key = key
         self.tensor_types = tensor_types
 
@@ -205,14 +168,11 @@ class ActivationOffloader:
 
         # per-step book-keeping (weak or cleared by reset())
         self._seen: dict[tuple, tuple[weakref.ref, weakref.ref]] = {}
-        self._order: list[weakref.ref[_Entry]] = []
-        self._pending: deque[tuple[Any, Tensor, torch.device]] = deque()
-        self._streams: dict[tuple[str, int], Any] = {}
 
         self._counters: dict[str, int] = {}
-        self.reset_stats()
         self._host_bytes = 0
         self._peak_host_bytes = 0
+        self.reset_stats()
 
     # ------------------------------------------------------------------ construction helpers
     @classmethod
@@ -277,7 +237,7 @@ class ActivationOffloader:
         hooks = self._hooks.pop()
         hooks.__exit__(*exc)
         if not self._hooks:
-            self._release_pending(wait=True)
+            self._copies.release_pending(wait=True)
 
     # ------------------------------------------------------------------ the hooks
     def _keep_reason(self, t: Tensor) -> str | None:
@@ -347,10 +307,7 @@ class ActivationOffloader:
             if t is not None:  # saved twice and the first reload is still alive
                 return t
         with torch.no_grad():
-            if self._streams_for(entry.device):
-                t = self._reload_async(entry)
-            else:
-                t = self.storage.reload(entry.handle, entry.device)
+            t = self._copies.reload(entry)
         entry.reloaded = weakref.ref(t)
         self._count("reloaded_tensors", "reloaded_bytes", entry.nbytes)
         return t
@@ -362,96 +319,12 @@ class ActivationOffloader:
         return device.type == want.type and (want.index is None or device.index == want.index)
 
     # ------------------------------------------------------------------ copies
-    def _streams_for(self, device: torch.device) -> bool:
-        return self.use_streams and device.type == "cuda"
-
-    def _side_stream(self, device: torch.device, kind: str) -> Any:
-        key = (kind, device.index if device.index is not None else torch.cuda.current_device())
-        stream = self._streams.get(key)
-        if stream is None:
-            stream = self._streams[key] = torch.cuda.Stream(device=device)
-        return stream
-
-    def _offload(self, src: Tensor, nbytes: int) -> _Entry:
-        if self._streams_for(src.device):
-            self._drain_pending()
-            compute = torch.cuda.current_stream(src.device)
-            side = self._side_stream(src.device, "d2h")
-            side.wait_stream(compute)  # src must be fully written before it is copied
-            with torch.cuda.stream(side):
-                handle = self.storage.offload(src)
-                event = torch.cuda.Event()
-                event.record(side)
-            # keep src (its storage) alive until the copy has finished; bound what is in flight
-            self._pending.append((event, src, src.device))
-            while len(self._pending) > self.max_inflight:
-                old_event, _old, old_device = self._pending.popleft()
-                torch.cuda.current_stream(old_device).wait_event(old_event)
-        else:
-            handle = self.storage.offload(src)
-            event = None
-        entry = _Entry(handle, src.device, nbytes, len(self._order), self._release_host)
-        entry.ready = event
-        self._order.append(weakref.ref(entry))
+    def _offload(self, src: Tensor, nbytes: int) -> Entry:
+        entry = self._copies.offload(src, nbytes, self._release_host)
         with self._lock:
             self._host_bytes += nbytes
             self._peak_host_bytes = max(self._peak_host_bytes, self._host_bytes)
         return entry
-
-    def _drain_pending(self) -> None:
-        """Drop sources whose device-to-host copy has finished (events complete in order)."""
-        while self._pending and self._pending[0][0].query():
-            self._pending.popleft()
-
-    def _release_pending(self, wait: bool) -> None:
-        """Release all sources: the compute stream first waits for the outstanding copies."""
-        if not self._pending:
-            return
-        if wait:
-            last: dict[torch.device, Any] = {}
-            for event, _src, device in self._pending:
-                last[device] = event
-            for device, event in last.items():
-                torch.cuda.current_stream(device).wait_event(event)
-        self._pending.clear()
-
-    def _reload_async(self, entry: _Entry) -> Tensor:
-        compute = torch.cuda.current_stream(entry.device)
-        if entry.prefetched is not None:
-            t, event = entry.prefetched
-            entry.prefetched = None
-            compute.wait_event(event)
-            t.record_stream(compute)  # allocated on the h2d stream, used on the compute stream
-        else:
-            if entry.ready is not None:
-                compute.wait_event(entry.ready)
-            t = self.storage.reload(entry.handle, entry.device)
-        self._prefetch_before(entry.seq, entry.device)
-        return t
-
-    def _prefetch_before(self, seq: int, device: torch.device) -> None:
-        """Start reloading the ``prefetch`` entries saved just before ``seq`` (next in backward)."""
-        if self.prefetch == 0:
-            return
-        h2d = None
-        for j in range(seq - 1, max(-1, seq - 1 - self.prefetch), -1):
-            if j >= len(self._order):
-                continue
-            entry = self._order[j]()
-            if entry is None or entry.prefetched is not None or entry.device != device:
-                continue
-            if entry.reloaded is not None and entry.reloaded() is not None:
-                continue
-            if h2d is None:
-                h2d = self._side_stream(device, "h2d")
-            if entry.ready is not None:
-                h2d.wait_event(entry.ready)
-            with torch.cuda.stream(h2d):
-                t = self.storage.reload(entry.handle, entry.device)
-                event = torch.cuda.Event()
-                event.record(h2d)
-            entry.prefetched = (t, event)
-            self._count("prefetched_tensors")
 
     # ------------------------------------------------------------------ book-keeping
     def _release_host(self, nbytes: int) -> None:
@@ -471,16 +344,16 @@ class ActivationOffloader:
         prefetch order and the per-step output marks. Host buffers still referenced by a live
         graph are *not* freed here: they belong to that graph and go when it goes.
         """
-        self._release_pending(wait=True)
+        self._copies.release_pending(wait=True)
         self._seen.clear()
-        self._order.clear()
+        self._copies.forget()
         self._marked.clear()
         self._excluded = {k: r for k, r in self._excluded.items() if r() is not None}
 
     def _forget_dead(self) -> None:
         """Drop book-keeping whose tensors are all gone (a cheap safety net besides reset())."""
-        if self._order and all(r() is None for r in self._order):
-            self._order.clear()
+        if self._copies.all_dead():
+            self._copies.forget()
             self._seen.clear()
         self._marked = {k: r for k, r in self._marked.items() if r() is not None}
 
@@ -492,7 +365,7 @@ class ActivationOffloader:
                  "deduplicated_bytes", "kept_tensors", "kept_bytes", "reloaded_tensors",
                  "reloaded_bytes", "prefetched_tensors",
                  *(f"kept_{r}" for r in _KEEP_REASONS)), 0)
-            self._peak_host_bytes = getattr(self, "_host_bytes", 0)
+            self._peak_host_bytes = self._host_bytes
 
     @property
     def host_bytes(self) -> int:

@@ -4,22 +4,27 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from torch import nn
 
-from memlab.offload.base import Placement
-from memlab.registry import register
+from memlab.offload.base import Placement, register
+from memlab.registry import Option
+
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
 
 
-@register("offload", "none")
+@register("none")
 @dataclass(kw_only=True)
-class NoOffload:
+class NoOffload(Option):
     """No knobs."""
 
-    def validate(self, ctx) -> list[str]:
+    def validate(self, ctx: BuildContext) -> list[str]:
         return []
 
-    def build(self, model: nn.Module, ctx, placement: Placement | None = None) -> None:
+    def build(self, model: nn.Module, ctx: BuildContext, placement: Placement | None = None
+              ) -> None:
         """Nothing is offloaded: no handle."""
         return None
 

@@ -245,6 +245,8 @@ def copy_runs(
     ``runs`` must group the pieces by ``col.row_segment[seq]`` when the column has segments."""
     import pyarrow as pa
 
+    if col.row_byte is None:
+        raise ValueError(f"column {col.name!r} has no fixed-width values to copy")
     width = col.width
     dst = np.empty(n_tokens * width, dtype=np.uint8)
     src_byte = (col.row_byte[seq] + start * width)[runs.order]
@@ -348,8 +350,10 @@ def build_shard(
                     shared_runs = Runs.of(plen, dst, pp.max_length)
                 runs = shared_runs
             values.append(copy_runs(col, runs, seq, start, n))
-        else:
+        elif col.row_start is not None:
             values.append(arrow_gather(col.stream, col.row_start[seq] + start, plen, large))
+        else:
+            raise ValueError(f"column {col.name!r} has no values to gather")
     if "position_ids" in names:
         values.append(position_ids(plen, dst, n))
     row_offsets = piece_bounds[pp.row_offsets[r0 : r1 + 1]] - t0
@@ -378,6 +382,8 @@ def write_stream(path: Path, batches: Iterator[Any]) -> None:
                 writer = pa.ipc.new_stream(str(partial), batch.schema)
             writer.write_batch(batch)
             del batch
+        if writer is None:
+            raise ValueError(f"no record batches to write to {path}")
         writer.close()
         writer = None
         os.replace(partial, path)

@@ -11,14 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from memlab.packing.base import Packing
-from memlab.registry import register
+from memlab.packing.base import Packing, register
+from memlab.packing.plan import Strategy
 
 
-@register("packing", "bfd")
+@register("bfd")
 @dataclass(kw_only=True)
 class Bfd(Packing):
     """No knobs; the row capacity is method.max_length."""
 
     keeps_overflow: ClassVar[bool] = False
-    strategy: ClassVar[str] = "bfd"
+    strategy: ClassVar[Strategy] = "bfd"

@@ -10,14 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from memlab.packing.base import Packing
-from memlab.registry import register
+from memlab.packing.base import Packing, register
+from memlab.packing.plan import Strategy
 
 
-@register("packing", "bfd_split")
+@register("bfd_split")
 @dataclass(kw_only=True)
 class BfdSplit(Packing):
     """No knobs; the row capacity is method.max_length."""
 
     keeps_overflow: ClassVar[bool] = True
-    strategy: ClassVar[str] = "bfd_split"
+    strategy: ClassVar[Strategy] = "bfd_split"

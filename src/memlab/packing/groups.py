@@ -40,25 +40,31 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
 
 PACK_ROWS = "pack_rows"
 """The column of a packed dataset that holds, per unit, the row of each of its pieces."""
 
 
-class GroupPacked:
-    """Declared (inherited) by the methods whose rows pack as units of several sequences.
+class GroupPacked(Protocol):
+    """What a method whose rows pack as units of several sequences provides, declared through
+    ``Method.as_group_packed()`` (dpo, kto, reward).
 
     The packing options read this capability: such a method's prepared dataset holds one unit
     per row, its packed dataset one micro-batch per item, and strategies that cut sequences
     (``wrapped``) do not apply to it."""
 
-    max_pieces: ClassVar[int] = 2
-    """Pieces (sequences) of the largest unit: a split unit needs that many rows in a pack."""
-
-    def unit_sizes(self, ds, ctx) -> tuple[list[int], list[list[int]]]:
+    def unit_sizes(self, ds: Any, ctx: BuildContext) -> tuple[list[int], list[list[int]]]:
         """``(whole, pieces)`` of every prepared row (module docstring)."""
-        raise NotImplementedError
+        ...
+
+    def unit_pieces(self) -> int:
+        """Pieces (sequences) of the largest unit: a split unit needs that many rows in a
+        pack."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -186,12 +192,15 @@ def plan(whole: Sequence[int], pieces: Sequence[Sequence[int]], capacity: int,
     for u in big:
         fit = _fit_in_pack(pieces[u], current_rooms, rows, current) if current is not None \
             else None
-        if fit is None:
+        if current is None or fit is None:
             if current is not None:  # hand the old pack's rows over to the whole units
                 for r, room in current_rooms.items():
                     rows.put(room, (current, r))
             current, current_rooms = rows.new_pack(), {}
             fit = _fit_in_pack(pieces[u], current_rooms, rows, current)
+            if fit is None:  # _check makes sure every split unit fits an empty pack
+                raise ValueError(f"unit {u} (pieces {list(pieces[u])}) does not fit an empty "
+                                 "pack")
         place(current, u, fit)
         tokens += sum(pieces[u])
     if current is not None:

@@ -8,15 +8,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from memlab.packing.base import Packing
-from memlab.registry import register
+from memlab.packing.base import Packing, register
+from memlab.packing.plan import Strategy
 
 
-@register("packing", "wrapped")
+@register("wrapped")
 @dataclass(kw_only=True)
 class Wrapped(Packing):
     """No knobs; the row capacity is method.max_length."""
 
     keeps_overflow: ClassVar[bool] = True
     cuts_sequences: ClassVar[bool] = True
-    strategy: ClassVar[str] = "wrapped"
+    strategy: ClassVar[Strategy] = "wrapped"

@@ -3,20 +3,21 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Annotated, Any, ClassVar
+from typing import TYPE_CHECKING, Annotated, Any
 
 from torch import nn
 
-from memlab.registry import PositiveInt, Range, register
+from memlab.peft.base import QuantizedBase, register
+from memlab.registry import Option, PositiveInt, Range
+
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
 
 
-@register("peft", "lora")
+@register("lora")
 @dataclass(kw_only=True)
-class Lora:
+class Lora(Option):
     """LoRA knobs, named as in ``peft.LoraConfig``."""
-
-    quantizes_base: ClassVar[bool] = False
-    """The frozen base is stored quantized (bitsandbytes): it cannot be merged with adapters."""
 
     r: PositiveInt = 16
     alpha: PositiveInt = 32
@@ -32,16 +33,30 @@ class Lora:
     extra: dict[str, Any] = field(default_factory=dict)
     """Any other LoraConfig keyword (e.g. use_dora: true)."""
 
-    def validate(self, ctx) -> list[str]:
+    def validate(self, ctx: BuildContext) -> list[str]:
         errors = []
         if self.r <= 0:
             errors.append(f"peft.r must be positive (got {self.r})")
         if not 0.0 <= self.dropout < 1.0:
             errors.append(f"peft.dropout must be in [0, 1) (got {self.dropout})")
+        reader = ctx.method.reads_head_weight() if self.adapts_head() else None
+        if reader is not None:
+            errors.append(
+                f"{reader}: method={ctx.method.name}'s loss reads the output head's weight "
+                "directly, so it cannot train a LoRA adapter on lm_head; drop lm_head from "
+                f"peft.target_modules or change {reader}")
         return errors
 
-    def load_kwargs(self, ctx) -> dict[str, Any]:
+    def adapts_head(self) -> bool:
+        """Whether ``target_modules`` puts an adapter on the output head (``lm_head``;
+        'all-linear' leaves the head out)."""
+        return isinstance(self.target_modules, list) and "lm_head" in self.target_modules
+
+    def load_kwargs(self, ctx: BuildContext) -> dict[str, Any]:
         return {}
+
+    def as_quantized_base(self) -> QuantizedBase | None:
+        return None
 
     def has_adapter(self) -> bool:
         return True
@@ -63,7 +78,7 @@ class Lora:
             **self.extra,
         )
 
-    def apply(self, model: nn.Module, ctx, task: str) -> nn.Module:
+    def apply(self, model: nn.Module, ctx: BuildContext, task: str) -> nn.Module:
         from peft import get_peft_model
 
         return get_peft_model(

@@ -3,29 +3,33 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from memlab.registry import register
+from memlab.peft.base import QuantizedBase, register
+from memlab.registry import Option
+
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
 
 
-@register("peft", "none")
+@register("none")
 @dataclass(kw_only=True)
-class NoPeft:
+class NoPeft(Option):
     """No knobs."""
 
-    quantizes_base: ClassVar[bool] = False
-    """The frozen base is stored quantized (bitsandbytes): it cannot be merged with adapters."""
-
-    def validate(self, ctx) -> list[str]:
+    def validate(self, ctx: BuildContext) -> list[str]:
         return []
 
-    def load_kwargs(self, ctx) -> dict[str, Any]:
+    def load_kwargs(self, ctx: BuildContext) -> dict[str, Any]:
         return {}
 
-    def apply(self, model: nn.Module, ctx, task: str) -> nn.Module:
+    def apply(self, model: nn.Module, ctx: BuildContext, task: str) -> nn.Module:
         return model
+
+    def as_quantized_base(self) -> QuantizedBase | None:
+        return None
 
     def has_adapter(self) -> bool:
         return False

@@ -1,19 +1,61 @@
-"""What a precision option provides to the model loader and the trainer."""
+"""What a precision option provides to the model loader and the trainer (:class:`Precision`), and
+the one shape every option shares (:class:`Dtypes`)."""
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar, Protocol, TypeVar
 
 import torch
+
+from memlab import registry
+from memlab.registry import Option
+
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+class Precision(Option, Protocol):
+    """A ``precision=`` option: the dtype weights load in and the dtype of the compute."""
+
+    param_dtype: ClassVar[str]
+    """Weights are loaded in this dtype (``float32``, ``bfloat16``, ``float16``)."""
+    autocast_dtype: ClassVar[str | None]
+    """The compute dtype under torch.autocast (None: no autocast)."""
+    needs_scaler: ClassVar[bool]
+    """fp16 loss scaling."""
+
+    def torch_param_dtype(self) -> torch.dtype: ...
+
+    def compute_dtype_name(self) -> str:
+        """The dtype the matmuls run in."""
+        ...
+
+    def autocast(self, device: str) -> contextlib.AbstractContextManager:
+        """Context manager for the forward pass and loss."""
+        ...
+
+    def grad_scaler(self, device: str) -> torch.amp.GradScaler | None:
+        """A GradScaler for fp16 mixed precision, else None."""
+        ...
+
+
+PrecisionClass = TypeVar("PrecisionClass", bound=Precision)
+
+
+def register(name: str) -> Callable[[type[PrecisionClass]], type[PrecisionClass]]:
+    """Register a ``precision=`` option (mypy checks it against :class:`Precision`)."""
+    return registry.register("precision", name)
+
+
 @dataclass(kw_only=True)
-class Precision:
-    """``param_dtype``: dtype weights are loaded in; ``autocast_dtype``: compute dtype under
+class Dtypes(Option):
+    """Every precision option is this shape, set by four class-level flags:
+    ``param_dtype``: dtype weights are loaded in; ``autocast_dtype``: compute dtype under
     torch.autocast (None = no autocast); ``needs_scaler``: fp16 loss scaling."""
 
     param_dtype: ClassVar[str] = "float32"
@@ -27,20 +69,20 @@ class Precision:
     def compute_dtype_name(self) -> str:
         return self.autocast_dtype or self.param_dtype
 
-    def autocast(self, device: str):
+    def autocast(self, device: str) -> contextlib.AbstractContextManager:
         """Context manager for the forward pass and loss."""
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(device_type=device.split(":")[0], dtype=_DTYPES[self.autocast_dtype])
 
-    def grad_scaler(self, device: str):
+    def grad_scaler(self, device: str) -> torch.amp.GradScaler | None:
         """A GradScaler for fp16 mixed precision, else None."""
         if not self.needs_scaler:
             return None
         return torch.amp.GradScaler(device.split(":")[0])
 
-    def validate(self, ctx) -> list[str]:
-        name = self.name  # type: ignore[attr-defined]
+    def validate(self, ctx: BuildContext) -> list[str]:
+        name = self.name
         if self.cuda_only and not ctx.is_cuda:
             return [
                 f"precision={name} needs a CUDA device (fp16 matmuls and loss scaling are not "

@@ -5,13 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from memlab.precision.base import Precision
-from memlab.registry import register
+from memlab.precision.base import Dtypes, register
 
 
-@register("precision", "bf16")
+@register("bf16")
 @dataclass(kw_only=True)
-class Bf16(Precision):
+class Bf16(Dtypes):
     """No knobs."""
 
     param_dtype: ClassVar[str] = "bfloat16"

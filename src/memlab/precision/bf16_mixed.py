@@ -5,13 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from memlab.precision.base import Precision
-from memlab.registry import register
+from memlab.precision.base import Dtypes, register
 
 
-@register("precision", "bf16_mixed")
+@register("bf16_mixed")
 @dataclass(kw_only=True)
-class Bf16Mixed(Precision):
+class Bf16Mixed(Dtypes):
     """No knobs."""
 
     param_dtype: ClassVar[str] = "float32"

@@ -5,13 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from memlab.precision.base import Precision
-from memlab.registry import register
+from memlab.precision.base import Dtypes, register
 
 
-@register("precision", "fp16_mixed")
+@register("fp16_mixed")
 @dataclass(kw_only=True)
-class Fp16Mixed(Precision):
+class Fp16Mixed(Dtypes):
     """No knobs."""
 
     param_dtype: ClassVar[str] = "float32"

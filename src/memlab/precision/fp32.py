@@ -5,13 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from memlab.precision.base import Precision
-from memlab.registry import register
+from memlab.precision.base import Dtypes, register
 
 
-@register("precision", "fp32")
+@register("fp32")
 @dataclass(kw_only=True)
-class Fp32(Precision):
+class Fp32(Dtypes):
     """No knobs."""
 
     param_dtype: ClassVar[str] = "float32"

@@ -52,11 +52,11 @@ class Segments(tuple):
         return [[t for e in row for t in run(e)] for row in self]
 
     @classmethod
-    def from_positions(cls, positions: list[list[int]] | list[int]) -> Segments:
-        """Split every row where its position ids do not continue (``p[t] != p[t-1] + 1``)."""
-        rows = positions if positions and isinstance(positions[0], (list, tuple)) else [positions]
+    def from_positions(cls, positions: list[list[int]]) -> Segments:
+        """Split every row (of ``[rows, T]`` position ids) where its position ids do not
+        continue (``p[t] != p[t-1] + 1``)."""
         out = []
-        for row in rows:
+        for row in positions:
             lengths: list[int] = []
             n = 0
             for t, p in enumerate(row):
@@ -90,7 +90,8 @@ class Segments(tuple):
     def documents(self, row: int) -> list[tuple[int, int, tuple[int, int] | None]]:
         """``(start, end, prefix)`` of each document of ``row``; ``prefix`` is the ``(a, b)``
         token range it also sees, or None."""
-        out, start = [], 0
+        out: list[tuple[int, int, tuple[int, int] | None]] = []
+        start = 0
         for entry in self[row]:
             if isinstance(entry, int):
                 out.append((start, start + entry, None))
@@ -161,16 +162,21 @@ class BatchStream:
     def __iter__(self) -> Iterator[Batch]:
         return self
 
-    def __next__(self) -> Batch:
+    def next_indices(self) -> list[int]:
+        """Dataset rows of the next micro-batch (this rank's slice), without taking it."""
         if self.pos >= len(self._perm):
             self.epoch += 1
             self.pos = 0
             self._perm = self._permutation(self.epoch)
         idx = self._perm[self.pos : self.pos + self.batch_size * self.world]
-        self.pos += len(idx)
         if self.world > 1:  # this rank's slice; a short last batch is split as evenly
             per = -(-len(idx) // self.world)
             idx = idx[self.rank * per : (self.rank + 1) * per] or idx[-1:]
+        return idx
+
+    def __next__(self) -> Batch:
+        idx = self.next_indices()
+        self.pos += min(self.batch_size * self.world, len(self._perm) - self.pos)
         cols = self.ds[idx]
         rows = [{k: cols[k][i] for k in cols} for i in range(len(idx))]
         return self.collate(rows)

@@ -15,10 +15,11 @@ needs, written without pickles and read without running code.
   pickle, so every file is first opened with ``torch.load(weights_only=True)`` (DeepSpeed's two
   plain-data classes allowed): a file that would run code is refused before DeepSpeed sees it.
 
-Three kinds of state, by what the distributed option declares (``checkpoint_format``):
+Three kinds of state, by what the distributed option declares (:func:`state_format`):
 ``torch`` (one replica's state: single process, DDP), ``by_name`` (gathered from FSDP2's shards
-by parameter name: a collective, written by rank 0, re-sharded on load), ``native`` (DeepSpeed's
-shards). A checkpoint is written to a temporary directory and renamed when complete.
+by parameter name, ``as_gathered_states()``: a collective, written by rank 0, re-sharded on
+load), ``native`` (DeepSpeed's shards, ``as_native_states()``). A checkpoint is written to a
+temporary directory and renamed when complete.
 """
 
 from __future__ import annotations
@@ -28,17 +29,20 @@ import json
 import random
 import shutil
 import time
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
 from torch import nn
 
-from memlab.registry import ConfigErrors
 from memlab.trainer import config_record, export
 from memlab.trainer.routing import unwrap
+
+if TYPE_CHECKING:
+    from memlab.distributed.base import Distributed
+    from memlab.trainer.loop import Trainer
 
 KINDS = {"torch": "a replicated run (single or ddp)", "by_name": "a sharded run (distributed=fsdp2)",
          "native": "distributed=deepspeed"}
@@ -54,6 +58,18 @@ DEEPSPEED_SAFE_GLOBALS = ("deepspeed.runtime.fp16.loss_scaler.LossScaler",
                           "deepspeed.utils.tensor_fragment.fragment_address")
 """Plain-data classes DeepSpeed pickles into its checkpoints (allowed when its files are
 checked with ``weights_only=True``)."""
+
+
+StateFormat = Literal["torch", "by_name", "native"]
+
+
+def state_format(dist: Distributed) -> StateFormat:
+    """How the run's distributed option checkpoints its training state (module docstring)."""
+    if dist.as_native_states() is not None:
+        return "native"
+    if dist.as_gathered_states() is not None:
+        return "by_name"
+    return "torch"
 
 
 class CheckpointError(RuntimeError):
@@ -196,26 +212,28 @@ def read_weights(path: Path | str) -> dict[str, torch.Tensor]:
 
 
 # ------------------------------------------------------------------------------- saving
-def save(trainer: Any) -> Path:
+def save(trainer: Trainer) -> Path:
     """Write ``run_dir/checkpoints/step_<n>`` (atomically: a temp dir renamed); every rank calls
     it (gathering may be a collective), rank 0 writes the files."""
     ctx, dist = trainer.ctx, trainer.dist
     root = Path(ctx.run_dir) / "checkpoints"
-    final = root / f"step_{trainer.step_idx:06d}"
+    final = step_dir(Path(ctx.run_dir), trainer.step_idx)
     tmp = root / f".tmp_step_{trainer.step_idx:06d}"
-    fmt = dist.checkpoint_format
-    weights = optim = None
-    if fmt == "native":  # every rank writes its own shards, then meets
+    fmt = state_format(dist)
+    native, gathered = dist.as_native_states(), dist.as_gathered_states()
+    weights: dict[str, torch.Tensor] | None = None
+    optim: dict[str, Any] | None = None
+    if native is not None:  # every rank writes its own shards, then meets
         if ctx.rank == 0 and tmp.exists():
             shutil.rmtree(tmp)
         if ctx.world_size > 1:
             torch.distributed.barrier()
-        dist.save_states(trainer.policy, tmp)
-        weights = dist.full_weights(trainer.policy)
+        native.save_states(trainer.policy, tmp)
+        weights = native.full_weights(trainer.policy)
         if ctx.world_size > 1:
             torch.distributed.barrier()
-    elif fmt == "by_name":  # gathered by every rank (a collective), written by rank 0
-        weights, optim = dist.full_state(trainer.policy, trainer.opt)
+    elif gathered is not None:  # gathered by every rank (a collective), written by rank 0
+        weights, optim = gathered.full_state(trainer.policy, trainer.opt)
     if ctx.rank != 0:
         return final
     if fmt != "native" and tmp.exists():
@@ -247,6 +265,7 @@ def save(trainer: Any) -> Path:
         "stream": trainer.stream.state(),
         "losses": list(trainer.result.losses),
         "curves": trainer.result.curves,
+        "eval": trainer.evaluator.state.state() if trainer.evaluator is not None else None,
         "rng": to_tree({"torch": torch.get_rng_state(), "python": random.getstate(),
                         "numpy": np.random.get_state(),
                         "cuda": (torch.cuda.get_rng_state_all() if torch.cuda.is_available()
@@ -262,34 +281,28 @@ def save(trainer: Any) -> Path:
         shutil.rmtree(final)
     tmp.rename(final)
     if ctx.train.keep_last:
-        prune(root, ctx.train.keep_last)
+        best = trainer.best_checkpoint()
+        prune(root, ctx.train.keep_last, keep=[best] if best is not None else [])
     return final
 
 
-def prune(root: Path, keep: int) -> list[Path]:
-    """Delete all but the newest ``keep`` checkpoints in ``root``; returns the deleted dirs."""
-    old = step_dirs(root)[:-keep]
+def step_dir(run_dir: Path, step: int) -> Path:
+    """Where the checkpoint of ``step`` goes (``run_dir/checkpoints/step_<n>``)."""
+    return Path(run_dir) / "checkpoints" / f"step_{step:06d}"
+
+
+def prune(root: Path, newest: int, keep: Sequence[Path] = ()) -> list[Path]:
+    """Delete all but the ``newest`` checkpoints in ``root`` and those in ``keep`` (the best
+    evaluation's, ``train.save_best``); returns the deleted dirs."""
+    protected = {Path(p).resolve() for p in keep}
+    old = [p for p in step_dirs(root)[:-newest] if p.resolve() not in protected]
     for p in old:
         shutil.rmtree(p)
     return old
 
 
-# ------------------------------------------------------------------------------ resuming
-@dataclass
-class ResumePlan:
-    """Where a run resumes from and what it changes (``summary.json``'s ``resume``)."""
-
-    path: Path
-    requested: str
-    step: int
-    changed: dict[str, dict[str, Any]] = field(default_factory=dict)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"from": str(self.path), "requested": self.requested, "step": self.step,
-                "changed": self.changed}
-
-
-def _format_problem(path: Path, state: dict[str, Any], want: str) -> str | None:
+def format_problem(path: Path, state: dict[str, Any], want: str) -> str | None:
+    """Why the checkpoint at ``path`` cannot resume a run whose state is ``want``, or None."""
     fmt = state.get("optimizer_format", "torch")
     if fmt == want:
         return None
@@ -297,97 +310,10 @@ def _format_problem(path: Path, state: dict[str, Any], want: str) -> str | None:
             f"kind of setup (this run is {KINDS.get(want, want)})")
 
 
-def search_roots(ctx, roots: list[Path] | None) -> list[Path]:
-    """Where ``resume_from=latest`` looks: ``train.resume_root``, else ``roots`` (the caller's
-    outputs tree), else the run dir's parent."""
-    if ctx.train.resume_root:
-        return [Path(ctx.train.resume_root)]
-    return list(roots) if roots else [Path(ctx.run_dir).absolute().parent]
-
-
-def find(roots: list[Path]) -> list[tuple[Path, dict[str, Any]]]:
-    """Every complete checkpoint under ``roots`` (recursively) with its state, newest first."""
-    seen: set[Path] = set()
-    out = []
-    for root in roots:
-        if not root.is_dir():
-            continue
-        for file in root.rglob(f"checkpoints/step_*/{STATE}"):
-            d = file.parent.resolve()
-            if d in seen:
-                continue
-            seen.add(d)
-            try:
-                out.append((d, read_state(d)))
-            except CheckpointError:
-                continue
-    out.sort(key=lambda x: (x[1].get("saved_at", 0.0), x[1].get("step", 0)), reverse=True)
-    return out
-
-
-def plan_resume(ctx, roots: list[Path] | None = None) -> ResumePlan | None:
-    """Check ``train.resume_from`` against the checkpoint before anything loads: the
-    checkpoint exists and is memlab's, its kind of state suits this run, and its configuration
-    differs from this run's only in the settings ``train.resume_allow`` names. ``latest``: the
-    newest such checkpoint under :func:`search_roots`. Raises ConfigErrors (one message listing
-    every difference) otherwise."""
-    where = ctx.train.resume_from
-    if not where:
-        return None
-    allow = list(ctx.train.resume_allow)
-    new = config_record.record(ctx)
-    base = config_record.defaults(ctx)
-    want = ctx.distributed.checkpoint_format
-
-    def refused(state: dict[str, Any]) -> list[config_record.Difference]:
-        diffs = config_record.differences(state.get("config") or {}, new, base)
-        return [d for d in diffs if not config_record.matches(d.key, allow)]
-
-    if where == "latest":
-        roots = search_roots(ctx, roots)
-        found = find(roots)
-        match = next(((p, s) for p, s in found
-                      if not refused(s) and _format_problem(p, s, want) is None), None)
-        if match is None:
-            msg = (f"train.resume_from=latest: no checkpoint of this configuration under "
-                   f"{', '.join(map(str, roots))}")
-            if found:
-                p, s = found[0]
-                diffs = refused(s)
-                msg += (f" ({len(found)} of other configurations; the newest, {p}, differs in: "
-                        + "; ".join(d.line() for d in diffs[:8])
-                        + ("; ..." if len(diffs) > 8 else "")
-                        + (f"; {_format_problem(p, s, want)}" if _format_problem(p, s, want)
-                           else "") + ")")
-            msg += ("; start without train.resume_from, name a checkpoint directory, set "
-                    "train.resume_root, or list the settings you mean to change in "
-                    "train.resume_allow")
-            raise ConfigErrors([msg])
-        path, state = match
-    else:
-        path = Path(where).expanduser()
-        try:
-            state = read_state(path)
-        except CheckpointError as e:
-            raise ConfigErrors([f"train.resume_from={where}: {e}"]) from None
-        errors = []
-        problem = _format_problem(path, state, want)
-        if problem:
-            errors.append(problem)
-        diffs = refused(state)
-        if diffs:
-            errors.append(config_record.refusal(where, diffs))
-        if errors:
-            raise ConfigErrors(errors)
-    changed = {d.key: {"checkpoint": d.checkpoint, "run": d.run}
-               for d in config_record.differences(state.get("config") or {}, new, base)}
-    return ResumePlan(path=path.absolute(), requested=where, step=int(state["step"]),
-                      changed=changed)
-
-
 def resolve(run_dir: Path | str, where: str) -> Path:
     """``train.resume_from`` as a directory (``latest``: the newest checkpoint of this run dir;
-    a run resolves ``latest`` across the outputs tree first, see :func:`plan_resume`)."""
+    a run resolves ``latest`` across the outputs tree first, see
+    :func:`memlab.trainer.resume.plan_resume`)."""
     if where == "latest":
         found = step_dirs(Path(run_dir) / "checkpoints")
         if not found:
@@ -436,26 +362,24 @@ def _apply_hyperparameters(trainer: Any) -> None:
     sched._last_lr = [g["lr"] for g in opt.param_groups]
 
 
-def load(trainer: Any, path: Path) -> None:
+def load(trainer: Trainer, path: Path) -> None:
     """Restore ``trainer`` from checkpoint dir ``path`` (written by :func:`save`). Reads JSON
     and safetensors only (DeepSpeed's shards after :func:`check_pickles`)."""
     path = Path(path)
     dist = trainer.dist
     state = read_state(path)
-    problem = _format_problem(path, state, dist.checkpoint_format)
+    problem = format_problem(path, state, state_format(dist))
     if problem:
         raise CheckpointError(problem)
-    fmt = state["optimizer_format"]
-    optim = None
-    if fmt != "native":
-        opt_tensors = _load_tensors(path / OPTIMIZER)
-        optim = from_tree(state["optimizer"], opt_tensors)
-    if fmt == "native":
+    native, gathered = dist.as_native_states(), dist.as_gathered_states()
+    if native is not None:
         check_pickles(path / "deepspeed")
-        dist.load_states(trainer.policy, path)
-    elif fmt == "by_name":
-        dist.load_full_state(trainer.policy, trainer.opt, read_weights(path), optim)
+        native.load_states(trainer.policy, path)
+    elif gathered is not None:
+        optim = from_tree(state["optimizer"], _load_tensors(path / OPTIMIZER))
+        gathered.load_full_state(trainer.policy, trainer.opt, read_weights(path), optim)
     else:
+        optim = from_tree(state["optimizer"], _load_tensors(path / OPTIMIZER))
         weights = read_weights(path)
         named = named_trainable(trainer.models)
         missing = sorted(set(named) - set(weights))
@@ -477,6 +401,8 @@ def load(trainer: Any, path: Path) -> None:
     trainer.step_idx = int(state["step"])
     trainer.result.losses = list(state["losses"])
     trainer.result.curves = {k: list(v) for k, v in (state.get("curves") or {}).items()}
+    if trainer.evaluator is not None and state.get("eval"):
+        trainer.evaluator.state.load_state(state["eval"])
     rng = from_tree(state["rng"], tensors)
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])

@@ -9,7 +9,10 @@ training is not compared (:data:`NOT_COMPARED`):
 
 - bookkeeping: where and when checkpoints are written, how a run resumes, progress and
   logging (``train.save_*``, ``train.keep_last``, ``train.resume_*``, ``train.progress``,
-  ``train.log_every``), what is measured (``measure``) and where it is logged (``logger``);
+  ``train.log_every``), what is measured (``measure``) and where it is logged (``logger``),
+  how the held-out data is evaluated (``train.eval_*``, ``train.best_metric``,
+  ``train.greater_is_better``, ``train.early_stop``; which rows are held out, ``data.eval``,
+  changes what is trained and is compared);
 - the device (``train.device``: a checkpoint may move between machines);
 - memory-only techniques that compute the same arithmetic (``train.gradient_checkpointing``,
   ``train.checkpoint_every``: recomputation; ``offload``: activations moved off the device and
@@ -26,13 +29,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+    from memlab.context import BuildContext
 
 NOT_COMPARED = (
     "measure", "logger", "offload",
     "train.save_every", "train.save_final", "train.save_merged", "train.keep_last",
     "train.resume_from", "train.resume_allow", "train.resume_root", "train.progress",
     "train.log_every", "train.device", "train.gradient_checkpointing", "train.checkpoint_every",
+    "train.eval_every", "train.eval_batch_size", "train.eval_samples", "train.eval_max_new_tokens",
+    "train.best_metric", "train.greater_is_better", "train.early_stop", "train.save_best",
     "distributed.timeout_s", "distributed.master_port", "model.local_files_only",
     "generation.host", "generation.port", "generation.server_timeout_s",
     "generation.request_timeout_s",
@@ -47,36 +57,37 @@ def _plain(value: Any) -> Any:
     return json.loads(json.dumps(value, default=str))
 
 
-def _group_record(opt: Any, defaults: bool = False) -> dict[str, Any]:
-    out: dict[str, Any] = {"name": getattr(type(opt), "name", type(opt).__name__)}
+def _knobs(opt: DataclassInstance, defaults: bool = False) -> dict[str, Any]:
+    """Every field of the config ``opt`` (its default, with ``defaults``), as plain JSON."""
+    out: dict[str, Any] = {}
     for f in dataclasses.fields(opt):
         if defaults:
             if f.default is not dataclasses.MISSING:
                 out[f.name] = _plain(f.default)
-            elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-                out[f.name] = _plain(f.default_factory())  # type: ignore[misc]
+            elif f.default_factory is not dataclasses.MISSING:
+                out[f.name] = _plain(f.default_factory())
         else:
             out[f.name] = _plain(getattr(opt, f.name))
     return out
 
 
-def record(ctx) -> dict[str, Any]:
+def record(ctx: BuildContext) -> dict[str, Any]:
     """The configuration of the run ``ctx`` describes, as plain JSON: ``{group: {name, knobs},
     train: {...}, measure: {...}, generates: bool}``."""
-    out: dict[str, Any] = {g: _group_record(opt) for g, opt in ctx.groups().items()}
-    out["train"] = _group_record(ctx.train)
-    out["measure"] = _group_record(ctx.measure)
-    del out["train"]["name"], out["measure"]["name"]
-    out["generates"] = bool(ctx.method.generates())
+    out: dict[str, Any] = {g: {"name": opt.name, **_knobs(opt)}
+                           for g, opt in ctx.groups().items()}
+    out["train"] = _knobs(ctx.train)
+    out["measure"] = _knobs(ctx.measure)
+    out["generates"] = ctx.method.as_generating() is not None
     return out
 
 
-def defaults(ctx) -> dict[str, Any]:
+def defaults(ctx: BuildContext) -> dict[str, Any]:
     """Each knob's default for the options ``ctx`` chose (what an older record lacks)."""
-    out: dict[str, Any] = {g: _group_record(opt, defaults=True) for g, opt in
-                           ctx.groups().items()}
-    out["train"] = _group_record(ctx.train, defaults=True)
-    out["measure"] = _group_record(ctx.measure, defaults=True)
+    out: dict[str, Any] = {g: {"name": opt.name, **_knobs(opt, defaults=True)}
+                           for g, opt in ctx.groups().items()}
+    out["train"] = _knobs(ctx.train, defaults=True)
+    out["measure"] = _knobs(ctx.measure, defaults=True)
     return out
 
 

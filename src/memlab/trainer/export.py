@@ -20,12 +20,14 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
-from memlab.trainer.routing import base_model
+from memlab.trainer.routing import HFModel, base_model
+
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
 
 MERGED = "merged"
 """Subdirectory of a checkpoint that holds the merged model (``train.save_merged``)."""
@@ -41,7 +43,8 @@ def _inference_config(out: Path) -> None:
             path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
-def write(ctx, model: nn.Module, weights: dict[str, torch.Tensor] | None, out: Path) -> dict:
+def write(ctx: BuildContext, model: HFModel, weights: dict[str, torch.Tensor] | None,
+          out: Path) -> dict:
     """Write the Hugging Face directory of the policy ``model`` (unwrapped: a transformers model
     or a PeftModel) into ``out``; ``weights`` replaces the model's own tensors when they are
     sharded (gathered, named as in ``model``). Returns what was written (``kind``, ``head``,
@@ -51,7 +54,7 @@ def write(ctx, model: nn.Module, weights: dict[str, torch.Tensor] | None, out: P
     if weights is not None:  # save_pretrained pops what it writes: give it its own dict
         kw["state_dict"] = dict(weights)
     with torch.random.fork_rng(devices=[]):  # saving must not move the run's random stream
-        model.save_pretrained(out, **kw)
+        model.save_pretrained(str(out), **kw)
         _inference_config(out)
         tokenizer = ctx.model.load_tokenizer(ctx)
         tokenizer.save_pretrained(out)
@@ -63,7 +66,7 @@ def write(ctx, model: nn.Module, weights: dict[str, torch.Tensor] | None, out: P
             "merged": MERGED if merged else None}
 
 
-def write_merged(ctx, tokenizer, adapter_dir: Path, out: Path) -> Path:
+def write_merged(ctx: BuildContext, tokenizer, adapter_dir: Path, out: Path) -> Path:
     """Load the base model again on the host (the model option's ``load``, unquantized, sdpa
     attention), apply the adapter saved in ``adapter_dir``, merge it, and save the result to
     ``out`` with the tokenizer."""

@@ -7,10 +7,11 @@ first so that (a) the loss is divided by the number of loss items of the *whole*
 1x8 and 8x1 give the same gradient) and (b) the probe knows the step's batch shapes before it
 decides whether to run the step under the memory tracker.
 
-The loop talks to the run's options through what they declare: the method (``loss``,
-``generates()``; an online method's ``rollout`` and ``num_iterations``), the distributed
-option (``sync``, ``all_reduce_sum``, ``memory_roles``; with ``owns_step`` its ``optimizer`` /
-``backward`` / ``step``), the precision (autocast, loss scaler) and the offload handle. What
+The loop talks to the run's options through what they declare: the method (``loss``; an
+online method, ``as_generating()``, its ``rollout`` and ``num_iterations``), the distributed
+option (``sync``, ``all_reduce_sum``, ``memory_roles``; a wrapper that owns the step,
+``as_step_owner()``, its ``optimizer`` / ``backward`` / ``step``), the precision (autocast,
+loss scaler) and the offload handle. What
 differs between a real run and ``memlab estimate`` comes in as :class:`LoopOptions`.
 """
 
@@ -22,7 +23,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -33,7 +34,15 @@ from memlab.measure.outcome import NonFiniteLoss
 from memlab.measure.profile import phase_label, profiled
 from memlab.trainer import checkpoint
 from memlab.trainer.batch import Batch, BatchStream
+from memlab.trainer.evaluate import Evaluator
 from memlab.trainer.optim import build_optimizer, build_scheduler
+
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
+    from memlab.generation.base import GenerationEnv
+    from memlab.logger.base import LoggerRun
+    from memlab.method.base import Method
+    from memlab.offload.base import OffloadHandle
 
 
 def _scalar(x: Any) -> float:
@@ -109,16 +118,26 @@ class Trainer:
     ``offload``: the offload option's handle (None: nothing offloaded); ``generation``: the
     run's generation environment (engine, random draws) for online methods."""
 
-    def __init__(self, ctx, method, models: dict[str, nn.Module], stream: BatchStream | None,
-                 *, logger=None, offload=None, generation=None,
-                 options: LoopOptions | None = None):
+    def __init__(self, ctx: BuildContext, method: Method, models: dict[str, nn.Module],
+                 stream: BatchStream, *, logger: LoggerRun | None = None,
+                 offload: OffloadHandle | None = None, generation: GenerationEnv | None = None,
+                 options: LoopOptions | None = None, evaluator: Evaluator | None = None):
         options = options or LoopOptions()
         self.ctx, self.method, self.models, self.stream = ctx, method, models, stream
         self.logger = logger
+        self.evaluator = evaluator
+        """Evaluates on the held-out data (``data.eval``; :mod:`memlab.trainer.evaluate`)."""
         self.offload = offload
         self.generation = generation
+        self.online = method.as_generating()
+        """The method as an online one (None: it trains on its dataset)."""
+        if self.online is not None and generation is None:
+            raise ValueError(f"method={method.name} samples its batches: the trainer needs a "
+                             "generation environment")
         self.policy = models["policy"]
         self.dist = ctx.distributed
+        self.step_owner = self.dist.as_step_owner()
+        """The wrapper that owns backward and the optimizer step (None: the trainer does)."""
         # the policy's trainable parameters, then any other model's (a PPO value model)
         seen: set[int] = set()
         self.params = []
@@ -129,11 +148,12 @@ class Trainer:
                     self.params.append(p)
         if not any(p.requires_grad for p in self.policy.parameters()):
             raise ValueError("the policy has no trainable parameters")
-        if self.dist.owns_step:
+        self.scaler: torch.amp.GradScaler | None = None
+        self.opt: torch.optim.Optimizer
+        if self.step_owner is not None:
             # a wrapper that owns backward and the optimizer step (DeepSpeed's engine) built
             # the optimizer; memlab's schedule drives the torch optimizer inside it
-            self.opt = self.dist.optimizer(self.policy)
-            self.scaler = None
+            self.opt = self.step_owner.optimizer(self.policy)
         else:
             self.opt = build_optimizer(self.params, ctx.train, foreach=options.foreach)
             self.scaler = ctx.precision.grad_scaler(ctx.device) if options.grad_scaler else None
@@ -147,6 +167,8 @@ class Trainer:
         self._max_key: tuple[int, ...] = ()
         self._rollouts: list[Batch] | None = None
         self._profiling = False  # this step runs under measure.profile_step's profiler
+        self.saved_step: int | None = None
+        """The step of the last checkpoint this run wrote."""
 
     # ---------------------------------------------------------------- one step
     def _tracked(self, step: int, key: tuple[int, ...]) -> bool:
@@ -178,15 +200,16 @@ class Trainer:
         loss_total = 0.0
         sync_s = None
         with self.probe.step(self.step_idx, tracked, inputs):
-            if self.method.generates() and not reuse:  # online: generate the training batches
+            online, env = self.online, self.generation
+            if online is not None and env is not None and not reuse:  # generate the batches
                 with self._phase("generate"):
                     with self.dist.generation(self.policy):  # ZeRO-3 / FSDP2: whole weights
-                        sync_s = self.generation.sync(self.policy)
+                        sync_s = env.sync(self.policy)
                     with ctx.precision.autocast(device):
-                        batches[:] = [self.method.rollout(self.models, b, ctx, self.generation)
+                        batches[:] = [online.rollout(self.models, b, ctx, env)
                                       for b in batches]
                 self._rollouts = list(batches)
-            total_items = sum(b.num_items for b in batches)
+            total_items: float = sum(b.num_items for b in batches)
             if world > 1:  # normalise by the items of the whole step on every rank
                 total_items = self.dist.all_reduce_sum([total_items], device)[0]
             # DDP averages gradients over ranks; scaling by the world size makes that average
@@ -199,8 +222,8 @@ class Trainer:
                             loss_sum, metrics = self.method.loss(self.models, b, ctx)
                         loss = loss_sum * scale
                     with self._phase("backward"):
-                        if self.dist.owns_step:
-                            self.dist.backward(self.policy, loss)
+                        if self.step_owner is not None:
+                            self.step_owner.backward(self.policy, loss)
                         else:
                             (self.scaler.scale(loss) if self.scaler else loss).backward()
                 del loss_sum
@@ -219,7 +242,7 @@ class Trainer:
             keys = sorted(sums)
             reduced = self.dist.all_reduce_sum([loss_total, *(sums[k] for k in keys)], device)
             loss_total, sums = reduced[0], dict(zip(keys, reduced[1:], strict=True))
-        out = {"train/loss": loss_total, "train/lr": self.sched.get_last_lr()[0]}
+        out = {"train/loss": loss_total, "train/lr": float(self.sched.get_last_lr()[0])}
         if gnorm is not None:
             out["train/grad_norm"] = gnorm
         for k, v in sums.items():
@@ -232,8 +255,8 @@ class Trainer:
         """Unscale, clip, step, schedule, zero the gradients; the gradient norm before clipping
         (None without ``train.max_grad_norm``)."""
         max_norm = self.ctx.train.max_grad_norm
-        if self.dist.owns_step:  # the engine reduces at the boundary, clips, steps, zeroes
-            norm = self.dist.step(self.policy)
+        if self.step_owner is not None:  # it reduces at the boundary, clips, steps, zeroes
+            norm = self.step_owner.step(self.policy)
             self.sched.step()
             return None if max_norm is None else norm
         if self.scaler:
@@ -279,14 +302,15 @@ class Trainer:
             with self.dist.generation(self.policy):
                 self.generation.start(self.policy, self.probe.untracked)
         bar = self._progress()
-        every = self.method.num_iterations if self.method.generates() else 1
+        every = self.online.num_iterations if self.online is not None else 1
         self._rollouts = None
         while self.step_idx < ctx.train.steps:
             # online methods with num_iterations > 1 generate on every num_iterations-th step
             # and train on those rollouts again in between (no new prompts drawn)
-            reuse = every > 1 and self.step_idx % every != 0 and self._rollouts is not None
-            if reuse:
-                batches = list(self._rollouts)
+            rollouts = self._rollouts if every > 1 and self.step_idx % every != 0 else None
+            reuse = rollouts is not None
+            if rollouts is not None:
+                batches = list(rollouts)
             else:
                 batches = [next(self.stream).to(ctx.device) for _ in range(ctx.train.grad_accum)]
             key = tuple(max(col) for col in zip(*(b.size_key for b in batches), strict=False))
@@ -323,6 +347,7 @@ class Trainer:
             metrics["throughput/tokens_per_s"] = real / dt if dt > 0 else 0.0
             metrics["data/padding_fraction"] = 1 - real / max(1, sum(b.total_tokens
                                                                      for b in batches))
+            del batches  # freed before an evaluation (an online method keeps its rollouts)
             res.losses.append(metrics["train/loss"])
             res.metrics = metrics
             for k, v in metrics.items():
@@ -332,16 +357,25 @@ class Trainer:
             res.steps = self.step_idx
             if not math.isfinite(metrics["train/loss"]):
                 raise NonFiniteLoss(self.step_idx, metrics["train/loss"])
-            if self.logger is not None and self.step_idx % ctx.train.log_every == 0:
-                self.logger.log({**metrics, **self.probe.step_metrics(self.step_idx - 1)},
-                                step=self.step_idx)
+            evaluated, best = self._evaluate() if self._eval_due() else ({}, False)
+            if self.logger is not None and (self.step_idx % ctx.train.log_every == 0
+                                            or evaluated):
+                self.logger.log({**metrics, **self.probe.step_metrics(self.step_idx - 1),
+                                 **evaluated}, step=self.step_idx)
             if bar is not None:
-                bar.set_postfix(loss=f"{metrics['train/loss']:.4f}",
-                                tok_s=f"{metrics['throughput/tokens_per_s']:.0f}")
+                post = {"loss": f"{metrics['train/loss']:.4f}",
+                        "tok_s": f"{metrics['throughput/tokens_per_s']:.0f}"}
+                shown = (evaluated.get(f"eval/{self.evaluator.state.metric}")
+                         if self.evaluator is not None else None)
+                if shown is not None:
+                    post["eval"] = f"{shown:.4f}"
+                bar.set_postfix(**post)
                 bar.update(1)
             faults.reach(f"step:{self.step_idx}")
-            if ctx.train.save_every and self.step_idx % ctx.train.save_every == 0:
+            if (ctx.train.save_every and self.step_idx % ctx.train.save_every == 0) or best:
                 self.try_save_checkpoint()
+            if self.evaluator is not None and self.evaluator.state.stopped is not None:
+                break
         if bar is not None:
             bar.close()
         if res.timed_steps == 0:
@@ -349,6 +383,42 @@ class Trainer:
                 "every step was warm-up or ran under the memory tracker; raise train.steps or "
                 "set measure.memory_steps=2 for a throughput number")
         return res
+
+    # ---------------------------------------------------------------- evaluation
+    def _eval_due(self) -> bool:
+        """Evaluate after this step: every ``train.eval_every`` steps and after the last."""
+        every = self.ctx.train.eval_every
+        return self.evaluator is not None and (self.step_idx >= self.ctx.train.steps
+                                               or bool(every and self.step_idx % every == 0))
+
+    def _evaluate(self) -> tuple[dict[str, Any], bool]:
+        """Evaluate now: ``({"eval/<metric>": value}, whether to save it as the best)``.
+        Decides early stopping (``evaluator.state.stopped``)."""
+        ev, train = self.evaluator, self.ctx.train
+        assert ev is not None
+        metrics, improved = ev.run(self)
+        st = ev.state
+        out: dict[str, Any] = {f"eval/{k}": v for k, v in metrics.items()}
+        new = [s for s in st.samples if s["step"] == self.step_idx]
+        if new:
+            out["eval/samples"] = new
+        save = improved and train.save_best
+        if save and st.best is not None:  # the directory the save below writes
+            st.best["checkpoint"] = str(checkpoint.step_dir(Path(self.ctx.run_dir),
+                                                            self.step_idx))
+        if train.early_stop and st.since_best >= train.early_stop and \
+                self.step_idx < train.steps:
+            best = st.best or {}
+            st.stopped = {"step": self.step_idx, "reason": (
+                f"eval {st.metric} did not improve on {best.get('value')} (step "
+                f"{best.get('step')}) in {st.since_best} evaluations (train.early_stop="
+                f"{train.early_stop})")}
+        return out, save
+
+    def best_checkpoint(self) -> Path | None:
+        """The best evaluation's checkpoint (``train.save_best``), which pruning keeps."""
+        best = self.evaluator.state.best if self.evaluator is not None else None
+        return Path(best["checkpoint"]) if best and best.get("checkpoint") else None
 
     def save_checkpoint(self):
         """A resumable checkpoint of the current step (:mod:`memlab.trainer.checkpoint`)."""
@@ -360,10 +430,15 @@ class Trainer:
         unwritable, missing or full disk) is recorded in ``result.checkpoint_errors`` and the
         training goes on; returns the checkpoint's dir or None."""
         try:
-            return self.save_checkpoint()
+            path = self.save_checkpoint()
+            self.saved_step = self.step_idx
+            return path
         except OSError as e:
             self.result.checkpoint_errors.append(
                 f"step {self.step_idx}: {type(e).__name__}: {e}")
+            best = self.evaluator.state.best if self.evaluator is not None else None
+            if best and best.get("checkpoint") and best["step"] == self.step_idx:
+                best["checkpoint"] = None  # not written
             return None
 
     def _progress(self):

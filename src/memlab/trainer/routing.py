@@ -10,9 +10,17 @@ all-reduce. Wrappers wrap a :class:`Routed` module for that reason.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 from torch import nn
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PreTrainedModel
+
+HFModel: TypeAlias = "PreTrainedModel | PeftModel"
+"""What :func:`unwrap` finds inside the wrappers: the transformers model memlab loaded, or the
+PEFT model around it."""
 
 
 class Routed(nn.Module):
@@ -29,18 +37,19 @@ class Routed(nn.Module):
         return self.module(*args, **kwargs)
 
 
-def unwrap(model: nn.Module) -> nn.Module:
+def unwrap(model: nn.Module) -> HFModel:
     """Through distributed wrappers (``.module``) to the model (PeftModel or plain)."""
-    while isinstance(getattr(model, "module", None), nn.Module):
-        model = model.module
-    return model
+    while isinstance(inner := getattr(model, "module", None), nn.Module):
+        model = inner
+    return cast("HFModel", model)  # every model memlab builds is one
 
 
-def base_model(model: nn.Module) -> nn.Module:
+def base_model(model: nn.Module) -> PreTrainedModel:
     """The transformers model under a PEFT wrapper (the model itself when there is none)."""
     from peft import PeftModel
 
-    return model.get_base_model() if isinstance(model, PeftModel) else model
+    return cast("PreTrainedModel", model.get_base_model() if isinstance(model, PeftModel)
+                else model)
 
 
 def call_inside(model: nn.Module, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

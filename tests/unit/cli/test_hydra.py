@@ -1,5 +1,5 @@
 """Hydra conventions, in-process: ``debug=smoke`` composes and validates with every method and
-every data source; the ready sweeps are a config group found in the package; the dispatcher's
+every data source; the ready sweeps (sweeps/) are the config group ``sweep`` beside conf/; the dispatcher's
 flags (``--version``, completion install) and the Hydra command line estimate/lengths build."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import itertools
 
 import pytest
 
-from memlab_testing import CONF, compose
+from memlab_testing import CONF, SWEEPS, compose
 
 METHODS = sorted(p.stem for p in (CONF / "method").glob("*.yaml"))
 DATA = sorted(p.stem for p in (CONF / "data").glob("*.yaml"))
@@ -24,12 +24,14 @@ def _plain(cfg):
 
 @pytest.mark.parametrize(("method", "data"), list(itertools.product(METHODS, DATA)))
 def test_debug_smoke_composes_with_every_method_and_data_source(method, data, tmp_path):
-    from memlab.run import validate
+    from memlab.context import validate
 
-    assert len(METHODS) >= 9 and DATA == ["embedded", "hub", "local"]
+    assert len(METHODS) >= 9 and DATA == ["embedded", "hub", "local", "mixture"]
     rows = tmp_path / "rows.jsonl"
     rows.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
-    extra = [f"data.path={rows}"] if data == "local" else []
+    extra = {"local": [f"data.path={rows}"],
+             "mixture": [f"+data.sources.a={{name: local, path: '{rows}', weight: 1}}"]
+             }.get(data, [])
     cfg = compose(["debug=smoke", f"method={method}", f"data={data}", *extra])
     ctx = validate(_plain(cfg))
     assert ctx.train.steps == 4 and ctx.train.device == "cpu"
@@ -48,16 +50,47 @@ def test_smoke_slices_exist_for_every_option():
         [f"smoke_{d}" for d in DATA]
 
 
-def test_ready_sweeps_are_a_group_in_the_package():
+def test_ready_sweeps_are_the_sweep_group_beside_conf():
+    """The editable install serves the checkout's conf/ and sweeps/; sweeps/ is the group
+    ``sweep``, mounted right after conf/ (hydra_plugins/memlab_sweeps), every file an option."""
     from memlab.cli.compose import compose as memlab_compose
-    from memlab.cli.compose import conf_dir
+    from memlab.cli.compose import conf_dir, sweeps_dir
 
-    assert conf_dir() == CONF.resolve()
+    assert conf_dir() == CONF.resolve() and sweeps_dir() == SWEEPS.resolve()
+    assert not (CONF / "sweep").exists()
     cfg, choices = memlab_compose(["sweep=packing"])
     assert choices["sweep"] == "packing" and cfg.train.steps == 16
     assert not any("/" in k or "@" in k for k in choices)
     hydra = compose(["sweep=zero"]).hydra
     assert dict(hydra.sweeper.params)["distributed.zero_stage"] == "0,1,2,3"
+    sources = [(s.provider, s.path) for s in hydra.runtime.config_sources]
+    main = sources.index(("main", str(CONF.resolve())))
+    assert sources[main + 1] == ("memlab", f"sweep={SWEEPS.resolve()}")
+
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.object_type import ObjectType
+
+    with _initialized(CONF):
+        repo = GlobalHydra.instance().config_loader().repository
+        assert repo.get_group_options("sweep", ObjectType.CONFIG) == sorted(
+            p.stem for p in SWEEPS.glob("*.yaml"))
+
+
+def test_sweeps_are_mounted_only_beside_memlabs_configs(tmp_path):
+    """Another Hydra app (another primary config dir) gets no ``sweep`` group from memlab."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    (tmp_path / "config.yaml").write_text("x: 1\n")
+    with _initialized(tmp_path):
+        loader = GlobalHydra.instance().config_loader()
+        paths = [e.path for e in loader.get_sources()]
+    assert not any(p.startswith("memlab://") for p in paths), paths
+
+
+def _initialized(config_dir):
+    from hydra import initialize_config_dir
+
+    return initialize_config_dir(config_dir=str(config_dir), version_base="1.3")
 
 
 def test_user_config_dir_composes_on_top(tmp_path):

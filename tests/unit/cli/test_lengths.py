@@ -137,7 +137,7 @@ def test_local_jsonl_exact(tmp_path, monkeypatch):
 
 def test_sharded_tokenization_is_identical(tmp_path):
     from memlab.cli.compose import compose
-    from memlab.run import validate
+    from memlab.context import validate
 
     texts = _texts(600, seed=1)
     data = _write_jsonl(tmp_path / "rows.jsonl", texts)

@@ -249,6 +249,7 @@ def test_build_table_rows_and_columns(sweep: Path) -> None:
         "forward_MiB",
         "backward_MiB",
         "optimizer_MiB",
+        "eval_MiB",
         "pareto",
         "run_dir",
     ]
@@ -592,3 +593,62 @@ def test_missing_extra_is_one_line(sweep: Path, hidden: str, flags: list[str], n
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and named in lines[0] and "memlab[report]" in lines[0], res.stderr
     assert not (sweep / "report.csv").exists()
+
+
+# ------------------------------------------------------------------------------ --baseline
+
+
+def test_baseline_changes_against_a_job_or_an_override(sweep: Path, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """Against job 0 (100 MiB, 1000 tokens/s): job 1 saves 40 MiB (20 of them activations, the
+    10/10/20/50/10 % split) and is 20% slower; the oom job has no change; job 0 reads 0."""
+    df = report.add_baseline(build_table(load_summaries([sweep])), "0")
+    row = {str(j): i for i, j in enumerate(df["job"])}
+    one, zero, oom = df.loc[row["1"]], df.loc[row["0"]], df.loc[row["3"]]
+    assert one["d_peak_MiB"] == pytest.approx(-40.0) and one["d_peak_pct"] == pytest.approx(-40)
+    assert one["d_activ_MiB"] == pytest.approx(-20.0, abs=1e-5)
+    assert one["d_optim_MiB"] == pytest.approx(-8.0, abs=1e-5)
+    assert one["d_tokens_per_s_pct"] == pytest.approx(-20.0)
+    assert zero["d_peak_MiB"] == 0 and zero["d_tokens_per_s_pct"] == 0
+    assert math.isnan(oom["d_peak_MiB"]) and math.isnan(oom["d_tokens_per_s_pct"])
+    assert list(df.columns).index("d_peak_MiB") == list(df.columns).index("pareto") + 1
+    # by override: the one job with gradient checkpointing on that finished
+    by_override = report.add_baseline(
+        build_table([s for s in load_summaries([sweep]) if s["status"] != "missing"
+                     and s["status"] != "oom"]), "gradient_checkpointing=true")
+    assert by_override.attrs["baseline"]["job"] == "4"
+    with pytest.raises(report.BaselineError, match=r"2 jobs have it \(jobs 0, 3\)"):
+        report.add_baseline(build_table(load_summaries([sweep])), "peft=none")
+    with pytest.raises(report.BaselineError, match="no job is 'peft=qlora'; give a job"):
+        report.add_baseline(build_table(load_summaries([sweep])), "peft=qlora")
+    assert main([str(sweep), "--out", str(tmp_path / "r"), "--no-plots",
+                 "--baseline", "0"]) == 0
+    text = capsys.readouterr().out
+    assert "d_peak_MiB" in text and "d_activ_MiB" not in text  # categories: CSV / HTML only
+    assert "-40.0" in text and "-20.0%" in text and "change against the baseline, job 0" in text
+    csv = (tmp_path / "r" / "report.csv").read_text().splitlines()[0]
+    assert "d_activ_MiB" in csv and "d_tokens_per_s_pct" in csv
+    assert main([str(sweep), "--no-plots", "--baseline", "9"]) == 2
+    assert "no job is '9'" in capsys.readouterr().err
+
+
+def test_eval_loss_column_and_zero_floored_error_bars(tmp_path: Path) -> None:
+    """A job evaluated on held-out data shows its final eval loss next to memory and speed;
+    a tokens/s spread larger than the tokens/s draws no error bar below zero."""
+    from memlab.cli.report.plots import memory_vs_throughput_figure
+
+    for num, (tps, spread) in enumerate([(100.0, 400.0), (900.0, 5.0)]):
+        s = make_summary(num=num, peft=("none", "lora")[num], gc="false", peak_mib=10 + num,
+                         tps=tps)
+        s["throughput"].update(tokens_per_s_std=spread, timed_steps=4)
+        if num == 1:
+            s["eval"] = {"final": {"step": 10, "loss": 2.75}, "history": []}
+        write_job(tmp_path, num, s, s["overrides"])
+    df = build_table(load_summaries([tmp_path]))
+    assert list(df.columns).index("eval_loss") == list(df.columns).index("final_loss") + 1
+    assert math.isnan(df.loc[0, "eval_loss"]) and df.loc[1, "eval_loss"] == 2.75
+    assert "eval_loss" in report.format_text(df) and "2.7500" in report.format_text(df)
+    ax = memory_vs_throughput_figure(df).axes[0]
+    bars = [seg for c in ax.collections for seg in c.get_segments()]
+    assert bars and min(y for seg in bars for _, y in seg) == 0.0
+    assert ax.get_ylim()[0] >= 0.0

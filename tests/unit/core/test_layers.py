@@ -2,16 +2,23 @@
 
 Layers, top to bottom (DESIGN.md; issue 13):
 
-    0  entry points: memlab.__main__, memlab.cli.*, memlab.rank
-    1  memlab.run, memlab.estimate.*        (one job / one estimate)
+    0  entry points: memlab.__main__, memlab.cli.*, the launch modes (memlab.hydra_task,
+       memlab.rank, memlab.torchrun)
+    1  memlab.run, memlab.record, memlab.estimate.*   (one job and its record / one estimate)
     2  memlab.pipeline                      (the one assembly)
-    3  technique packages: method, generation, packing, attention, precision, offload, peft,
+    3  memlab.context                       (the typed context and validate)
+    4  technique packages: method, generation, packing, attention, precision, offload, peft,
        distributed, model, data, logger
-    4  trainer, losses, measure, registry, config, _guards, faults, memlab (the package)
+    5  trainer, losses, measure, registry, config, _guards, faults, memlab (the package)
 
 Every import of every module is read with ``ast`` (module level and inside functions); an import
 of a higher layer fails the test, and so does any import cycle (between modules, and between the
-technique packages of layer 3, which may import each other only one way).
+technique packages of layer 4, which may import each other only one way).
+
+Imports under ``if TYPE_CHECKING:`` are for annotations only and never run: the group modules
+name :class:`memlab.context.BuildContext` in their signatures, and the context names the groups'
+Protocols, so the types point both ways while the code points one way. They are left out here
+(mypy checks them).
 """
 
 from __future__ import annotations
@@ -25,23 +32,25 @@ SRC = Path(__file__).resolve().parents[3] / "src" / "memlab"
 
 TECHNIQUES = ("method", "generation", "packing", "attention", "precision", "offload", "peft",
               "distributed", "model", "data", "logger")
-BOTTOM = ("trainer", "losses", "measure", "registry", "config", "_guards", "conf", "faults")
+BOTTOM = ("trainer", "losses", "measure", "registry", "config", "_guards", "resolvers", "faults")
 
 
 def layer(module: str) -> int:
     """The layer of a memlab module name (``memlab.x.y``)."""
     parts = module.split(".")
     top = parts[1] if len(parts) > 1 else ""
-    if top in ("__main__", "cli", "rank"):
+    if top in ("__main__", "cli", "hydra_task", "rank", "torchrun"):
         return 0
-    if top in ("run", "estimate"):
+    if top in ("run", "record", "estimate"):
         return 1
     if top == "pipeline":
         return 2
-    if top in TECHNIQUES:
+    if top == "context":
         return 3
-    if top in BOTTOM or top == "":
+    if top in TECHNIQUES:
         return 4
+    if top in BOTTOM or top == "":
+        return 5
     raise AssertionError(f"{module}: no layer assigned; add memlab.{top} to the layer map of "
                          "tests/unit/core/test_layers.py (and to DESIGN's picture)")
 
@@ -54,13 +63,23 @@ def module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def imports(path: Path) -> list[tuple[str, int, bool]]:
-    """Every memlab module ``path`` imports: (name, line, inside a function)."""
+def _type_checking(test: ast.expr) -> bool:
+    """``if TYPE_CHECKING:`` / ``if typing.TYPE_CHECKING:``."""
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def imports(path: Path, type_only: bool = False) -> list[tuple[str, int, bool]]:
+    """Every memlab module ``path`` imports at run time: (name, line, inside a function); with
+    ``type_only``, those it imports for annotations only (under ``if TYPE_CHECKING:``)."""
     tree = ast.parse(path.read_text())
     in_function: set[int] = set()
+    for_types: set[int] = set()
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             in_function |= {id(n) for n in ast.walk(node) if n is not node}
+        if isinstance(node, ast.If) and _type_checking(node.test):
+            for_types |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
     me = module_name(path)
     package = me if path.name == "__init__.py" else me.rpartition(".")[0]
     out = []
@@ -79,6 +98,8 @@ def imports(path: Path) -> list[tuple[str, int, bool]]:
                 sub = f"{base}.{a.name}"
                 names.append(sub if (SRC.parent / (sub.replace(".", "/") + ".py")).exists()
                              or (SRC.parent / sub.replace(".", "/")).is_dir() else base)
+        if (id(node) in for_types) != type_only:
+            continue
         for n in names:
             if n == "memlab" or n.startswith("memlab."):
                 out.append((n, node.lineno, id(node) in in_function))
@@ -170,7 +191,11 @@ def test_the_layer_test_sees_what_it_checks():
     upward import is caught."""
     deps = {d for d, _, inner in imports(SRC / "run.py") if inner}
     assert "memlab.pipeline" in deps  # imported inside _train
-    assert layer("memlab.trainer.loop") > layer("memlab.pipeline") > layer("memlab.run")
+    assert layer("memlab.trainer.loop") > layer("memlab.method") > layer("memlab.context") \
+        > layer("memlab.pipeline") > layer("memlab.run")
+    # an annotation-only import is seen as one, and only as one
+    assert "memlab.context" in {d for d, _, _ in imports(SRC / "config.py", type_only=True)}
+    assert "memlab.context" not in {d for d, _, _ in imports(SRC / "config.py")}
     with pytest.raises(AssertionError, match="no layer assigned"):
         layer("memlab.somethingnew")
 

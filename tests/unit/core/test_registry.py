@@ -5,16 +5,16 @@ from __future__ import annotations
 import pytest
 
 from memlab import _guards
+from memlab.context import validate
 from memlab.registry import GROUPS, ConfigErrors, build, options
-from memlab.run import validate
-from memlab_testing import CONF, FAST, compose
+from memlab_testing import CONF, FAST, SWEEPS, compose
 
 GPU_ONLY = {
     ("attention", "flash_attention_2"), ("attention", "flash_attention_3"),
     ("attention", "kernels"), ("attention", "flex_attention"),
     ("precision", "fp16_mixed"), ("peft", "qlora"), ("offload", "activations"),
 }
-NEEDS_INPUT = {("data", "local")}
+NEEDS_INPUT = {("data", "local"): "data.path", ("data", "mixture"): "data.sources"}
 NEEDS_PACKAGE = {("generation", "vllm"): "vllm"}  # an extra outside [dev] (own env on CPU)
 
 
@@ -42,7 +42,7 @@ def test_every_option_composes_and_validates(group, name):
     fast = [o for o in FAST if not o.startswith(f"{group}.")]
     cfg = _plain(compose(fast + [f"{group}={name}"]))
     if (group, name) in NEEDS_INPUT:
-        with pytest.raises(ConfigErrors, match="data.path"):
+        with pytest.raises(ConfigErrors, match=NEEDS_INPUT[group, name]):
             validate(cfg)
         return
     package = NEEDS_PACKAGE.get((group, name))
@@ -114,7 +114,7 @@ def test_experiment_configs_compose_and_validate():
 
 
 def test_every_point_of_every_shipped_sweep_validates():
-    """The ready sweeps (conf/sweep/*.yaml, ``memlab -m sweep=<name>``): each point of the
+    """The ready sweeps (sweeps/*.yaml, ``memlab -m sweep=<name>``): each point of the
     sweeper's grid, composed with ``sweep=<name>`` (so with the sweep's own settings), passes
     validation as a CUDA run (no model loads; some points are CPU-invalid on purpose, e.g.
     activation offloading in techniques.yaml), so a shipped sweep never fails on a typo."""
@@ -124,7 +124,7 @@ def test_every_point_of_every_shipped_sweep_validates():
 
     from memlab.estimate import validate_for
 
-    paths = sorted((CONF / "sweep").glob("*.yaml"))
+    paths = sorted(SWEEPS.glob("*.yaml"))
     assert len(paths) >= 9, paths
     for path in paths:
         params = yaml.safe_load(path.read_text())["hydra"]["sweeper"]["params"]
@@ -136,3 +136,17 @@ def test_every_point_of_every_shipped_sweep_validates():
                 validate_for(_plain(compose(overrides)), "cuda")
             except Exception as e:  # noqa: BLE001 - name the sweep and the point
                 raise AssertionError(f"{path.name}: {overrides}: {e}") from e
+
+
+def test_the_context_types_every_group_by_its_protocol():
+    """BuildContext has one field per registered group, annotated with the group's Protocol (no
+    ``Any``), and ``groups()`` gives them in the registry's order."""
+    import dataclasses
+
+    from memlab.context import BuildContext
+
+    types = {f.name: f.type for f in dataclasses.fields(BuildContext)}
+    assert all(g in types and types[g] not in ("Any", "object") for g in GROUPS), types
+    ctx = validate(_plain(compose(FAST)))
+    assert list(ctx.groups()) == list(GROUPS)
+    assert ctx.groups()["method"] is ctx.method

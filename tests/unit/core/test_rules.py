@@ -9,8 +9,8 @@ import dataclasses
 import pytest
 from omegaconf import OmegaConf, open_dict
 
+from memlab.context import validate
 from memlab.registry import ConfigErrors, options
-from memlab.run import validate
 from memlab_testing import FAST, compose
 
 
@@ -89,18 +89,21 @@ def test_every_method_declares_every_capability():
         for attr in ("data_kinds", "head", "items_name", "supports_packing",
                      "supports_padding_free", "trains_extra_models"):
             assert attr in dir(cls), (name, attr)
-        for fn in ("generates", "packs_rows", "uses_liger", "reads_head_weight",
-                   "row_length", "prepare", "collate", "extra_models", "before_training",
-                   "loss", "validate"):
+        for fn in ("as_generating", "as_group_packed", "packs_rows", "keeps_row_end",
+                   "uses_liger", "liger_model_kernels",
+                   "reads_head_weight", "row_length", "prepare", "collate", "extra_models",
+                   "before_training", "loss", "validate"):
             assert callable(getattr(cls, fn, None)), (name, fn)
-        method = cls()
-        if method.generates():
-            assert callable(getattr(cls, "rollout", None)) and method.num_iterations >= 1
+        online = cls().as_generating()
+        if online is not None:
+            assert callable(getattr(online, "rollout", None)) and online.num_iterations >= 1
     for group in ("distributed",):
         for name in options(group):
             cls = lookup(group, name)
-            for attr in ("owns_step", "checkpoint_format", "wraps_fake_tensors"):
-                assert attr in dir(cls), (name, attr)
+            assert "wraps_fake_tensors" in dir(cls), name
+            for fn in ("sharding", "on_fake_group", "as_ranks", "as_step_owner", "as_gathered_states",
+                       "as_native_states"):
+                assert callable(getattr(cls, fn, None)), (name, fn)
 
 
 def test_option_configs_hold_no_run_time_state():

@@ -410,9 +410,9 @@ def test_sft_trains_on_exactly_the_assistant_tokens_of_a_marker_free_template(tm
     system prompt): the default ``loss_on=completion`` run trains, and the tokens its data
     pipeline trains on are the assistant tokens (counted with the shipped template's
     generation markers, an independent rule)."""
+    from memlab.context import validate
     from memlab.method.base import IGNORE
     from memlab.pipeline import prepare_data
-    from memlab.run import validate
     from memlab_testing import FAST, compose
 
     plain = load_tokenizer()

@@ -113,7 +113,7 @@ def test_quantized_standin_stores_weights_like_bitsandbytes():
     q4 = QuantizedLinearStandin(lin, 4, double_quant=False, compute_dtype=torch.bfloat16)
     n = 256 * 512
     assert q4.weight.dtype == torch.uint8 and q4.weight.numel() == n // 2
-    assert q4.quant_state.numel() == (n // 64) * 4  # fp32 absmax per 64-weight block
+    assert q4.quant_state.numel() == (n // 64) * 4 + 16 * 4  # fp32 absmax per block + codes
     q4d = QuantizedLinearStandin(lin, 4, double_quant=True, compute_dtype=torch.bfloat16)
     assert q4d.quant_state.numel() < q4.quant_state.numel()
     q8 = QuantizedLinearStandin(lin, 8, double_quant=False, compute_dtype=torch.float16)

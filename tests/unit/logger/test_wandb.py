@@ -14,15 +14,22 @@ from memlab_testing import FAST, choices_of, compose
 
 pytest.importorskip("wandb")
 
-from memlab.logger.wandb import run_names, sweep_group, sweep_varying  # noqa: E402
-from memlab.measure.summary import flatten  # noqa: E402
-from wandb_offline import read_run, run_file  # noqa: E402
+from memlab.logger.base import RunInfo  # noqa: E402
+from memlab.logger.wandb import (  # noqa: E402
+    WandbLogger,
+    measurements,
+    run_names,
+    settings,
+    sweep_group,
+    sweep_varying,
+)
+from wandb_offline import read_run, records, run_file  # noqa: E402
 
 
 def _ctx(run_dir: Path, overrides: list[str]):
     from omegaconf import OmegaConf, open_dict
 
-    from memlab.run import validate
+    from memlab.context import validate
 
     cfg = compose([*FAST, "logger=wandb", *overrides])
     choices = choices_of(cfg)
@@ -63,7 +70,7 @@ def test_summary_is_summary_json_and_steps_carry_memory(tmp_path):
     run_dir = _hydra_files(sweep, 1, ["peft=lora", "train.gradient_checkpointing=false"],
                            ["peft=lora", "train.gradient_checkpointing=true,false"], {})
     ctx = _ctx(run_dir, ["peft=lora", "train.gradient_checkpointing=false"])
-    logger = ctx.logger.start(ctx, {"train": {"lr": 1e-3}, "_sweep_dir": str(sweep)})
+    logger = ctx.logger.start(RunInfo.of(ctx, sweep), {"train": {"lr": 1e-3}})
     # the last step logs other values under the summary's own keys: they must not win
     for step in (1, 2, 3):
         metrics = {"train/loss": 10.0 - step, "throughput/tokens_per_s": 4295.4 + step,
@@ -74,8 +81,9 @@ def test_summary_is_summary_json_and_steps_carry_memory(tmp_path):
     logger.finish(json.loads(json.dumps(SUMMARY)))
 
     got = read_run(run_file(run_dir))
-    flat = flatten(SUMMARY)
-    assert "memory/tracked_steps" not in flat and len(flat) == 18
+    flat = measurements(SUMMARY)
+    assert "memory/tracked_steps" not in flat and len(flat) == 16  # choices/* left out
+    assert not any(k.startswith("choices/") for k in got["summary"])  # the config's, not here
     for key, value in flat.items():
         assert key in got["summary"], key
         assert got["summary"][key] == value, (key, got["summary"][key], value)
@@ -128,3 +136,65 @@ def test_hydra_sweep_grammar_and_groups(tmp_path):
     single = run_names(_hydra_files(tmp_path / "one", 0, ["packing=bfd", "hydra.verbose=true"],
                                     [], {}).parent / "0", None, {})
     assert single == {"group": None, "name": "packing=bfd", "varying": []}
+
+
+def test_wandb_settings_come_from_the_config_then_the_environment_then_memlab(tmp_path):
+    """Each W&B setting: the config's value wins, else W&B's environment variable, else
+    memlab's default; tags add up; the sources say which applied."""
+    sweep = tmp_path / "sw"
+    run_dir = _hydra_files(sweep, 0, ["peft=lora"], ["peft=none,lora"], {})
+    info = RunInfo(run_dir, {"peft": "lora", "method": "sft"}, sweep)
+    env = {"WANDB_PROJECT": "p-env", "WANDB_ENTITY": "e-env", "WANDB_TAGS": "x, y,",
+           "WANDB_RUN_GROUP": "g-env", "WANDB_NAME": "n-env", "WANDB_MODE": "dryrun",
+           "WANDB_NOTES": "why", "WANDB_JOB_TYPE": "train", "WANDB_DIR": str(tmp_path / "wd")}
+    chosen, sources = settings(WandbLogger(), info, env)
+    assert chosen == {"project": "p-env", "entity": "e-env", "mode": "offline",
+                      "group": "g-env", "name": "n-env", "notes": "why", "job_type": "train",
+                      "dir": str(tmp_path / "wd"),
+                      "tags": ["x", "y", "method:sft", "peft:lora"]}
+    assert sources["project"] == "env WANDB_PROJECT" and sources["mode"] == "env WANDB_MODE"
+    assert sources["tags"] == "env WANDB_TAGS, memlab"
+    mine = WandbLogger(project="p-cfg", mode="online", run_name="n-cfg", tags=["t"])
+    chosen, sources = settings(mine, info, env)
+    assert (chosen["project"], chosen["mode"], chosen["name"]) == ("p-cfg", "online", "n-cfg")
+    assert chosen["entity"] == "e-env" and chosen["tags"][:3] == ["t", "x", "y"]
+    assert sources["project"] == sources["mode"] == "config"
+    chosen, sources = settings(WandbLogger(), info, {"WANDB_DISABLED": "true"})
+    assert chosen["project"] == "memlab" and chosen["mode"] == "disabled"
+    assert chosen["group"] == "sw" and chosen["name"] == "peft=lora"
+    assert chosen["dir"] == str(run_dir) and chosen["entity"] is None
+    assert sources["project"] == "memlab" and sources["entity"] == "wandb"
+
+
+def test_an_invalid_job_is_a_wandb_run_with_its_status(tmp_path, monkeypatch):
+    """A sweep's job rejected before it trains still records a W&B run, in the sweep's group
+    and named like its siblings: the config as given, the status and reason in the summary, a
+    failed exit; the environment's project applies."""
+    from omegaconf import OmegaConf, open_dict
+
+    from memlab.run import run
+
+    monkeypatch.setenv("WANDB_PROJECT", "from-env")
+    overrides = ["train.betas=[2,3]", "train.steps=0"]
+    sweep = tmp_path / "sw"
+    run_dir = _hydra_files(sweep, 2, overrides, ["train.steps=1,0", "train.betas=[2,3]"], {})
+    cfg = compose([*FAST, "logger=wandb", *overrides])
+    choices = choices_of(cfg)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    summary = run(OmegaConf.create(OmegaConf.to_container(cfg)), run_dir, choices, overrides,
+                  job={"num": 2, "sweep_dir": str(sweep)}, print_table=False)
+    assert summary["status"] == "invalid"
+    assert summary["logger"]["project"] == "from-env"
+    assert summary["logger"]["sources"]["project"] == "env WANDB_PROJECT"
+    got = read_run(run_file(Path(summary["run_dir"])))
+    assert got["summary"]["status"] == "invalid"
+    assert "train.betas" in got["summary"]["error"] and "train.steps" in got["summary"]["error"]
+    assert got["run"].project == "from-env"
+    assert got["run"].run_group == "sw" and got["run"].display_name == "steps=0"
+    config = {i.key: json.loads(i.value_json) for i in got["run"].config.update}
+    assert config["train"]["betas"] == [2, 3]
+    assert not any(k.startswith(("train/lr", "config/")) for k in got["summary"])
+    exits = [r.exit for r in records(run_file(Path(summary["run_dir"])))
+             if r.WhichOneof("record_type") == "exit"]
+    assert exits and exits[-1].exit_code == 1

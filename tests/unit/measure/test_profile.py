@@ -40,8 +40,11 @@ def test_a_profiled_block_is_summarised_and_written(tmp_path):
     assert set(prof["buckets"]) == set(ORDER)
     assert sum(b["s"] for b in prof["buckets"].values()) == pytest.approx(prof["self_s"])
     assert sum(b["share"] for b in prof["buckets"].values()) == pytest.approx(1.0)
-    assert prof["buckets"]["matmul"]["share"] > 0.5  # twenty 256^3 matmuls dominate
-    assert prof["top_ops"][0]["op"] == "aten::mm" and prof["top_ops"][0]["calls"] == 20
+    # the twenty matmuls land in the matmul bucket, whatever the machine's load does to their
+    # share of the time (a share threshold failed once on a loaded CI machine: 0.46)
+    mm = next(o for o in prof["top_ops"] if o["op"] == "aten::mm")
+    assert mm["calls"] == 20 and mm["self_s"] > 0
+    assert prof["buckets"]["matmul"]["s"] >= mm["self_s"] * (1 - 1e-9)
     assert list(prof["phases_s"]) == ["forward"]
     assert 0 < prof["phases_s"]["forward"] <= prof["wall_s"]
     assert prof["self_s"] <= prof["wall_s"] * 1.05
@@ -86,8 +89,8 @@ def test_an_unprofilable_step_is_refused_with_its_fix():
 def test_validation_reports_it_with_the_other_problems():
     from omegaconf import OmegaConf, open_dict
 
+    from memlab.context import validate
     from memlab.registry import ConfigErrors
-    from memlab.run import validate
     from memlab_testing import compose
 
     cfg = compose(["train.device=cpu", "train.steps=3", "measure.profile_step=5",

@@ -12,14 +12,14 @@ import datasets
 import pytest
 import torch
 
+from memlab.context import validate
 from memlab.data.assets import load_tokenizer
 from memlab.data.base import DataError
 from memlab.losses import sequence_logps
-from memlab.method import _liger, _logps, _reference, _rows
+from memlab.method import _logps, _reference, _rows
 from memlab.method.base import IGNORE, Batch
 from memlab.method.dpo import DPO
 from memlab.registry import ConfigErrors
-from memlab.run import validate
 from memlab_testing import FAST, compose
 
 
@@ -297,12 +297,12 @@ def test_padding_free_needs_an_isolating_attention_backend():
     method's capability (its rows hold several sequences), not an option name."""
     from typing import ClassVar
 
-    from memlab.attention.base import Attention
+    from memlab.attention.base import Backend
     from memlab.config import Platform
     from memlab.packing.none import NoPacking
     from memlab.precision.fp32 import Fp32
 
-    class Fancy(Attention):
+    class Fancy(Backend):
         isolates_packed: ClassVar[bool] = False
         name: ClassVar[str] = "fancy"
 
@@ -325,7 +325,7 @@ def test_liger_missing_names_the_extra(monkeypatch):
 
     ctx = types.SimpleNamespace(is_cuda=True, peft=types.SimpleNamespace(), platform=Platform(),
                                 packing=types.SimpleNamespace(packs=False))
-    errs = _liger.liger_errors(DPO(use_liger_kernel=True), ctx, "DPO")
+    errs = DPO(use_liger_kernel=True).liger_errors(ctx)
     assert errs and "pip install 'memlab[gpu]'" in errs[0] and "liger_kernel" in errs[0]
 
 
@@ -380,6 +380,7 @@ def test_reference_copy_must_equal_the_initial_policy(tok):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
+    from memlab.distributed.single import Single
     from memlab.model.tiny import Tiny
 
     cfg = Tiny(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
@@ -390,7 +391,7 @@ def test_reference_copy_must_equal_the_initial_policy(tok):
         return AutoModelForCausalLM.from_config(cfg)
 
     policy = get_peft_model(model(0), LoraConfig(r=4, target_modules="all-linear"))
-    n = _reference.check_same_weights(policy, model(0))
+    n = _reference.check_same_weights(policy, model(0), Single())
     assert n == len(list(model(0).parameters()))  # every reference weight was compared
     with pytest.raises(ValueError, match="differs from the policy"):
-        _reference.check_same_weights(policy, model(1))
+        _reference.check_same_weights(policy, model(1), Single())

@@ -39,7 +39,7 @@ def saved(tmp_path_factory):
 def _ctx(overrides):
     from omegaconf import OmegaConf
 
-    from memlab.run import validate
+    from memlab.context import validate
     from memlab_testing import compose
 
     cfg = OmegaConf.to_container(compose(HF_FAST + ["model=hf", *overrides]))

@@ -46,6 +46,12 @@ class Candidate:
     measured: dict[str, Any] | None = None
     predicted_rank: int | None = None
 
+    def run(self) -> dict[str, Any]:
+        """:attr:`measured`: what the candidate's real run measured (it has been run)."""
+        if self.measured is None:
+            raise ValueError(f"candidate {self.label!r} has not been run")
+        return self.measured
+
 
 def user_keys(overrides: Iterable[str]) -> set[str]:
     """The keys / groups a command line sets (``+a.b=1`` -> ``a.b``; ``peft=lora`` -> ``peft``)."""
@@ -59,7 +65,8 @@ def user_keys(overrides: Iterable[str]) -> set[str]:
 def _divisors_desc(n: int, most: int = 3) -> list[int]:
     """The micro-batch sizes tried for an effective batch ``n``: ``n``, ``n/2``, ``n/4``, ...
     and always 1 (the least memory), at most ``most`` of them."""
-    out, b = [], n
+    out: list[int] = []
+    b = n
     while b >= 1 and len(out) < most:
         if n % b == 0:
             out.append(b)

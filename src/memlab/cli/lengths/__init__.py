@@ -10,7 +10,8 @@ Usage::
 
 Options (``--...``) are this command's; the rest is a run's command line: every ``key=value`` is
 a Hydra override, ``-m`` sweeps with Hydra's sweeper and Hydra's flags work. The config is
-composed over memlab's configs and validated with :func:`memlab.run.validate`; then the tokenizer and the data are loaded (never a model) and the
+composed over memlab's configs and validated with :func:`memlab.context.validate`; then the
+tokenizer and the data are loaded (never a model) and the
 rows are tokenized by the method's own ``prepare`` with every ``max_*length`` knob set to None,
 so the lengths are exactly what training would see before truncation (chat template, EOS and
 all). Preference-style prepared datasets (``prompt_/chosen_/rejected_/completion_`` id columns)
@@ -159,9 +160,9 @@ def _job(cfg, args: argparse.Namespace) -> int:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
 
+    from memlab.context import validate
     from memlab.measure.summary import user_choices
     from memlab.registry import ConfigErrors
-    from memlab.run import validate
 
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
@@ -177,6 +178,7 @@ def _job(cfg, args: argparse.Namespace) -> int:
         return 2
     timings["config_s"] = time.perf_counter() - t0
 
+    from memlab.data import chat
     from memlab.data.base import DataError
 
     try:
@@ -189,7 +191,9 @@ def _job(cfg, args: argparse.Namespace) -> int:
         print(f"[memlab lengths] tokenizing {len(raw)} rows of data={choices.get('data', '?')} "
               f"with method={ctx.method.name}'s own prepare (no truncation)...", flush=True)
         t1 = time.perf_counter()
-        lengths = tokenize_lengths(ctx, tokenizer, raw, args.num_proc)
+        rows, _ = ctx.data.convert(raw)
+        with chat.rendering(tokenizer, ctx.data):
+            lengths = tokenize_lengths(ctx, tokenizer, rows, args.num_proc)
         timings["tokenize_s"] = time.perf_counter() - t1
     except DataError as e:
         print(f"memlab lengths: bad data: {e}", file=sys.stderr)

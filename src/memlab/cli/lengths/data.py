@@ -6,9 +6,12 @@ from __future__ import annotations
 import dataclasses
 import re
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from memlab.context import BuildContext
 
 PARTS: tuple[str, ...] = ("prompt", "chosen", "rejected", "completion")
 """Parts of preference-style rows, profiled separately when the prepared dataset has them."""
@@ -16,7 +19,7 @@ _NO_LIMIT = re.compile(r"^max_(\w+_)?length$")
 """Method fields set to None to tokenize without truncation (max_length, max_prompt_length...)."""
 
 
-def untruncated(ctx):
+def untruncated(ctx: BuildContext):
     """``ctx`` whose method has every ``max_*length`` field set to None (no truncation)."""
     method = ctx.method
     if not dataclasses.is_dataclass(method):
@@ -90,7 +93,7 @@ def _prepare_shard(job: tuple[int, int]) -> dict[str, np.ndarray]:
     return lengths_of(ds, ctx.method)
 
 
-def tokenize_lengths(ctx, tokenizer, raw, num_proc: int = 1) -> dict[str, np.ndarray]:
+def tokenize_lengths(ctx: BuildContext, tokenizer, raw, num_proc: int = 1) -> dict[str, np.ndarray]:
     """Lengths of ``raw`` tokenized by ``ctx.method.prepare`` without truncation (row order kept).
 
     ``num_proc > 1`` splits the rows into contiguous shards prepared in forked processes (Linux);

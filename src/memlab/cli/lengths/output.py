@@ -61,7 +61,7 @@ def plot(result: dict[str, Any], lengths: np.ndarray, path: Path, title: str = "
         text += f"\nrecommended max_length={rec} (<= {result['max_truncated']:.1%} tokens cut)"
     ax.set_title((title + "\n" if title else "") + text, fontsize=9)
     handles = ax.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
-    ax.legend(handles, [hd.get_label() for hd in handles], loc="center right", fontsize=8)
+    ax.legend(handles, [str(hd.get_label()) for hd in handles], loc="center right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
     return path

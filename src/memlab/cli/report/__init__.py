@@ -5,12 +5,15 @@ Usage::
     memlab report multirun/2025-01-01/12-00-00            # a Hydra multirun (sweep) dir
     memlab report outputs/a outputs/b --sort tokens_per_s --desc
     memlab report multirun/... --out reports/lora --budget 24GiB --html
+    memlab report multirun/... --baseline peft=none         # what each job saves and costs
 
 Every input is a multirun dir (walked recursively), a run dir or a ``summary.json`` file. Each job
 becomes one row (:mod:`.table`): the Hydra choices/overrides that *vary* across jobs (constant
 ones are listed once on a ``fixed:`` line), the status with its reason, the memory at the peak
 split by category (MiB), throughput with the number of timed steps and their spread, padding
-fraction, final loss, and whether the job is on the memory-vs-throughput Pareto front (less
+fraction, final loss, the final loss on held-out data (``eval_loss``, runs with ``data.eval``),
+with ``--baseline JOB`` the change in memory and tokens/s against that job (:mod:`.baseline`),
+and whether the job is on the memory-vs-throughput Pareto front (less
 memory and *measurably* more tokens/s: throughputs closer than their spread do not count as
 different). Every status a run or its launcher records is shown as it is (ok, invalid, oom, nan,
 failed, killed, timeout, interrupted, not_run: :mod:`memlab.measure.outcome`), with the steps
@@ -34,6 +37,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from memlab.cli.report.baseline import BaselineError, add_baseline
 from memlab.cli.report.load import MISSING, SUMMARY_NAME, load_summaries
 from memlab.cli.report.table import (
     ASSUMED_SPREAD,
@@ -51,7 +55,7 @@ from memlab.measure.outcome import count_line
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["build_parser", "build_table", "fixed_line", "format_markdown", "format_text",
+__all__ = ["BaselineError", "add_baseline", "build_parser", "build_table", "fixed_line", "format_markdown", "format_text",
            "load_summaries", "main", "pareto_front", "short_reason", "sort_table",
            "write_report"]
 
@@ -108,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="memory per device drawn on the memory plots, e.g. 24GiB, 80GB")
     parser.add_argument("--html", action="store_true",
                         help="also write report.html: the table and the plots on one page")
+    parser.add_argument("--baseline", metavar="JOB", default=None,
+                        help="add each job's change in peak memory (and by category) and in "
+                             "tokens/s against this job: a job id (the job column) or an "
+                             "override one job has, e.g. peft=none")
     parser.add_argument("--assumed-spread", type=float, default=ASSUMED_SPREAD, metavar="F",
                         help="tokens/s spread (a fraction) assumed for jobs timed on fewer than "
                              f"2 steps when drawing the front (default {ASSUMED_SPREAD})")
@@ -161,6 +169,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyError as exc:
         print(f"memlab report: --sort: {exc.args[0]}", file=sys.stderr)
         return 2
+    if args.baseline is not None:
+        try:
+            df = add_baseline(df, args.baseline)
+        except BaselineError as exc:
+            print(f"memlab report: {exc}", file=sys.stderr)
+            return 2
     print(format_text(df))
     first = args.paths[0]
     out_dir = args.out if args.out is not None else (first if first.is_dir() else first.parent)

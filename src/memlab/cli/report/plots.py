@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 _CATEGORY_COLORS = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8C8C8C")
 _PHASE_COLORS = {"generate": "#8172B3", "forward": "#4C72B0", "backward": "#C44E52",
-                 "optimizer": "#55A868"}
+                 "optimizer": "#55A868", "eval": "#CCB974"}
 _BUDGET_COLOR = "#a00000"
 
 
@@ -203,7 +203,9 @@ def memory_vs_throughput_figure(df: pd.DataFrame, budget_mib: float | None = Non
     for k in range(len(shown)):
         on = k in front
         color = "#C44E52" if on else "#4C72B0"
-        ax.errorbar(xs[k], ys[k], yerr=errs[k], fmt="o", ms=7 if on else 6, capsize=3,
+        # tokens/s cannot go below zero: the bar stops there
+        yerr = [[min(errs[k], ys[k])], [errs[k]]]
+        ax.errorbar(xs[k], ys[k], yerr=yerr, fmt="o", ms=7 if on else 6, capsize=3,
                     color=color if measured[k] else "#999999",
                     mfc=color if measured[k] else "white", mec=color, zorder=3)
     stairs = sorted(front, key=lambda k: (xs[k], ys[k]))
@@ -218,6 +220,7 @@ def memory_vs_throughput_figure(df: pd.DataFrame, budget_mib: float | None = Non
                     textcoords="offset points", fontsize=7.5)
     _budget_line(ax, budget_mib)
     ax.margins(0.12)
+    ax.set_ylim(bottom=max(0.0, ax.get_ylim()[0]))  # no axis below zero tokens/s
     ax.set_xlabel("peak memory (MiB)  \u2190 better")
     ax.set_ylabel("throughput (tokens/s)  better \u2192")
     ax.set_title("Memory vs throughput (error bars: tokens/s spread over the timed steps)",

@@ -35,9 +35,10 @@ PHASES: tuple[tuple[str, str], ...] = (
     ("forward", "forward_MiB"),
     ("backward", "backward_MiB"),
     ("optimizer", "optimizer_MiB"),
+    ("eval", "eval_MiB"),
 )
 """``memory.by_phase`` keys and their columns (in the CSV and HTML; the text table leaves them
-out to stay readable)."""
+out to stay readable). ``eval``: evaluating on held-out data (``data.eval``)."""
 
 FLOAT_COLUMNS: tuple[str, ...] = (
     "peak_MiB",
@@ -54,6 +55,14 @@ ENGINE_COLUMN = "engine_MiB"
 not in the tracker's peak), after ``other_MiB``: only in tables where some job has one."""
 METRIC_COLUMNS: tuple[str, ...] = ("status", "error", *FLOAT_COLUMNS, "pareto")
 """Columns every table has after the ``job`` column and the varying parameters."""
+EVAL_COLUMNS: tuple[tuple[str, str], ...] = (("loss", "eval_loss"), ("reward", "eval_reward"))
+"""``eval.final`` keys (the last evaluation on the held-out data, ``data.eval``) and their
+columns, after ``final_loss``: only in tables where some job has one."""
+DELTA_COLUMNS: tuple[str, ...] = (
+    "d_peak_MiB", "d_peak_pct", *(f"d_{col}" for _, col in CATEGORIES), "d_tokens_per_s_pct")
+"""The change against a baseline job (``--baseline``, :mod:`.baseline`), after ``pareto``."""
+NUMERIC_COLUMNS = (*FLOAT_COLUMNS, ENGINE_COLUMN, *(c for _, c in EVAL_COLUMNS), *DELTA_COLUMNS)
+"""Every numeric column (right-aligned)."""
 
 DEFAULT_SORT = "peak_MiB"
 _SORT_ALIASES = {
@@ -64,14 +73,21 @@ _SORT_ALIASES = {
     "tps": "tokens_per_s",
     "loss": "final_loss",
     "padding": "padding_frac",
+    "eval": "eval_loss",
 }
 _FORMATS = {
     **{col: "{:.1f}" for col in (*FLOAT_COLUMNS, ENGINE_COLUMN)},
     "timed_steps": "{:.0f}",
     "padding_frac": "{:.3f}",
     "final_loss": "{:.4f}",
+    "eval_loss": "{:.4f}",
+    "eval_reward": "{:.4f}",
+    **{col: "{:+.1f}" for col in DELTA_COLUMNS},
+    "d_peak_pct": "{:+.1f}%",
+    "d_tokens_per_s_pct": "{:+.1f}%",
 }
-_HIDDEN_IN_TEXT = ("run_dir", *(col for _, col in PHASES))
+_HIDDEN_IN_TEXT = ("run_dir", *(col for _, col in PHASES),
+                   *(f"d_{col}" for _, col in CATEGORIES))
 
 
 def pareto_front(points: Sequence[tuple[float, float]],
@@ -208,8 +224,8 @@ def _split_params(
         values = {p.get(key) for p, k in zip(params, known) if key in p or k}
         if len(values) > 1:
             varying.append(key)
-        elif values and None not in values:
-            fixed[key] = next(iter(values))  # type: ignore[assignment]
+        elif len(values) == 1 and (only := next(iter(values))) is not None:
+            fixed[key] = only
     return varying, fixed
 
 
@@ -250,6 +266,9 @@ def _metrics(summary: Mapping[str, Any]) -> dict[str, Any]:
     row["final_loss"] = _number(_get(summary.get("train"), "final_loss"))
     for phase, col in PHASES:
         row[col] = _mib(_get(by_phase, phase))
+    final = _get(summary.get("eval"), "final")
+    for key, col in EVAL_COLUMNS:
+        row[col] = _number(_get(final, key))
     engine = _get(memory, "generation_engine")  # a vLLM engine's own memory, beside the peak
     row[ENGINE_COLUMN] = (None if not isinstance(engine, Mapping) else
                           _mib(sum(_number(engine.get(k)) or 0 for k in
@@ -334,6 +353,13 @@ def build_table(
     if any(v is not None for v in engine):
         df.insert(list(df.columns).index("other_MiB") + 1, ENGINE_COLUMN,
                   pd.Series(engine, dtype="float64").to_numpy())
+    after = "final_loss"
+    for _, col in EVAL_COLUMNS:  # the held-out set's metrics, next to memory and speed
+        values = [m[col] for m in metrics]
+        if any(v is not None for v in values):
+            df.insert(list(df.columns).index(after) + 1, col,
+                      pd.Series(values, dtype="float64").to_numpy())
+            after = col
     curves = {ids[i]: [float(v) for v in _get(s.get("train"), "loss_curve") or []]
               for i, s in enumerate(summaries) if metrics[i]["status"] == OK}
     df.attrs.update({"fixed": fixed, "params": varying, "failures": failures,
@@ -416,7 +442,7 @@ def _text_rows(df: pd.DataFrame) -> tuple[list[str], list[list[str]], list[bool]
     cols = [str(c) for c in df.columns if c not in _HIDDEN_IN_TEXT and c != "error"]
     cols.append("error")  # the widest column goes last so the numbers stay readable
     rows = [[format_cell(c, v) for c, v in zip(cols, rec)] for rec in df[cols].itertuples(False)]
-    numeric = [c in FLOAT_COLUMNS or c == ENGINE_COLUMN for c in cols]
+    numeric = [c in NUMERIC_COLUMNS for c in cols]
     return cols, rows, numeric
 
 
@@ -436,7 +462,7 @@ def notes(df: pd.DataFrame) -> list[str]:
                    f"steps, or no throughput.tokens_per_s_std): assumed "
                    f"{df.attrs.get('assumed_spread', ASSUMED_SPREAD):.0%} of their tokens/s; "
                    "raise train.steps to time more steps")
-    return out
+    return out + list((df.attrs.get("baseline") or {}).get("notes") or [])
 
 
 def format_text(df: pd.DataFrame) -> str:

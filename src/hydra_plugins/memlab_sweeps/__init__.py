@@ -1,0 +1,1 @@
+"""memlab's ready sweeps (the repo's ``sweeps/``) as the config group ``sweep``."""

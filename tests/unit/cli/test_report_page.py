@@ -1,0 +1,123 @@
+"""``memlab report --html`` in a real browser (headless Chromium driven by Playwright): a wide
+sweep's page fits a 1,280 px window, every column of its table can be scrolled into view inside
+the table's box (none hidden, none under the pinned job column), every image decodes, and the page
+logs no error. The screenshot is kept under the test's tmp dir (its path is printed).
+
+Needs Debian's ``chromium`` (``scripts/setup.sh`` installs it where it runs as root with apt) and
+the ``playwright`` package (the dev extra); skipped otherwise, with the line that installs them.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from memlab.cli.report import main
+
+INSTALL = ("apt-get update && apt-get install -y chromium (as root), and "
+           "pip install playwright (memlab's dev extra); no `playwright install` download needed")
+WIDTH = 1280
+
+
+def _chromium() -> str:
+    pytest.importorskip("playwright.sync_api", reason=f"no playwright: {INSTALL}")
+    found = shutil.which("chromium") or shutil.which("chromium-browser")
+    if found is None:
+        pytest.skip(f"no chromium browser: {INSTALL}")
+    return found
+
+
+def _wide_sweep(root: Path) -> Path:
+    """Twelve jobs that vary six settings, one of them invalid with a long reason and one out of
+    memory: a table far wider than the window, and every plot."""
+    import json
+
+    sweep = root / "multirun" / "wide"
+    mib = 2**20
+    for num in range(12):
+        status = {5: "invalid", 9: "oom"}.get(num, "ok")
+        overrides = [f"peft={('none', 'lora')[num % 2]}",
+                     f"train.gradient_checkpointing={('true', 'false')[num // 6]}",
+                     f"method.max_length={256 * (1 + num % 3)}",
+                     f"train.batch_size={1 + num % 4}",
+                     f"attention.implementation_with_a_long_name=value_{num % 2}",
+                     f"data.path=/data/sets/chat_conversations_{num % 3}.jsonl"]
+        s: dict = {"status": status, "overrides": overrides, "choices": {"method": "sft"},
+                   "job": {"num": num}, "memory": None, "throughput": None, "train": None,
+                   "error": {"invalid": "invalid configuration (2 problem(s)):\n- " + "x" * 90
+                             + "\n- method.max_length must be >= 2",
+                             "oom": "CUDA out of memory"}.get(status)}
+        if status == "ok":
+            peak = (50 + 7 * num) * mib
+            cats = {"parameters": peak // 10, "gradients": peak // 10, "optimizer": peak // 5,
+                    "activations": peak // 2}
+            cats["other"] = peak - sum(cats.values())
+            s["memory"] = {"peak_bytes": peak, "by_category": cats,
+                           "by_phase": {"forward": peak // 2, "backward": peak,
+                                        "optimizer": peak // 3, "eval": peak // 4}}
+            s["throughput"] = {"tokens_per_s": 400.0 + 37 * (num % 5),
+                               "tokens_per_s_std": 9.0 * (1 + num % 3), "timed_steps": 6}
+            s["train"] = {"final_loss": 2.5 - num / 20, "loss_curve": [3.0, 2.5 - num / 20]}
+            s["eval"] = {"final": {"step": 10, "loss": 2.0 + num / 10}}
+        job = sweep / str(num)
+        (job / ".hydra").mkdir(parents=True)
+        (job / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+        (job / "summary.json").write_text(json.dumps(s))
+    return sweep
+
+
+def test_the_html_report_fits_a_1280px_window_in_a_real_browser(tmp_path: Path) -> None:
+    from playwright.sync_api import sync_playwright
+
+    chromium = _chromium()
+    sweep = _wide_sweep(tmp_path)
+    out = tmp_path / "report"
+    assert main([str(sweep), "--out", str(out), "--html", "--baseline", "0",
+                 "--budget", "100MiB"]) == 0
+    errors: list[str] = []
+    shot = tmp_path / "report_page.png"
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": WIDTH, "height": 900})
+            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto((out / "report.html").as_uri())
+            page.wait_for_load_state("load")
+            # the page itself never scrolls sideways
+            assert page.evaluate("document.documentElement.scrollWidth") <= WIDTH
+            box = page.locator(".table-box")
+            wide = box.evaluate("b => [b.scrollWidth, b.clientWidth, "
+                                "getComputedStyle(b).overflowX]")
+            assert wide[0] > 2 * wide[1] and wide[2] in ("auto", "scroll"), wide
+            headers = page.locator("table th").all_inner_texts()
+            assert {"job", "peak_MiB", "tokens_per_s", "eval_loss", "pareto", "d_peak_MiB",
+                    "d_tokens_per_s_pct", "error"} <= set(headers)
+            for i, name in enumerate(headers):  # each column scrolled into view in its box
+                seen = box.evaluate("""(b, i) => {
+                    const th = b.querySelectorAll('th')[i];
+                    th.scrollIntoView({inline: 'center', block: 'nearest'});
+                    const r = th.getBoundingClientRect(), o = b.getBoundingClientRect();
+                    const s = getComputedStyle(th);
+                    const hit = document.elementFromPoint(r.left + r.width / 2,
+                                                          r.top + r.height / 2);
+                    return {inside: r.left >= o.left - 1 && r.right <= o.right + 1,
+                            shown: r.width > 0 && s.display !== 'none'
+                                   && s.visibility !== 'hidden',
+                            top: hit === th || th.contains(hit)};
+                }""", i)
+                assert seen == {"inside": True, "shown": True, "top": True}, (name, seen)
+            images = page.evaluate("""() => [...document.images].map(i => [i.alt,
+                i.complete && i.naturalWidth > 0, i.getBoundingClientRect().right])""")
+            assert len(images) == 4, images
+            for alt, decoded, right in images:
+                assert decoded and right <= WIDTH, (alt, decoded, right)
+            box.evaluate("b => { b.scrollLeft = 0; }")
+            page.screenshot(path=str(shot), full_page=True)
+        finally:
+            browser.close()
+    assert not errors, errors
+    assert shot.stat().st_size > 10_000
+    print(f"\nscreenshot of the report page: {shot}")
