@@ -16,7 +16,9 @@ prefills each prompt once for its whole group (``SamplingParams.n``). Every meth
 optimisation pass per generation batch (on-policy: the probability ratio is 1 in value and
 carries the policy gradient). The training batch and the per-token values its loss reads are
 :mod:`memlab.method._rollout`'s (padded, padding-free or shared-prompt rows; the output head
-only where a completion token is predicted; completions whose loss term is zero left out).
+only where a completion token is predicted; completions whose loss term is zero left out); the
+prompt rows and batches are :mod:`memlab.method._prompts`'s, the reward models
+:class:`memlab.method._rewards.RewardModel`.
 """
 
 from __future__ import annotations
@@ -28,20 +30,11 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 import torch
 from torch import nn
 
-from memlab.data.base import DataError, check_messages, check_text
 from memlab.generation.base import Engine, GenerationEnv, Samples, SamplingParams
-from memlab.method import _layout, _overrides, _reference, _rewards, _rollout, _rows
-from memlab.method.base import (
-    IGNORE,
-    Batch,
-    DataStats,
-    Generating,
-    ModelFactory,
-    drops_padding_mask,
-)
+from memlab.method import _layout, _overrides, _prompts, _reference, _rewards, _rollout, _rows
+from memlab.method.base import Batch, DataStats, Generating, ModelFactory, drops_padding_mask
 from memlab.model.base import Head
 from memlab.registry import NonNegativeFloat, Option, PositiveFloat, PositiveInt, Range
-from memlab.trainer.routing import base_model
 
 if TYPE_CHECKING:
     from memlab.context import BuildContext
@@ -185,54 +178,12 @@ class Online(Option):
 
     # ------------------------------------------------------------------ data
     def prepare(self, ds, tokenizer, ctx: BuildContext) -> tuple[Any, DataStats]:
-        """Prompt tokens (chat template with the generation prompt, cut from the left) and the
-        reference answer text, from conversations or preference rows."""
-        cols = set(ds.column_names)
-        if "messages" not in cols and "prompt" not in cols:
-            raise DataError(f"method=grpo needs rows with 'messages' (a conversation ending in "
-                            f"an assistant turn) or 'prompt' (+ optional 'chosen'); this "
-                            f"dataset has columns {sorted(cols)}")
-        limit = self.max_prompt_length
-
-        def fn(row: dict, idx: int) -> list[dict]:
-            prompt, reference = _prompt_and_reference(row, idx)
-            ids = _rows.encode_prompt(tokenizer, prompt, idx, row.get("tools"))
-            n_in = len(ids)
-            if limit is not None and len(ids) > limit:
-                ids = ids[len(ids) - limit:]
-            return [{"prompt_ids": ids, "reference": reference, "n_in": n_in,
-                     "prompt_text": tokenizer.decode(ids, skip_special_tokens=False)}]
-
-        key = ("grpo", limit, tokenizer.name_or_path, len(tokenizer))
-        out = _rows.map_rows(ds, fn, ["prompt_ids", "reference", "n_in", "prompt_text"], key,
-                         "tokenize prompts")
-        n_in = sum(out["n_in"])
-        kept = sum(len(x) for x in out["prompt_ids"])
-        out = out.remove_columns(["n_in"])
-        stats = DataStats(examples=len(ds), rows=len(out), tokens_in=n_in,
-                          tokens_dropped=n_in - kept)
-        return out, stats
+        """Prompt tokens and reference answers (:func:`memlab.method._prompts.prompt_rows`)."""
+        return _prompts.prompt_rows(ds, tokenizer, self.max_prompt_length)
 
     def collate(self, rows: list[dict], tokenizer, ctx: BuildContext) -> Batch:
-        """Left-padded prompts ``[B, P]``: generation appends to the right end of every row."""
-        pad = tokenizer.pad_token_id
-        width = max(len(r["prompt_ids"]) for r in rows)
-        ids = torch.full((len(rows), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, r in enumerate(rows):
-            n = len(r["prompt_ids"])
-            ids[i, width - n:] = torch.tensor(r["prompt_ids"], dtype=torch.long)
-            mask[i, width - n:] = 1
-        real = int(mask.sum())
-        # the prompts' tokens drive the training rows (shared / padding-free: their sum)
-        return Batch({"prompt_ids": ids, "prompt_mask": mask}, num_items=0, real_tokens=real,
-                     total_tokens=ids.numel(), size_key=(len(rows), width, real),
-                     meta={"samples": len(rows) * self.num_generations,
-                           "prompt_ids": [list(r["prompt_ids"]) for r in rows],
-                           "references": [r["reference"] for r in rows],
-                           "prompts": [r["prompt_text"] for r in rows],
-                           "eos": tokenizer.eos_token_id, "pad": pad,
-                           "decode": tokenizer.batch_decode})
+        """Left-padded prompts (:func:`memlab.method._prompts.prompt_batch`)."""
+        return _prompts.prompt_batch(rows, tokenizer, self.num_generations)
 
     # ------------------------------------------------------------------ models
     def extra_models(self, policy, ctx: BuildContext, build: ModelFactory) -> dict[str, nn.Module]:
@@ -242,8 +193,8 @@ class Online(Option):
     def reward_model_instances(self, build: ModelFactory) -> dict[str, nn.Module]:
         """``reward_model_<i>``: each entry of ``reward_models`` loaded frozen with a
         one-output sequence-classification head and its own tokenizer."""
-        return {f"reward_model_{i}": RewardModel(build(entry or None, head="seq_cls"),
-                                                 build.tokenizer(entry or None))
+        return {f"reward_model_{i}": _rewards.RewardModel(build(entry or None, head="seq_cls"),
+                                                          build.tokenizer(entry or None))
                 for i, entry in enumerate(self.reward_models)}
 
     def before_training(self, models, ds, ctx: BuildContext):
@@ -467,73 +418,6 @@ class Online(Option):
     def num_items(self, completion_tokens: int, completions: int) -> int:
         """The rollout's share of the step's loss normaliser."""
         raise NotImplementedError
-
-
-class RewardModel(nn.Module):
-    """A frozen reward model with its own tokenizer: :meth:`score` reads texts (the prompt's
-    rendering + the completion's text, no extra special tokens) and returns the head's output at
-    each text's last real token."""
-
-    def __init__(self, model: nn.Module, tokenizer):
-        super().__init__()
-        self.model = model
-        if tokenizer.pad_token_id is None:
-            tokenizer.pad_token = tokenizer.eos_token
-        tokenizer.padding_side = "right"
-        self.tokenizer = tokenizer
-        base_model(model).config.pad_token_id = tokenizer.pad_token_id  # its own tokenizer's
-
-    def forward(self, **inputs: torch.Tensor) -> Any:
-        return self.model(**inputs)
-
-    def score(self, texts: list[str]) -> torch.Tensor:
-        """Scores ``[N]`` (float32, host), no gradient, eval mode."""
-        enc = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-        device = next(self.model.parameters()).device
-        with torch.no_grad():
-            logits = self.model(input_ids=enc["input_ids"].to(device),
-                                attention_mask=enc["attention_mask"].to(device)).logits
-        return logits[:, 0].float().cpu()
-
-
-def join(prompt: torch.Tensor, prompt_mask: torch.Tensor, completion: torch.Tensor,
-         completion_mask: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Left-padded prompts + right-padded completions -> the training tensors: input_ids,
-    attention_mask, position_ids (counting real tokens only) and labels on the completion
-    tokens (``labels[t] = input_ids[t+1]``, aligned with input_ids)."""
-    ids = torch.cat([prompt, completion.to(prompt.device)], 1)
-    attn = torch.cat([prompt_mask, completion_mask.to(prompt_mask.device)], 1)
-    labels = torch.full_like(ids, IGNORE)
-    p = prompt.shape[1]
-    labels[:, p - 1: -1] = completion.masked_fill(completion_mask == 0, IGNORE)
-    return {"input_ids": ids, "attention_mask": attn,
-            "position_ids": (attn.cumsum(1) - 1).clamp(min=0), "labels": labels}
-
-
-def _prompt_and_reference(row: dict, idx: int) -> tuple[Any, str]:
-    """(prompt, reference answer) of a conversation or a preference row."""
-    if "messages" in row and row["messages"] is not None:
-        msgs = row["messages"]
-        check_messages(msgs, idx, "messages")
-        last = max((i for i, m in enumerate(msgs) if m["role"] == "user"), default=None)
-        if last is None:
-            raise DataError(f"row {idx}: field 'messages' has no user turn to prompt with")
-        answer = next((m["content"] or "" for m in msgs[last + 1:] if m["role"] == "assistant"),
-                      "")
-        return msgs[: last + 1], answer
-    prompt = row.get("prompt")
-    chosen = row.get("chosen")
-    if isinstance(prompt, list):
-        check_messages(prompt, idx, "prompt")
-    elif prompt is not None:
-        check_text(prompt, idx, "prompt")
-    else:
-        raise DataError(f"row {idx}: field 'prompt' is empty")
-    if isinstance(chosen, list):
-        answer = " ".join(m.get("content") or "" for m in chosen if isinstance(m, dict))
-    else:
-        answer = chosen or ""
-    return prompt, answer
 
 
 @dataclass(kw_only=True)

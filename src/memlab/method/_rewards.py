@@ -10,6 +10,9 @@ your own; ``method.reward_weights`` weights them (default 1 each). ``references`
 dataset's answer for the prompt (the conversation's last assistant turn, or a preference row's
 chosen completion); ``finished`` says whether the completion ended with EOS before
 ``max_completion_length``.
+
+``method.reward_models`` are scored by :class:`RewardModel` (a frozen sequence-classification
+model with its own tokenizer).
 """
 
 from __future__ import annotations
@@ -19,6 +22,11 @@ import re
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
+
+import torch
+from torch import nn
+
+from memlab.trainer.routing import base_model
 
 RewardFn = Callable[..., list[float]]
 
@@ -77,3 +85,30 @@ def resolve(name: str, method: Any) -> RewardFn:
         return fn
     raise ValueError(f"method.rewards: unknown reward {name!r}; built-in: {', '.join(BUILTIN)}, "
                      "or 'package.module:function' for your own")
+
+
+class RewardModel(nn.Module):
+    """A frozen reward model with its own tokenizer: :meth:`score` reads texts (the prompt's
+    rendering + the completion's text, no extra special tokens) and returns the head's output at
+    each text's last real token."""
+
+    def __init__(self, model: nn.Module, tokenizer):
+        super().__init__()
+        self.model = model
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        tokenizer.padding_side = "right"
+        self.tokenizer = tokenizer
+        base_model(model).config.pad_token_id = tokenizer.pad_token_id  # its own tokenizer's
+
+    def forward(self, **inputs: torch.Tensor) -> Any:
+        return self.model(**inputs)
+
+    def score(self, texts: list[str]) -> torch.Tensor:
+        """Scores ``[N]`` (float32, host), no gradient, eval mode."""
+        enc = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        device = next(self.model.parameters()).device
+        with torch.no_grad():
+            logits = self.model(input_ids=enc["input_ids"].to(device),
+                                attention_mask=enc["attention_mask"].to(device)).logits
+        return logits[:, 0].float().cpu()

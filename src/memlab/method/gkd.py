@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from memlab.data.base import DataError
 from memlab.generation.base import GenerationEnv, SamplingParams
 from memlab.method import _overrides, _reference, _rows
-from memlab.method._online import _prompt_and_reference, join
+from memlab.method._prompts import join, prompt_and_reference
 from memlab.method.base import (
     IGNORE,
     Batch,
@@ -154,7 +154,7 @@ class GKD(Option):
         stats = {"n_in": 0, "dropped": 0, "examples_dropped": 0}
 
         def fn(row: dict, idx: int) -> list[dict]:
-            prompt, answer = _prompt_and_reference(row, idx)
+            prompt, answer = prompt_and_reference(row, idx)
             tools = row.get("tools")
             p = _rows.encode_prompt(tokenizer, prompt, idx, tools)
             c = _rows.encode_completion(tokenizer, prompt, p, [{"role": "assistant",

@@ -10,7 +10,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from memlab.data.base import DataError
 from memlab.losses import token_logps
 from memlab.method import _rewards
-from memlab.method._online import RewardModel, _prompt_and_reference
+from memlab.method._prompts import prompt_and_reference
+from memlab.method._rewards import RewardModel
 from memlab.method.base import Batch
 from memlab.method.grpo import GRPO, advantages
 
@@ -120,12 +121,12 @@ def test_builtin_rewards():
 def test_prompts_from_conversations_and_preference_rows():
     msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"},
             {"role": "assistant", "content": "a"}]
-    prompt, ref = _prompt_and_reference({"messages": msgs}, 0)
+    prompt, ref = prompt_and_reference({"messages": msgs}, 0)
     assert prompt == msgs[:2] and ref == "a"
-    prompt, ref = _prompt_and_reference({"prompt": "2+2?", "chosen": "4"}, 1)
+    prompt, ref = prompt_and_reference({"prompt": "2+2?", "chosen": "4"}, 1)
     assert (prompt, ref) == ("2+2?", "4")
     with pytest.raises(DataError, match="row 2: field 'messages' has no user turn"):
-        _prompt_and_reference({"messages": [{"role": "assistant", "content": "a"}]}, 2)
+        prompt_and_reference({"messages": [{"role": "assistant", "content": "a"}]}, 2)
 
 
 def test_rloo_leave_one_out_baseline():
