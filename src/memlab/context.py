@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from memlab import faults
 from memlab.config import MeasureConfig, Platform, TrainConfig
 from memlab.registry import GROUPS, ConfigErrors, Option, build, from_mapping
 
@@ -144,6 +145,7 @@ def validate(cfg: Any, run_dir: Path | str = ".", choices: Mapping[str, str] | N
     errors += train.checkpoint_errors(ctx)
     errors += train.eval_errors(ctx)
     errors += measure.errors(train)
+    errors += faults.problems()  # a test hook left in the environment would hang the run
     if errors:
         raise ConfigErrors(errors)
     return ctx

@@ -19,7 +19,7 @@ from typing import Any
 from memlab import faults
 from memlab.data.base import DataError
 from memlab.measure.outcome import Interrupted, NonFiniteLoss, StopSignals
-from memlab.measure.summary import versions, write_summary
+from memlab.measure.summary import versions, write_summary, write_text_atomic
 from memlab.registry import ConfigErrors
 
 Body = Callable[[list], None]
@@ -118,14 +118,14 @@ def _write_traceback(out: Path, e: BaseException) -> None:
     name = "error.txt" if out.name == "summary.json" else f"{out.stem}.error.txt"
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        (out.parent / name).write_text("".join(traceback.format_exception(e)))
+        write_text_atomic(out.parent / name, "".join(traceback.format_exception(e)))
     except OSError:
         pass
 
 
 def exit_code(summary: dict[str, Any]) -> int:
     """A single run's exit status: 0 ok, 2 invalid, 128 + the signal when interrupted (130 for
-    Ctrl-C, 143 for SIGTERM), 1 otherwise."""
+    Ctrl-C, 143 for SIGTERM, 129 for SIGHUP), 1 otherwise."""
     import signal
 
     status = summary.get("status")

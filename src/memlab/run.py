@@ -57,7 +57,9 @@ def seed_everything(seed: int) -> None:
 
 def base_summary(run_dir: Path, choices: dict[str, str], overrides: list[str],
                  job: dict[str, Any]) -> dict[str, Any]:
-    return {
+    """The record of a job before it runs (``job["moved"]``: its directory is a fallback for
+    one that could not be written, :mod:`memlab.rundir`: the record says so from the start)."""
+    summary: dict[str, Any] = {
         "status": "failed",
         "error": None,
         "choices": choices,
@@ -72,6 +74,9 @@ def base_summary(run_dir: Path, choices: dict[str, str], overrides: list[str],
         "device": None,
         "wall_time_s": None,
     }
+    if (job or {}).get("moved"):
+        summary["write_error"] = job["moved"]
+    return summary
 
 
 def run(cfg: Any, run_dir: Path | str, choices: dict[str, str] | None = None,
@@ -185,8 +190,7 @@ def _train(ctx: BuildContext, summary: dict[str, Any], logger_box: list) -> None
         wrapper = ctx.distributed.describe(pipe.models["policy"])
         if wrapper:
             summary["memory"]["distributed"] = wrapper
-        record_training(summary, trainer.result, ctx.train.steps,
-                        Path(ctx.run_dir) / "checkpoints")
+        record_training(summary, trainer.result, ctx.train.steps)
     if trainer.result.checkpoint_errors:
         raise CheckpointNotWritten(
             f"checkpoint not written ({trainer.result.checkpoint_errors[-1]}); the training "
@@ -198,14 +202,12 @@ def _finite(x: Any) -> Any:
     return None if isinstance(x, float) and not math.isfinite(x) else x
 
 
-def record_training(summary: dict[str, Any], result, planned_steps: int,
-                    checkpoints: Path | None = None) -> None:
+def record_training(summary: dict[str, Any], result, planned_steps: int) -> None:
     """What the loop measured (all of it, or the steps done so far) into ``summary``:
     throughput, tokens trained, padding, the loss curve and the other curves, and the newest
-    checkpoint under ``checkpoints``."""
-    from memlab.trainer.checkpoint import step_dirs
-
-    saved = step_dirs(checkpoints) if checkpoints is not None else []
+    checkpoint this run wrote (``result.checkpoints``; one an earlier run left in the same
+    run dir is not this run's)."""
+    saved = list(result.checkpoints)
     summary["throughput"] = result.throughput()
     if summary.get("data") is not None:
         summary["data"]["padding_fraction"] = result.padding_fraction()
@@ -218,7 +220,7 @@ def record_training(summary: dict[str, Any], result, planned_steps: int,
         "loss_curve": losses,
         "final_metrics": {k: _finite(v) for k, v in result.metrics.items()},
         "curves": {k: [_finite(x) for x in v] for k, v in result.curves.items()},
-        "checkpoint": str(saved[-1]) if saved else None,  # the newest of this run dir
+        "checkpoint": saved[-1] if saved else None,  # the newest this run wrote
     }
     if result.checkpoint_errors:
         summary["checkpoint"] = {"errors": list(result.checkpoint_errors)}

@@ -19,7 +19,10 @@ Three kinds of state, by what the distributed option declares (:func:`state_form
 ``torch`` (one replica's state: single process, DDP), ``by_name`` (gathered from FSDP2's shards
 by parameter name, ``as_gathered_states()``: a collective, written by rank 0, re-sharded on
 load), ``native`` (DeepSpeed's shards, ``as_native_states()``). A checkpoint is written to a
-temporary directory and renamed when complete.
+temporary directory and renamed when complete; a write that fails (a full or unwritable disk)
+leaves no partial directory behind, and its error is recognised whichever library raised it
+(:func:`is_write_failure`). ``train.keep_last`` prunes only the checkpoints the run itself wrote
+(a run dir used again keeps an earlier run's).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from __future__ import annotations
 import importlib
 import json
 import random
+import re
 import shutil
 import time
 from collections.abc import Sequence
@@ -74,6 +78,27 @@ def state_format(dist: Distributed) -> StateFormat:
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be used; the message says which file and why."""
+
+
+_OS_ERROR = re.compile(r"\(os error \d+\)")
+"""How Rust's ``std::io::Error`` ends its message (``No space left on device (os error 28)``)."""
+
+
+def is_write_failure(e: BaseException) -> bool:
+    """Whether ``e`` says that a file could not be written (a full, unwritable or missing
+    disk), whichever library raised it: Python's OSError, or the errors of the Rust writers a
+    checkpoint goes through, which are no OSError (safetensors' ``SafetensorError: Error while
+    serializing: I/O error: ... (os error 28)``, tokenizers' bare ``Exception: ... (os error
+    28)``). Causes count too (a library that wraps the OSError it got)."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, OSError) or (isinstance(cur, Exception)
+                                        and _OS_ERROR.search(str(cur))):
+            return True
+        cur = cur.__cause__ or cur.__context__
+    return False
 
 
 # ----------------------------------------------------------------------- tensors <-> JSON
@@ -214,18 +239,49 @@ def read_weights(path: Path | str) -> dict[str, torch.Tensor]:
 # ------------------------------------------------------------------------------- saving
 def save(trainer: Trainer) -> Path:
     """Write ``run_dir/checkpoints/step_<n>`` (atomically: a temp dir renamed); every rank calls
-    it (gathering may be a collective), rank 0 writes the files."""
-    ctx, dist = trainer.ctx, trainer.dist
+    it (gathering may be a collective), rank 0 writes the files. Whatever stops the write (a
+    full disk, a stop signal), the partial temp dir is removed. The checkpoint joins
+    ``trainer.result.checkpoints`` (this run's), which ``train.keep_last`` prunes."""
+    ctx = trainer.ctx
     root = Path(ctx.run_dir) / "checkpoints"
     final = step_dir(Path(ctx.run_dir), trainer.step_idx)
     tmp = root / f".tmp_step_{trainer.step_idx:06d}"
+    try:
+        _write(trainer, tmp, final)
+    except BaseException:
+        if ctx.rank == 0:
+            _remove(tmp)
+        raise
+    own = trainer.result.checkpoints
+    if str(final) in own:  # written again (a resumed step): the newest now
+        own.remove(str(final))
+    own.append(str(final))
+    if ctx.rank == 0 and ctx.train.keep_last:
+        best = trainer.best_checkpoint()
+        pruned = prune([Path(p) for p in own], ctx.train.keep_last,
+                       keep=[best] if best is not None else [])
+        own[:] = [p for p in own if Path(p) not in pruned]
+    return final
+
+
+def _remove(path: Path) -> None:
+    """Remove a directory of memlab's (a link there: the link itself, never what it names)."""
+    if path.is_symlink():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _write(trainer: Trainer, tmp: Path, final: Path) -> None:
+    """The files of one checkpoint, into ``tmp``, renamed to ``final`` when complete."""
+    ctx, dist = trainer.ctx, trainer.dist
     fmt = state_format(dist)
     native, gathered = dist.as_native_states(), dist.as_gathered_states()
     weights: dict[str, torch.Tensor] | None = None
     optim: dict[str, Any] | None = None
     if native is not None:  # every rank writes its own shards, then meets
-        if ctx.rank == 0 and tmp.exists():
-            shutil.rmtree(tmp)
+        if ctx.rank == 0:
+            _remove(tmp)
         if ctx.world_size > 1:
             torch.distributed.barrier()
         native.save_states(trainer.policy, tmp)
@@ -235,9 +291,9 @@ def save(trainer: Trainer) -> Path:
     elif gathered is not None:  # gathered by every rank (a collective), written by rank 0
         weights, optim = gathered.full_state(trainer.policy, trainer.opt)
     if ctx.rank != 0:
-        return final
-    if fmt != "native" and tmp.exists():
-        shutil.rmtree(tmp)
+        return
+    if fmt != "native":
+        _remove(tmp)
     tmp.mkdir(parents=True, exist_ok=True)
     exported = export.write(ctx, unwrap(trainer.policy), weights, tmp)
     in_model = export.weight_names(tmp) if exported["kind"] == "model" else set()
@@ -277,13 +333,8 @@ def save(trainer: Trainer) -> Path:
         _save_tensors(tmp / OPTIMIZER, opt_tensors)
     _save_tensors(tmp / STATE_TENSORS, tensors)
     (tmp / STATE).write_text(json.dumps(state, indent=1) + "\n")
-    if final.exists():
-        shutil.rmtree(final)
+    _remove(final)
     tmp.rename(final)
-    if ctx.train.keep_last:
-        best = trainer.best_checkpoint()
-        prune(root, ctx.train.keep_last, keep=[best] if best is not None else [])
-    return final
 
 
 def step_dir(run_dir: Path, step: int) -> Path:
@@ -291,13 +342,14 @@ def step_dir(run_dir: Path, step: int) -> Path:
     return Path(run_dir) / "checkpoints" / f"step_{step:06d}"
 
 
-def prune(root: Path, newest: int, keep: Sequence[Path] = ()) -> list[Path]:
-    """Delete all but the ``newest`` checkpoints in ``root`` and those in ``keep`` (the best
-    evaluation's, ``train.save_best``); returns the deleted dirs."""
+def prune(own: Sequence[Path], newest: int, keep: Sequence[Path] = ()) -> list[Path]:
+    """Delete all but the ``newest`` of ``own`` (the checkpoints this run wrote, oldest first)
+    and those in ``keep`` (the best evaluation's, ``train.save_best``); returns the deleted
+    dirs. A checkpoint another run left in the same run dir is never this run's to delete."""
     protected = {Path(p).resolve() for p in keep}
-    old = [p for p in step_dirs(root)[:-newest] if p.resolve() not in protected]
+    old = [Path(p) for p in list(own)[:-newest] if Path(p).resolve() not in protected]
     for p in old:
-        shutil.rmtree(p)
+        _remove(p)
     return old
 
 

@@ -87,6 +87,9 @@ class TrainResult:
     checkpoint_errors: list[str] = field(default_factory=list)
     """Checkpoints that could not be written (an unwritable or full disk): the training and its
     measurements went on; the run reports them."""
+    checkpoints: list[str] = field(default_factory=list)
+    """The checkpoints this run wrote and kept, oldest first (``train.keep_last`` prunes these
+    only; the summary names the newest)."""
     profile: dict[str, Any] | None = None
     """``measure.profile_step``'s breakdown (:func:`memlab.measure.profile.summarize`)."""
 
@@ -426,14 +429,17 @@ class Trainer:
         return checkpoint.save(self)
 
     def try_save_checkpoint(self):
-        """:meth:`save_checkpoint`, but a checkpoint that cannot be written (OSError: an
-        unwritable, missing or full disk) is recorded in ``result.checkpoint_errors`` and the
-        training goes on; returns the checkpoint's dir or None."""
+        """:meth:`save_checkpoint`, but a checkpoint that cannot be written (an unwritable,
+        missing or full disk: :func:`memlab.trainer.checkpoint.is_write_failure`, whichever
+        library raised it) is recorded in ``result.checkpoint_errors`` and the training goes
+        on; returns the checkpoint's dir or None."""
         try:
             path = self.save_checkpoint()
             self.saved_step = self.step_idx
             return path
-        except OSError as e:
+        except Exception as e:
+            if not checkpoint.is_write_failure(e):
+                raise
             self.result.checkpoint_errors.append(
                 f"step {self.step_idx}: {type(e).__name__}: {e}")
             best = self.evaluator.state.best if self.evaluator is not None else None

@@ -23,18 +23,27 @@ under ``runs/``, and the winner as ``experiment/fit.yaml``, runnable with
 ``memlab --config-dir <out> experiment=fit``. A budget nothing fits gets the closest candidates
 and what would make them fit.
 
+Ctrl-C, SIGTERM or SIGHUP stop the search: the measured run is stopped in order (it records what
+it measured), and ``fit.json`` is written with what was found so far, ``status: interrupted``
+and no verdict; so it is when a measured run is interrupted or killed from outside (an
+unfinished measurement is never taken for "does not fit"). Two searches never share ``--out``
+(a lock, :mod:`memlab.rundir`; the default is a new directory even within one second).
+
 Exit status: 0 a configuration was found, 1 nothing fits (or nothing measured fits), 2 invalid
-command line.
+command line or ``--out`` in use, 128 + the signal when interrupted (130: Ctrl-C).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
+import signal
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -136,7 +145,8 @@ def fit(base: list[str], opts: FitOptions, out_dir: Path, argv: list[str],
     from memlab.cli.compose import compose
     from memlab.cli.fit import search, space
     from memlab.context import plain_config
-    from memlab.measure.summary import write_atomic
+    from memlab.measure.outcome import count_line
+    from memlab.measure.summary import write_atomic, write_text_atomic
 
     t0 = time.perf_counter()
     cfg, choices = compose(base)
@@ -144,23 +154,35 @@ def fit(base: list[str], opts: FitOptions, out_dir: Path, argv: list[str],
     dims, notes = space.dimensions(plain, opts.device, opts.allow, space.user_keys(base))
     cands = space.candidates(dims, plain, choices)
     log(f"[fit] {len(cands)} candidates over {', '.join(d.name for d in dims) or 'nothing'}")
-    search.estimate_all(base, cands, opts, log)
-    ranked = search.rank(cands)
     configured = next((c for c in cands if not c.overrides or all(
         space._is_configured((o,), plain, choices) for o in c.overrides)), None)
+    ranked: list[Candidate] = []
     measured: list[Candidate] = []
-    if ranked and not opts.estimate_only:
-        baseline = configured if configured is not None and configured.estimate.get("fits") \
-            else None
-        measured = search.measure(base, ranked, baseline, opts, out_dir, log)
+    stopped: KeyboardInterrupt | None = None
+    try:
+        with _signals_interrupt():
+            search.estimate_all(base, cands, opts, log)
+            ranked = search.rank(cands)
+            if ranked and not opts.estimate_only:
+                baseline = configured if configured is not None and configured.estimate.get(
+                    "fits") else None
+                measured = search.measure(base, ranked, baseline, opts, out_dir, log)
+    except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM / SIGHUP, an unfinished measurement
+        stopped = e
+        log(f"[fit] {_why_stopped(e)}: writing what was found so far, no verdict")
+        ranked = search.rank([c for c in cands if c.estimate])
+        measured = [c for c in cands if c.measured]
     # a run whose every step was warm-up or tracked has no tokens/s: it cannot be ranked
-    fits = [c for c in measured if c.run()["fits"] and c.run().get("tokens_per_s")]
-    best = search.fastest(fits)
-    if best is None and opts.estimate_only and ranked:
+    fits = [c for c in measured if c.run().get("fits") and c.run().get("tokens_per_s")]
+    best = search.fastest(fits) if stopped is None else None
+    if best is None and opts.estimate_only and ranked and stopped is None:
         best = ranked[0]
     cmd = "memlab fit " + " ".join(shlex.quote(a) for a in argv)
     record: dict[str, Any] = {
-        "kind": "fit", "command": cmd, "overrides": base, "budget_bytes": opts.budget_bytes,
+        "kind": "fit", "status": "ok" if stopped is None else "interrupted",
+        "interrupted": None if stopped is None else _why_stopped(stopped),
+        "signal": None if stopped is None else _stop_signal(stopped),
+        "command": cmd, "overrides": base, "budget_bytes": opts.budget_bytes,
         "device": opts.device, "card": opts.card, "allow": list(opts.allow),
         "margin": opts.margin, "measure": opts.measure, "steps": opts.steps,
         "estimate_only": opts.estimate_only,
@@ -178,20 +200,54 @@ def fit(base: list[str], opts: FitOptions, out_dir: Path, argv: list[str],
         run = " ".join(["memlab", *(shlex.quote(a) for a in [*base, *best.overrides])])
         yaml_path = out_dir / "experiment" / "fit.yaml"
         yaml_path.parent.mkdir(parents=True, exist_ok=True)
-        yaml_path.write_text(winner_yaml(base, best, cmd))
+        write_text_atomic(yaml_path, winner_yaml(base, best, cmd))
         record["winner"] = {"label": best.label, "overrides": best.overrides, "command": run,
                             "experiment": str(yaml_path),
                             "run_experiment": f"memlab --config-dir {out_dir} experiment=fit",
                             "exact": best.exact, "estimate": best.estimate,
                             "measured": best.measured}
-    else:
+    elif stopped is None:
         record["nothing_fits"] = {
             "why": ("no candidate's estimate fits the budget" if not ranked else
-                    "candidates estimated to fit, but none measured within the budget"),
+                    "candidates estimated to fit, but none measured within the budget (measured "
+                    + count_line(c.run()["status"] for c in measured) + ")"),
             "closest": search.closest(cands, opts.budget_bytes, opts.margin)}
     record["wall_s"] = round(time.perf_counter() - t0, 1)
     write_atomic(out_dir / "fit.json", record)
     return record
+
+
+@contextlib.contextmanager
+def _signals_interrupt() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise :class:`~memlab.cli.fit.search.SearchInterrupted` (a
+    KeyboardInterrupt, as Ctrl-C) in the main thread for the block: fit stops its measured run
+    and writes a partial fit.json."""
+    import threading
+
+    from memlab.cli.fit.search import SearchInterrupted
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        raise SearchInterrupted(f"stopped by {name}", name)
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _stop_signal(e: BaseException) -> str:
+    return str(getattr(e, "signal", None) or "SIGINT")
+
+
+def _why_stopped(e: BaseException) -> str:
+    return str(e) or "stopped by SIGINT (Ctrl-C)"
 
 
 def format_table(record: dict[str, Any]) -> str:
@@ -207,7 +263,7 @@ def format_table(record: dict[str, Any]) -> str:
         e, m = c["estimate"], c["measured"] or {}
         tps = (f"{m['tokens_per_s']:.0f} ± {m.get('tokens_per_s_std') or 0:.0f}"
                if m.get("tokens_per_s") else "-")
-        status = m.get("status") or e.get("status")
+        status = m.get("status") or e.get("status") or "-"
         lines.append(f"{i:>3}  {fmt_bytes(e.get('needed_bytes')):>11}  "
                      f"{'yes' if e.get('fits') else 'no':>4}  "
                      f"{c['predicted_rank'] or '-':>4}  {fmt_bytes(m.get('peak_bytes')):>11}  "
@@ -218,7 +274,13 @@ def format_table(record: dict[str, Any]) -> str:
         lines.append(f"speed model vs measured order: Spearman {p['spearman']:+.2f} over "
                      f"{p['points']} runs")
     w = record["winner"]
-    if w:
+    if record.get("interrupted"):
+        done = sum(1 for c in record["candidates"] if c["estimate"])
+        ran = sum(1 for c in record["candidates"] if c["measured"])
+        lines += ["", f"interrupted: {record['interrupted']}; {done} of "
+                      f"{len(record['candidates'])} candidates estimated, {ran} measured; no "
+                      "verdict"]
+    elif w:
         how = "measured" if w["measured"] else "estimated (not measured: --estimate-only)"
         lines += ["", f"winner ({how}): {w['label']}", f"  {w['command']}",
                   f"  or: {w['run_experiment']}"]
@@ -226,6 +288,9 @@ def format_table(record: dict[str, Any]) -> str:
         nf = record["nothing_fits"]
         lines += ["", f"nothing fits: {nf['why']}; the closest:"]
         for c in nf["closest"]:
+            if c.get("dominant") is None:  # judged by its measured run
+                lines.append(f"  {c['label']}: {c['what_would_fit']}")
+                continue
             lines.append(f"  {c['label']}: needs {fmt_bytes(c['needed_bytes'])} (over by "
                          f"{fmt_bytes(c['over_by_bytes'])}; {c['dominant']} "
                          f"{fmt_bytes(c['dominant_bytes'])}): {c['what_would_fit']}")
@@ -248,17 +313,31 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"memlab fit: {e}", file=sys.stderr)
         return 2
+    from memlab import rundir
+
     out = args.out or Path("outputs") / "fit" / time.strftime("%Y-%m-%d") / time.strftime(
         "%H-%M-%S")
-    out = out.absolute()
-    out.mkdir(parents=True, exist_ok=True)
+    try:  # one search per directory; the default is a new one (memlab.rundir)
+        out = rundir.claim(out, fresh=args.out is None, kind="fit").path
+    except rundir.DirInUse as e:
+        print(f"memlab fit: --out {out.absolute()} is {e}; give another --out",
+              file=sys.stderr)
+        return 2
     try:
         record = fit(rest, opts, out, argv)
+    except KeyboardInterrupt:  # before the search or while its record is written
+        print("memlab fit: interrupted (Ctrl-C) before the search could record anything",
+              file=sys.stderr)
+        return 130
     except Exception as e:  # noqa: BLE001 - a bad override: Hydra's message, exit 2
         if type(e).__module__.split(".")[0] not in ("hydra", "omegaconf"):
             raise
         print(f"memlab fit: {e}", file=sys.stderr)
         return 2
+    finally:
+        rundir.release("fit")
     print(json.dumps(record, indent=1, default=str) if args.json else format_table(record))
     print(f"\nwrote {out / 'fit.json'}", file=sys.stderr)
+    if record["status"] == "interrupted":
+        return 128 + int(signal.Signals[record["signal"]])
     return 0 if record["winner"] else 1
