@@ -23,14 +23,17 @@ under ``runs/``, and the winner as ``experiment/fit.yaml``, runnable with
 ``memlab --config-dir <out> experiment=fit``. A budget nothing fits gets the closest candidates
 and what would make them fit.
 
-Ctrl-C, SIGTERM or SIGHUP stop the search: the measured run is stopped in order (it records what
-it measured), and ``fit.json`` is written with what was found so far, ``status: interrupted``
-and no verdict; so it is when a measured run is interrupted or killed from outside (an
-unfinished measurement is never taken for "does not fit"). Two searches never share ``--out``
-(a lock, :mod:`memlab.rundir`; the default is a new directory even within one second).
+Candidates are estimated ``--jobs`` at a time (default: one per core), each in a worker
+process. Ctrl-C, SIGTERM or SIGHUP stop the search (the workers, and the measured run in order:
+it records what it measured), and ``fit.json`` is written with what was found so far,
+``status: interrupted`` and no verdict; so it is when a measured run is interrupted or killed
+from outside (an unfinished measurement is never taken for "does not fit"). Two searches never
+share ``--out`` (a lock, :mod:`memlab.rundir`; the default is a new directory even within one
+second).
 
 Exit status: 0 a configuration was found, 1 nothing fits (or nothing measured fits), 2 invalid
-command line or ``--out`` in use, 128 + the signal when interrupted (130: Ctrl-C).
+command line or ``--out`` in use, 128 + the signal when interrupted (130: Ctrl-C, 143: SIGTERM;
+a partial fit.json).
 """
 
 from __future__ import annotations
@@ -78,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "the others are timed)")
     p.add_argument("--estimate-only", action="store_true",
                    help="rank by the estimates, run nothing (no device needed)")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, metavar="N",
+                   help="candidates estimated at a time, each in its own process (default: "
+                        "the number of cores)")
     p.add_argument("--out", type=Path, default=None, metavar="DIR",
                    help="where fit.json, runs/ and experiment/fit.yaml go")
     p.add_argument("--json", action="store_true", help="print fit.json instead of the table")
@@ -95,14 +101,14 @@ def options(args) -> FitOptions:
     bad = sorted(set(allow) - set(ALLOWABLE))
     if bad:
         raise ValueError(f"--allow {','.join(bad)}: choose from {','.join(ALLOWABLE)}")
-    if args.measure < 1 or args.steps < 3 or not 0 <= args.margin < 1:
-        raise ValueError("--measure >= 1, --steps >= 3 (warm-up, tracked and timed steps) and "
-                         "0 <= --margin < 1")
+    if args.measure < 1 or args.steps < 3 or not 0 <= args.margin < 1 or args.jobs < 1:
+        raise ValueError("--measure >= 1, --steps >= 3 (warm-up, tracked and timed steps), "
+                         "0 <= --margin < 1 and --jobs >= 1")
     from memlab.estimate.options import device_of
 
     return FitOptions(budget_bytes=budget, device=device_of(args.device, args.card),
                       card=args.card, allow=allow, margin=args.margin, measure=args.measure,
-                      steps=args.steps, estimate_only=args.estimate_only)
+                      steps=args.steps, estimate_only=args.estimate_only, jobs=args.jobs)
 
 
 def winner_yaml(base: list[str], cand: Candidate, cmd: str) -> str:
@@ -153,7 +159,8 @@ def fit(base: list[str], opts: FitOptions, out_dir: Path, argv: list[str],
     plain = plain_config(cfg)
     dims, notes = space.dimensions(plain, opts.device, opts.allow, space.user_keys(base))
     cands = space.candidates(dims, plain, choices)
-    log(f"[fit] {len(cands)} candidates over {', '.join(d.name for d in dims) or 'nothing'}")
+    log(f"[fit] {len(cands)} candidates over {', '.join(d.name for d in dims) or 'nothing'}"
+        + (f", {opts.jobs} estimated at a time" if opts.jobs > 1 else ""))
     configured = next((c for c in cands if not c.overrides or all(
         space._is_configured((o,), plain, choices) for o in c.overrides)), None)
     ranked: list[Candidate] = []
@@ -196,7 +203,7 @@ def fit(base: list[str], opts: FitOptions, out_dir: Path, argv: list[str],
         "prediction": search.prediction_quality(measured),
         "winner": None, "nothing_fits": None,
     }
-    if best is not None:
+    if best is not None and stopped is None:
         run = " ".join(["memlab", *(shlex.quote(a) for a in [*base, *best.overrides])])
         yaml_path = out_dir / "experiment" / "fit.yaml"
         yaml_path.parent.mkdir(parents=True, exist_ok=True)
@@ -220,8 +227,8 @@ def fit(base: list[str], opts: FitOptions, out_dir: Path, argv: list[str],
 @contextlib.contextmanager
 def _signals_interrupt() -> Iterator[None]:
     """SIGTERM and SIGHUP raise :class:`~memlab.cli.fit.search.SearchInterrupted` (a
-    KeyboardInterrupt, as Ctrl-C) in the main thread for the block: fit stops its measured run
-    and writes a partial fit.json."""
+    KeyboardInterrupt, as Ctrl-C) in the main thread for the block: fit stops its workers and its
+    measured run, and writes a partial fit.json."""
     import threading
 
     from memlab.cli.fit.search import SearchInterrupted
