@@ -59,15 +59,31 @@ def initialize():
 
 def compose(overrides: Sequence[str]):
     """(config without the hydra node, the user's group choices) composed from memlab's configs
-    with ``overrides``, exactly as a run composes them."""
+    with ``overrides``, exactly as a run composes them. An unknown group option (which Hydra
+    skips in an optional group) or key raises :class:`memlab.registry.ConfigErrors` naming the
+    fix (:mod:`memlab.cli.overrides`); other Hydra errors are Hydra's."""
     from hydra import compose as hydra_compose
+    from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf, open_dict
 
+    from memlab.cli.overrides import problems, unknown_choices
     from memlab.measure.summary import user_choices
+    from memlab.registry import ConfigErrors
 
-    with initialize():
-        cfg = hydra_compose(config_name="config", overrides=list(overrides),
-                            return_hydra_config=True)
+    try:
+        with initialize():
+            cfg = hydra_compose(config_name="config", overrides=list(overrides),
+                                return_hydra_config=True)
+            bad = unknown_choices(cfg.hydra.runtime.choices,
+                                  GlobalHydra.instance().config_loader().get_group_options,
+                                  overrides)
+    except Exception:
+        found = problems(overrides)  # memlab's message where Hydra would advise a '+'
+        if found:
+            raise ConfigErrors(found) from None
+        raise
+    if bad:
+        raise ConfigErrors(bad)
     choices = user_choices(cfg.hydra.runtime.choices)
     with open_dict(cfg):
         del cfg["hydra"]

@@ -275,6 +275,7 @@ class Online(Option):
         samples = env.engine.generate(models["policy"], prompt, pmask, self.sampling(batch))
         rewards, metrics = self.score(batch, samples, models)
         out = self.training_batch(models, batch, prompt, pmask, samples, rewards, metrics)
+        out.meta["counts"] = reward_groups(rewards, self.num_generations)
         if samples.logprobs is not None and env.engine.corrects_sampling():
             self.correct_sampling(models, out, samples.logprobs, env.engine, prompt.shape[1])
         return out
@@ -503,3 +504,17 @@ class Clipped(Online):
         loss = -torch.min(ratio * adv, torch.clamp(ratio, lo, hi) * adv)
         active = ((ratio < lo) & (adv < 0)) | ((ratio > hi) & (adv > 0))
         return loss, active
+
+
+# ------------------------------------------------------------------ hollow groups (issue 27)
+def reward_groups(rewards: torch.Tensor, group: int) -> dict[str, int]:
+    """The rollout's reward groups (``groups``: prompts, ``group`` completions each) and those
+    whose rewards have zero variance (``hollow_groups``): every completion of such a group gets
+    the same reward, so a group-relative advantage is zero and the group trains nothing. The
+    trainer sums them over the run (``Batch.meta["counts"]``; the summary's ``data``). Nothing
+    for groups of one completion."""
+    if group < 2:
+        return {}
+    by_group = rewards.detach().float().reshape(-1, group)
+    same = (by_group.max(dim=1).values == by_group.min(dim=1).values)
+    return {"groups": int(by_group.shape[0]), "hollow_groups": int(same.sum())}

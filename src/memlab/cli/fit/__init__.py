@@ -255,7 +255,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         record = fit(rest, opts, out, argv)
     except Exception as e:  # noqa: BLE001 - a bad override: Hydra's message, exit 2
-        if type(e).__module__.split(".")[0] not in ("hydra", "omegaconf"):
+        from memlab.registry import ConfigErrors
+
+        if type(e).__module__.split(".")[0] not in ("hydra", "omegaconf") and not isinstance(
+                e, ConfigErrors):
             raise
         print(f"memlab fit: {e}", file=sys.stderr)
         return 2
