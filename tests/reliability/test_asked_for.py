@@ -54,6 +54,20 @@ def test_a_batch_larger_than_the_packed_rows_is_refused(tmp_path):
                                  "data has 1 rows after preparation and packing (8 examples)")
 
 
+def test_an_eval_batch_larger_than_the_held_out_rows_records_the_batch_that_ran(tmp_path):
+    """Sibling through the evaluation door: 4 held-out rows under train.eval_batch_size=8 are
+    one micro-batch of 4; the record says so (the eval loss is the same for any batch size,
+    so the run goes on; before, ``eval.batch_size`` said 8)."""
+    held = ["data.n_examples=16", "data.eval=0.25", "train.eval_every=3"]  # 4 held-out rows
+    s = _run(tmp_path, *held, "train.eval_batch_size=8")
+    assert s["status"] == "ok", s["error"]
+    ev = s["eval"]
+    assert (ev["batch_size"], ev["batch_size_asked"]) == (4, 8), ev
+    assert "every evaluation micro-batch held at most 4" in ev["batch_note"]
+    s = _run(tmp_path, *held, "train.eval_batch_size=4", name="fits")
+    assert s["eval"]["batch_size"] == 4 and "batch_size_asked" not in s["eval"]
+
+
 # ----------------------------------------------------------------------------- hollow data
 def test_sft_rows_whose_every_assistant_turn_is_empty_are_refused(tmp_path):
     empty = [{"messages": [{"role": "user", "content": "hi"},
