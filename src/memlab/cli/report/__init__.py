@@ -43,13 +43,11 @@ from memlab.cli.report.table import (
     ASSUMED_SPREAD,
     DEFAULT_SORT,
     build_table,
-    fixed_line,
-    format_markdown,
-    format_text,
     pareto_front,
     short_reason,
     sort_table,
 )
+from memlab.cli.report.text import fixed_line, format_markdown, format_text
 from memlab.measure.outcome import count_line
 
 if TYPE_CHECKING:
