@@ -97,8 +97,9 @@ def problems(args: Sequence[str]) -> list[str]:
 
     paths = [f"file://{Path(d).absolute()}" for d in dirs]
     for o in parsed:  # the user's own search path (its last value, as Hydra takes it)
-        if o.key_or_group == "hydra.searchpath" and isinstance(o.value(), list):
-            paths = [str(v) for v in o.value()] + [f"file://{Path(d).absolute()}" for d in dirs]
+        value = o.value()
+        if o.key_or_group == "hydra.searchpath" and isinstance(value, list):
+            paths = [str(v) for v in value] + [f"file://{Path(d).absolute()}" for d in dirs]
     search = [f"hydra.searchpath=[{','.join(paths)}]"] if paths else []
     with initialize():
         loader = GlobalHydra.instance().config_loader()
