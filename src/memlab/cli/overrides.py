@@ -69,7 +69,7 @@ def command_line_error(argv: Sequence[str]) -> str | None:
 
 def _split(args: Sequence[str]) -> tuple[list[str], list[str]]:
     """(``--config-dir`` values, the overrides) of a Hydra command line."""
-    from memlab.cli.compose import split_hydra_flags
+    from memlab.cli.conf import split_hydra_flags
 
     flags, rest = split_hydra_flags(args)
     dirs = [flags[i + 1] for i, f in enumerate(flags[:-1]) if f in ("--config-dir", "-cd")]
@@ -93,7 +93,7 @@ def problems(args: Sequence[str]) -> list[str]:
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.object_type import ObjectType
 
-    from memlab.cli.compose import initialize
+    from memlab.cli.conf import initialize
 
     paths = [f"file://{Path(d).absolute()}" for d in dirs]
     for o in parsed:  # the user's own search path (its last value, as Hydra takes it)
