@@ -80,9 +80,11 @@ def guarded(body: Body, summary: dict[str, Any], out: Path,
 
 def record_end(summary: dict[str, Any], ended: BaseException | None) -> None:
     """Set ``summary["status"]`` and ``["error"]`` from how the body ended (``None``: it
-    returned): invalid configuration or data, a stop signal (with ``signal``), a non-finite
+    returned): invalid configuration, data, model files or checkpoint, a stop signal (with ``signal``), a non-finite
     loss (``train.nan_step``), a failed rank (that rank's status), out of memory, or failed."""
     from memlab.distributed.launch import RankFailed
+    from memlab.model._files import ModelFilesError
+    from memlab.trainer.checkpoint import CheckpointError
 
     if ended is None:
         summary["status"], summary["error"] = "ok", None
@@ -90,6 +92,8 @@ def record_end(summary: dict[str, Any], ended: BaseException | None) -> None:
     e = ended
     if isinstance(e, (ConfigErrors, DataError)):
         status, error = "invalid", str(e)
+    elif isinstance(e, (ModelFilesError, CheckpointError)):  # the input's fault, named in it
+        status, error = "invalid", f"{type(e).__name__}: {e}"
     elif isinstance(e, (Interrupted, KeyboardInterrupt)):
         sig = e.signal if isinstance(e, Interrupted) else "SIGINT"
         steps = (summary.get("train") or {}).get("steps")

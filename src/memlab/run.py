@@ -40,6 +40,9 @@ def plan_resume(ctx: BuildContext, summary: dict[str, Any]) -> BuildContext:
     if plan is None:
         return ctx
     summary["resume"] = plan.as_dict()
+    for skipped in plan.skipped:  # resume_from=latest passed over a damaged newer checkpoint
+        print(f"[memlab] train.resume_from=latest: skipped {skipped['checkpoint']}: "
+              f"{skipped['why']}", file=sys.stderr, flush=True)
     if isinstance(summary.get("config"), dict):
         summary["config"].setdefault("train", {})["resume_from"] = str(plan.path)
     return dataclasses.replace(ctx, train=dataclasses.replace(ctx.train,
@@ -191,6 +194,8 @@ def _train(ctx: BuildContext, summary: dict[str, Any], logger_box: list) -> None
         if wrapper:
             summary["memory"]["distributed"] = wrapper
         record_training(summary, trainer.result, ctx.train.steps)
+        note_hollow_groups(summary, trainer.result.counts, ctx.data.max_hollow_fraction,
+                           ctx.rank == 0)
     if trainer.result.checkpoint_errors:
         raise CheckpointNotWritten(
             f"checkpoint not written ({trainer.result.checkpoint_errors[-1]}); the training "
@@ -226,6 +231,30 @@ def record_training(summary: dict[str, Any], result, planned_steps: int) -> None
         summary["checkpoint"] = {"errors": list(result.checkpoint_errors)}
     if result.profile is not None:
         summary["profile"] = result.profile
+
+
+def note_hollow_groups(summary: dict[str, Any], counts: dict[str, int], limit: float,
+                       say: bool = True) -> None:
+    """An online method's reward groups into the summary's ``data`` (``groups``,
+    ``hollow_groups``: those whose rewards had zero variance, which train nothing), with a
+    warning (``data.hollow_groups_warning``, on stderr when ``say``) when their share is above
+    ``data.max_hollow_fraction``. A run whose every group was hollow stays ``ok``: its memory
+    and speed were measured, and the warning says that it learned nothing."""
+    groups = counts.get("groups")
+    if not groups or summary.get("data") is None:
+        return
+    hollow = counts.get("hollow_groups", 0)
+    summary["data"].update(groups=groups, hollow_groups=hollow)
+    if hollow / groups <= limit:
+        return
+    warning = summary["data"]["hollow_groups_warning"] = (
+        f"{hollow} of {groups} reward groups ({hollow / groups:.0%}) had rewards of zero "
+        "variance: their advantages are zero, they train nothing"
+        + ("; no group carried a signal: check the reward functions (or models) and the "
+           "sampling (method.max_completion_length, temperature)" if hollow == groups else "")
+        + f" (above data.max_hollow_fraction={limit:g})")
+    if say:
+        print(f"[memlab] warning: {warning}", file=sys.stderr, flush=True)
 
 
 def _param_counts(model) -> dict[str, int]:

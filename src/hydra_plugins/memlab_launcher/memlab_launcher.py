@@ -210,6 +210,7 @@ class MemlabLauncher(Launcher):
             timeout_s, env = self._job_settings(sweep_config)
             jobs.append(_Job(idx, list(overrides), sweep_config, sweep_dir / subdir, timeout_s,
                              env))
+        self._check_choices(jobs)
         results: dict[int, JobReturn] = {}
         pending = list(jobs)
         running: list[_Job] = []
@@ -251,6 +252,31 @@ class MemlabLauncher(Launcher):
         if stop.signum is not None:
             raise SystemExit(128 + stop.signum)
         return [results[j.idx] for j in jobs]
+
+    def _check_choices(self, jobs: list[_Job]) -> None:
+        """Refuse the sweep, before any job starts (exit 2), when a job names an option its
+        group does not have: Hydra runs the default of an optional group instead (a sweep
+        file's ``hydra.sweeper.params`` reach the jobs so, past the command line's check)."""
+        from memlab.cli.overrides import unknown_choices
+        from memlab.registry import ConfigErrors
+
+        assert self.hydra_context is not None
+        loader, cache = self.hydra_context.config_loader, {}
+
+        def options(group: str) -> list[str]:
+            if group not in cache:
+                cache[group] = loader.get_group_options(group)
+            return cache[group]
+
+        bad: list[str] = []
+        for job in jobs:
+            found = unknown_choices(job.config.hydra.runtime.choices, options, job.overrides)
+            bad += [f"job #{job.idx}: {p}" for p in found]
+        if bad:
+            print(f"[memlab] sweep refused, no job started: "
+                  f"{str(ConfigErrors(bad)).replace('configuration', 'sweep', 1)}",
+                  file=sys.stderr, flush=True)
+            raise SystemExit(2)
 
     def _start(self, job: _Job, module: str, qualname: str, tmp: Path) -> None:
         payload = tmp / f"job_{job.idx}.pkl"

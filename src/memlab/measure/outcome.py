@@ -1,7 +1,9 @@
 """How a run ended: the statuses of summary.json, stop signals, evidence of the OOM killer.
 
-A run records one of :data:`STATUSES`. The run itself tells ``ok``, ``invalid`` (a config or
-data problem, found before or while the data is prepared), ``oom`` (an allocation failed),
+A run records one of :data:`STATUSES`. The run itself tells ``ok``, ``invalid`` (a config,
+data, model-file or checkpoint problem, found before anything loads where it can be, or while
+the data is prepared or the files are read; the error names the file), ``oom`` (an allocation
+failed),
 ``nan`` (a non-finite loss: the step is recorded), ``failed`` (any other exception: a bug or a
 broken environment) and ``interrupted`` (SIGINT, SIGTERM or SIGHUP, with the signal). Its
 launcher tells what the run cannot: ``timeout`` (stopped after the launcher's time limit), ``killed`` (SIGKILL,

@@ -212,7 +212,8 @@ def _device_info(device: str, torch) -> dict[str, Any]:
 
 def data_notes(d: dict[str, Any]) -> list[str]:
     """What happened to the rows, from a summary's ``data`` section: rows rendered with a
-    training template, skipped as unsplittable, converted on load, a mixture's sources."""
+    training template, skipped as unsplittable, hollow (no training signal), converted on load,
+    a mixture's sources."""
     notes = []
     if d.get("chat_template"):
         ct = d["chat_template"]
@@ -222,6 +223,12 @@ def data_notes(d: dict[str, Any]) -> list[str]:
         un = d["unsplittable"]
         notes.append(f"skipped: {un['skipped']} rows the chat template cannot split (first: "
                      f"{'; '.join(un['first'])}): {un['reason']}")
+    if d.get("hollow_warning"):
+        notes.append(f"warning: {d['hollow_warning']}")
+    elif d.get("hollow_rows"):
+        notes.append(f"hollow: {d['hollow_rows']} examples carry no training signal")
+    if d.get("hollow_groups_warning"):
+        notes.append(f"warning: {d['hollow_groups_warning']}")
     if d.get("converted"):
         notes.append("converted on load: " + ", ".join(
             f"{k} ({v} rows)" for k, v in d["converted"].items()))

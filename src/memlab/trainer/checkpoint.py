@@ -41,7 +41,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from memlab.trainer import config_record, export
+from memlab.trainer import config_record, export, inputs
 from memlab.trainer.routing import unwrap
 
 if TYPE_CHECKING:
@@ -224,6 +224,75 @@ def read_state(path: Path | str) -> dict[str, Any]:
     return state
 
 
+def _refs(tree: Any, out: set[str]) -> set[str]:
+    """The tensor keys a :func:`to_tree` tree refers to."""
+    if isinstance(tree, dict):
+        if "__tensor__" in tree:
+            out.add(str(tree["__tensor__"]))
+        for v in tree.values():
+            _refs(v, out)
+    elif isinstance(tree, list):
+        for v in tree:
+            _refs(v, out)
+    return out
+
+
+def _tensor_file_problem(file: Path) -> tuple[set[str] | None, str | None]:
+    """``(the tensor names of a safetensors file, None)``, or ``(None, what is wrong)``: its
+    header is read, and checked to cover the whole file (a truncated file fails here)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            return set(f.keys()), None
+    except Exception as e:  # noqa: BLE001 - a damaged or foreign file, whatever the library says
+        return None, (f"{file} is not a readable safetensors file ({type(e).__name__}: {e}); "
+                      "it is damaged (truncated?) or not memlab's")
+
+
+def file_problems(path: Path | str, state: dict[str, Any]) -> list[str]:
+    """Every file of checkpoint ``path`` that its ``memlab_state.json`` (``state``) needs and
+    that is missing or damaged, each named with what is wrong: the optimizer state, the random
+    and schedule state, the weights (their headers and the tensors the state refers to are
+    read; no tensor data). Empty for a whole checkpoint."""
+    path = Path(path)
+    problems = []
+    need = {STATE_TENSORS: _refs([state.get("scheduler"), state.get("scaler"),
+                                  state.get("rng")], set())}
+    if state.get("optimizer") is not None:
+        need[OPTIMIZER] = _refs(state["optimizer"], set())
+    whole = "copy the whole step directory, or resume from another checkpoint"
+    for name, keys in need.items():
+        file = path / name
+        if not file.is_file():
+            if keys:
+                what = "optimizer" if name == OPTIMIZER else "random and schedule"
+                problems.append(f"{file} is missing: {STATE} refers to {len(keys)} tensor(s) "
+                                f"in it (the {what} state); the checkpoint is incomplete: "
+                                f"{whole}")
+            continue
+        found, problem = _tensor_file_problem(file)
+        if problem:
+            problems.append(problem)
+        elif found is not None and keys - found:
+            gone = sorted(keys - found)
+            problems.append(f"{file} lacks {len(gone)} tensor(s) {STATE} refers to (e.g. "
+                            f"{gone[0]!r}); it is not this checkpoint's: {whole}")
+    for file in sorted(path.glob("*.safetensors")):
+        if file.name not in need:
+            problems.append(_tensor_file_problem(file)[1] or "")
+    if state.get("weights_in_model") and not (
+            (path / "model.safetensors").is_file()
+            or (path / "model.safetensors.index.json").is_file()):
+        problems.append(f"{path / 'model.safetensors'} is missing: {STATE} reads "
+                        f"{len(state['weights_in_model'])} trainable weight(s) from the saved "
+                        f"model; the checkpoint is incomplete: {whole}")
+    if state.get("optimizer_format") == "native" and not (path / "deepspeed").is_dir():
+        problems.append(f"{path / 'deepspeed'} is missing: DeepSpeed's shards of the training "
+                        f"state; the checkpoint is incomplete: {whole}")
+    return [p for p in problems if p]
+
+
 def read_weights(path: Path | str) -> dict[str, torch.Tensor]:
     """The trainable weights checkpoint ``path`` holds, by name (as :func:`named_trainable`
     names them): ``trainable.safetensors`` plus those the saved model files hold."""
@@ -313,6 +382,7 @@ def _write(trainer: Trainer, tmp: Path, final: Path) -> None:
         "saved_at": time.time(),
         "optimizer_format": fmt,
         "config": config_record.record(ctx),
+        "inputs": inputs.record(inputs.of_run(ctx)),
         "export": exported,
         "weights_in_model": covered,
         "scheduler": to_tree(trainer.sched.state_dict(), tensors, "scheduler"),
@@ -321,6 +391,7 @@ def _write(trainer: Trainer, tmp: Path, final: Path) -> None:
         "stream": trainer.stream.state(),
         "losses": list(trainer.result.losses),
         "curves": trainer.result.curves,
+        "counts": trainer.result.counts,
         "eval": trainer.evaluator.state.state() if trainer.evaluator is not None else None,
         "rng": to_tree({"torch": torch.get_rng_state(), "python": random.getstate(),
                         "numpy": np.random.get_state(),
@@ -423,6 +494,9 @@ def load(trainer: Trainer, path: Path) -> None:
     problem = format_problem(path, state, state_format(dist))
     if problem:
         raise CheckpointError(problem)
+    damaged = file_problems(path, state)
+    if damaged:
+        raise CheckpointError("; ".join(damaged))
     native, gathered = dist.as_native_states(), dist.as_gathered_states()
     if native is not None:
         check_pickles(path / "deepspeed")
@@ -453,6 +527,7 @@ def load(trainer: Trainer, path: Path) -> None:
     trainer.step_idx = int(state["step"])
     trainer.result.losses = list(state["losses"])
     trainer.result.curves = {k: list(v) for k, v in (state.get("curves") or {}).items()}
+    trainer.result.counts = {k: int(v) for k, v in (state.get("counts") or {}).items()}
     if trainer.evaluator is not None and state.get("eval"):
         trainer.evaluator.state.load_state(state["eval"])
     rng = from_tree(state["rng"], tensors)

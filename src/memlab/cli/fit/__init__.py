@@ -337,7 +337,10 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001 - a bad override: Hydra's message, exit 2
-        if type(e).__module__.split(".")[0] not in ("hydra", "omegaconf"):
+        from memlab.registry import ConfigErrors
+
+        if type(e).__module__.split(".")[0] not in ("hydra", "omegaconf") and not isinstance(
+                e, ConfigErrors):
             raise
         print(f"memlab fit: {e}", file=sys.stderr)
         return 2
