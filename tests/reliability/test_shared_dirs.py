@@ -127,6 +127,22 @@ def test_no_write_follows_a_link_planted_in_the_run_dir(tmp_path, monkeypatch):
     assert json.loads((run_dir / "profile" / "summary.json").read_text())["wall_s"] > 0
 
 
+def test_fits_run_log_replaces_a_link_planted_at_its_name(tmp_path):
+    """Sibling through fit's door: a measured run's console, ``runs/<i>.log`` in a reused
+    ``--out``, replaces a link planted there (before, ``open(log, "wb")`` followed it out)."""
+    from memlab.cli.fit.search import run_log, run_once
+
+    outside, run_dir = tmp_path / "precious.txt", tmp_path / "out" / "runs" / "0"
+    outside.write_text("precious")
+    run_dir.parent.mkdir(parents=True)
+    run_log(run_dir).symlink_to(outside)
+    got = run_once(["debug=smok"], 1, run_dir)  # refused at once: exit 2, no summary
+    assert got["status"] == "failed" and "debug=smok: no such option" in got["error"], got
+    assert outside.read_text() == "precious"
+    assert not run_log(run_dir).is_symlink()
+    assert "did you mean debug=smoke?" in run_log(run_dir).read_text()
+
+
 def test_a_run_dir_unwritable_from_the_start_moves_to_the_fallback(tmp_path, monkeypatch,
                                                                    capsys):
     (tmp_path / "a_file").write_text("a file where the run dir's parent would be")

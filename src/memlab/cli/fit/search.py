@@ -237,9 +237,13 @@ def run_once(overrides: list[str], steps: int, run_dir: Path) -> dict[str, Any]:
            "train.progress=false", f"hydra.run.dir={run_dir}"]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     t0 = time.perf_counter()
+    from memlab.measure.summary import unlink_link
+
     log = run_log(run_dir)
     log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "wb") as out:
+    unlink_link(log)  # a link planted there is replaced, never followed out of the directory
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+    with open(fd, "wb") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     try:
