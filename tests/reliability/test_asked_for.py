@@ -200,6 +200,22 @@ def test_data_changed_in_place_is_refused_a_copy_resumes(saved, tmp_path):
     assert set(moved["resume"]["changed"]) == {"data.path"}
 
 
+def test_a_held_out_file_changed_in_place_is_refused(tmp_path):
+    """Sibling through the held-out door: ``data.eval=<file>`` is fingerprinted too
+    (``inputs.data.eval``), so a best evaluation is never compared across two held-out sets."""
+    data, held = _file(tmp_path / "rows.jsonl", CHAT), _file(tmp_path / "val.jsonl", CHAT[:4])
+    o = ["data=local", f"data.path={data}", f"data.eval={held}", "train.eval_every=1",
+         "train.steps=2", "train.save_every=1"]
+    assert _run(tmp_path, *o)["status"] == "ok"
+    ckpt = f"train.resume_from={tmp_path / 'run' / 'checkpoints' / 'step_000001'}"
+    _file(held, CHAT[4:8])
+    s = _run(tmp_path, *o, ckpt, name="changed")
+    assert s["status"] == "invalid", s["error"]
+    assert f"inputs.data.eval: \"{held} (" in s["error"] and "inputs.data:" not in s["error"]
+    assert _run(tmp_path, *o, ckpt, "train.resume_allow=[inputs.data.eval]",
+                name="allowed")["status"] == "ok"
+
+
 def test_a_model_dir_tokenizer_or_template_changed_in_place_is_refused(tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -184,5 +184,9 @@ def changed(old: dict[str, Any] | None, inp: Inputs) -> tuple[bool, dict[str, An
 
 
 def of_run(ctx: BuildContext) -> dict[str, Inputs]:
-    """Every input of the run ``ctx``: its data's and its model's."""
-    return {**ctx.data.inputs(), **ctx.model.inputs()}
+    """Every input of the run ``ctx``: its data's and its model's, and a held-out file
+    (``data.eval=<file>``: ``data.eval``; the best evaluation and early stopping compare
+    evaluations made before and after a resume)."""
+    held = ({"data.eval": Inputs.of_paths([str(ctx.data.eval)])}
+            if ctx.data.eval_kind() == "path" else {})
+    return {**ctx.data.inputs(), **held, **ctx.model.inputs()}
