@@ -213,8 +213,19 @@ def test_fit_stopped_stops_its_measured_run_and_writes_a_partial_fit_json(tmp_pa
 
 def test_fit_never_takes_an_interrupted_measurement_for_a_verdict(tmp_path, monkeypatch,
                                                                   capsys):
-    code, record, run = _fit_stopped(tmp_path, monkeypatch,
-                                     lambda pid: os.kill(pid, signal.SIGTERM))
+    """A measured run killed from outside gives no verdict. Sibling through fit's door of the
+    shared directory: while the search holds ``--out``, a second search there is refused."""
+    second: dict = {}
+
+    def act(pid: int) -> None:
+        r = subprocess.run([sys.executable, "-m", "memlab", "fit", *FIT, "--out",
+                            str(tmp_path / "fit"), *ONE], capture_output=True, text=True,
+                           timeout=HANG_S)
+        second.update(code=r.returncode, err=r.stderr)
+        os.kill(pid, signal.SIGTERM)
+
+    code, record, run = _fit_stopped(tmp_path, monkeypatch, act)
+    assert second["code"] == 2 and "is in use by another memlab job" in second["err"], second
     assert code == 128 + signal.SIGTERM
     assert record["status"] == "interrupted" and record["nothing_fits"] is None
     assert "was interrupted from outside" in record["interrupted"]
