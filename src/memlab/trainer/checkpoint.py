@@ -43,6 +43,13 @@ from torch import nn
 
 from memlab.trainer import config_record, export, inputs
 from memlab.trainer.routing import unwrap
+from memlab.trainer.state_files import (
+    CheckpointError,
+    from_tree,
+    load_tensors,
+    save_tensors,
+    to_tree,
+)
 
 if TYPE_CHECKING:
     from memlab.distributed.base import Distributed
@@ -76,10 +83,6 @@ def state_format(dist: Distributed) -> StateFormat:
     return "torch"
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be used; the message says which file and why."""
-
-
 _OS_ERROR = re.compile(r"\(os error \d+\)")
 """How Rust's ``std::io::Error`` ends its message (``No space left on device (os error 28)``)."""
 
@@ -99,83 +102,6 @@ def is_write_failure(e: BaseException) -> bool:
             return True
         cur = cur.__cause__ or cur.__context__
     return False
-
-
-# ----------------------------------------------------------------------- tensors <-> JSON
-def to_tree(obj: Any, tensors: dict[str, torch.Tensor], path: str = "") -> Any:
-    """``obj`` as plain JSON; its tensors go to ``tensors`` (referenced by key). Tuples, dicts with
-    non-string keys and numpy arrays are tagged so that :func:`from_tree` restores them."""
-    if isinstance(obj, torch.Tensor):
-        key = path or "tensor"
-        while key in tensors:
-            key += "+"
-        tensors[key] = obj
-        return {"__tensor__": key}
-    if isinstance(obj, np.ndarray):
-        return {"__ndarray__": obj.tolist(), "dtype": str(obj.dtype)}
-    if isinstance(obj, np.generic):
-        return obj.item()
-    if isinstance(obj, tuple):
-        return {"__tuple__": [to_tree(v, tensors, f"{path}/{i}") for i, v in enumerate(obj)]}
-    if isinstance(obj, list):
-        return [to_tree(v, tensors, f"{path}/{i}") for i, v in enumerate(obj)]
-    if isinstance(obj, dict):
-        if all(isinstance(k, str) and not k.startswith("__") for k in obj):
-            return {k: to_tree(v, tensors, f"{path}/{k}") for k, v in obj.items()}
-        return {"__items__": [[to_tree(k, tensors, f"{path}/key"),
-                               to_tree(v, tensors, f"{path}/{k}")] for k, v in obj.items()]}
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    raise TypeError(f"checkpoint: cannot store a {type(obj).__name__} (at {path or 'top'})")
-
-
-def from_tree(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    """The inverse of :func:`to_tree` (builds only tensors, arrays, tuples, lists, dicts)."""
-    if isinstance(tree, list):
-        return [from_tree(v, tensors) for v in tree]
-    if not isinstance(tree, dict):
-        return tree
-    if "__tensor__" in tree:
-        return tensors[tree["__tensor__"]]
-    if "__ndarray__" in tree:
-        return np.asarray(tree["__ndarray__"], dtype=np.dtype(tree["dtype"]))
-    if "__tuple__" in tree:
-        return tuple(from_tree(v, tensors) for v in tree["__tuple__"])
-    if "__items__" in tree:
-        return {_hashable(from_tree(k, tensors)): from_tree(v, tensors)
-                for k, v in tree["__items__"]}
-    return {k: from_tree(v, tensors) for k, v in tree.items()}
-
-
-def _hashable(key: Any) -> Any:
-    return tuple(key) if isinstance(key, list) else key
-
-
-def _save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    from safetensors.torch import save_file
-
-    out: dict[str, torch.Tensor] = {}
-    storages: set[int] = set()
-    for k, v in tensors.items():
-        t = v.detach().cpu().contiguous()
-        ptr = t.untyped_storage().data_ptr()
-        if t.numel() and ptr in storages:  # safetensors refuses tensors that share memory
-            t = t.clone()
-        storages.add(t.untyped_storage().data_ptr())
-        out[k] = t
-    save_file(out, str(path))
-
-
-def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    if not path.is_file():
-        return {}
-    try:
-        return load_file(str(path))
-    except Exception as e:  # noqa: BLE001 - a damaged or foreign file
-        raise CheckpointError(f"{path} is not a readable safetensors file ({type(e).__name__}: "
-                              f"{e}); the checkpoint is damaged or not memlab's") from e
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -298,7 +224,7 @@ def read_weights(path: Path | str) -> dict[str, torch.Tensor]:
     names them): ``trainable.safetensors`` plus those the saved model files hold."""
     path = Path(path)
     state = read_state(path)
-    weights = _load_tensors(path / TRAINABLE)
+    weights = load_tensors(path / TRAINABLE)
     in_model = state.get("weights_in_model") or []
     if in_model:
         weights.update(export.read_model_weights(path, set(in_model)))
@@ -374,7 +300,7 @@ def _write(trainer: Trainer, tmp: Path, final: Path) -> None:
     covered = sorted(n for n in trainable if n in in_model)  # read back from the model files
     rest = {n: t for n, t in trainable.items() if n not in in_model}
     if rest:
-        _save_tensors(tmp / TRAINABLE, rest)
+        save_tensors(tmp / TRAINABLE, rest)
     tensors: dict[str, torch.Tensor] = {}
     state: dict[str, Any] = {
         "format": FORMAT, "version": VERSION,
@@ -401,8 +327,8 @@ def _write(trainer: Trainer, tmp: Path, final: Path) -> None:
     if optim is not None:
         opt_tensors: dict[str, torch.Tensor] = {}
         state["optimizer"] = to_tree(optim, opt_tensors, "optimizer")
-        _save_tensors(tmp / OPTIMIZER, opt_tensors)
-    _save_tensors(tmp / STATE_TENSORS, tensors)
+        save_tensors(tmp / OPTIMIZER, opt_tensors)
+    save_tensors(tmp / STATE_TENSORS, tensors)
     (tmp / STATE).write_text(json.dumps(state, indent=1) + "\n")
     _remove(final)
     tmp.rename(final)
@@ -502,10 +428,10 @@ def load(trainer: Trainer, path: Path) -> None:
         check_pickles(path / "deepspeed")
         native.load_states(trainer.policy, path)
     elif gathered is not None:
-        optim = from_tree(state["optimizer"], _load_tensors(path / OPTIMIZER))
+        optim = from_tree(state["optimizer"], load_tensors(path / OPTIMIZER))
         gathered.load_full_state(trainer.policy, trainer.opt, read_weights(path), optim)
     else:
-        optim = from_tree(state["optimizer"], _load_tensors(path / OPTIMIZER))
+        optim = from_tree(state["optimizer"], load_tensors(path / OPTIMIZER))
         weights = read_weights(path)
         named = named_trainable(trainer.models)
         missing = sorted(set(named) - set(weights))
@@ -517,7 +443,7 @@ def load(trainer: Trainer, path: Path) -> None:
             for n, p in named.items():
                 p.copy_(weights[n].to(p.device, p.dtype))
         trainer.opt.load_state_dict(optim)
-    tensors = _load_tensors(path / STATE_TENSORS)
+    tensors = load_tensors(path / STATE_TENSORS)
     trainer.sched.load_state_dict(from_tree(state["scheduler"], tensors))
     _apply_hyperparameters(trainer)
     scaler = from_tree(state["scaler"], tensors)
