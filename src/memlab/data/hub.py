@@ -4,11 +4,13 @@ Works offline from a warm HF cache (HF_DATASETS_OFFLINE=1) or with a local datas
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from memlab.data.base import limit, register
 from memlab.data.formats import RowOptions
 from memlab.registry import PositiveInt, Seed
+from memlab.trainer.inputs import Inputs
 
 if TYPE_CHECKING:
     from memlab.context import BuildContext
@@ -20,17 +22,22 @@ class Hub(RowOptions):
     """Arguments of ``datasets.load_dataset``."""
 
     path: str = "trl-lib/Capybara"
+    """Hub dataset id (or a local dataset script / directory), as datasets.load_dataset's path."""
     config_name: str | None = None
     """The dataset configuration (datasets.load_dataset(path, name=...))."""
     split: str = "train"
+    """Split to train on (e.g. train, or a slice such as train[:10%])."""
     revision: str | None = None
+    """Hub branch, tag or commit of the dataset (None: the default branch)."""
     data_dir: str | None = None
+    """Sub-directory of the dataset repository to read."""
     cache_dir: str | None = None
     """Where ``datasets`` caches hub datasets (None: its default, ``HF_DATASETS_CACHE``); with
     ``HF_DATASETS_OFFLINE=1`` a dataset is read from there without the network."""
     max_examples: PositiveInt | None = None
     """Keep only this many rows (a seeded sample when shuffle_seed is set)."""
     shuffle_seed: Seed | None = None
+    """Seed of the sample that max_examples keeps (None: the first rows)."""
 
     def validate(self, ctx: BuildContext) -> list[str]:
         errors = self.row_errors()
@@ -45,6 +52,14 @@ class Hub(RowOptions):
     def as_split_source(self) -> Hub:
         """A hub dataset has named splits (``data.eval=test`` reads one)."""
         return self
+
+    def inputs(self) -> dict[str, Inputs]:
+        """A local dataset directory or script: its files; a hub dataset: the commit its
+        revision resolved to (the hub cache's record of it)."""
+        local = Path(self.path).expanduser()
+        if local.exists():
+            return {"data": Inputs.of_paths([local])}
+        return {"data": Inputs(repo=f"datasets/{self.path}", revision=self.revision)}
 
     def load(self, ctx: BuildContext):
         return self.load_split(ctx, self.split)

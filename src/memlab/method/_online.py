@@ -262,6 +262,7 @@ class Online(Option):
         rewards, metrics = self.score(batch, samples, models)
         out = self.training_batch(models, batch, samples, rewards, metrics, ctx,
                                   real=not env.engine.placeholder_samples)
+        out.meta["counts"] = _rewards.reward_groups(rewards, self.num_generations)
         if samples.logprobs is not None and env.engine.corrects_sampling():
             self.correct_sampling(models, out, samples, env.engine, ctx)
         return out
@@ -469,3 +470,4 @@ class Clipped(Online):
         loss = -torch.min(ratio * adv, torch.clamp(ratio, lo, hi) * adv)
         active = ((ratio < lo) & (adv < 0)) | ((ratio > hi) & (adv > 0))
         return loss, active
+

@@ -1,4 +1,5 @@
-"""Reward functions for the online methods (``method=grpo``), by name.
+"""Reward functions for the online methods (``method=grpo``), by name; reward models
+(:class:`RewardModel`); reward groups that train nothing (:func:`reward_groups`).
 
 A reward function scores a batch of completions, one float each::
 
@@ -10,9 +11,6 @@ your own; ``method.reward_weights`` weights them (default 1 each). ``references`
 dataset's answer for the prompt (the conversation's last assistant turn, or a preference row's
 chosen completion); ``finished`` says whether the completion ended with EOS before
 ``max_completion_length``.
-
-``method.reward_models`` are scored by :class:`RewardModel` (a frozen sequence-classification
-model with its own tokenizer).
 """
 
 from __future__ import annotations
@@ -85,6 +83,19 @@ def resolve(name: str, method: Any) -> RewardFn:
         return fn
     raise ValueError(f"method.rewards: unknown reward {name!r}; built-in: {', '.join(BUILTIN)}, "
                      "or 'package.module:function' for your own")
+
+
+def reward_groups(rewards: torch.Tensor, group: int) -> dict[str, int]:
+    """The rollout's reward groups (``groups``: prompts, ``group`` completions each) and those
+    whose rewards have zero variance (``hollow_groups``): every completion of such a group gets
+    the same reward, so a group-relative advantage is zero and the group trains nothing. The
+    trainer sums them over the run (``Batch.meta["counts"]``; the summary's ``data``). Nothing
+    for groups of one completion."""
+    if group < 2:
+        return {}
+    by_group = rewards.detach().float().reshape(-1, group)
+    same = (by_group.max(dim=1).values == by_group.min(dim=1).values)
+    return {"groups": int(by_group.shape[0]), "hollow_groups": int(same.sum())}
 
 
 class RewardModel(nn.Module):

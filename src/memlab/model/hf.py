@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from memlab.model import _files
 from memlab.model.base import Head, auto_class, finish_load, load_kwargs, register
 from memlab.registry import Option
+from memlab.trainer.inputs import Inputs
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -29,13 +30,18 @@ class HubModel(Option):
     """Where to load weights and tokenizer from."""
 
     name_or_path: str = "Qwen/Qwen2.5-0.5B"
+    """A hub model id or a local directory holding config.json and the weights (``memlab
+    estimate`` needs no weights)."""
     revision: str | None = None
+    """Hub branch, tag or commit of the model (None: the default branch)."""
     tokenizer: str | None = None
     """Tokenizer name or path; None = same as name_or_path."""
     chat_template: str | None = None
     """A Jinja chat template file that replaces the tokenizer's own (e.g. one with
     ``{% generation %}`` markers); None = the tokenizer's."""
     trust_remote_code: bool = False
+    """Run the model repository's own Python code (transformers' trust_remote_code): only for
+    repositories you trust."""
     local_files_only: bool = False
     """Never touch the network (a local directory, or a model in the HF cache)."""
 
@@ -49,6 +55,13 @@ class HubModel(Option):
             errors += _files.path_errors("model.tokenizer", self.tokenizer, ("tokenizer",))
         errors += _files.chat_template_errors("model.chat_template", self.chat_template)
         return errors
+
+    def inputs(self) -> dict[str, Inputs]:
+        model, tokenizer = _files.directory_inputs(self.name_or_path, self.revision)
+        if self.tokenizer:
+            tokenizer = _files.directory_inputs(self.tokenizer, self.revision)[1]
+        return {"model": model, "tokenizer": tokenizer,
+                "chat_template": _files.template_inputs(self.chat_template)}
 
     def _local_only(self, key: str, name: str, need: tuple[str, ...], probe_file: str) -> bool:
         """Check where ``name`` loads from (module docstring); True = from files on disk only."""

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from memlab.model import _files
 from memlab.model.base import Head, auto_class, finish_load, load_kwargs, register, seeded
 from memlab.registry import Option, PositiveInt, Seed
+from memlab.trainer.inputs import Inputs
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -23,14 +24,21 @@ class Tiny(Option):
 
     arch: Literal["llama", "qwen2"] = "llama"
     hidden_size: PositiveInt = 128
+    """Width of the residual stream."""
     intermediate_size: PositiveInt = 384
+    """Width of the MLP's hidden layer."""
     num_layers: PositiveInt = 4
+    """Decoder layers."""
     num_heads: PositiveInt = 4
+    """Attention (query) heads; must divide hidden_size."""
     num_kv_heads: PositiveInt = 2
+    """Key/value heads (grouped-query attention); must divide num_heads."""
     vocab_size: PositiveInt | None = None
     """None = the tokenizer's size; larger values add unused rows (to study large vocabularies)."""
     max_position_embeddings: PositiveInt = 16384
+    """Longest sequence the rotary embedding covers."""
     tie_word_embeddings: bool = False
+    """The output head shares the input embedding's weight."""
     tokenizer: str | None = None
     """Tokenizer dir; None = the BPE tokenizer shipped in memlab/assets/tokenizer."""
     chat_template: str | None = None
@@ -54,6 +62,14 @@ class Tiny(Option):
             errors += _files.path_errors("model.tokenizer", self.tokenizer, ("tokenizer",))
         errors += _files.chat_template_errors("model.chat_template", self.chat_template)
         return errors
+
+    def inputs(self) -> dict[str, Inputs]:
+        """The tokenizer's files (memlab's shipped one by default) and the chat template file;
+        the weights are a seeded random init (the configuration says all about them)."""
+        from memlab.data.assets import tokenizer_path
+
+        return {"tokenizer": Inputs.of_paths([self.tokenizer or tokenizer_path()]),
+                "chat_template": _files.template_inputs(self.chat_template)}
 
     def load_tokenizer(self, ctx: BuildContext):
         from memlab.data.assets import load_tokenizer
