@@ -260,9 +260,10 @@ class Online(Option):
         samples = env.engine.generate(models["policy"], batch.tensors["prompt_ids"],
                                       batch.tensors["prompt_mask"], self.sampling(batch))
         rewards, metrics = self.score(batch, samples, models)
-        out = self.training_batch(models, batch, samples, rewards, metrics, ctx,
-                                  real=not env.engine.placeholder_samples)
-        out.meta["counts"] = _rewards.reward_groups(rewards, self.num_generations)
+        real = not env.engine.placeholder_samples
+        out = self.training_batch(models, batch, samples, rewards, metrics, ctx, real=real)
+        if real:  # an estimate's placeholders have no rewards to count (fake tensors)
+            out.meta["counts"] = _rewards.reward_groups(rewards, self.num_generations)
         if samples.logprobs is not None and env.engine.corrects_sampling():
             self.correct_sampling(models, out, samples, env.engine, ctx)
         return out

@@ -69,4 +69,5 @@ def test_the_shipped_grpo_experiment_at_a_shorter_completion_length():
                            config_overrides={"num_hidden_layers": 1})
     every, short = both(overrides, opts)
     assert_same(every, short, 4)
-    assert short["batch"]["shapes"]["input_ids"] == [16, 32 + 6]
+    # share_prompt (on where the attention can): a row per prompt, its 8 completions after it
+    assert short["batch"]["shapes"]["input_ids"] == [2, 32 + 8 * 6]
