@@ -4,13 +4,15 @@ searched here); the forbidden techniques never appear; a budget nothing fits get
 candidates and what would make them fit. One search shared by the assertions."""
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
 from memlab.cli.fit import fit, main
-from memlab.cli.fit.search import FitOptions, run_once
+from memlab.cli.fit.search import FitOptions, estimate_candidate, run_once
+from memlab.cli.fit.space import Candidate
 
 pytestmark = pytest.mark.integration
 
@@ -22,7 +24,7 @@ STEPS = 6
 @pytest.fixture(scope="module")
 def searched(tmp_path_factory):
     out = tmp_path_factory.mktemp("fit")
-    record = fit(BASE, FitOptions(budget_bytes=BUDGET, measure=3, steps=STEPS), out,
+    record = fit(BASE, FitOptions(budget_bytes=BUDGET, measure=3, steps=STEPS, jobs=2), out,
                  ["--budget", "150MiB", *BASE])
     default = run_once(BASE, STEPS, out / "default")
     return out, record, default
@@ -58,6 +60,53 @@ def test_only_the_allowed_space_is_searched(searched):
                                            "train.batch_size") for o in c["overrides"])
         assert c["estimate"]["status"] == "ok" and c["estimate"]["flops_per_step"] > 0
     assert any("not searched unless allowed" in n for n in record["notes"])
+
+
+def test_estimates_made_in_worker_processes_are_the_serial_ones(searched):
+    """The search estimated the candidates two at a time in forked workers (the first in fit's
+    own process): each equals its estimate made alone in this process."""
+    _, record, _ = searched
+    opts = FitOptions(budget_bytes=BUDGET)
+    for c in record["candidates"][-2:]:  # made by workers
+        alone = estimate_candidate(BASE, Candidate(c["overrides"], c["label"], c["exact"]), opts)
+        assert {k: v for k, v in alone.items() if k != "seconds"} == {
+            k: v for k, v in c["estimate"].items() if k != "seconds"}, c["label"]
+
+
+def test_sigterm_stops_the_search_and_leaves_a_partial_fit_json(tmp_path):
+    """SIGTERM while the workers estimate: fit stops them, writes fit.json (interrupted, the
+    candidates estimated so far, no winner) and exits 130; no worker outlives it."""
+    import signal
+    import time
+
+    out = tmp_path / "fit"
+    proc = subprocess.Popen([sys.executable, "-m", "memlab", "fit", "--budget", "150MiB",
+                             "--estimate-only", "--jobs", "2", "--out", str(out), *BASE],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen = []
+    for line in proc.stderr:  # the first estimate is made before the workers start
+        seen.append(line)
+        if line.startswith("[fit] estimate 1/12"):
+            break
+    time.sleep(1.0)  # the workers are estimating
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, "".join(seen) + err[-2000:]
+    record = json.loads((out / "fit.json").read_text())
+    assert record["status"] == "interrupted" and "SIGTERM" in record["interrupted"]
+    estimated = [c for c in record["candidates"] if c["estimate"]]
+    assert 1 <= len(estimated) < 12 and record["winner"] is None
+    assert all(c["estimate"]["status"] == "ok" for c in estimated)
+    left = [p for p in os.listdir("/proc") if p.isdigit() and str(out) in _cmdline(p)]
+    assert not left, left
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def test_the_winner_runs_as_an_experiment(searched):

@@ -8,12 +8,12 @@ from types import SimpleNamespace
 
 import pytest
 
+from memlab.distributed.ddp import DDP
 from memlab.distributed.launch import RankFailed, launch
 
 
 def _ctx(tmp_path, n=2, port=0):
-    return SimpleNamespace(world_size=n, run_dir=tmp_path,
-                           distributed=SimpleNamespace(master_port=port))
+    return SimpleNamespace(world_size=n, run_dir=tmp_path, distributed=DDP(master_port=port))
 
 
 def _summary(tmp_path):

@@ -55,6 +55,7 @@ from memlab.estimate.batch import (
     trained_batch,
     worst_case_rollout_tensors,
 )
+from memlab.estimate.decode import ShortDecode
 from memlab.estimate.options import CUDA_BLOCK, EstimateError, EstimateOptions
 from memlab.estimate.sharding import shard_units
 from memlab.estimate.standins import (
@@ -150,12 +151,96 @@ def exact_value_hooks(real: dict[str, torch.Tensor], fake_mode,
 def estimate_tracker(round_to: int = 0):
     """The run's tracker class, optionally rounding each storage up to ``round_to`` bytes
     (the CUDA caching allocator's 512-byte blocks) while the fake tensors live on the CPU."""
-    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, _UpdateType
+    from torch._guards import active_fake_mode
+    from torch.distributed._tools.mem_tracker import (
+        _TOTAL_KEY,
+        _MemRefType,
+        _UpdateType,
+        _WeakRefInfo,
+        get_untyped_storages,
+    )
+    from torch.distributed.tensor import DTensor
+    from torch.utils._pytree import tree_leaves
 
     base = tracker_class()
+    wait_tensor = torch.ops._c10d_functional.wait_tensor.default
+    add, delete, ref, size = (_UpdateType.ADD, _UpdateType.DEL, _UpdateType.REF,
+                              _UpdateType.SIZE)
 
     # (the base class is made at run time: mypy cannot check a class derived from a variable)
     class EstimateTracker(base):  # type: ignore[misc, valid-type]
+        """The run's tracker; its per-op work made cheaper, the same storages tracked the same
+        way: MemTracker's ``__torch_dispatch__`` walks the outputs with ``tree_map_only``
+        (which wraps a new function on every call) and ``_update_snap`` builds a dict of every
+        reference type on every call (an Enum walk) even when the device has one already."""
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if self.paused:
+                return func(*args, **(kwargs or {}))
+            if DTensor in types:
+                return NotImplemented
+            if func is wait_tensor and active_fake_mode():
+                res = args[0]
+            else:
+                res = func(*args, **(kwargs or {}))
+            if active_fake_mode() is self._fake_mode_on_entry:
+                if self._in_opt:
+                    reftype = _MemRefType.OPT
+                elif self._mod_tracker.is_bw and not self._in_ac:
+                    reftype = _MemRefType.TEMP
+                else:
+                    reftype = _MemRefType.ACT
+                if isinstance(res, torch.Tensor):
+                    self._track(reftype, res)
+                elif res is not None:
+                    for leaf in tree_leaves(res):
+                        if isinstance(leaf, torch.Tensor):
+                            self._track(reftype, leaf)
+                self._update_peak_stats(None)
+            return res
+
+        def _track(self, reftype, t: torch.Tensor) -> None:
+            for st in get_untyped_storages(t):
+                winfo, _ = self._WINFO.get(st, (None, None))
+                if winfo is not None:
+                    if winfo.size != st.size():
+                        old = winfo.mem_consumed
+                        winfo.update_mem_consumed(st)
+                        self._update_snap(size, winfo, old_mem_consumed=old)
+                    return
+                winfo, w_st = _WeakRefInfo.create_winfo(st, t.device, reftype,
+                                                       self._delete_callback)
+                self._WINFO[st] = (winfo, w_st)
+                if winfo.mem_consumed > 0:
+                    self._update_snap(add, winfo)
+
+        def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None):
+            if round_to and (u_type is add or u_type is size):
+                raw = winfo.size * winfo.element_size
+                winfo.mem_consumed = math.ceil(raw / round_to) * round_to if raw > 0 else 0
+            snaps = self._curr_mem_snap
+            dev_snap = snaps.get(winfo.device)
+            if dev_snap is None:
+                dev_snap = snaps[winfo.device] = dict.fromkeys(self._ref_class, 0)
+                dev_snap[_TOTAL_KEY] = 0
+            n = winfo.mem_consumed
+            if u_type is add:
+                dev_snap[winfo.reftype] += n
+                dev_snap[_TOTAL_KEY] += n
+            elif u_type is delete:
+                dev_snap[winfo.reftype] -= n
+                dev_snap[_TOTAL_KEY] -= n
+            elif u_type is ref:
+                dev_snap[old_reftype] -= n
+                dev_snap[winfo.reftype] += n
+            elif u_type is size:
+                dev_snap[winfo.reftype] += n - old_mem_consumed
+                dev_snap[_TOTAL_KEY] += n - old_mem_consumed
+            else:
+                raise ValueError(f"Invalid update type: {u_type}")
+            if u_type is not add and u_type is not ref and dev_snap[_TOTAL_KEY] == 0:
+                del snaps[winfo.device]
+
         def _update_peak_stats(self, peak_state) -> None:
             # Only the global peak (what MemoryProbe reads). MemTracker also keeps a per-module
             # peak, walking every tracked module after every op: 2/3 of the time of a 1B
@@ -166,14 +251,7 @@ def estimate_tracker(round_to: int = 0):
                     self._peak_mem[dev] = total
                     self._peak_mem_snap[dev] = dict(snap)
 
-        if round_to:
-            def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None):
-                if u_type in (_UpdateType.ADD, _UpdateType.SIZE):
-                    raw = winfo.size * winfo.element_size
-                    winfo.mem_consumed = math.ceil(raw / round_to) * round_to if raw > 0 else 0
-                return super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
 
-    patches.check_overrides(base, EstimateTracker)
     return EstimateTracker()
 
 
@@ -282,13 +360,16 @@ class FlopCount(TorchDispatchMode):
         return out
 
 
-def run_fake_step(ctx: BuildContext, opts: EstimateOptions, notes: list[str]) -> dict[str, Any]:
+def run_fake_step(ctx: BuildContext, opts: EstimateOptions, notes: list[str], *,
+                  every_decode_step: bool = False) -> dict[str, Any]:
     """Build the configured run through :func:`memlab.pipeline.build` with the estimator's
     seams and run the tracked training step(s) through
     :meth:`memlab.trainer.loop.Trainer.run_step`, once per candidate batch
     (:mod:`memlab.estimate.batch`: the worst-case candidates, or with ``from_data`` the run's
     own micro-batches); returns the raw probe result (the largest peak of them all) plus model /
-    batch descriptions. ``ctx`` is the validated context (run on the CPU here)."""
+    batch descriptions. ``ctx`` is the validated context (run on the CPU here).
+    ``every_decode_step``: generation runs the model for every new token instead of
+    :mod:`memlab.estimate.decode`'s shortcut (the reference its tests compare with)."""
     cuda = opts.device == "cuda"
     if ctx.method.uses_liger():
         raise EstimateError(
@@ -298,6 +379,8 @@ def run_fake_step(ctx: BuildContext, opts: EstimateOptions, notes: list[str]) ->
             "fused loss that never builds the logits), and measure Liger on a GPU "
             "(benchmarks/gpu_acceptance.py --only liger)")
     mode = estimate_fake_mode()
+    counter = FlopCount() if opts.count_flops else None
+    steps = ShortDecode(counter, mode, every_step=every_decode_step)
     standin = ModelStandin(opts.config_overrides, notes, mode)
     dense_padding = True  # padded rows build a dense [rows, 1, T, T] mask (sdpa, eager)
     if not (ctx.attention.trains_on_cpu and "cpu" in ctx.attention.devices):
@@ -376,7 +459,7 @@ def run_fake_step(ctx: BuildContext, opts: EstimateOptions, notes: list[str]) ->
         place_model=place,
         prepare_data=prepare,
         offload=OFFLOAD,
-        engine=lambda c, t, p: WorstCaseEngine(c.distributed, token),
+        engine=lambda c, t, p: WorstCaseEngine(c.distributed, token, steps),
         rng=NoDraw(),
         exact_weights=False,
         model_context=in_fake_mode,
@@ -458,7 +541,6 @@ def run_fake_step(ctx: BuildContext, opts: EstimateOptions, notes: list[str]) ->
     ran: list[tuple[int, int]] = []  # (candidate, run step) of each tracked step
     trained: list[dict] = []  # each candidate's trained batch (online: its rollout)
     t1 = time.perf_counter()
-    counter = FlopCount() if opts.count_flops else None
     try:
         with in_fake_mode(), counter if counter is not None else contextlib.nullcontext():
             if run_steps == [1]:  # step 0's optimizer update, by the optimizer: its state
@@ -500,6 +582,14 @@ def run_fake_step(ctx: BuildContext, opts: EstimateOptions, notes: list[str]) ->
             "its value computed on the host (like the rows' document segments) or an answer "
             "in memlab.estimate.fake") from e
     step_s = time.perf_counter() - t1
+    online = ctx.method.as_generating()
+    if steps.skipped and online is not None:
+        notes.append(f"generation: decode steps 2 to {online.sampling_length() - 2} of each "
+                     "generate call answered without running the model (every step between "
+                     "the first and the last runs the same ops on a shorter cache); the cache "
+                     "grown to its full length before the last step; FLOPs and value reads of "
+                     "the skipped steps counted from the first and the last "
+                     "(memlab.estimate.decode)")
     if mode.assumed:
         notes.append("value reads answered without values (metrics, logging): " + ", ".join(
             f"{n} {k}" for k, n in sorted(mode.assumed.items())))

@@ -10,7 +10,9 @@
   (:class:`QuantizedLinearStandin`: modelled). No weight is ever read.
 - :class:`HostStandin` is where offloaded activations go (a fake tensor on another device).
 - :class:`WorstCaseEngine` generates with the model's own ``generate`` for exactly the maximum
-  number of new tokens on every row (no early EOS) and hands back host token ids of that length.
+  number of new tokens on every row (no early EOS) and hands back host token ids of that length;
+  the decode steps between the first and the last are answered without the model
+  (:mod:`memlab.estimate.decode`).
 - :class:`NoDraw` makes every random draw 0 (GKD's on-policy coin: the student samples).
 """
 
@@ -26,6 +28,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 from memlab.data.assets import load_tokenizer as shipped_tokenizer
+from memlab.estimate.decode import ShortDecode
 from memlab.estimate.options import EstimateError
 from memlab.generation.base import Samples, SamplingParams
 from memlab.generation.hf import HFEngine
@@ -313,9 +316,10 @@ class WorstCaseEngine(HFEngine):
     length), then host copies of that length (token ``token`` repeated), so that the method's
     scoring, counting and reward models run on the worst case."""
 
-    def __init__(self, dist: Any, token: int):
+    def __init__(self, dist: Any, token: int, steps: ShortDecode | None = None):
         super().__init__(dist)
         self.token = token
+        self.steps = steps or ShortDecode(every_step=True)
 
     def generate(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                  params: SamplingParams) -> Samples:
@@ -325,7 +329,8 @@ class WorstCaseEngine(HFEngine):
         verbosity = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()  # generate's sanity warnings read token values
         try:
-            with patches.stop_at_length(lambda: stop_at):
+            with patches.stop_at_length(lambda: stop_at), \
+                    self.steps.around(model, params.max_new_tokens):
                 comp = self.decode(model, prompt_ids, prompt_mask, params)
         finally:
             hf_logging.set_verbosity(verbosity)

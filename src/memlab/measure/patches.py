@@ -7,12 +7,15 @@ the installed version, so an upgrade that renames a function fails loudly instea
 turning the patch into a no-op.
 
 - :func:`recording_multi_grad_hooks` (the run's memory tracker): torch's module tracker leaves
-  one multi-grad hook per module input behind; memlab records them to remove them.
+  one multi-grad hook per module input behind; memlab records them to remove them (and
+  registers none under ``no_grad``, where no backward can fire them).
 - :func:`stop_at_length` (``memlab estimate``): transformers' decoding loop stops when every row
   has sampled EOS, a value read; on fake tensors the estimate decodes to a given length instead.
 - :func:`mask_decisions` (``memlab estimate``): two value-dependent decisions of transformers'
   mask construction (is this a packed row? is the padding mask all ones?) answered by the
   estimator from the real batch.
+- :func:`forward_replaced` (``memlab estimate``): one model instance's ``forward`` goes through
+  the estimator first (the shortened decode answers the decode steps it skips).
 - :func:`deepspeed_on_fake_tensors` (``memlab estimate distributed=deepspeed``): DeepSpeed's
   engine built and stepped on fake tensors as rank 0 of a fake process group: the engine leaves
   the model where it is, and the three values it reads are answered as on a healthy rank 0.
@@ -43,6 +46,7 @@ result it can pickle (``JobReturn._return_value``, in the isolating launcher's w
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -92,16 +96,29 @@ def patched(owner: Any, name: str, replacement: Any) -> Iterator[Any]:
             setattr(owner, name, own)
 
 
+class _NoHook:
+    """The handle of a hook that was not registered."""
+
+    def remove(self) -> None:
+        return None
+
+
 @contextlib.contextmanager
 def recording_multi_grad_hooks() -> Iterator[list]:
     """Every hook torch's ModTracker registers with ``register_multi_grad_hook`` inside the block
-    is appended to the yielded list (the caller removes them)."""
+    is appended to the yielded list (the caller removes them). Under ``torch.no_grad`` none is
+    registered: no backward can reach it, and its closure would keep a leaf input alive until
+    the step ends (transformers' ``enable_input_require_grads`` makes each generate forward's
+    embedding output one: one hidden state per decode step, held through the training step)."""
+    import torch
     from torch.distributed._tools import mod_tracker
 
     handles: list = []
     real = check_target(mod_tracker, "register_multi_grad_hook")
 
     def recording(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return _NoHook()
         handle = real(*args, **kwargs)
         handles.append(handle)
         return handle
@@ -284,3 +301,19 @@ def check_overrides(base: type, cls: type, own: tuple[str, ...] = ()) -> None:
         if name.startswith("_") and not name.startswith("__") and callable(value) \
                 and name not in own:
             check_target(base, name)
+
+
+@contextlib.contextmanager
+def forward_replaced(module: Any, replacement: Callable[..., Any]) -> Iterator[None]:
+    """``module.forward(*args, **kwargs)`` becomes ``replacement(original, *args, **kwargs)``
+    for the block, on this instance only (its class and every other instance keep theirs). The
+    replacement keeps the original's signature: transformers reads it (``generate`` passes
+    ``logits_to_keep`` only to a forward that takes it)."""
+    original = check_target(module, "forward")
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return replacement(original, *args, **kwargs)
+
+    with patched(module, "forward", forward):
+        yield

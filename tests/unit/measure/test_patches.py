@@ -215,3 +215,45 @@ def test_third_party_code_is_changed_only_here():
            if p != Path(patches.__file__).resolve() for line in offending(p.read_text())]
     assert not bad, "third-party code changed outside memlab.measure.patches:\n  " + \
         "\n  ".join(bad)
+
+
+def test_forward_replaced_on_one_instance_keeps_the_signature_and_restores():
+    """transformers reads the forward's signature (``generate`` passes ``logits_to_keep`` only
+    to a forward that takes it): the replacement keeps it; other instances keep theirs."""
+    import inspect
+
+    import torch
+    from torch import nn
+
+    class Head(nn.Module):
+        def forward(self, x, logits_to_keep=0):
+            return x + 1
+
+    a, b = Head(), Head()
+    calls = []
+
+    def around(original, *args, **kwargs):
+        calls.append(kwargs)
+        return original(*args, **kwargs) * 10
+
+    with patches.forward_replaced(a, around):
+        assert "logits_to_keep" in inspect.signature(a.forward).parameters
+        assert a(torch.ones(1), logits_to_keep=1).item() == 20 and b(torch.ones(1)).item() == 2
+    assert calls == [{"logits_to_keep": 1}]
+    assert a(torch.ones(1)).item() == 2 and "forward" not in vars(a)
+
+
+def test_no_multi_grad_hook_is_left_on_a_leaf_under_no_grad():
+    """The tracker's module hooks under ``no_grad`` (a generate forward whose embedding output is
+    made a leaf that requires grad) register nothing that could keep the leaf alive."""
+    import torch
+    from torch.distributed._tools import mod_tracker
+
+    leaf = torch.ones(2, requires_grad=True)
+    with patches.recording_multi_grad_hooks() as handles:
+        with torch.no_grad():
+            mod_tracker.register_multi_grad_hook([leaf], lambda grads: None)
+        assert handles == []
+        mod_tracker.register_multi_grad_hook([leaf], lambda grads: None)
+        assert len(handles) == 1
+    handles[0].remove()

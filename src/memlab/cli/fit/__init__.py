@@ -23,18 +23,25 @@ under ``runs/``, and the winner as ``experiment/fit.yaml``, runnable with
 ``memlab --config-dir <out> experiment=fit``. A budget nothing fits gets the closest candidates
 and what would make them fit.
 
+Candidates are estimated ``--jobs`` at a time (default: one per core), each in a worker
+process. Ctrl-C or SIGTERM stops the search (the workers and the measured run with it) and still
+writes ``fit.json``: ``status: interrupted``, the candidates estimated and measured so far, no
+winner.
+
 Exit status: 0 a configuration was found, 1 nothing fits (or nothing measured fits), 2 invalid
-command line.
+command line, 130 interrupted (a partial fit.json).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "the others are timed)")
     p.add_argument("--estimate-only", action="store_true",
                    help="rank by the estimates, run nothing (no device needed)")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, metavar="N",
+                   help="candidates estimated at a time, each in its own process (default: "
+                        "the number of cores)")
     p.add_argument("--out", type=Path, default=None, metavar="DIR",
                    help="where fit.json, runs/ and experiment/fit.yaml go")
     p.add_argument("--json", action="store_true", help="print fit.json instead of the table")
@@ -86,14 +96,14 @@ def options(args) -> FitOptions:
     bad = sorted(set(allow) - set(ALLOWABLE))
     if bad:
         raise ValueError(f"--allow {','.join(bad)}: choose from {','.join(ALLOWABLE)}")
-    if args.measure < 1 or args.steps < 3 or not 0 <= args.margin < 1:
-        raise ValueError("--measure >= 1, --steps >= 3 (warm-up, tracked and timed steps) and "
-                         "0 <= --margin < 1")
+    if args.measure < 1 or args.steps < 3 or not 0 <= args.margin < 1 or args.jobs < 1:
+        raise ValueError("--measure >= 1, --steps >= 3 (warm-up, tracked and timed steps), "
+                         "0 <= --margin < 1 and --jobs >= 1")
     from memlab.estimate.options import device_of
 
     return FitOptions(budget_bytes=budget, device=device_of(args.device, args.card),
                       card=args.card, allow=allow, margin=args.margin, measure=args.measure,
-                      steps=args.steps, estimate_only=args.estimate_only)
+                      steps=args.steps, estimate_only=args.estimate_only, jobs=args.jobs)
 
 
 def winner_yaml(base: list[str], cand: Candidate, cmd: str) -> str:
@@ -143,24 +153,35 @@ def fit(base: list[str], opts: FitOptions, out_dir: Path, argv: list[str],
     plain = plain_config(cfg)
     dims, notes = space.dimensions(plain, opts.device, opts.allow, space.user_keys(base))
     cands = space.candidates(dims, plain, choices)
-    log(f"[fit] {len(cands)} candidates over {', '.join(d.name for d in dims) or 'nothing'}")
-    search.estimate_all(base, cands, opts, log)
-    ranked = search.rank(cands)
+    log(f"[fit] {len(cands)} candidates over {', '.join(d.name for d in dims) or 'nothing'}"
+        + (f", {opts.jobs} estimated at a time" if opts.jobs > 1 else ""))
     configured = next((c for c in cands if not c.overrides or all(
         space._is_configured((o,), plain, choices) for o in c.overrides)), None)
+    ranked: list[Candidate] = []
     measured: list[Candidate] = []
-    if ranked and not opts.estimate_only:
-        baseline = configured if configured is not None and configured.estimate.get("fits") \
-            else None
-        measured = search.measure(base, ranked, baseline, opts, out_dir, log)
+    interrupted = None
+    try:
+        with _signals_interrupt():
+            search.estimate_all(base, cands, opts, log)
+            ranked = search.rank(cands)
+            if ranked and not opts.estimate_only:
+                baseline = configured if configured is not None and configured.estimate.get(
+                    "fits") else None
+                measured = search.measure(base, ranked, baseline, opts, out_dir, log)
+    except KeyboardInterrupt as e:
+        interrupted = str(e) or "interrupted (Ctrl-C)"
+        log(f"[fit] {interrupted}: writing what was found so far")
+        ranked = search.rank([c for c in cands if c.estimate])
+        measured = [c for c in cands if c.measured and "fits" in c.measured]
     # a run whose every step was warm-up or tracked has no tokens/s: it cannot be ranked
     fits = [c for c in measured if c.run()["fits"] and c.run().get("tokens_per_s")]
     best = search.fastest(fits)
-    if best is None and opts.estimate_only and ranked:
+    if best is None and opts.estimate_only and ranked and interrupted is None:
         best = ranked[0]
     cmd = "memlab fit " + " ".join(shlex.quote(a) for a in argv)
     record: dict[str, Any] = {
-        "kind": "fit", "command": cmd, "overrides": base, "budget_bytes": opts.budget_bytes,
+        "kind": "fit", "status": "ok" if interrupted is None else "interrupted",
+        "interrupted": interrupted, "command": cmd, "overrides": base, "budget_bytes": opts.budget_bytes,
         "device": opts.device, "card": opts.card, "allow": list(opts.allow),
         "margin": opts.margin, "measure": opts.measure, "steps": opts.steps,
         "estimate_only": opts.estimate_only,
@@ -174,7 +195,7 @@ def fit(base: list[str], opts: FitOptions, out_dir: Path, argv: list[str],
         "prediction": search.prediction_quality(measured),
         "winner": None, "nothing_fits": None,
     }
-    if best is not None:
+    if best is not None and interrupted is None:
         run = " ".join(["memlab", *(shlex.quote(a) for a in [*base, *best.overrides])])
         yaml_path = out_dir / "experiment" / "fit.yaml"
         yaml_path.parent.mkdir(parents=True, exist_ok=True)
@@ -184,7 +205,7 @@ def fit(base: list[str], opts: FitOptions, out_dir: Path, argv: list[str],
                             "run_experiment": f"memlab --config-dir {out_dir} experiment=fit",
                             "exact": best.exact, "estimate": best.estimate,
                             "measured": best.measured}
-    else:
+    elif interrupted is None:
         record["nothing_fits"] = {
             "why": ("no candidate's estimate fits the budget" if not ranked else
                     "candidates estimated to fit, but none measured within the budget"),
@@ -192,6 +213,27 @@ def fit(base: list[str], opts: FitOptions, out_dir: Path, argv: list[str],
     record["wall_s"] = round(time.perf_counter() - t0, 1)
     write_atomic(out_dir / "fit.json", record)
     return record
+
+
+@contextlib.contextmanager
+def _signals_interrupt() -> Iterator[None]:
+    """SIGTERM raises KeyboardInterrupt in this (the main) thread for the block, as Ctrl-C
+    does: fit stops its workers and its measured run, and writes a partial fit.json."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def format_table(record: dict[str, Any]) -> str:
@@ -207,7 +249,7 @@ def format_table(record: dict[str, Any]) -> str:
         e, m = c["estimate"], c["measured"] or {}
         tps = (f"{m['tokens_per_s']:.0f} ± {m.get('tokens_per_s_std') or 0:.0f}"
                if m.get("tokens_per_s") else "-")
-        status = m.get("status") or e.get("status")
+        status = m.get("status") or e.get("status") or "-"
         lines.append(f"{i:>3}  {fmt_bytes(e.get('needed_bytes')):>11}  "
                      f"{'yes' if e.get('fits') else 'no':>4}  "
                      f"{c['predicted_rank'] or '-':>4}  {fmt_bytes(m.get('peak_bytes')):>11}  "
@@ -218,7 +260,11 @@ def format_table(record: dict[str, Any]) -> str:
         lines.append(f"speed model vs measured order: Spearman {p['spearman']:+.2f} over "
                      f"{p['points']} runs")
     w = record["winner"]
-    if w:
+    if record.get("interrupted"):
+        done = sum(1 for c in record["candidates"] if c["estimate"])
+        lines += ["", f"{record['interrupted']}: {done} of {len(record['candidates'])} "
+                      "candidates estimated; no winner chosen"]
+    elif w:
         how = "measured" if w["measured"] else "estimated (not measured: --estimate-only)"
         lines += ["", f"winner ({how}): {w['label']}", f"  {w['command']}",
                   f"  or: {w['run_experiment']}"]
@@ -261,4 +307,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(json.dumps(record, indent=1, default=str) if args.json else format_table(record))
     print(f"\nwrote {out / 'fit.json'}", file=sys.stderr)
+    if record["interrupted"]:
+        return 130
     return 0 if record["winner"] else 1

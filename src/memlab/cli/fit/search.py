@@ -1,8 +1,8 @@
 """``memlab fit``'s search: estimate every candidate, rank the ones that fit, measure the best.
 
 1. **Prune** (:func:`estimate_all`): every candidate of the space (:mod:`.space`) is estimated
-   on fake tensors (``memlab estimate``, in this process, no device memory) with its FLOPs
-   counted; it *fits* when its estimated need times ``1 + margin`` is within the budget.
+   on fake tensors (``memlab estimate``, no device memory; ``jobs`` at a time in worker
+   processes) with its FLOPs counted; it *fits* when its estimated need times ``1 + margin`` is within the budget.
 2. **Rank** (:func:`rank`): the cheap speed model (:func:`score`) orders the fitting
    candidates by the predicted seconds of one optimizer step (:func:`predicted_seconds`: the
    FLOPs counted on the fake step, the recomputation checkpointing adds included, at the
@@ -48,6 +48,8 @@ class FitOptions:
     steps: int = 6
     """Optimizer steps of each measured run (the first is warm-up, some are tracked)."""
     estimate_only: bool = False
+    jobs: int = 1
+    """Candidates estimated at a time, each in a worker process (``--jobs``)."""
 
 
 def _short(error: Any, limit: int = 160) -> str:
@@ -55,35 +57,85 @@ def _short(error: Any, limit: int = 160) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def estimate_all(base: list[str], cands: list[Candidate], opts: FitOptions,
-                 log: Callable[[str], None]) -> None:
-    """Estimate each candidate (``cand.estimate``: status, peak, need, fits, flops, error)."""
+def estimate_candidate(base: list[str], c: Candidate, opts: FitOptions) -> dict[str, Any]:
+    """One candidate's estimate as fit keeps it (status, peak, need, fits, flops, error)."""
     from memlab.cli.estimate import estimate_one
     from memlab.estimate import EstimateOptions
 
     eopts = EstimateOptions(device=opts.device, card=opts.card, budget_bytes=opts.budget_bytes,
                             count_flops=True)
-    for i, c in enumerate(cands):
-        t0 = time.perf_counter()
-        est = estimate_one([*base, *c.overrides], eopts)
-        need = (est.get("verdict") or {}).get("needed_bytes") or est.get("peak_bytes")
-        counted = est.get("flops") or {}
-        flops = counted.get("per_step")
-        # the offloader's counters add up every micro-batch the estimate ran, as the FLOPs do
-        moved = ((est.get("offload") or {}).get("offloaded_bytes") or 0) * max(1, _accum(c)) \
-            // max(1, counted.get("micro_batches") or 1)
-        c.estimate = {
-            "status": est["status"], "error": _short(est.get("error")),
-            "peak_bytes": est.get("peak_bytes"), "needed_bytes": need,
-            "by_category": est.get("by_category"),
-            "flops_per_step": flops, "offloaded_bytes_per_step": moved,
-            "predicted_s": predicted_seconds(flops, moved, opts.card),
-            "fits": bool(est["status"] == "ok" and need is not None
-                         and need * (1 + opts.margin) <= opts.budget_bytes),
-            "seconds": round(time.perf_counter() - t0, 2),
-        }
+    t0 = time.perf_counter()
+    est = estimate_one([*base, *c.overrides], eopts)
+    need = (est.get("verdict") or {}).get("needed_bytes") or est.get("peak_bytes")
+    counted = est.get("flops") or {}
+    flops = counted.get("per_step")
+    # the offloader's counters add up every micro-batch the estimate ran, as the FLOPs do
+    moved = ((est.get("offload") or {}).get("offloaded_bytes") or 0) * max(1, _accum(c)) \
+        // max(1, counted.get("micro_batches") or 1)
+    return {
+        "status": est["status"], "error": _short(est.get("error")),
+        "peak_bytes": est.get("peak_bytes"), "needed_bytes": need,
+        "by_category": est.get("by_category"),
+        "flops_per_step": flops, "offloaded_bytes_per_step": moved,
+        "predicted_s": predicted_seconds(flops, moved, opts.card),
+        "fits": bool(est["status"] == "ok" and need is not None
+                     and need * (1 + opts.margin) <= opts.budget_bytes),
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
+
+
+def _worker_init() -> None:
+    """A worker of :func:`estimate_all`: fit's own process handles Ctrl-C and SIGTERM (it
+    stops the workers and writes what it has)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _estimate_in_worker(job: tuple[int, list[str], Candidate, FitOptions]
+                        ) -> tuple[int, dict[str, Any]]:
+    i, base, c, opts = job
+    return i, estimate_candidate(base, c, opts)
+
+
+def estimate_all(base: list[str], cands: list[Candidate], opts: FitOptions,
+                 log: Callable[[str], None]) -> None:
+    """Estimate each candidate (``cand.estimate``, :func:`estimate_candidate`): the first in this
+    process, the others ``opts.jobs`` at a time in worker processes forked from it (they share
+    what it loaded and warmed up; each worker estimates one candidate after another); a
+    candidate's estimate is the same whichever process makes it. Interrupted (Ctrl-C, or SIGTERM turned into one by fit), the workers are
+    stopped and the candidates estimated so far keep their estimates."""
+    jobs = max(1, min(opts.jobs, len(cands)))
+
+    def done(i: int, est: dict[str, Any]) -> None:
+        c = cands[i]
+        c.estimate = est
+        need = est["needed_bytes"]
         log(f"[fit] estimate {i + 1}/{len(cands)} {c.label}: {est['status']}"
-            + (f", {need / 2**20:.1f} MiB" if need else f" ({c.estimate['error']})"))
+            + (f", {need / 2**20:.1f} MiB" if need else f" ({est['error']})")
+            + f" ({est['seconds']:.1f} s)")
+
+    if jobs == 1:
+        for i, c in enumerate(cands):
+            done(i, estimate_candidate(base, c, opts))
+        return
+    # the first here: the workers, forked after it, start warm (the modules an estimate imports
+    # on first use, torch's fake-tensor dispatch caches): ~15 s each on 2 cores otherwise
+    done(0, estimate_candidate(base, cands[0], opts))
+    import multiprocessing
+
+    pool = multiprocessing.get_context("fork").Pool(jobs, initializer=_worker_init,
+                                                     maxtasksperchild=None)
+    try:
+        for i, est in pool.imap_unordered(_estimate_in_worker,
+                                          [(i, base, c, opts) for i, c in enumerate(cands)
+                                           if i > 0]):
+            done(i, est)
+        pool.close()
+    finally:
+        pool.terminate()
+        pool.join()
 
 
 MFU = 0.4
