@@ -104,8 +104,8 @@ class AdamW8bitKnobs(OptimizerKnobs):
     def validate(self, ctx: BuildContext) -> list[str]:
         errors = beta_errors(self.betas) + super().validate(ctx)
         if not ctx.platform.has("bitsandbytes"):
-            errors.append(f"optimizer={self.name} keeps its states in 8 bits with "
-                          f"bitsandbytes, which is not installed: {INSTALL}; or use "
+            errors.append(f"optimizer={self.name} keeps its states in 8 bits with the "
+                          f"'bitsandbytes' package, which is not installed: {INSTALL}; or use "
                           "optimizer=adamw")
         if self.embedding_states_32bit and \
                 ctx.distributed.optimizer_tensors(ctx) == "flat_partitions":
