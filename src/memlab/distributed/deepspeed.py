@@ -278,7 +278,7 @@ class DeepSpeed(Ranks):
             model=root, model_parameters=params, config=self.ds_config(ctx, hidden),
             optimizer=lambda ps: ctx.optimizer.build(list(ps), ctx),
             dist_init_required=False)
-        if self.zero_stage == 3 and ctx.method.reads_head_weight() is not None:
+        if self.zero_stage == 3 and ctx.method.reads_head_weight(ctx) is not None:
             # a chunked / fused loss reads the output head's weight directly, inside the root's
             # forward (call_inside): gather it (and the tied input embedding) for that forward.
             # The cost: the head stays gathered for the whole forward and backward.
