@@ -107,9 +107,10 @@ def dimensions(cfg: Mapping[str, Any], device: str, allow: Iterable[str] = (),
                                     "train.checkpoint_every=1")),
     ), exact=True))
     effective = int(train.get("batch_size", 1)) * int(train.get("grad_accum", 1))
-    micro = [(f"{b} x {effective // b} accumulated", (f"train.batch_size={b}",
-                                                       f"train.grad_accum={effective // b}"))
-             for b in _divisors_desc(effective)]
+    micro: list[tuple[str, tuple[str, ...]]] = [
+        (f"{b} x {effective // b} accumulated", (f"train.batch_size={b}",
+                                                 f"train.grad_accum={effective // b}"))
+        for b in _divisors_desc(effective)]
     optimizer = cfg.get("optimizer", {})
     if "in_backward" in optimizer and train.get("max_grad_norm") is None \
             and "optimizer.in_backward" not in fixed:
