@@ -97,8 +97,8 @@ def train_both_ways(make: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
 
 
 def max_param_diff(a: nn.Module, b: nn.Module) -> float:
-    return max(float((p - q).abs().max()) for p, q in zip(a.parameters(), b.parameters(),
-                                                           strict=True))
+    pairs = zip(a.parameters(), b.parameters(), strict=True)
+    return max(float((p - q).detach().abs().max()) for p, q in pairs)
 
 
 def resumed_equals_uninterrupted(make: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
