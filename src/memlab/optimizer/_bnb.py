@@ -86,6 +86,7 @@ class AdamW8bitKnobs(OptimizerKnobs):
     betas: list[Beta] = field(default_factory=lambda: [0.9, 0.999])
     """(beta1, beta2), as ``optimizer=adamw``'s."""
     eps: PositiveFloat = 1e-8
+    """Added to the second moment's square root (TRL's ``adam_epsilon``)."""
     min_8bit_size: PositiveInt = 4096
     """Parameters with fewer elements keep fp32 states (norms, biases)."""
     embedding_states_32bit: bool = False
