@@ -5,6 +5,7 @@ one; the state resumes through memlab's checkpoint files."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -61,3 +62,19 @@ def test_in_backward_equals_the_standard_step():
 
 def test_state_resumes_through_the_checkpoint_files(tmp_path):
     assert resumed_equals_uninterrupted(_adafactor, tmp_path) == 0.0
+
+
+def test_a_run_resumes_its_state_whichever_way_it_steps(job):
+    """A run stepping Adafactor inside backward saves at step 2; resumed with the standard
+    step (in_backward is not a training difference: the same parameters), the rest of its loss
+    curve is the straight run's."""
+    o = [*FIXED, "optimizer=adafactor", "train.lr=0.01", "train.steps=4",
+         "method.max_length=32", "model.hidden_size=64", "model.intermediate_size=128"]
+    straight = job([*o, "optimizer.in_backward=true", "train.save_every=2"])
+    assert straight["status"] == "ok", straight["error"]
+    ckpt = f"{straight['run_dir']}/checkpoints/step_000002"
+    resumed = job([*o, f"train.resume_from={ckpt}"])
+    assert resumed["status"] == "ok", resumed["error"]
+    assert resumed["train"]["loss_curve"] == pytest.approx(straight["train"]["loss_curve"],
+                                                           abs=1e-5)
+    assert resumed["resume"]["step"] == 2
