@@ -28,6 +28,12 @@ class AdamW(OptimizerKnobs):
     ``adam_beta2``)."""
     eps: PositiveFloat = 1e-8
     """Added to the second moment's square root (TRL's ``adam_epsilon``)."""
+    fused: bool = False
+    """torch's fused kernel (TRL's ``optim="adamw_torch_fused"``; CPU and CUDA): each
+    parameter updated in one pass, without the parameter-sized temporaries of torch's default
+    implementations (two for the largest parameter on CPU: with ``in_backward`` they sit at the
+    peak). The same update up to float rounding. false: torch's default (the multi-tensor
+    implementation on CUDA, the single-tensor loop on CPU)."""
 
     def validate(self, ctx: BuildContext) -> list[str]:
         return beta_errors(self.betas) + super().validate(ctx)
@@ -37,7 +43,8 @@ class AdamW(OptimizerKnobs):
               ) -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, lr=ctx.train.lr, betas=(self.betas[0], self.betas[1]),
                                  eps=self.eps, weight_decay=ctx.train.weight_decay,
-                                 foreach=foreach)
+                                 foreach=None if self.fused else foreach,
+                                 fused=True if self.fused else None)
 
     def group_settings(self) -> dict[str, Any]:
         return {"betas": tuple(self.betas), "eps": self.eps}

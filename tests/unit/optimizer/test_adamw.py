@@ -98,3 +98,38 @@ def test_the_old_train_keys_are_refused_with_the_new_spelling():
 def test_state_resumes_through_the_checkpoint_files(tmp_path):
     assert resumed_equals_uninterrupted(
         lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1), tmp_path) == 0.0
+
+
+def test_fused_steps_without_temporaries_to_the_same_parameters():
+    """optimizer.fused=true: torch's fused kernel, the same parameters as the default
+    implementation (float rounding) with no parameter-sized temporaries in the step
+    (measured: the optimizer phase holds the states and the gradient only)."""
+    from torch import nn
+
+    from memlab.measure.memory import MemoryProbe
+
+    peaks, weights = {}, {}
+    for fused in (False, True):
+        ctx = ctx_of(f"optimizer.fused={str(fused).lower()}", "train.lr=0.01",
+                     "train.weight_decay=0.1")
+        torch.manual_seed(0)
+        layer = nn.Linear(256, 256, bias=False)
+        opt = ctx.optimizer.build(list(layer.parameters()), ctx)
+        assert opt.defaults["fused"] is (True if fused else None)
+        probe = MemoryProbe("cpu")
+        probe.watch(layer, opt)
+        for step in range(2):
+            with probe.step(step, True):
+                with probe.phase("forward"):
+                    loss = layer(torch.ones(2, 256)).pow(2).sum()
+                with probe.phase("backward"):
+                    loss.backward()
+                with probe.phase("optimizer"):
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+        peaks[fused] = probe.result()["by_phase"]["optimizer"]
+        weights[fused] = layer.weight.detach().clone()
+    size = 256 * 256 * 4
+    assert peaks[True] <= 4 * size + 4096  # weight, gradient, two moments (+ step scalars)
+    assert peaks[False] >= peaks[True] + 2 * size  # torch's loop: sqrt, then the division
+    torch.testing.assert_close(weights[True], weights[False], rtol=0, atol=1e-6)
