@@ -89,6 +89,10 @@ CASES = [
     Case("in_backward", "Qwen2.5-0.5B", EXACT, {"max_grad_norm": None},
          "exact options: in-backward step, chunked loss, labelled head; no clipping",
          reference="no_clip"),
+    Case("in_backward_fused", "Qwen2.5-0.5B", [*EXACT, "optimizer.fused=true"],
+         {"max_grad_norm": None, "optim": "adamw_torch_fused"},
+         "exact options + torch's fused AdamW kernel, no temporaries in a parameter's step "
+         "(TRL: adamw_torch_fused)", reference="no_clip"),
     Case("8bit_in_backward", "Qwen2.5-0.5B", ["optimizer=adamw_8bit", *EXACT],
          {"max_grad_norm": None, "optim": "adamw_bnb_8bit"},
          "+ 8-bit AdamW (TRL: adamw_bnb_8bit, embeddings' states fp32 as transformers keeps "
@@ -214,6 +218,7 @@ def memlab_result(out: Path, mode: str) -> dict[str, Any]:
             "peak_bytes": mem.get("peak_bytes") if mode == "memory" else None,
             "by_category": mem.get("by_category"), "by_phase": mem.get("by_phase"),
             "peak_at": mem.get("peak_at"), "tokens_per_s": thr.get("tokens_per_s"),
+            "by_phase_category": mem.get("by_phase_category"),
             "losses": (s.get("train") or {}).get("loss_curve")}
 
 
@@ -309,7 +314,10 @@ def report(s: Settings, cases: list[Case], res: Results, params: dict[str, int]
     for c in cases:
         m, t = res.memory.get(f"memlab:{c.name}") or {}, res.memory.get(f"trl:{c.name}") or {}
         cat = m.get("by_category") or {}
-        floor = (cat.get("parameters", 0) + cat.get("optimizer", 0)) if cat else None
+        # the floor: parameters and optimizer states as a forward holds them (step 1 on: no
+        # gradient, no step's temporaries), the model states the configuration cannot avoid
+        held = (m.get("by_phase_category") or {}).get("forward") or {}
+        floor = (held.get("parameters", 0) + held.get("optimizer", 0)) if held else None
         row: dict[str, Any] = {
             "case": c.name, "model": c.model, "what": c.what, "memlab": c.memlab,
             "trl": c.trl, "memlab_peak_mib": _mib(m.get("peak_bytes")),
