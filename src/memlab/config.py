@@ -17,9 +17,45 @@ from memlab.registry import (
     PositiveInt,
     Seed,
 )
+from memlab.trainer.inputs import NAMES as INPUT_NAMES
 
 if TYPE_CHECKING:
     from memlab.context import BuildContext
+
+
+TRL_NAMES: dict[str, str] = {
+    "max_steps": "train.steps",
+    "learning_rate": "train.lr",
+    "per_device_train_batch_size": "train.batch_size",
+    "gradient_accumulation_steps": "train.grad_accum",
+    "lr_scheduler_type": "train.scheduler",
+    "save_steps": "train.save_every",
+    "save_total_limit": "train.keep_last",
+    "logging_steps": "train.log_every",
+    "eval_steps": "train.eval_every",
+    "per_device_eval_batch_size": "train.eval_batch_size",
+    "resume_from_checkpoint": "train.resume_from",
+    "metric_for_best_model": "train.best_metric",
+    "max_seq_length": "method.max_length",
+}
+"""The names of transformers' TrainingArguments / TRL's configs users type first, and memlab's
+name for each (``train.max_steps=5`` -> ``train.steps=5``)."""
+
+
+def trl_hint(key: str, value: object = "...") -> str | None:
+    """What to type instead of the transformers / TRL setting ``key`` (``max_steps`` or
+    ``train.max_steps``) set to ``value``; None when ``key`` is none of them.
+    ``num_train_epochs`` has no counterpart: memlab counts optimizer steps."""
+    name = key[len("train."):] if key.startswith("train.") else key
+    if name == "num_train_epochs":
+        return ("memlab counts optimizer steps, not epochs: set train.steps. One epoch is "
+                "ceil(rows / (train.batch_size * train.grad_accum * processes)) steps, rows "
+                "being the prepared rows a run's summary.json reports as data.rows (memlab "
+                "data show prints them too)")
+    ours = TRL_NAMES.get(name)
+    if ours is None:
+        return None
+    return f"{name} is transformers' / TRL's name; memlab's is {ours}: {ours}={value}"
 
 
 @dataclass(kw_only=True)
@@ -143,6 +179,7 @@ class TrainConfig:
                  "measure": [f.name for f in fields(MeasureConfig)]}
         for group, opt in ctx.groups().items():
             known[group] = ["name", *(f.name for f in fields(opt))]
+        known["inputs"] = list(INPUT_NAMES)  # files read in: data, model, tokenizer, template
         for key in self.resume_allow:
             head, _, rest = key.partition(".")
             sub = rest.partition(".")[0]
@@ -151,7 +188,8 @@ class TrainConfig:
                 close = difflib.get_close_matches(key, pool, n=1)
                 errors.append(f"train.resume_allow: {key!r} is not a setting of this run"
                               + (f"; did you mean {close[0]!r}?" if close else "")
-                              + " (a group such as 'peft', or 'group.key' such as 'train.lr')")
+                              + " (a group such as 'peft', 'group.key' such as 'train.lr', or "
+                              "an input read in such as 'inputs.data')")
         if self.resume_root is not None and not Path(self.resume_root).is_dir():
             errors.append(f"train.resume_root={self.resume_root}: no such directory")
         return errors

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from memlab.config import MeasureConfig, Platform, TrainConfig
+from memlab import faults
+from memlab.config import MeasureConfig, Platform, TrainConfig, trl_hint
 from memlab.registry import GROUPS, ConfigErrors, Option, build, from_mapping
 
 if TYPE_CHECKING:
@@ -112,7 +113,9 @@ def validate(cfg: Any, run_dir: Path | str = ".", choices: Mapping[str, str] | N
     errors: list[str] = []
     typed: dict[str, Any] = {}
     for key in sorted(set(data) - TOP_LEVEL):
-        errors.append(f"unknown top-level key {key!r} (valid: {', '.join(sorted(TOP_LEVEL))})")
+        other = trl_hint(key, data[key])
+        errors.append(f"unknown top-level key {key!r}" + (f"; {other}" if other else "")
+                      + f" (valid: {', '.join(sorted(TOP_LEVEL))})")
     # a value of the wrong type or out of range is reported and replaced by its default, so that
     # the checks below still run: every problem is reported at once
     for group in GROUPS:
@@ -123,7 +126,9 @@ def validate(cfg: Any, run_dir: Path | str = ".", choices: Mapping[str, str] | N
         obj, errs = build(group, node, partial=True)
         errors += errs
         typed[group] = obj
-    train, errs = from_mapping(TrainConfig, data.get("train") or {}, "train", partial=True)
+    train, errs = from_mapping(TrainConfig, data.get("train") or {}, "train", partial=True,
+                               renamed=lambda key: trl_hint(key, (data["train"] or {}).get(
+                                   key.split(".", 1)[1])))
     errors += errs
     measure, errs = from_mapping(MeasureConfig, data.get("measure") or {}, "measure",
                                  partial=True)
@@ -145,6 +150,7 @@ def validate(cfg: Any, run_dir: Path | str = ".", choices: Mapping[str, str] | N
     errors += train.checkpoint_errors(ctx)
     errors += train.eval_errors(ctx)
     errors += measure.errors(train)
+    errors += faults.problems()  # a test hook left in the environment would hang the run
     if errors:
         raise ConfigErrors(errors)
     return ctx

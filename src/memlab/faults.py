@@ -10,6 +10,10 @@ tests) a point costs one dictionary lookup.
 ``MEMLAB_FAULT_AT=<point>``
     At ``<point>`` the run raises :class:`InjectedFault` (a crash stand-in: status ``failed``).
 
+``MEMLAB_PAUSE_AT`` without ``MEMLAB_PAUSE_DIR`` (a hook left in a shell's environment) would
+wait forever for a file nobody creates: a run refuses it before anything loads
+(:func:`problems`, status ``invalid``), and :func:`reach` raises rather than wait.
+
 Points: ``check:rank<r>`` (rank ``r`` of a torchrun launch, before it checks the config),
 ``data`` (data preparation, before the source is read), ``step:<n>`` (after optimizer
 step ``n`` is done and recorded; steps count from 1), ``checkpoint`` (before a checkpoint is
@@ -33,13 +37,26 @@ class InjectedFault(RuntimeError):
     """Raised at ``MEMLAB_FAULT_AT``'s point."""
 
 
+def problems() -> list[str]:
+    """What is wrong with the fault hooks of this process's environment (checked with the
+    configuration, before anything loads): a pause point without a pause dir."""
+    point = os.environ.get(PAUSE_AT)
+    if point and not os.environ.get(PAUSE_DIR):
+        return [f"{PAUSE_AT}={point} is set without {PAUSE_DIR}: the run would wait forever at "
+                f"{point} (a test hook of memlab's reliability suite, memlab/faults.py); unset "
+                f"{PAUSE_AT}, or set {PAUSE_DIR} to the directory where a test releases it"]
+    return []
+
+
 def reach(point: str) -> None:
     """Called by the run at ``point``: pause or fail there when a test asked for it."""
     if os.environ.get(FAULT_AT) == point:
         raise InjectedFault(f"fault injected at {point} (MEMLAB_FAULT_AT)")
     if os.environ.get(PAUSE_AT) != point:
         return
-    where = Path(os.environ.get(PAUSE_DIR) or ".")
+    if not os.environ.get(PAUSE_DIR):
+        raise InjectedFault(problems()[0])
+    where = Path(os.environ[PAUSE_DIR])
     where.mkdir(parents=True, exist_ok=True)
     rank = os.environ.get("MEMLAB_RANK") or os.environ.get("RANK") or "0"
     marker = where / f"{point}.{os.getpid()}.json"

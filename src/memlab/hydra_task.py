@@ -15,6 +15,7 @@ from memlab.measure.outcome import Interrupted
 from memlab.measure.summary import user_choices
 from memlab.record import exit_code, read_back
 from memlab.run import run
+from memlab.rundir import moved_note
 
 
 def hydra_task(cfg: Any) -> dict[str, Any]:
@@ -30,6 +31,9 @@ def hydra_task(cfg: Any) -> dict[str, Any]:
     job = {"name": hc.job.name, "num": hc.job.num if multirun else None,
            "sweep_dir": str(Path(hc.sweep.dir).resolve()) if multirun else None,
            "outputs": outputs_roots(hc)}
+    moved = moved_note(hc.runtime.output_dir, hc.sweep.dir if multirun else None)
+    if moved:
+        job["moved"] = moved
     start = torchrun.run_rank if external_launch() else run
     try:
         summary = start(cfg, Path(hc.runtime.output_dir), choices, list(hc.overrides.task), job)

@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import random
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -240,7 +241,8 @@ def batch_stream(ctx: BuildContext, tokenizer, ds) -> BatchStream:
 
 
 def check_trainable(stats: DataStats) -> None:
-    """DataError (status ``invalid``) when the prepared data has no token to train on."""
+    """DataError (status ``invalid``) when the prepared data has no token to train on, or no
+    example that carries a training signal (every one hollow: ``stats.hollow_rows``)."""
     if stats.trainable_tokens == 0:
         empty = stats.extra.get("empty_completions")
         raise DataError(
@@ -249,6 +251,49 @@ def check_trainable(stats: DataStats) -> None:
             + "; every completion / assistant turn / text is empty after preparation. "
             "Check the data (and method.max_length, which may cut completions away)"
         )
+    if stats.hollow_rows and stats.hollow_rows >= stats.examples:
+        raise DataError(
+            f"the data has nothing to train on: all {stats.examples} examples are hollow "
+            f"({stats.hollow_what}); the run would train without any signal. Check the data "
+            "(and method.max_length / max_completion_length, which may cut the difference "
+            "away)")
+
+
+def note_hollow(ctx: BuildContext, stats: DataStats) -> None:
+    """A warning (on stderr, and in ``stats.extra["hollow_warning"]``, the summary's
+    ``data.hollow_warning``) when the share of hollow examples is above
+    ``data.max_hollow_fraction`` (all hollow: :func:`check_trainable` refuses the data)."""
+    hollow, n = stats.hollow_rows or 0, stats.examples
+    if not hollow or not n or hollow >= n or hollow / n <= ctx.data.max_hollow_fraction:
+        return
+    stats.extra["hollow_warning"] = warning = (
+        f"{hollow} of {n} examples ({hollow / n:.0%}) carry no training signal: "
+        f"{stats.hollow_what} (above data.max_hollow_fraction={ctx.data.max_hollow_fraction:g})")
+    if ctx.rank == 0:
+        print(f"[memlab] warning: {warning}", file=sys.stderr, flush=True)
+
+
+def check_batch(ctx: BuildContext, ds: Any, stats: DataStats) -> None:
+    """DataError (status ``invalid``) when the prepared rows cannot fill one micro-batch of
+    ``train.batch_size`` rows on every process: every micro-batch would hold fewer rows than
+    asked, so the run would measure and train another configuration than the one it records
+    (two batch sizes would leave the same record). Refused rather than recorded: every reader of
+    a summary (report, fit, a comparison with an estimate) takes ``train.batch_size`` as the
+    micro-batch that ran."""
+    world, asked = ctx.world_size, ctx.train.batch_size
+    need_items = ctx.packing.batch_items(ctx) * world
+    if stats.rows >= asked * world and len(ds) >= need_items:
+        return
+    per = f" x {world} processes" if world > 1 else ""
+    fit = stats.rows // world
+    fix = (f"lower train.batch_size to {fit} or less" if fit >= 1
+           else f"use at most {stats.rows} processes")
+    how = "after preparation and packing" if ctx.packing.packs else "after preparation"
+    raise DataError(
+        f"train.batch_size={asked}{per} asks for {asked * world} rows per micro-batch, but the "
+        f"data has {stats.rows} rows {how} ({stats.examples} examples): every micro-batch "
+        f"would hold fewer rows than asked. {fix[0].upper()}{fix[1:]}, or give more data "
+        "(data.n_examples for the embedded data, data.max_examples, a larger file)")
 
 
 def _concatenate(a: Any, b: Any) -> Any:
@@ -333,9 +378,12 @@ def build(ctx: BuildContext, seams: Seams | None = None, logger: Any = None,
     seams = seams or Seams()
     tokenizer = (seams.load_tokenizer or ctx.model.load_tokenizer)(ctx)
     ds, stats = (seams.prepare_data or prepare_data)(ctx, tokenizer)
+    note_hollow(ctx, stats)
     if on_data is not None:
         on_data(stats)
     check_trainable(stats)
+    if seams.prepare_data is None:  # the run's rows (an estimate's own are whole batches)
+        check_batch(ctx, ds, stats)
     loader = Loader(ctx, tokenizer, seams)
     policy = loader.model(ctx)
     offload = ctx.offload.build(policy, ctx, seams.offload)

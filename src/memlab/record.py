@@ -19,7 +19,7 @@ from typing import Any
 from memlab import faults
 from memlab.data.base import DataError
 from memlab.measure.outcome import Interrupted, NonFiniteLoss, StopSignals
-from memlab.measure.summary import versions, write_summary
+from memlab.measure.summary import versions, write_summary, write_text_atomic
 from memlab.registry import ConfigErrors
 
 Body = Callable[[list], None]
@@ -80,9 +80,11 @@ def guarded(body: Body, summary: dict[str, Any], out: Path,
 
 def record_end(summary: dict[str, Any], ended: BaseException | None) -> None:
     """Set ``summary["status"]`` and ``["error"]`` from how the body ended (``None``: it
-    returned): invalid configuration or data, a stop signal (with ``signal``), a non-finite
+    returned): invalid configuration, data, model files or checkpoint, a stop signal (with ``signal``), a non-finite
     loss (``train.nan_step``), a failed rank (that rank's status), out of memory, or failed."""
     from memlab.distributed.launch import RankFailed
+    from memlab.model._files import ModelFilesError
+    from memlab.trainer.checkpoint import CheckpointError
 
     if ended is None:
         summary["status"], summary["error"] = "ok", None
@@ -90,6 +92,8 @@ def record_end(summary: dict[str, Any], ended: BaseException | None) -> None:
     e = ended
     if isinstance(e, (ConfigErrors, DataError)):
         status, error = "invalid", str(e)
+    elif isinstance(e, (ModelFilesError, CheckpointError)):  # the input's fault, named in it
+        status, error = "invalid", f"{type(e).__name__}: {e}"
     elif isinstance(e, (Interrupted, KeyboardInterrupt)):
         sig = e.signal if isinstance(e, Interrupted) else "SIGINT"
         steps = (summary.get("train") or {}).get("steps")
@@ -118,14 +122,14 @@ def _write_traceback(out: Path, e: BaseException) -> None:
     name = "error.txt" if out.name == "summary.json" else f"{out.stem}.error.txt"
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        (out.parent / name).write_text("".join(traceback.format_exception(e)))
+        write_text_atomic(out.parent / name, "".join(traceback.format_exception(e)))
     except OSError:
         pass
 
 
 def exit_code(summary: dict[str, Any]) -> int:
     """A single run's exit status: 0 ok, 2 invalid, 128 + the signal when interrupted (130 for
-    Ctrl-C, 143 for SIGTERM), 1 otherwise."""
+    Ctrl-C, 143 for SIGTERM, 129 for SIGHUP), 1 otherwise."""
     import signal
 
     status = summary.get("status")

@@ -219,11 +219,14 @@ def build(group: str, node: Mapping[str, Any], where: str | None = None,
 
 
 def from_mapping(cls: type[D], data: Mapping[str, Any], where: str,
-                 partial: bool = False) -> tuple[D | None, list[str]]:
+                 partial: bool = False, renamed: Callable[[str], str | None] | None = None
+                 ) -> tuple[D | None, list[str]]:
     """Construct dataclass ``cls`` from ``data`` with type and range checks; collect every
     error. With errors the object is None, unless ``partial``: then it is built from the values
     that passed (defaults for the others), so that the checks that follow can still run and
-    every problem of a configuration is reported at once (None when even that fails)."""
+    every problem of a configuration is reported at once (None when even that fails).
+    ``renamed(key)``: what to use instead of an unknown key that is another library's name
+    for a knob (:func:`memlab.config.trl_hint`), or None."""
     errors: list[str] = []
     hints = typing.get_type_hints(cls, include_extras=True)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
@@ -234,8 +237,10 @@ def from_mapping(cls: type[D], data: Mapping[str, Any], where: str,
             errors.append(f"{where}.{key} has moved: {moved[key]}")
             continue
         if key not in fields:
+            other = renamed(f"{where}.{key}") if renamed is not None else None
             close = difflib.get_close_matches(str(key), list(fields), n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
+            hint = (f"; {other}" if other else f"; did you mean {close[0]!r}?" if close
+                    else "")
             errors.append(
                 f"{where}: unknown key {key!r}{hint} (valid keys: {', '.join(sorted(fields))})"
             )

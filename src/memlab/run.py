@@ -40,6 +40,9 @@ def plan_resume(ctx: BuildContext, summary: dict[str, Any]) -> BuildContext:
     if plan is None:
         return ctx
     summary["resume"] = plan.as_dict()
+    for skipped in plan.skipped:  # resume_from=latest passed over a damaged newer checkpoint
+        print(f"[memlab] train.resume_from=latest: skipped {skipped['checkpoint']}: "
+              f"{skipped['why']}", file=sys.stderr, flush=True)
     if isinstance(summary.get("config"), dict):
         summary["config"].setdefault("train", {})["resume_from"] = str(plan.path)
     return dataclasses.replace(ctx, train=dataclasses.replace(ctx.train,
@@ -57,7 +60,9 @@ def seed_everything(seed: int) -> None:
 
 def base_summary(run_dir: Path, choices: dict[str, str], overrides: list[str],
                  job: dict[str, Any]) -> dict[str, Any]:
-    return {
+    """The record of a job before it runs (``job["moved"]``: its directory is a fallback for
+    one that could not be written, :mod:`memlab.rundir`: the record says so from the start)."""
+    summary: dict[str, Any] = {
         "status": "failed",
         "error": None,
         "choices": choices,
@@ -72,6 +77,9 @@ def base_summary(run_dir: Path, choices: dict[str, str], overrides: list[str],
         "device": None,
         "wall_time_s": None,
     }
+    if (job or {}).get("moved"):
+        summary["write_error"] = job["moved"]
+    return summary
 
 
 def run(cfg: Any, run_dir: Path | str, choices: dict[str, str] | None = None,
@@ -185,8 +193,9 @@ def _train(ctx: BuildContext, summary: dict[str, Any], logger_box: list) -> None
         wrapper = ctx.distributed.describe(pipe.models["policy"])
         if wrapper:
             summary["memory"]["distributed"] = wrapper
-        record_training(summary, trainer.result, ctx.train.steps,
-                        Path(ctx.run_dir) / "checkpoints")
+        record_training(summary, trainer.result, ctx.train.steps)
+        note_hollow_groups(summary, trainer.result.counts, ctx.data.max_hollow_fraction,
+                           ctx.rank == 0)
     if trainer.result.checkpoint_errors:
         raise CheckpointNotWritten(
             f"checkpoint not written ({trainer.result.checkpoint_errors[-1]}); the training "
@@ -198,14 +207,12 @@ def _finite(x: Any) -> Any:
     return None if isinstance(x, float) and not math.isfinite(x) else x
 
 
-def record_training(summary: dict[str, Any], result, planned_steps: int,
-                    checkpoints: Path | None = None) -> None:
+def record_training(summary: dict[str, Any], result, planned_steps: int) -> None:
     """What the loop measured (all of it, or the steps done so far) into ``summary``:
     throughput, tokens trained, padding, the loss curve and the other curves, and the newest
-    checkpoint under ``checkpoints``."""
-    from memlab.trainer.checkpoint import step_dirs
-
-    saved = step_dirs(checkpoints) if checkpoints is not None else []
+    checkpoint this run wrote (``result.checkpoints``; one an earlier run left in the same
+    run dir is not this run's)."""
+    saved = list(result.checkpoints)
     summary["throughput"] = result.throughput()
     if summary.get("data") is not None:
         summary["data"]["padding_fraction"] = result.padding_fraction()
@@ -218,12 +225,36 @@ def record_training(summary: dict[str, Any], result, planned_steps: int,
         "loss_curve": losses,
         "final_metrics": {k: _finite(v) for k, v in result.metrics.items()},
         "curves": {k: [_finite(x) for x in v] for k, v in result.curves.items()},
-        "checkpoint": str(saved[-1]) if saved else None,  # the newest of this run dir
+        "checkpoint": saved[-1] if saved else None,  # the newest this run wrote
     }
     if result.checkpoint_errors:
         summary["checkpoint"] = {"errors": list(result.checkpoint_errors)}
     if result.profile is not None:
         summary["profile"] = result.profile
+
+
+def note_hollow_groups(summary: dict[str, Any], counts: dict[str, int], limit: float,
+                       say: bool = True) -> None:
+    """An online method's reward groups into the summary's ``data`` (``groups``,
+    ``hollow_groups``: those whose rewards had zero variance, which train nothing), with a
+    warning (``data.hollow_groups_warning``, on stderr when ``say``) when their share is above
+    ``data.max_hollow_fraction``. A run whose every group was hollow stays ``ok``: its memory
+    and speed were measured, and the warning says that it learned nothing."""
+    groups = counts.get("groups")
+    if not groups or summary.get("data") is None:
+        return
+    hollow = counts.get("hollow_groups", 0)
+    summary["data"].update(groups=groups, hollow_groups=hollow)
+    if hollow / groups <= limit:
+        return
+    warning = summary["data"]["hollow_groups_warning"] = (
+        f"{hollow} of {groups} reward groups ({hollow / groups:.0%}) had rewards of zero "
+        "variance: their advantages are zero, they train nothing"
+        + ("; no group carried a signal: check the reward functions (or models) and the "
+           "sampling (method.max_completion_length, temperature)" if hollow == groups else "")
+        + f" (above data.max_hollow_fraction={limit:g})")
+    if say:
+        print(f"[memlab] warning: {warning}", file=sys.stderr, flush=True)
 
 
 def _param_counts(model) -> dict[str, int]:

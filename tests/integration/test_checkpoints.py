@@ -208,7 +208,7 @@ def test_a_damaged_or_foreign_file_is_refused_not_unpickled(job, tmp_path):
     torch.save({"x": _Touch(marker)}, ckpt / checkpoint.OPTIMIZER)  # a pickle in disguise
     s = job(["train.steps=3", "peft=lora", f"train.resume_from={ckpt}",
              "train.resume_allow=[train.steps]"])
-    assert s["status"] == "failed" and "not a readable safetensors file" in s["error"]
+    assert s["status"] == "invalid" and "not a readable safetensors file" in s["error"]
     assert not marker.exists()
 
 

@@ -83,7 +83,9 @@ def test_parallel_launcher_hands_out_devices(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     got = sorted(s["device"]["visible_devices"] for s in _summaries(sweep))
     assert got == ["7", "9"]
-    assert all((sweep / str(i) / "job.log").exists() for i in (0, 1))
+    for i in (0, 1):  # each job's console in its own log (jobs at once: not on the console)
+        assert "status: ok" in (sweep / str(i) / "memlab.log").read_text()
+        assert "status: ok" not in r.stdout
 
 
 def test_slurm_launcher_config_composes():

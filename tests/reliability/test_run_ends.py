@@ -1,7 +1,7 @@
 """Every way one run can end leaves a summary.json with a precise status and all it measured so
 far (in-process runs: each is paused at an explicit hook, hit, then released; no sleeps).
 
-Stop signals at four points (data preparation, a training step, a checkpoint write, the summary
+Stop signals (SIGTERM, SIGINT, SIGHUP) at four points (data preparation, a training step, a checkpoint write, the summary
 write), a non-finite loss, an injected crash, an unwritable run dir, checkpoints that cannot be
 written (save_every, save_final)."""
 
@@ -17,6 +17,7 @@ import pytest
 from memlab.faults import FAULT_AT
 from memlab.measure.outcome import Interrupted
 from memlab.measure.summary import FALLBACK_ENV
+from memlab.record import exit_code
 from memlab_testing import run_job
 from reliability.helpers import SMOKE, AtPause, pause_env, signal_main_thread
 
@@ -48,7 +49,8 @@ def test_sigterm_during_data_preparation(tmp_path, monkeypatch):
     assert s["train"] is None and s["memory"] is None  # nothing was measured yet
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP],
+                         ids=["SIGTERM", "SIGINT", "SIGHUP"])
 def test_signal_during_training_keeps_the_steps_done(tmp_path, monkeypatch, sig):
     s = _stopped_at(tmp_path, monkeypatch, "step:2", sig)
     name = signal.Signals(sig).name
@@ -61,6 +63,7 @@ def test_signal_during_training_keeps_the_steps_done(tmp_path, monkeypatch, sig)
     assert s["memory"]["by_phase_category"]["forward"]["activations"] > 0
     assert s["throughput"]["tokens_per_s"] > 0  # step 2 was timed (step 1 tracked)
     assert s["data"]["tokens_trained"] > 0 and s["data"]["examples"] == 16
+    assert exit_code(s) == 128 + sig  # 129 for a hang-up (the terminal closed)
 
 
 def test_sigterm_during_a_checkpoint_write(tmp_path, monkeypatch):

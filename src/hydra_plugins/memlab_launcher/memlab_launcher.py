@@ -12,10 +12,12 @@ records its own end; what it cannot record, the launcher does. A job past ``time
 SIGTERM (it records what it measured so far), SIGKILL after ``stop_grace_s``, and is
 ``timeout``. A job that dies of SIGKILL from outside is ``killed``, or ``oom`` when its memory
 cgroup's ``oom_kill`` counter rose or the kernel log names it (the OS out-of-memory killer; the
-evidence is in the error). SIGINT / SIGTERM to the sweep stop it: the running jobs get the signal
-and record ``interrupted``, the jobs not started yet are recorded ``not_run``, the temp files are
-removed, and the sweep exits with 128 + the signal. Every sweep ends with one line counting the
-jobs by status; ``memlab`` then exits 1 when a job ``failed`` or was ``killed``
+evidence is in the error). SIGINT / SIGTERM / SIGHUP to the sweep stop it: the running jobs get
+the signal and record ``interrupted`` (the same signal again kills them at once, and their
+record still names the signal the sweep received), the jobs not started yet are recorded
+``not_run``, the temp files are removed, and the sweep exits with 128 + the signal. Each job's
+console goes to ``<job dir>/memlab.log`` (:mod:`.joblog`), and to the sweep's console when jobs
+run one at a time. Every sweep ends with one line counting the jobs by status; ``memlab`` then exits 1 when a job ``failed`` or was ``killed``
 (:func:`sweep_exit_status`): a crash needs a look, an oom or an invalid combination is a result.
 
 This module is imported by Hydra at start-up: it must stay light (no torch import).
@@ -43,8 +45,10 @@ from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from memlab.measure.outcome import FAILING, OomWatch, count_line, killed_status
+from hydra_plugins.memlab_launcher.joblog import JobLog, console_only
+from memlab.measure.outcome import FAILING, STOP_SIGNALS, OomWatch, count_line, killed_status
 from memlab.measure.summary import read_summary, write_summary
+from memlab.rundir import remove_links
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +102,12 @@ class _Job:
     stopped_by: str | None = None
     """None, ``"timeout"`` or ``"interrupt"`` (the launcher sent the stop signal)."""
     stop_signal: str | None = None
+    """The signal that stopped the job: the one the sweep received, or SIGTERM (timeout)."""
     stop_sent: float = 0.0
+    killed: str | None = None
+    """Why SIGKILL followed (a second stop signal to the sweep, or the grace period was over);
+    None: it did not."""
+    log: JobLog | None = None
 
     def process(self) -> subprocess.Popen:
         """The job's process (it has been started)."""
@@ -108,7 +117,7 @@ class _Job:
 
 
 class _SweepStop:
-    """SIGINT / SIGTERM to the sweep: remembered (``signum``, ``count``), never raised, so the
+    """SIGINT / SIGTERM / SIGHUP to the sweep: remembered (``signum``, ``count``), never raised, so the
     launcher stops its jobs in order. Main thread only; previous handlers restored on exit."""
 
     def __init__(self) -> None:
@@ -118,7 +127,7 @@ class _SweepStop:
 
     def __enter__(self) -> "_SweepStop":
         if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig in STOP_SIGNALS:
                 self._saved[sig] = signal.signal(sig, self._handle)
         return self
 
@@ -191,6 +200,7 @@ class MemlabLauncher(Launcher):
             with open_dict(sweep_config):
                 sweep_config.hydra.job.id = f"{os.getpid()}_{idx}"
                 sweep_config.hydra.job.num = idx
+            console_only(sweep_config)  # its log records reach memlab.log through its console
             HydraConfig.instance().set_config(sweep_config)
             subdir = str(sweep_config.hydra.sweep.subdir)
             with read_write(sweep_config.hydra.sweep):
@@ -200,6 +210,7 @@ class MemlabLauncher(Launcher):
             timeout_s, env = self._job_settings(sweep_config)
             jobs.append(_Job(idx, list(overrides), sweep_config, sweep_dir / subdir, timeout_s,
                              env))
+        self._check_choices(jobs)
         results: dict[int, JobReturn] = {}
         pending = list(jobs)
         running: list[_Job] = []
@@ -242,27 +253,52 @@ class MemlabLauncher(Launcher):
             raise SystemExit(128 + stop.signum)
         return [results[j.idx] for j in jobs]
 
+    def _check_choices(self, jobs: list[_Job]) -> None:
+        """Refuse the sweep, before any job starts (exit 2), when a job names an option its
+        group does not have: Hydra runs the default of an optional group instead (a sweep
+        file's ``hydra.sweeper.params`` reach the jobs so, past the command line's check)."""
+        from memlab.cli.overrides import unknown_choices
+        from memlab.registry import ConfigErrors
+
+        assert self.hydra_context is not None
+        loader, cache = self.hydra_context.config_loader, {}
+
+        def options(group: str) -> list[str]:
+            if group not in cache:
+                cache[group] = loader.get_group_options(group)
+            return cache[group]
+
+        bad: list[str] = []
+        for job in jobs:
+            found = unknown_choices(job.config.hydra.runtime.choices, options, job.overrides)
+            bad += [f"job #{job.idx}: {p}" for p in found]
+        if bad:
+            print(f"[memlab] sweep refused, no job started: "
+                  f"{str(ConfigErrors(bad)).replace('configuration', 'sweep', 1)}",
+                  file=sys.stderr, flush=True)
+            raise SystemExit(2)
+
     def _start(self, job: _Job, module: str, qualname: str, tmp: Path) -> None:
         payload = tmp / f"job_{job.idx}.pkl"
         job.result = tmp / f"job_{job.idx}.result.pkl"
         with open(payload, "wb") as f:
             pickle.dump({"config": job.config, "module": module, "qualname": qualname,
                          "result": str(job.result), "parent": os.getpid()}, f)
-        env = {**os.environ, **job.env}
+        # the job's console is copied as it comes (memlab.log; the console when one at a time)
+        env = {**os.environ, **job.env, "PYTHONUNBUFFERED": "1"}
         if job.device is not None:
             env["CUDA_VISIBLE_DEVICES"] = job.device
-        out = None
-        if self.parallel > 1:
-            job.dir.mkdir(parents=True, exist_ok=True)
-            out = open(job.dir / "job.log", "w")  # noqa: SIM115 - closed with the process
+        job.dir.mkdir(parents=True, exist_ok=True)
+        remove_links(job.dir, [".hydra/config.yaml", ".hydra/hydra.yaml",
+                               ".hydra/overrides.yaml"])  # Hydra would write through them
         # its own session: a Ctrl-C reaches the launcher only, which stops the job in order
         proc = job.proc = subprocess.Popen(
             [self.python, "-m", "hydra_plugins.memlab_launcher.worker", str(payload)],
-            env=env, stdout=out, stderr=subprocess.STDOUT if out else None, cwd=os.getcwd(),
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=os.getcwd(),
             start_new_session=True,
         )
-        if out is not None:
-            out.close()  # the child has its own copy
+        assert proc.stdout is not None
+        job.log = JobLog(proc.stdout, job.dir / "memlab.log", echo=self.parallel == 1)
         job.started = time.time()
         job.watch = OomWatch(proc.pid)
 
@@ -284,13 +320,20 @@ class MemlabLauncher(Launcher):
             if job.stopped_by is not None and job.stop_signal is not None:  # just stopped
                 job.stop_sent = now
                 _signal(proc, signal.Signals[job.stop_signal])
-        elif now - job.stop_sent > self.grace_s or stop.count > 1:
-            job.stop_signal = "SIGKILL"
+                if job.stopped_by == "interrupt":
+                    log.warning(f"job #{job.idx}: stopping it ({job.stop_signal}: it records "
+                                f"what it measured); {job.stop_signal} again kills it at once")
+        elif not job.killed and (now - job.stop_sent > self.grace_s or stop.count > 1):
+            job.killed = (f"the sweep got {_signame(stop.signum or 0)} a second time"
+                          if stop.count > 1 and job.stopped_by == "interrupt" else
+                          f"it did not stop within stop_grace_s={self.grace_s:g}")
             _kill_group(proc)
 
     def _collect(self, job: _Job, sweep_dir: Path) -> JobReturn:
         """The job's record, completed with what only the launcher knows."""
         code = job.process().returncode
+        if job.log is not None:
+            job.log.join()
         seconds = time.time() - job.started
         ret = None
         if code == 0 and job.result is not None and job.result.exists():
@@ -306,13 +349,16 @@ class MemlabLauncher(Launcher):
         if job.stopped_by == "timeout" and job.timeout_s is not None:
             status = "timeout"
             why = (f"stopped by the launcher after timeout_min={job.timeout_s / 60:g} "
-                   f"({seconds:.0f} s, {job.stop_signal})")
+                   f"({seconds:.0f} s, {job.stop_signal}"
+                   + (f", then SIGKILL: {job.killed}" if job.killed else "") + ")")
             if own and own.get("train"):
                 why += f"; recorded {own['train'].get('steps')} step(s) before it stopped"
         elif job.stopped_by == "interrupt":
             status = "interrupted"
             why = (own or {}).get("error") if (own or {}).get("status") == "interrupted" else (
-                f"the sweep was interrupted by {job.stop_signal} while this job ran")
+                f"the sweep was interrupted by {job.stop_signal} while this job ran"
+                + (f"; killed with SIGKILL before it recorded its end ({job.killed})"
+                   if job.killed else ""))
         elif own is not None and code == 0:
             return self._return(job, own, write=ret is None)
         elif code < 0:
@@ -330,7 +376,7 @@ class MemlabLauncher(Launcher):
             record["recorded_status"] = own.get("status")
         record.update(status=status, error=why, exit_code=code)
         record.setdefault("wall_time_s", seconds)
-        if job.stop_signal or code < 0:
+        if job.stop_signal or code < 0:  # the signal sent (not the SIGKILL that may follow)
             record["signal"] = job.stop_signal if job.stopped_by else _signame(-code)
         log.warning(f"job #{job.idx} ({job.dir}): {status}: {why}")
         return self._return(job, record, write=True)

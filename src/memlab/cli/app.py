@@ -40,9 +40,17 @@ def run_app(task: Callable[[Any], Any], argv: Sequence[str], prog: str = "memlab
     """Run ``task(cfg)`` as a Hydra app over memlab's configs with the command line ``argv``:
     the same overrides, flags (``-m``, ``--cfg``, ``-sc``...), output dirs and sweeper as a
     training run. Used by ``memlab estimate`` and ``memlab lengths`` (in-process, so that a test
-    may call them repeatedly: Hydra's global state is cleared before and after)."""
+    may call them repeatedly: Hydra's global state is cleared before and after). An unknown
+    group option or key on ``argv`` is an error (exit 2) before Hydra starts
+    (:func:`memlab.cli.overrides.command_line_error`)."""
     from hydra.core.global_hydra import GlobalHydra
 
+    from memlab.cli.overrides import command_line_error
+
+    err = command_line_error(argv)
+    if err:  # an unknown option or key: nothing runs (Hydra would run a default or advise +)
+        print(f"{prog}: {err}", file=sys.stderr)
+        raise SystemExit(2)
     saved = sys.argv
     GlobalHydra.instance().clear()
     sys.argv = [prog, *argv]

@@ -1,4 +1,4 @@
-"""memlab's configs for the commands beside a run: where they live, composing them outside a Hydra
+"""memlab's configs for the commands beside a run: composing them outside a Hydra
 app (the same config a run with the same overrides gets), and the command line with which
 ``memlab estimate`` / ``memlab lengths`` run as Hydra apps of their own."""
 
@@ -9,65 +9,37 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-HYDRA_FLAGS_WITH_VALUE = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd",
-                          "--cfg", "-c", "--package", "-p", "--info", "-i",
-                          "--shell-completion", "-sc", "--experimental-rerun")
-"""Hydra's flags that take the next argument as their value (``--cfg job``, ``-cd DIR``)."""
-
-
-def _shipped_dir(name: str, marker: str | None = None) -> Path:
-    """The directory ``name`` of memlab's layout (``conf`` or ``sweeps``): inside the package in an
-    installed wheel (``memlab/<name>``, placed there by the build: pyproject.toml's
-    ``[tool.hatch.build.targets.wheel]``), else the checkout's top-level ``<name>/`` beside
-    ``src/memlab`` (an editable install, ``pip install -e .``, imports memlab from ``src/``).
-    ``marker``, when given, must be in it (a leftover ``src/memlab/conf/__pycache__`` of the old
-    layout is no config dir)."""
-    import memlab
-
-    package = Path(memlab.__file__).resolve().parent
-    places = [package / name]
-    if package.parent.name == "src":
-        places.append(package.parents[1] / name)
-    for where in places:
-        if (where / marker).is_file() if marker else where.is_dir():
-            return where
-    raise FileNotFoundError(
-        f"memlab's {name}/ is in none of {', '.join(map(str, places))} (memlab imported from "
-        f"{package}): a wheel holds it as memlab/{name}, a checkout at its top level; "
-        f"reinstall memlab (pip install -e . in a checkout)")
-
-
-def conf_dir() -> Path:
-    """memlab's configs: ``config.yaml`` and one dir per config group (the repo's ``conf/``). Hydra
-    reads it as an absolute config dir (:data:`memlab.cli.app.CONFIG_PATH`, :func:`compose`)."""
-    return _shipped_dir("conf", "config.yaml")
-
-
-def sweeps_dir() -> Path:
-    """The ready sweeps (the repo's ``sweeps/``), the config group ``sweep`` of every search path
-    that holds :func:`conf_dir` (``hydra_plugins/memlab_sweeps`` mounts it)."""
-    return _shipped_dir("sweeps")
-
-
-def initialize():
-    """Hydra initialised on memlab's configs (:func:`conf_dir`; the sweeps mounted beside them),
-    for code that reads the config tree outside a Hydra app (a context manager)."""
-    from hydra import initialize_config_dir
-
-    return initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3")
+# conf_dir, sweeps_dir: imported from here too (memlab.cli.conf keeps them, for the overrides' check)
+from memlab.cli.conf import conf_dir, initialize, split_hydra_flags, sweeps_dir  # noqa: F401
 
 
 def compose(overrides: Sequence[str]):
     """(config without the hydra node, the user's group choices) composed from memlab's configs
-    with ``overrides``, exactly as a run composes them."""
+    with ``overrides``, exactly as a run composes them. An unknown group option (which Hydra
+    skips in an optional group) or key raises :class:`memlab.registry.ConfigErrors` naming the
+    fix (:mod:`memlab.cli.overrides`); other Hydra errors are Hydra's."""
     from hydra import compose as hydra_compose
+    from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf, open_dict
 
+    from memlab.cli.overrides import problems, unknown_choices
     from memlab.measure.summary import user_choices
+    from memlab.registry import ConfigErrors
 
-    with initialize():
-        cfg = hydra_compose(config_name="config", overrides=list(overrides),
-                            return_hydra_config=True)
+    try:
+        with initialize():
+            cfg = hydra_compose(config_name="config", overrides=list(overrides),
+                                return_hydra_config=True)
+            bad = unknown_choices(cfg.hydra.runtime.choices,
+                                  GlobalHydra.instance().config_loader().get_group_options,
+                                  overrides)
+    except Exception:
+        found = problems(overrides)  # memlab's message where Hydra would advise a '+'
+        if found:
+            raise ConfigErrors(found) from None
+        raise
+    if bad:
+        raise ConfigErrors(bad)
     choices = user_choices(cfg.hydra.runtime.choices)
     with open_dict(cfg):
         del cfg["hydra"]
@@ -99,24 +71,6 @@ def app_argv(args: Sequence[str], command: str, out: Path | None = None) -> list
     if "hydra/launcher" not in keys:
         extra.append("hydra/launcher=basic")
     return [*extra, *args]
-
-
-def split_hydra_flags(argv: Sequence[str]) -> tuple[list[str], list[str]]:
-    """(Hydra's flags with their values, everything else) so that a command's own argparse
-    never sees ``--cfg job`` or ``-cd DIR``."""
-    hydra_args, rest = [], []
-    it = iter(argv)
-    for arg in it:
-        if arg in HYDRA_FLAGS_WITH_VALUE:
-            hydra_args.append(arg)
-            value = next(it, None)
-            if value is not None:
-                hydra_args.append(value)
-        elif arg in ("-m", "--multirun", "--run", "-r", "--resolve", "--hydra-help"):
-            hydra_args.append(arg)
-        else:
-            rest.append(arg)
-    return hydra_args, rest
 
 
 def parse_command(argv: Sequence[str] | None, parser: argparse.ArgumentParser, prog: str

@@ -147,11 +147,13 @@ def estimate_one(overrides: list[str], opts) -> dict[str, Any]:
     """Compose + estimate one point outside a Hydra app (for library use); never raises for a
     bad configuration."""
     from memlab.estimate import estimate
+    from memlab.registry import ConfigErrors
 
     try:
         cfg, choices = compose(overrides)
     except Exception as e:  # noqa: BLE001 - Hydra's override / compose errors
-        if type(e).__module__.split(".")[0] not in ("hydra", "omegaconf"):
+        if type(e).__module__.split(".")[0] not in ("hydra", "omegaconf") and not isinstance(
+                e, ConfigErrors):
             raise
         return {"kind": "estimate", "status": "invalid", "error": str(e),
                 "choices": {}, "overrides": list(overrides)}

@@ -168,6 +168,12 @@ def main(argv: Sequence[str] | None = None, prog: str = "memlab") -> int:
     if moved:
         print("\n".join(f"memlab: {m}" for m in moved), file=sys.stderr)
         return 2
+    from memlab.cli.overrides import command_line_error
+
+    err = command_line_error(rest)
+    if err:
+        print(f"memlab: {err}", file=sys.stderr)
+        return 2
     from memlab.cli.app import main as app
 
     sys.argv = [prog if sys.argv[0] in ("", "-c") else sys.argv[0], *rest]

@@ -13,6 +13,7 @@ from memlab.registry import Option
 
 if TYPE_CHECKING:
     from memlab.context import BuildContext
+    from memlab.trainer.inputs import Inputs
 
 
 class DataError(ValueError):
@@ -42,6 +43,8 @@ class DataSource(Option, Protocol):
     def on_unsplittable(self) -> Literal["error", "skip"]: ...
     @property
     def eval(self) -> float | str | None: ...
+    @property
+    def max_hollow_fraction(self) -> float: ...
 
     def eval_kind(self) -> Literal["fraction", "path", "split"] | None:
         """What ``eval`` names (:meth:`memlab.data.formats.RowOptions.eval_kind`)."""
@@ -73,6 +76,13 @@ class DataSource(Option, Protocol):
     def summary(self, ds: Any) -> dict[str, Any]:
         """Entries for the summary's ``data`` section about the rows ``ds`` (what :meth:`load`
         returned) holds (a mixture's rows per source); empty for most sources."""
+        ...
+
+    def inputs(self) -> dict[str, Inputs]:
+        """What the rows are read from (files, a hub repository), by input name (``data``;
+        ``data.<label>`` per mixture source), fingerprinted by checkpoints so that a resumed
+        run refuses data changed in place (:mod:`memlab.trainer.inputs`); empty for data
+        generated from the config."""
         ...
 
 

@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from memlab.data.base import DataError, SplitSource, original_row
-from memlab.registry import Option, Range
+from memlab.registry import Fraction, Option, Range
+from memlab.trainer.inputs import Inputs
 
 _VERSION = "1"
 """Part of the cache key of converted datasets: bump when a conversion changes."""
@@ -75,6 +76,13 @@ class RowOptions(Option):
     """A row the chat template still cannot split into exact prompt / answer tokens. error:
     the run is invalid, naming the row and why; skip: the row is left out and counted
     (``data.unsplittable``, with where the first ones are)."""
+    max_hollow_fraction: Fraction = 0.5
+    """The share of hollow examples (``data.hollow_rows`` of the summary: rows that carry no
+    training signal, such as SFT rows whose every assistant turn is empty or preference pairs
+    whose chosen and rejected are the same) above which the run warns, on stderr and in the
+    summary (``data.hollow_warning``); online methods count their reward groups of zero
+    variance the same way (``data.hollow_groups``). Data in which every example is hollow is
+    refused (``invalid``) whatever this is."""
     eval: Annotated[float, Range(gt=0, lt=1)] | str | None = None
     """Held-out data the run evaluates on (``train.eval_every``): a fraction in (0, 1) of the
     rows as read, held out with a fixed seed (the same rows whatever ``train.seed``; never
@@ -146,6 +154,11 @@ class RowOptions(Option):
         return self.place(original_row(ds, row))
 
     def summary(self, ds: Any) -> dict[str, Any]:
+        return {}
+
+    def inputs(self) -> dict[str, Inputs]:
+        """Nothing read from outside (data generated from the config); file and hub sources
+        name theirs."""
         return {}
 
 

@@ -4,11 +4,13 @@ Works offline from a warm HF cache (HF_DATASETS_OFFLINE=1) or with a local datas
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from memlab.data.base import limit, register
 from memlab.data.formats import RowOptions
 from memlab.registry import PositiveInt, Seed
+from memlab.trainer.inputs import Inputs
 
 if TYPE_CHECKING:
     from memlab.context import BuildContext
@@ -45,6 +47,14 @@ class Hub(RowOptions):
     def as_split_source(self) -> Hub:
         """A hub dataset has named splits (``data.eval=test`` reads one)."""
         return self
+
+    def inputs(self) -> dict[str, Inputs]:
+        """A local dataset directory or script: its files; a hub dataset: the commit its
+        revision resolved to (the hub cache's record of it)."""
+        local = Path(self.path).expanduser()
+        if local.exists():
+            return {"data": Inputs.of_paths([local])}
+        return {"data": Inputs(repo=f"datasets/{self.path}", revision=self.revision)}
 
     def load(self, ctx: BuildContext):
         return self.load_split(ctx, self.split)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Literal
 from memlab.data.base import DataError, limit, register
 from memlab.data.formats import RowOptions
 from memlab.registry import PositiveInt, Seed
+from memlab.trainer.inputs import Inputs
 
 if TYPE_CHECKING:
     from memlab.context import BuildContext
@@ -68,11 +69,19 @@ class Local(RowOptions):
         return errors + [f"data.path={self.path!r}: {f} is empty; give it rows (or remove it)"
                          for f in files if _is_empty(Path(f))]
 
+    def inputs(self) -> dict[str, Inputs]:
+        return {"data": Inputs.of_paths(self._files())}
+
     def load(self, ctx: BuildContext):
         import datasets
 
         files = self._files()
         fmt = self._format(files)
+        if fmt in ("json", "csv"):  # datasets reads bytes that are not UTF-8 and fails later
+            for f in files:
+                problem = _encoding_problem(Path(f))
+                if problem is not None:
+                    raise DataError(problem)
         try:
             ds = datasets.load_dataset(fmt, data_files=files, split="train")
         except Exception as e:  # noqa: BLE001 - read again to say where and why
@@ -127,6 +136,38 @@ def _places(path: Path, fmt: str) -> list[str]:
     return [f"line {n}" for n, line in enumerate(text.splitlines(), 1) if line.strip()]
 
 
+def _encoding_problem(path: Path) -> str | None:
+    """The first line of a text data file that is not UTF-8, named with the byte at fault (one
+    pass over the lines), or None."""
+    with path.open("rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                return (f"{path} line {n}: not UTF-8 (byte 0x{raw[e.start]:02x} at column "
+                        f"{len(raw[:e.start].decode('utf-8', errors='replace')) + 1}: "
+                        f"{e.reason}); save the file as UTF-8")
+    return None
+
+
+def _surrogate(value: object) -> str | None:
+    """A string in ``value`` (a parsed JSON row) with a lone surrogate escape (``\\ud800``:
+    half of a UTF-16 pair, no character), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return value
+        return None
+    items = value.values() if isinstance(value, dict) else value if isinstance(
+        value, list) else ()
+    for item in items:
+        found = _surrogate(item)
+        if found is not None:
+            return found
+    return None
+
+
 def _diagnose(files: list[str]) -> str | None:
     """The first problem that stops JSON files from being read as rows, with its file and line:
     malformed JSON, a row that is not an object, a field whose type differs from earlier rows
@@ -156,6 +197,12 @@ def _diagnose(files: list[str]) -> str | None:
                 return (f"{path} {where}: a row must be a JSON object with named fields, got "
                         f"{type(row).__name__}")
             for key, value in row.items():
+                bad = _surrogate(value)
+                if bad is not None:
+                    lone = next(f"\\u{ord(c):04x}" for c in bad if 0xD800 <= ord(c) <= 0xDFFF)
+                    return (f"{path} {where}: field '{key}' holds a lone surrogate escape "
+                            f"({lone}: half of a UTF-16 pair, not a character); fix the "
+                            "escape, or remove it")
                 kind = _kind(value)
                 if kind == "null":
                     continue

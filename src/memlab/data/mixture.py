@@ -24,7 +24,8 @@ names its source: errors say ``mixture source 'chat': <file> line 12``, and the 
 conversational columns become JSON-typed lists, missing columns empty.
 
 The chat-template settings (``chat_template_kwargs``, ``training_template``,
-``on_unsplittable``) are the mixture's, for all its rows; ``columns`` is per source.
+``on_unsplittable``) and ``max_hollow_fraction`` are the mixture's, for all its rows; ``columns``
+is per source.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from typing import Any
 from memlab.data.base import DataError, DataSource, build_source, register
 from memlab.data.formats import RowOptions
 from memlab.registry import PositiveInt, Seed
+from memlab.trainer.inputs import Inputs
 
 SHARE_KEYS = ("weight", "count")
 SOURCE_COLUMN, ROW_COLUMN = "source", "source_row"
@@ -97,10 +99,11 @@ class Mixture(RowOptions):
                 continue
             for knob, own in (("chat_template_kwargs", obj.chat_template_kwargs),
                               ("training_template", obj.training_template),
-                              ("on_unsplittable", obj.on_unsplittable)):
+                              ("on_unsplittable", obj.on_unsplittable),
+                              ("max_hollow_fraction", obj.max_hollow_fraction)):
                 if own != unset[knob]:
-                    errors.append(f"{where}.{knob}: chat-template settings are the mixture's; "
-                                  f"set data.{knob} instead")
+                    errors.append(f"{where}.{knob}: this setting is the mixture's, for all its "
+                                  f"rows; set data.{knob} instead")
             if obj.eval is not None:
                 errors.append(f"{where}.eval: the held-out data is the mixture's; set "
                               "data.eval instead (a fraction of the mixed rows, or a file)")
@@ -153,6 +156,12 @@ class Mixture(RowOptions):
                             "count")
         mixed = datasets.concatenate_datasets(align(parts))
         return mixed.shuffle(seed=self.seed)
+
+    def inputs(self) -> dict[str, Inputs]:
+        """Each source's inputs, as ``data.<label>``."""
+        configs, _ = self.source_configs()
+        return {f"data.{label}": inp for label, (obj, _, _) in configs.items()
+                for inp in obj.inputs().values()}
 
     def locate(self, ds, row: int) -> str:
         item = ds[row]

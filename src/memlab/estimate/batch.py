@@ -12,7 +12,7 @@ Without checkpointing that is kept per layer until backward: 16 MiB (mask) + 2 M
 key / value) a layer for 4 x 1024 rows of the default tiny model in fp32; with checkpointing
 only the recomputed layer holds them. A batch whose rows all have the same length skips the
 mask (sdpa's causal kernel); eager builds its float mask either way; flash / flex attention
-build no dense mask (:func:`memlab.estimate.fake.exact_value_hooks`). Which batch is larger
+build no dense mask (:func:`memlab.estimate.modes.exact_value_hooks`). Which batch is larger
 therefore depends on the backend, so the estimate measures each batch that can occur and takes
 the largest peak (:func:`memlab.estimate.fake.run_fake_step`).
 

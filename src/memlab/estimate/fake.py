@@ -19,7 +19,7 @@ Because the estimator built the batch itself it knows the real values: with ``ex
 batch tensors (:func:`memlab.measure.patches.mask_decisions`), so the fake step takes the same
 branches as the real one. Where memlab itself needs a value (the documents of a packed row) the
 collator computed it on the host already. Other value reads are answered without values by
-:class:`EstimateFakeMode` and reported.
+:func:`memlab.estimate.modes.estimate_fake_mode` and reported.
 
 Sharded runs: ``distributed=fsdp2`` (``fully_shard``) and ``distributed=deepspeed`` (its engine,
 ZeRO 0-3) run their real wrap on the fake weights over torch's fake process group
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -40,8 +39,7 @@ from typing import TYPE_CHECKING, Any
 import datasets
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from memlab.estimate.batch import (
     Candidate,
@@ -56,6 +54,7 @@ from memlab.estimate.batch import (
     worst_case_rollout_tensors,
 )
 from memlab.estimate.decode import ShortDecode
+from memlab.estimate.modes import FlopCount, estimate_fake_mode, estimate_tracker, exact_value_hooks
 from memlab.estimate.options import CUDA_BLOCK, EstimateError, EstimateOptions
 from memlab.estimate.sharding import shard_units
 from memlab.estimate.standins import (
@@ -66,9 +65,7 @@ from memlab.estimate.standins import (
     WorstCaseEngine,
     round_trip_token,
 )
-from memlab.measure import patches
 from memlab.measure.data import DataStats
-from memlab.measure.memory import tracker_class
 from memlab.method.base import LOSS_INDEX
 from memlab.pipeline import HeldOut, Seams, build, eval_context
 from memlab.trainer.batch import Batch
@@ -77,182 +74,6 @@ from memlab.trainer.routing import unwrap
 
 if TYPE_CHECKING:
     from memlab.context import BuildContext
-
-
-def _candidates(real: dict[str, torch.Tensor], suffix: str, fake: Any) -> list[torch.Tensor]:
-    """The batch's real tensors named ``*suffix`` that ``fake`` can be (same shape, or the same
-    after ``expand``, as transformers does with position_ids)."""
-    if not isinstance(fake, torch.Tensor):
-        return []
-    out = []
-    with unset_fake_temporarily():
-        for name, r in real.items():
-            if not name.endswith(suffix):
-                continue
-            if tuple(r.shape) == tuple(fake.shape):
-                out.append(r)
-            elif r.dim() == fake.dim():
-                try:
-                    out.append(r.expand(tuple(fake.shape)))
-                except RuntimeError:
-                    pass
-    return out
-
-
-def _same(values: list[Any]) -> bool:
-    first = values[0]
-    for v in values[1:]:
-        if isinstance(first, torch.Tensor) or isinstance(v, torch.Tensor):
-            if not (isinstance(first, torch.Tensor) and isinstance(v, torch.Tensor)
-                    and first.shape == v.shape and torch.equal(first, v)):
-                return False
-        elif v != first:
-            return False
-    return True
-
-
-@contextlib.contextmanager
-def exact_value_hooks(real: dict[str, torch.Tensor], fake_mode,
-                      dense_padding: bool = True) -> Iterator[None]:
-    """Evaluate transformers' value-dependent mask decisions (causal-mask skip, packed-sequence
-    detection) on the real batch tensors (module docstring). The fake argument is matched to the
-    batch tensors of the same kind (``*attention_mask`` / ``*position_ids``) and shape; when
-    several match and disagree, the fake-tensor behaviour (a materialised mask: the larger
-    memory) is kept. ``dense_padding=False`` (sdpa standing in for flash / flex attention,
-    which never build a dense mask: flash unpads the rows, flex builds a block mask) decides
-    as if the rows had no padding. Scoped: restored on exit."""
-
-    def decide(orig, suffix, fake, *args, convert=None, **kwargs):
-        """orig(real, ...) if every real candidate gives the same answer, else orig(fake)."""
-        cands = _candidates(real, suffix, fake)
-        if not cands:
-            return orig(fake, *args, **kwargs)
-        with unset_fake_temporarily():
-            answers = [orig(convert(c) if convert else c, *args, **kwargs) for c in cands]
-            if not _same(answers):
-                return orig(fake, *args, **kwargs)
-        ans = answers[0]
-        return fake_mode.from_tensor(ans) if isinstance(ans, torch.Tensor) else ans
-
-    def find_packed(orig, position_ids):
-        return decide(orig, "position_ids", position_ids)
-
-    def ignore_causal(orig, padding_mask, *args, **kwargs):
-        if padding_mask is None:
-            return orig(padding_mask, *args, **kwargs)
-        return decide(orig, "attention_mask", padding_mask, *args,
-                      convert=(lambda t: t.bool()) if dense_padding else
-                      (lambda t: torch.ones_like(t, dtype=torch.bool)), **kwargs)
-
-    with patches.mask_decisions(find_packed, ignore_causal):
-        yield
-
-
-def estimate_tracker(round_to: int = 0):
-    """The run's tracker class, optionally rounding each storage up to ``round_to`` bytes
-    (the CUDA caching allocator's 512-byte blocks) while the fake tensors live on the CPU."""
-    from torch._guards import active_fake_mode
-    from torch.distributed._tools.mem_tracker import (
-        _TOTAL_KEY,
-        _MemRefType,
-        _UpdateType,
-        _WeakRefInfo,
-        get_untyped_storages,
-    )
-    from torch.distributed.tensor import DTensor
-    from torch.utils._pytree import tree_leaves
-
-    base = tracker_class()
-    wait_tensor = torch.ops._c10d_functional.wait_tensor.default
-    add, delete, ref, size = (_UpdateType.ADD, _UpdateType.DEL, _UpdateType.REF,
-                              _UpdateType.SIZE)
-
-    # (the base class is made at run time: mypy cannot check a class derived from a variable)
-    class EstimateTracker(base):  # type: ignore[misc, valid-type]
-        """The run's tracker; its per-op work made cheaper, the same storages tracked the same
-        way: MemTracker's ``__torch_dispatch__`` walks the outputs with ``tree_map_only``
-        (which wraps a new function on every call) and ``_update_snap`` builds a dict of every
-        reference type on every call (an Enum walk) even when the device has one already."""
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if self.paused:
-                return func(*args, **(kwargs or {}))
-            if DTensor in types:
-                return NotImplemented
-            if func is wait_tensor and active_fake_mode():
-                res = args[0]
-            else:
-                res = func(*args, **(kwargs or {}))
-            if active_fake_mode() is self._fake_mode_on_entry:
-                if self._in_opt:
-                    reftype = _MemRefType.OPT
-                elif self._mod_tracker.is_bw and not self._in_ac:
-                    reftype = _MemRefType.TEMP
-                else:
-                    reftype = _MemRefType.ACT
-                if isinstance(res, torch.Tensor):
-                    self._track(reftype, res)
-                elif res is not None:
-                    for leaf in tree_leaves(res):
-                        if isinstance(leaf, torch.Tensor):
-                            self._track(reftype, leaf)
-                self._update_peak_stats(None)
-            return res
-
-        def _track(self, reftype, t: torch.Tensor) -> None:
-            for st in get_untyped_storages(t):
-                winfo, _ = self._WINFO.get(st, (None, None))
-                if winfo is not None:
-                    if winfo.size != st.size():
-                        old = winfo.mem_consumed
-                        winfo.update_mem_consumed(st)
-                        self._update_snap(size, winfo, old_mem_consumed=old)
-                    return
-                winfo, w_st = _WeakRefInfo.create_winfo(st, t.device, reftype,
-                                                       self._delete_callback)
-                self._WINFO[st] = (winfo, w_st)
-                if winfo.mem_consumed > 0:
-                    self._update_snap(add, winfo)
-
-        def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None):
-            if round_to and (u_type is add or u_type is size):
-                raw = winfo.size * winfo.element_size
-                winfo.mem_consumed = math.ceil(raw / round_to) * round_to if raw > 0 else 0
-            snaps = self._curr_mem_snap
-            dev_snap = snaps.get(winfo.device)
-            if dev_snap is None:
-                dev_snap = snaps[winfo.device] = dict.fromkeys(self._ref_class, 0)
-                dev_snap[_TOTAL_KEY] = 0
-            n = winfo.mem_consumed
-            if u_type is add:
-                dev_snap[winfo.reftype] += n
-                dev_snap[_TOTAL_KEY] += n
-            elif u_type is delete:
-                dev_snap[winfo.reftype] -= n
-                dev_snap[_TOTAL_KEY] -= n
-            elif u_type is ref:
-                dev_snap[old_reftype] -= n
-                dev_snap[winfo.reftype] += n
-            elif u_type is size:
-                dev_snap[winfo.reftype] += n - old_mem_consumed
-                dev_snap[_TOTAL_KEY] += n - old_mem_consumed
-            else:
-                raise ValueError(f"Invalid update type: {u_type}")
-            if u_type is not add and u_type is not ref and dev_snap[_TOTAL_KEY] == 0:
-                del snaps[winfo.device]
-
-        def _update_peak_stats(self, peak_state) -> None:
-            # Only the global peak (what MemoryProbe reads). MemTracker also keeps a per-module
-            # peak, walking every tracked module after every op: 2/3 of the time of a 1B
-            # estimate, and memlab never reads it.
-            for dev, snap in self._curr_mem_snap.items():
-                total = snap[_TOTAL_KEY]
-                if self._peak_mem.get(dev, 0) < total:
-                    self._peak_mem[dev] = total
-                    self._peak_mem_snap[dev] = dict(snap)
-
-
-    return EstimateTracker()
 
 
 def _param_info(model: nn.Module) -> dict[str, Any]:
@@ -291,73 +112,12 @@ def _hf_summary(cfg) -> dict[str, Any]:
     return {k: getattr(cfg, k) for k in keys if hasattr(cfg, k)}
 
 
-def estimate_fake_mode():
-    """A FakeTensorMode that answers the value reads a training step makes *after* the
-    decisions :func:`exact_value_hooks` resolves from the real batch - in practice loss values
-    and logging metrics: a floating scalar read (``float(t)``, ``.item()``, ``.tolist()``) gives
-    NaN, a boolean read gives True, and a data-dependent shape (``nonzero``, boolean indexing,
-    ``masked_select``) keeps every element (the upper bound). Integer reads still fail. The
-    answers are counted in ``mode.assumed`` and reported."""
-    aten = torch.ops.aten
-
-    class EstimateFakeMode(FakeTensorMode):
-        assumed: dict[str, int]
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is aten._local_scalar_dense.default:
-                x = args[0]
-                if x.is_floating_point() or x.dtype == torch.bool:
-                    kind = "float reads (NaN)" if x.is_floating_point() else \
-                        "boolean reads (True)"
-                    self.assumed[kind] = self.assumed.get(kind, 0) + 1
-                    return float("nan") if x.is_floating_point() else True
-            if func in (aten.nonzero.default, aten.masked_select.default):
-                key = "data-dependent shapes (all elements kept)"
-                self.assumed[key] = self.assumed.get(key, 0) + 1
-                x = args[0]
-                shape: tuple[int, ...]
-                if func is aten.nonzero.default:
-                    shape, dtype = (x.numel(), x.dim()), torch.long
-                else:
-                    shape = (torch.broadcast_shapes(x.shape, args[1].shape).numel(),)
-                    dtype = x.dtype
-                return super().__torch_dispatch__(
-                    aten.empty.memory_format, types, (shape,),
-                    {"dtype": dtype, "device": x.device})
-            return super().__torch_dispatch__(func, types, args, kwargs)
-
-    mode = EstimateFakeMode()
-    mode.assumed = {}
-    return mode
-
-
 def _fake_micro_batches(batch: Batch, micro: int, mode) -> list[Batch]:
     """``micro`` copies of ``batch`` on fake tensors, each with its own storage (a run collates
     every micro-batch of a step separately and keeps them all until the step ends)."""
     return [dataclasses.replace(batch, tensors={
         n: mode.from_tensor(v.clone()) if isinstance(v, torch.Tensor) else v
         for n, v in batch.tensors.items()}) for _ in range(micro)]
-
-
-class FlopCount(TorchDispatchMode):
-    """Floating-point operations of the ops torch's flop counter knows (matmuls, convolutions,
-    attention), read from the shapes as they run: what ``FlopCounterMode`` counts, without its
-    module tracking, whose hooks hold on to module outputs and so would change the very peak
-    this step measures (seen: 242 -> 331 MiB for the default run, checkpointing defeated)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.total = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch.utils.flop_counter import flop_registry
-
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        count = flop_registry.get(func._overloadpacket)
-        if count is not None:
-            self.total += int(count(*args, **kwargs, out_val=out))
-        return out
 
 
 def run_fake_step(ctx: BuildContext, opts: EstimateOptions, notes: list[str], *,

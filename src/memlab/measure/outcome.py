@@ -1,10 +1,12 @@
 """How a run ended: the statuses of summary.json, stop signals, evidence of the OOM killer.
 
-A run records one of :data:`STATUSES`. The run itself tells ``ok``, ``invalid`` (a config or
-data problem, found before or while the data is prepared), ``oom`` (an allocation failed),
+A run records one of :data:`STATUSES`. The run itself tells ``ok``, ``invalid`` (a config,
+data, model-file or checkpoint problem, found before anything loads where it can be, or while
+the data is prepared or the files are read; the error names the file), ``oom`` (an allocation
+failed),
 ``nan`` (a non-finite loss: the step is recorded), ``failed`` (any other exception: a bug or a
-broken environment) and ``interrupted`` (SIGINT or SIGTERM, with the signal). Its launcher tells
-what the run cannot: ``timeout`` (stopped after the launcher's time limit), ``killed`` (SIGKILL,
+broken environment) and ``interrupted`` (SIGINT, SIGTERM or SIGHUP, with the signal). Its
+launcher tells what the run cannot: ``timeout`` (stopped after the launcher's time limit), ``killed`` (SIGKILL,
 or another fatal signal, from outside), ``oom`` again when a SIGKILL comes with evidence of the
 OS out-of-memory killer (:class:`OomWatch`), and ``not_run`` (a sweep job never started because
 the sweep was interrupted).
@@ -33,14 +35,16 @@ FAILING = ("failed", "killed")
 """Statuses that make a sweep exit non-zero: a crash or an unexplained kill needs a look (oom,
 invalid, nan and timeout are results of the configuration)."""
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-"""Signals that stop a run cleanly: it records ``interrupted`` with what it measured so far."""
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""Signals that stop a run cleanly: it records ``interrupted`` with what it measured so far.
+SIGHUP (the terminal or the SSH session closed) is one: its default would end the run without a
+record and lose every measured step."""
 
 
 class Interrupted(BaseException):
     """A stop signal arrived (SIGINT: Ctrl-C; SIGTERM: ``kill``, ``timeout``, SLURM, ``docker
-    stop``). A BaseException, like KeyboardInterrupt, so that ``except Exception`` in library
-    code does not swallow it."""
+    stop``; SIGHUP: the terminal closed). A BaseException, like KeyboardInterrupt, so that
+    ``except Exception`` in library code does not swallow it."""
 
     def __init__(self, signum: int):
         self.signum = int(signum)
@@ -74,7 +78,7 @@ class NonFiniteLoss(FloatingPointError):
 
 
 class StopSignals:
-    """Stop signals (SIGINT, SIGTERM) for the code that records a run.
+    """Stop signals (:data:`STOP_SIGNALS`) for the code that records a run.
 
     While entered (in the main thread) a stop signal is *held*: remembered in ``held``, not
     raised, so that the record being made is made whole; the caller honours it afterwards.

@@ -32,7 +32,7 @@ turning the patch into a no-op.
   buildable ops marks its shared-memory all-reduce kernel unavailable (for good: a process).
 - :func:`check_overrides`: memlab's memory tracker subclasses torch's MemTracker and overrides
   private methods of it (:func:`memlab.measure.memory.tracker_class`, and the estimate's
-  :func:`memlab.estimate.fake.estimate_tracker`); each must still exist in torch, or the
+  :func:`memlab.estimate.modes.estimate_tracker`); each must still exist in torch, or the
   override would silently never run.
 
 Not patches, though they touch third-party objects: memlab sets documented attributes of the

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from memlab.measure.summary import unlink_link, write_text_atomic
+
 PHASE_PREFIX = "memlab."
 """``record_function`` label of a loop phase: ``memlab.forward`` / ``.backward`` / ..."""
 
@@ -116,12 +118,13 @@ def profiled(out_dir: Path, *, cuda: bool = False) -> Iterator[dict[str, Any]]:
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
     out_dir.mkdir(parents=True, exist_ok=True)
+    unlink_link(out_dir / "trace.json")  # a link there is replaced, never followed
     prof.export_chrome_trace(str(out_dir / "trace.json"))
     events = prof.key_averages()
     sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
-    (out_dir / "ops.txt").write_text(events.table(sort_by=sort, row_limit=60) + "\n")
+    write_text_atomic(out_dir / "ops.txt", events.table(sort_by=sort, row_limit=60) + "\n")
     result.update(summarize(events, wall, device=cuda))
-    (out_dir / "summary.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_text_atomic(out_dir / "summary.json", json.dumps(result, indent=2) + "\n")
 
 
 def phase_label(name: str, on: bool) -> contextlib.AbstractContextManager:

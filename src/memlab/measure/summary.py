@@ -21,18 +21,20 @@ def _umask() -> int:
     return mask
 
 
-def write_atomic(path: Path | str, obj: Any) -> None:
-    """Write JSON to a temp file in the same dir, fsync, then rename over ``path``.
+def write_text_atomic(path: Path | str, text: str) -> None:
+    """Write ``text`` to a temp file in the same dir, fsync, then rename over ``path``.
 
-    The file gets the mode a plain ``open(path, "w")`` would give (0644 under the usual umask
-    022), not the temp file's private 0600: colleagues on a shared cluster read the results."""
+    A reader never sees half a file, and a symbolic link planted at ``path`` is replaced, never
+    followed: no write of memlab's lands outside its directory. The file gets the mode a plain
+    ``open(path, "w")`` would give (0644 under the usual umask 022), not the temp file's
+    private 0600: colleagues on a shared cluster read the results."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         os.fchmod(fd, 0o666 & ~_umask())
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2, sort_keys=False, default=str)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -40,6 +42,18 @@ def write_atomic(path: Path | str, obj: Any) -> None:
         with _suppress():
             os.unlink(tmp)
         raise
+
+
+def write_atomic(path: Path | str, obj: Any) -> None:
+    """``obj`` as JSON, written by :func:`write_text_atomic` (atomic, links not followed)."""
+    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=False, default=str))
+
+
+def unlink_link(path: Path | str) -> None:
+    """Remove a symbolic link at ``path`` (a file a library is about to write there, which would
+    follow it out of its directory); a real file or nothing there is left alone."""
+    if os.path.islink(path):
+        os.unlink(path)
 
 
 FALLBACK_ENV = "MEMLAB_FALLBACK_DIR"
@@ -198,7 +212,8 @@ def _device_info(device: str, torch) -> dict[str, Any]:
 
 def data_notes(d: dict[str, Any]) -> list[str]:
     """What happened to the rows, from a summary's ``data`` section: rows rendered with a
-    training template, skipped as unsplittable, converted on load, a mixture's sources."""
+    training template, skipped as unsplittable, hollow (no training signal), converted on load,
+    a mixture's sources."""
     notes = []
     if d.get("chat_template"):
         ct = d["chat_template"]
@@ -208,6 +223,12 @@ def data_notes(d: dict[str, Any]) -> list[str]:
         un = d["unsplittable"]
         notes.append(f"skipped: {un['skipped']} rows the chat template cannot split (first: "
                      f"{'; '.join(un['first'])}): {un['reason']}")
+    if d.get("hollow_warning"):
+        notes.append(f"warning: {d['hollow_warning']}")
+    elif d.get("hollow_rows"):
+        notes.append(f"hollow: {d['hollow_rows']} examples carry no training signal")
+    if d.get("hollow_groups_warning"):
+        notes.append(f"warning: {d['hollow_groups_warning']}")
     if d.get("converted"):
         notes.append("converted on load: " + ", ".join(
             f"{k} ({v} rows)" for k, v in d["converted"].items()))

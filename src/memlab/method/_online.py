@@ -39,7 +39,6 @@ from memlab.method.base import (
 )
 from memlab.model.base import Head
 from memlab.registry import NonNegativeFloat, Option, PositiveFloat, PositiveInt, Range
-from memlab.trainer.routing import base_model
 
 if TYPE_CHECKING:
     from memlab.context import BuildContext
@@ -217,7 +216,7 @@ class Online(Option):
     def reward_model_instances(self, build: ModelFactory) -> dict[str, nn.Module]:
         """``reward_model_<i>``: each entry of ``reward_models`` loaded frozen with a
         one-output sequence-classification head and its own tokenizer."""
-        return {f"reward_model_{i}": RewardModel(build(entry or None, head="seq_cls"),
+        return {f"reward_model_{i}": _rewards.RewardModel(build(entry or None, head="seq_cls"),
                                                  build.tokenizer(entry or None))
                 for i, entry in enumerate(self.reward_models)}
 
@@ -275,6 +274,7 @@ class Online(Option):
         samples = env.engine.generate(models["policy"], prompt, pmask, self.sampling(batch))
         rewards, metrics = self.score(batch, samples, models)
         out = self.training_batch(models, batch, prompt, pmask, samples, rewards, metrics)
+        out.meta["counts"] = _rewards.reward_groups(rewards, self.num_generations)
         if samples.logprobs is not None and env.engine.corrects_sampling():
             self.correct_sampling(models, out, samples.logprobs, env.engine, prompt.shape[1])
         return out
@@ -393,33 +393,6 @@ class Online(Option):
         raise NotImplementedError
 
 
-class RewardModel(nn.Module):
-    """A frozen reward model with its own tokenizer: :meth:`score` reads texts (the prompt's
-    rendering + the completion's text, no extra special tokens) and returns the head's output at
-    each text's last real token."""
-
-    def __init__(self, model: nn.Module, tokenizer):
-        super().__init__()
-        self.model = model
-        if tokenizer.pad_token_id is None:
-            tokenizer.pad_token = tokenizer.eos_token
-        tokenizer.padding_side = "right"
-        self.tokenizer = tokenizer
-        base_model(model).config.pad_token_id = tokenizer.pad_token_id  # its own tokenizer's
-
-    def forward(self, **inputs: torch.Tensor) -> Any:
-        return self.model(**inputs)
-
-    def score(self, texts: list[str]) -> torch.Tensor:
-        """Scores ``[N]`` (float32, host), no gradient, eval mode."""
-        enc = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-        device = next(self.model.parameters()).device
-        with torch.no_grad():
-            logits = self.model(input_ids=enc["input_ids"].to(device),
-                                attention_mask=enc["attention_mask"].to(device)).logits
-        return logits[:, 0].float().cpu()
-
-
 def join(prompt: torch.Tensor, prompt_mask: torch.Tensor, completion: torch.Tensor,
          completion_mask: torch.Tensor) -> dict[str, torch.Tensor]:
     """Left-padded prompts + right-padded completions -> the training tensors: input_ids,
@@ -503,3 +476,4 @@ class Clipped(Online):
         loss = -torch.min(ratio * adv, torch.clamp(ratio, lo, hi) * adv)
         active = ((ratio < lo) & (adv < 0)) | ((ratio > hi) & (adv > 0))
         return loss, active
+

@@ -1,4 +1,5 @@
-"""Reward functions for the online methods (``method=grpo``), by name.
+"""Reward functions for the online methods (``method=grpo``), by name; reward models
+(:class:`RewardModel`); reward groups that train nothing (:func:`reward_groups`).
 
 A reward function scores a batch of completions, one float each::
 
@@ -19,6 +20,11 @@ import re
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
+
+import torch
+from torch import nn
+
+from memlab.trainer.routing import base_model
 
 RewardFn = Callable[..., list[float]]
 
@@ -77,3 +83,43 @@ def resolve(name: str, method: Any) -> RewardFn:
         return fn
     raise ValueError(f"method.rewards: unknown reward {name!r}; built-in: {', '.join(BUILTIN)}, "
                      "or 'package.module:function' for your own")
+
+
+def reward_groups(rewards: torch.Tensor, group: int) -> dict[str, int]:
+    """The rollout's reward groups (``groups``: prompts, ``group`` completions each) and those
+    whose rewards have zero variance (``hollow_groups``): every completion of such a group gets
+    the same reward, so a group-relative advantage is zero and the group trains nothing. The
+    trainer sums them over the run (``Batch.meta["counts"]``; the summary's ``data``). Nothing
+    for groups of one completion."""
+    if group < 2:
+        return {}
+    by_group = rewards.detach().float().reshape(-1, group)
+    same = (by_group.max(dim=1).values == by_group.min(dim=1).values)
+    return {"groups": int(by_group.shape[0]), "hollow_groups": int(same.sum())}
+
+
+class RewardModel(nn.Module):
+    """A frozen reward model with its own tokenizer: :meth:`score` reads texts (the prompt's
+    rendering + the completion's text, no extra special tokens) and returns the head's output at
+    each text's last real token."""
+
+    def __init__(self, model: nn.Module, tokenizer):
+        super().__init__()
+        self.model = model
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        tokenizer.padding_side = "right"
+        self.tokenizer = tokenizer
+        base_model(model).config.pad_token_id = tokenizer.pad_token_id  # its own tokenizer's
+
+    def forward(self, **inputs: torch.Tensor) -> Any:
+        return self.model(**inputs)
+
+    def score(self, texts: list[str]) -> torch.Tensor:
+        """Scores ``[N]`` (float32, host), no gradient, eval mode."""
+        enc = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        device = next(self.model.parameters()).device
+        with torch.no_grad():
+            logits = self.model(input_ids=enc["input_ids"].to(device),
+                                attention_mask=enc["attention_mask"].to(device)).logits
+        return logits[:, 0].float().cpu()

@@ -207,6 +207,19 @@ def is_empty(completion: Any) -> bool:
     return False
 
 
+SAME_PAIRS = ("pairs whose chosen and rejected tokens are the same (after truncation), so "
+              "the loss cannot prefer one")
+"""What a hollow preference pair is (:func:`same_pairs`)."""
+EMPTY_COMPLETIONS = "examples whose completion is empty"
+"""What a hollow unpaired example is (KTO)."""
+
+
+def same_pairs(ds: Any) -> int:
+    """Prepared pairs (``chosen_ids`` / ``rejected_ids`` columns) whose two sequences are the
+    same tokens: the loss of such a pair is a constant (DPO's ``log 2``), its gradient zero."""
+    return sum(c == r for c, r in zip(ds["chosen_ids"], ds["rejected_ids"], strict=True))
+
+
 def content_tokens(completion: Any, ids: list[int]) -> tuple[int, int]:
     """``(trainable tokens, 1 if empty else 0)`` of one completion and its kept token ids."""
     return (0, 1) if is_empty(completion) else (len(ids), 0)

@@ -177,6 +177,7 @@ class DPO(Offline, _liger.LigerKnobs):
                           tokens_dropped=int(sum(n_dropped)),
                           examples_dropped=int(len(keep) - sum(keep)),
                           trainable_tokens=int(sum(n_train)),
+                          hollow_rows=_rows.same_pairs(out), hollow_what=_rows.SAME_PAIRS,
                           extra={"empty_completions": int(sum(n_empty))})
         return out, stats
 

@@ -209,6 +209,7 @@ class KTO(Offline, _liger.LigerKnobs):
                           tokens_dropped=int(sum(n_dropped)),
                           examples_dropped=int(len(keep) - sum(keep)),
                           trainable_tokens=int(sum(n_train)),
+                          hollow_rows=int(sum(n_empty)), hollow_what=_rows.EMPTY_COMPLETIONS,
                           extra={"desirable": int(sum(labels)),
                                  "undesirable": int(len(labels) - sum(labels)),
                                  "empty_completions": int(sum(n_empty))})
@@ -274,6 +275,7 @@ class KTO(Offline, _liger.LigerKnobs):
                           tokens_dropped=int(sum(n_dropped)),
                           examples_dropped=2 * int(len(keep) - sum(keep)),
                           trainable_tokens=int(sum(n_train)),
+                          hollow_rows=int(sum(n_empty)), hollow_what=_rows.EMPTY_COMPLETIONS,
                           extra={"desirable": len(out), "undesirable": len(out),
                                  "empty_completions": int(sum(n_empty))})
         return out, stats

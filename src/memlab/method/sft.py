@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from memlab.data import chat, text
 from memlab.data.base import DataError, check_text
 from memlab.losses import chunked_linear_cross_entropy
+from memlab.method import _rows
 from memlab.method._liger import LIGER_LOSS, LigerKnobs
 from memlab.method.base import (
     IGNORE,
@@ -153,11 +154,12 @@ class SFT(Offline, LigerKnobs):
         limit = self.max_length if truncate else None
 
         def fn(batch: dict[str, list], idx: list[int]) -> dict[str, list]:
-            out: dict[str, list] = {"input_ids": [], "labels": [], "n_in": [], "n_train": []}
+            out: dict[str, list] = {"input_ids": [], "labels": [], "n_in": [], "n_train": [],
+                                    "hollow": []}
             for j, row in enumerate(idx):
+                item = {k: v[j] for k, v in batch.items()}
                 try:
-                    ids, mask = self._encode(fmt, {k: v[j] for k, v in batch.items()}, row,
-                                             tokenizer)
+                    ids, mask = self._encode(fmt, item, row, tokenizer)
                 except chat.SkippedRow:
                     continue
                 out["n_in"].append(len(ids))
@@ -170,6 +172,7 @@ class SFT(Offline, LigerKnobs):
                 out["input_ids"].append(ids)
                 out["labels"].append(labels)
                 out["n_train"].append(len(labels) - labels.count(IGNORE))
+                out["hollow"].append(self._hollow(fmt, item))
             return out
 
         key = hashlib.sha1(repr((ds._fingerprint, fmt, limit, self.truncation_mode,
@@ -178,14 +181,31 @@ class SFT(Offline, LigerKnobs):
             fn, batched=True, batch_size=256, with_indices=True, remove_columns=ds.column_names,
             keep_in_memory=True, new_fingerprint=key.hexdigest(), desc="tokenize",
         )
-        n_in, n_train = out["n_in"], out["n_train"]
+        n_in, n_train, hollow = out["n_in"], out["n_train"], out["hollow"]
         lens = [len(x) for x in out["input_ids"]]
-        out = out.remove_columns(["n_in", "n_train"])
+        out = out.remove_columns(["n_in", "n_train", "hollow"])
         stats = DataStats(
             examples=len(out), rows=len(out), tokens_in=int(sum(n_in)),
             tokens_dropped=int(sum(n_in) - sum(lens)), trainable_tokens=int(sum(n_train)),
+            hollow_rows=int(sum(hollow)), hollow_what=(
+                "every part the loss trains on is empty: a blank text"
+                if self.loss_on == "all" else "every assistant turn / completion is empty, so "
+                "only the end-of-turn token would be trained"),
         )
         return out, stats
+
+    def _hollow(self, fmt: str, row: dict) -> bool:
+        """Whether every part of ``row`` the loss trains on is empty (nothing but the template's
+        end-of-turn or EOS token would be trained); ``row`` as :meth:`_encode` read it (its
+        messages normalized: roles, contents)."""
+        if fmt == "text":
+            return _rows.is_empty(row["text"])
+        if fmt == "messages":
+            turns = row["messages"] if self.loss_on == "all" else [
+                m for m in row["messages"] if m.get("role") == "assistant"]
+            return _rows.is_empty(turns)
+        parts = [row["completion"]] + ([row["prompt"]] if self.loss_on == "all" else [])
+        return all(_rows.is_empty(p) for p in parts)
 
     def _encode(self, fmt: str, row: dict, idx: int, tok) -> tuple[list[int], list[int]]:
         train_completion = self.loss_on == "completion"

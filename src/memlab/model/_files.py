@@ -19,6 +19,8 @@ import os
 import re
 from pathlib import Path
 
+from memlab.trainer.inputs import Inputs
+
 PROBE_TIMEOUT_S = 5.0
 """Seconds to wait for the hub's answer to the one probe request (a lower
 ``HF_HUB_ETAG_TIMEOUT`` wins)."""
@@ -27,6 +29,34 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
                 "pytorch_model.bin.index.json", "adapter_config.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt",
                    "spiece.model", "sentencepiece.bpe.model", "tekken.json")
+
+TOKENIZER_SIDE = (*TOKENIZER_FILES, "merges.txt", "tokenizer_config.json",
+                  "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
+                  "chat_template.json")
+"""Files of a saved model directory that belong to its tokenizer (and its chat template)."""
+
+
+def is_tokenizer_file(path: Path) -> bool:
+    """Whether ``path`` (a file of a saved model directory) is a tokenizer's."""
+    return path.name in TOKENIZER_SIDE or path.name.startswith("tokenizer.model.") or (
+        path.suffix == ".tiktoken")
+
+
+def directory_inputs(name: str, revision: str | None) -> tuple[Inputs, Inputs]:
+    """``(model, tokenizer)`` inputs of ``name``: a local directory's files (its tokenizer's
+    files apart), or the hub repository for both."""
+    if looks_like_path(name):
+        root = [Path(os.path.expanduser(name))]
+        return (Inputs.of_paths(root, lambda f: not is_tokenizer_file(f)),
+                Inputs.of_paths(root, is_tokenizer_file))
+    repo = Inputs(repo=f"models/{name}", revision=revision)
+    return repo, repo
+
+
+def template_inputs(path: str | None) -> Inputs:
+    """A chat template file's input (none without one)."""
+    return Inputs.of_paths([path]) if path else Inputs()
+
 
 _PROBED: dict[tuple[str, str | None, str], bool] = {}
 
@@ -66,15 +96,46 @@ def path_errors(key: str, name: str, need: tuple[str, ...]) -> list[str]:
     if "config" in need and "config.json" not in files:
         errors.append(f"{key}={name}: {path} has no config.json, so it is not a saved Hugging "
                       "Face model; save one there with model.save_pretrained(dir)")
+    elif "config" in need:
+        errors += _json_errors(key, name, path / "config.json")
     if "weights" in need and not _has_weights(files):
         errors.append(f"{key}={name}: {path} has no weight files ({', '.join(WEIGHT_FILES)}, or "
                       "shards *.safetensors); save the weights there with "
                       "model.save_pretrained(dir)")
+    elif "weights" in need:
+        errors += [f"{key}={name}: {problem}" for f in sorted(path.glob("*.safetensors"))
+                   if (problem := _safetensors_problem(f))]
     if "tokenizer" in need and not _has_tokenizer(files):
         errors.append(f"{key}={name}: {path} has no tokenizer files "
                       f"({', '.join(TOKENIZER_FILES)}); save the tokenizer there with "
                       "tokenizer.save_pretrained(dir) or point model.tokenizer at one")
     return errors
+
+
+def _json_errors(key: str, name: str, file: Path) -> list[str]:
+    """A JSON file of a model directory that does not parse (truncated, half written)."""
+    import json
+
+    try:
+        json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return [f"{key}={name}: {file} is not valid JSON ({e}); it is damaged (truncated?): "
+                "save the model there again with model.save_pretrained(dir)"]
+    return []
+
+
+def _safetensors_problem(file: Path) -> str | None:
+    """What is wrong with a weight file (its header, and whether it covers the whole file:
+    a truncated file fails here; no tensor is read), or None."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(file), framework="pt"):
+            return None
+    except Exception as e:  # noqa: BLE001 - damaged, whatever the library calls it
+        return (f"{file} is not a readable safetensors file ({type(e).__name__}: {e}); it is "
+                "damaged (truncated?): save the model there again with "
+                "model.save_pretrained(dir)")
 
 
 def _has_weights(files: set[str]) -> bool:

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from memlab.context import BuildContext
+    from memlab.trainer.inputs import Inputs
 
 Head = Literal["causal_lm", "seq_cls"]
 
@@ -32,6 +33,13 @@ class Model(Option, Protocol):
              ) -> PreTrainedModel:
         """The model with the run's attention backend and dtype (``load_kwargs``), on the
         run's device; ``extra``: the PEFT option's load arguments (a quantization config)."""
+        ...
+
+    def inputs(self) -> dict[str, Inputs]:
+        """What the weights, the tokenizer and the chat template are read from (``model``,
+        ``tokenizer``, ``chat_template``: files, or a hub repository), fingerprinted by
+        checkpoints so that a resumed run refuses them changed in place
+        (:mod:`memlab.trainer.inputs`)."""
         ...
 
 

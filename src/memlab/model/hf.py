@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from memlab.model import _files
 from memlab.model.base import Head, auto_class, finish_load, load_kwargs, register
 from memlab.registry import Option
+from memlab.trainer.inputs import Inputs
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -49,6 +50,13 @@ class HubModel(Option):
             errors += _files.path_errors("model.tokenizer", self.tokenizer, ("tokenizer",))
         errors += _files.chat_template_errors("model.chat_template", self.chat_template)
         return errors
+
+    def inputs(self) -> dict[str, Inputs]:
+        model, tokenizer = _files.directory_inputs(self.name_or_path, self.revision)
+        if self.tokenizer:
+            tokenizer = _files.directory_inputs(self.tokenizer, self.revision)[1]
+        return {"model": model, "tokenizer": tokenizer,
+                "chat_template": _files.template_inputs(self.chat_template)}
 
     def _local_only(self, key: str, name: str, need: tuple[str, ...], probe_file: str) -> bool:
         """Check where ``name`` loads from (module docstring); True = from files on disk only."""

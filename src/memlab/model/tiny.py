@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from memlab.model import _files
 from memlab.model.base import Head, auto_class, finish_load, load_kwargs, register, seeded
 from memlab.registry import Option, PositiveInt, Seed
+from memlab.trainer.inputs import Inputs
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -54,6 +55,14 @@ class Tiny(Option):
             errors += _files.path_errors("model.tokenizer", self.tokenizer, ("tokenizer",))
         errors += _files.chat_template_errors("model.chat_template", self.chat_template)
         return errors
+
+    def inputs(self) -> dict[str, Inputs]:
+        """The tokenizer's files (memlab's shipped one by default) and the chat template file;
+        the weights are a seeded random init (the configuration says all about them)."""
+        from memlab.data.assets import tokenizer_path
+
+        return {"tokenizer": Inputs.of_paths([self.tokenizer or tokenizer_path()]),
+                "chat_template": _files.template_inputs(self.chat_template)}
 
     def load_tokenizer(self, ctx: BuildContext):
         from memlab.data.assets import load_tokenizer

@@ -19,7 +19,10 @@ Three kinds of state, by what the distributed option declares (:func:`state_form
 ``torch`` (one replica's state: single process, DDP), ``by_name`` (gathered from FSDP2's shards
 by parameter name, ``as_gathered_states()``: a collective, written by rank 0, re-sharded on
 load), ``native`` (DeepSpeed's shards, ``as_native_states()``). A checkpoint is written to a
-temporary directory and renamed when complete.
+temporary directory and renamed when complete; a write that fails (a full or unwritable disk)
+leaves no partial directory behind, and its error is recognised whichever library raised it
+(:func:`is_write_failure`). ``train.keep_last`` prunes only the checkpoints the run itself wrote
+(a run dir used again keeps an earlier run's).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from __future__ import annotations
 import importlib
 import json
 import random
+import re
 import shutil
 import time
 from collections.abc import Sequence
@@ -37,8 +41,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from memlab.trainer import config_record, export
+from memlab.trainer import config_record, export, inputs
 from memlab.trainer.routing import unwrap
+from memlab.trainer.state_files import (
+    CheckpointError,
+    from_tree,
+    load_tensors,
+    save_tensors,
+    to_tree,
+)
 
 if TYPE_CHECKING:
     from memlab.distributed.base import Distributed
@@ -72,85 +83,25 @@ def state_format(dist: Distributed) -> StateFormat:
     return "torch"
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be used; the message says which file and why."""
+_OS_ERROR = re.compile(r"\(os error \d+\)")
+"""How Rust's ``std::io::Error`` ends its message (``No space left on device (os error 28)``)."""
 
 
-# ----------------------------------------------------------------------- tensors <-> JSON
-def to_tree(obj: Any, tensors: dict[str, torch.Tensor], path: str = "") -> Any:
-    """``obj`` as plain JSON; its tensors go to ``tensors`` (referenced by key). Tuples, dicts with
-    non-string keys and numpy arrays are tagged so that :func:`from_tree` restores them."""
-    if isinstance(obj, torch.Tensor):
-        key = path or "tensor"
-        while key in tensors:
-            key += "+"
-        tensors[key] = obj
-        return {"__tensor__": key}
-    if isinstance(obj, np.ndarray):
-        return {"__ndarray__": obj.tolist(), "dtype": str(obj.dtype)}
-    if isinstance(obj, np.generic):
-        return obj.item()
-    if isinstance(obj, tuple):
-        return {"__tuple__": [to_tree(v, tensors, f"{path}/{i}") for i, v in enumerate(obj)]}
-    if isinstance(obj, list):
-        return [to_tree(v, tensors, f"{path}/{i}") for i, v in enumerate(obj)]
-    if isinstance(obj, dict):
-        if all(isinstance(k, str) and not k.startswith("__") for k in obj):
-            return {k: to_tree(v, tensors, f"{path}/{k}") for k, v in obj.items()}
-        return {"__items__": [[to_tree(k, tensors, f"{path}/key"),
-                               to_tree(v, tensors, f"{path}/{k}")] for k, v in obj.items()]}
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    raise TypeError(f"checkpoint: cannot store a {type(obj).__name__} (at {path or 'top'})")
-
-
-def from_tree(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    """The inverse of :func:`to_tree` (builds only tensors, arrays, tuples, lists, dicts)."""
-    if isinstance(tree, list):
-        return [from_tree(v, tensors) for v in tree]
-    if not isinstance(tree, dict):
-        return tree
-    if "__tensor__" in tree:
-        return tensors[tree["__tensor__"]]
-    if "__ndarray__" in tree:
-        return np.asarray(tree["__ndarray__"], dtype=np.dtype(tree["dtype"]))
-    if "__tuple__" in tree:
-        return tuple(from_tree(v, tensors) for v in tree["__tuple__"])
-    if "__items__" in tree:
-        return {_hashable(from_tree(k, tensors)): from_tree(v, tensors)
-                for k, v in tree["__items__"]}
-    return {k: from_tree(v, tensors) for k, v in tree.items()}
-
-
-def _hashable(key: Any) -> Any:
-    return tuple(key) if isinstance(key, list) else key
-
-
-def _save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    from safetensors.torch import save_file
-
-    out: dict[str, torch.Tensor] = {}
-    storages: set[int] = set()
-    for k, v in tensors.items():
-        t = v.detach().cpu().contiguous()
-        ptr = t.untyped_storage().data_ptr()
-        if t.numel() and ptr in storages:  # safetensors refuses tensors that share memory
-            t = t.clone()
-        storages.add(t.untyped_storage().data_ptr())
-        out[k] = t
-    save_file(out, str(path))
-
-
-def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    if not path.is_file():
-        return {}
-    try:
-        return load_file(str(path))
-    except Exception as e:  # noqa: BLE001 - a damaged or foreign file
-        raise CheckpointError(f"{path} is not a readable safetensors file ({type(e).__name__}: "
-                              f"{e}); the checkpoint is damaged or not memlab's") from e
+def is_write_failure(e: BaseException) -> bool:
+    """Whether ``e`` says that a file could not be written (a full, unwritable or missing
+    disk), whichever library raised it: Python's OSError, or the errors of the Rust writers a
+    checkpoint goes through, which are no OSError (safetensors' ``SafetensorError: Error while
+    serializing: I/O error: ... (os error 28)``, tokenizers' bare ``Exception: ... (os error
+    28)``). Causes count too (a library that wraps the OSError it got)."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, OSError) or (isinstance(cur, Exception)
+                                        and _OS_ERROR.search(str(cur))):
+            return True
+        cur = cur.__cause__ or cur.__context__
+    return False
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -199,12 +150,81 @@ def read_state(path: Path | str) -> dict[str, Any]:
     return state
 
 
+def _refs(tree: Any, out: set[str]) -> set[str]:
+    """The tensor keys a :func:`to_tree` tree refers to."""
+    if isinstance(tree, dict):
+        if "__tensor__" in tree:
+            out.add(str(tree["__tensor__"]))
+        for v in tree.values():
+            _refs(v, out)
+    elif isinstance(tree, list):
+        for v in tree:
+            _refs(v, out)
+    return out
+
+
+def _tensor_file_problem(file: Path) -> tuple[set[str] | None, str | None]:
+    """``(the tensor names of a safetensors file, None)``, or ``(None, what is wrong)``: its
+    header is read, and checked to cover the whole file (a truncated file fails here)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            return set(f.keys()), None
+    except Exception as e:  # noqa: BLE001 - a damaged or foreign file, whatever the library says
+        return None, (f"{file} is not a readable safetensors file ({type(e).__name__}: {e}); "
+                      "it is damaged (truncated?) or not memlab's")
+
+
+def file_problems(path: Path | str, state: dict[str, Any]) -> list[str]:
+    """Every file of checkpoint ``path`` that its ``memlab_state.json`` (``state``) needs and
+    that is missing or damaged, each named with what is wrong: the optimizer state, the random
+    and schedule state, the weights (their headers and the tensors the state refers to are
+    read; no tensor data). Empty for a whole checkpoint."""
+    path = Path(path)
+    problems = []
+    need = {STATE_TENSORS: _refs([state.get("scheduler"), state.get("scaler"),
+                                  state.get("rng")], set())}
+    if state.get("optimizer") is not None:
+        need[OPTIMIZER] = _refs(state["optimizer"], set())
+    whole = "copy the whole step directory, or resume from another checkpoint"
+    for name, keys in need.items():
+        file = path / name
+        if not file.is_file():
+            if keys:
+                what = "optimizer" if name == OPTIMIZER else "random and schedule"
+                problems.append(f"{file} is missing: {STATE} refers to {len(keys)} tensor(s) "
+                                f"in it (the {what} state); the checkpoint is incomplete: "
+                                f"{whole}")
+            continue
+        found, problem = _tensor_file_problem(file)
+        if problem:
+            problems.append(problem)
+        elif found is not None and keys - found:
+            gone = sorted(keys - found)
+            problems.append(f"{file} lacks {len(gone)} tensor(s) {STATE} refers to (e.g. "
+                            f"{gone[0]!r}); it is not this checkpoint's: {whole}")
+    for file in sorted(path.glob("*.safetensors")):
+        if file.name not in need:
+            problems.append(_tensor_file_problem(file)[1] or "")
+    if state.get("weights_in_model") and not (
+            (path / "model.safetensors").is_file()
+            or (path / "model.safetensors.index.json").is_file()):
+        problems.append(f"{path / 'model.safetensors'} is missing: {STATE} reads "
+                        f"{len(state['weights_in_model'])} trainable weight(s) from the saved "
+                        f"model; the checkpoint is incomplete: {whole}")
+    if state.get("optimizer_format") == "native" and not (path / "deepspeed").is_dir():
+        problems.append(f"{path / 'deepspeed'} is missing: DeepSpeed's shards of the training "
+                        f"state; the checkpoint is incomplete: {whole}")
+    return [p for p in problems if p]
+
+
 def read_weights(path: Path | str) -> dict[str, torch.Tensor]:
     """The trainable weights checkpoint ``path`` holds, by name (as :func:`named_trainable`
     names them): ``trainable.safetensors`` plus those the saved model files hold."""
     path = Path(path)
     state = read_state(path)
-    weights = _load_tensors(path / TRAINABLE)
+    weights = load_tensors(path / TRAINABLE)
     in_model = state.get("weights_in_model") or []
     if in_model:
         weights.update(export.read_model_weights(path, set(in_model)))
@@ -214,18 +234,49 @@ def read_weights(path: Path | str) -> dict[str, torch.Tensor]:
 # ------------------------------------------------------------------------------- saving
 def save(trainer: Trainer) -> Path:
     """Write ``run_dir/checkpoints/step_<n>`` (atomically: a temp dir renamed); every rank calls
-    it (gathering may be a collective), rank 0 writes the files."""
-    ctx, dist = trainer.ctx, trainer.dist
+    it (gathering may be a collective), rank 0 writes the files. Whatever stops the write (a
+    full disk, a stop signal), the partial temp dir is removed. The checkpoint joins
+    ``trainer.result.checkpoints`` (this run's), which ``train.keep_last`` prunes."""
+    ctx = trainer.ctx
     root = Path(ctx.run_dir) / "checkpoints"
     final = step_dir(Path(ctx.run_dir), trainer.step_idx)
     tmp = root / f".tmp_step_{trainer.step_idx:06d}"
+    try:
+        _write(trainer, tmp, final)
+    except BaseException:
+        if ctx.rank == 0:
+            _remove(tmp)
+        raise
+    own = trainer.result.checkpoints
+    if str(final) in own:  # written again (a resumed step): the newest now
+        own.remove(str(final))
+    own.append(str(final))
+    if ctx.rank == 0 and ctx.train.keep_last:
+        best = trainer.best_checkpoint()
+        pruned = prune([Path(p) for p in own], ctx.train.keep_last,
+                       keep=[best] if best is not None else [])
+        own[:] = [p for p in own if Path(p) not in pruned]
+    return final
+
+
+def _remove(path: Path) -> None:
+    """Remove a directory of memlab's (a link there: the link itself, never what it names)."""
+    if path.is_symlink():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _write(trainer: Trainer, tmp: Path, final: Path) -> None:
+    """The files of one checkpoint, into ``tmp``, renamed to ``final`` when complete."""
+    ctx, dist = trainer.ctx, trainer.dist
     fmt = state_format(dist)
     native, gathered = dist.as_native_states(), dist.as_gathered_states()
     weights: dict[str, torch.Tensor] | None = None
     optim: dict[str, Any] | None = None
     if native is not None:  # every rank writes its own shards, then meets
-        if ctx.rank == 0 and tmp.exists():
-            shutil.rmtree(tmp)
+        if ctx.rank == 0:
+            _remove(tmp)
         if ctx.world_size > 1:
             torch.distributed.barrier()
         native.save_states(trainer.policy, tmp)
@@ -235,9 +286,9 @@ def save(trainer: Trainer) -> Path:
     elif gathered is not None:  # gathered by every rank (a collective), written by rank 0
         weights, optim = gathered.full_state(trainer.policy, trainer.opt)
     if ctx.rank != 0:
-        return final
-    if fmt != "native" and tmp.exists():
-        shutil.rmtree(tmp)
+        return
+    if fmt != "native":
+        _remove(tmp)
     tmp.mkdir(parents=True, exist_ok=True)
     exported = export.write(ctx, unwrap(trainer.policy), weights, tmp)
     in_model = export.weight_names(tmp) if exported["kind"] == "model" else set()
@@ -249,7 +300,7 @@ def save(trainer: Trainer) -> Path:
     covered = sorted(n for n in trainable if n in in_model)  # read back from the model files
     rest = {n: t for n, t in trainable.items() if n not in in_model}
     if rest:
-        _save_tensors(tmp / TRAINABLE, rest)
+        save_tensors(tmp / TRAINABLE, rest)
     tensors: dict[str, torch.Tensor] = {}
     state: dict[str, Any] = {
         "format": FORMAT, "version": VERSION,
@@ -257,6 +308,7 @@ def save(trainer: Trainer) -> Path:
         "saved_at": time.time(),
         "optimizer_format": fmt,
         "config": config_record.record(ctx),
+        "inputs": inputs.record(inputs.of_run(ctx)),
         "export": exported,
         "weights_in_model": covered,
         "scheduler": to_tree(trainer.sched.state_dict(), tensors, "scheduler"),
@@ -265,6 +317,7 @@ def save(trainer: Trainer) -> Path:
         "stream": trainer.stream.state(),
         "losses": list(trainer.result.losses),
         "curves": trainer.result.curves,
+        "counts": trainer.result.counts,
         "eval": trainer.evaluator.state.state() if trainer.evaluator is not None else None,
         "rng": to_tree({"torch": torch.get_rng_state(), "python": random.getstate(),
                         "numpy": np.random.get_state(),
@@ -274,16 +327,11 @@ def save(trainer: Trainer) -> Path:
     if optim is not None:
         opt_tensors: dict[str, torch.Tensor] = {}
         state["optimizer"] = to_tree(optim, opt_tensors, "optimizer")
-        _save_tensors(tmp / OPTIMIZER, opt_tensors)
-    _save_tensors(tmp / STATE_TENSORS, tensors)
+        save_tensors(tmp / OPTIMIZER, opt_tensors)
+    save_tensors(tmp / STATE_TENSORS, tensors)
     (tmp / STATE).write_text(json.dumps(state, indent=1) + "\n")
-    if final.exists():
-        shutil.rmtree(final)
+    _remove(final)
     tmp.rename(final)
-    if ctx.train.keep_last:
-        best = trainer.best_checkpoint()
-        prune(root, ctx.train.keep_last, keep=[best] if best is not None else [])
-    return final
 
 
 def step_dir(run_dir: Path, step: int) -> Path:
@@ -291,13 +339,14 @@ def step_dir(run_dir: Path, step: int) -> Path:
     return Path(run_dir) / "checkpoints" / f"step_{step:06d}"
 
 
-def prune(root: Path, newest: int, keep: Sequence[Path] = ()) -> list[Path]:
-    """Delete all but the ``newest`` checkpoints in ``root`` and those in ``keep`` (the best
-    evaluation's, ``train.save_best``); returns the deleted dirs."""
+def prune(own: Sequence[Path], newest: int, keep: Sequence[Path] = ()) -> list[Path]:
+    """Delete all but the ``newest`` of ``own`` (the checkpoints this run wrote, oldest first)
+    and those in ``keep`` (the best evaluation's, ``train.save_best``); returns the deleted
+    dirs. A checkpoint another run left in the same run dir is never this run's to delete."""
     protected = {Path(p).resolve() for p in keep}
-    old = [p for p in step_dirs(root)[:-newest] if p.resolve() not in protected]
+    old = [Path(p) for p in list(own)[:-newest] if Path(p).resolve() not in protected]
     for p in old:
-        shutil.rmtree(p)
+        _remove(p)
     return old
 
 
@@ -374,15 +423,18 @@ def load(trainer: Trainer, path: Path) -> None:
     problem = format_problem(path, state, state_format(dist))
     if problem:
         raise CheckpointError(problem)
+    damaged = file_problems(path, state)
+    if damaged:
+        raise CheckpointError("; ".join(damaged))
     native, gathered = dist.as_native_states(), dist.as_gathered_states()
     if native is not None:
         check_pickles(path / "deepspeed")
         native.load_states(trainer.policy, path)
     elif gathered is not None:
-        optim = from_tree(state["optimizer"], _load_tensors(path / OPTIMIZER))
+        optim = from_tree(state["optimizer"], load_tensors(path / OPTIMIZER))
         gathered.load_full_state(trainer.policy, trainer.opt, read_weights(path), optim)
     else:
-        optim = from_tree(state["optimizer"], _load_tensors(path / OPTIMIZER))
+        optim = from_tree(state["optimizer"], load_tensors(path / OPTIMIZER))
         weights = read_weights(path)
         named = named_trainable(trainer.models)
         missing = sorted(set(named) - set(weights))
@@ -394,7 +446,7 @@ def load(trainer: Trainer, path: Path) -> None:
             for n, p in named.items():
                 p.copy_(weights[n].to(p.device, p.dtype))
         trainer.opt.load_state_dict(optim)
-    tensors = _load_tensors(path / STATE_TENSORS)
+    tensors = load_tensors(path / STATE_TENSORS)
     trainer.sched.load_state_dict(from_tree(state["scheduler"], tensors))
     _apply_hyperparameters(trainer)
     scaler = from_tree(state["scaler"], tensors)
@@ -404,6 +456,7 @@ def load(trainer: Trainer, path: Path) -> None:
     trainer.step_idx = int(state["step"])
     trainer.result.losses = list(state["losses"])
     trainer.result.curves = {k: list(v) for k, v in (state.get("curves") or {}).items()}
+    trainer.result.counts = {k: int(v) for k, v in (state.get("counts") or {}).items()}
     if trainer.evaluator is not None and state.get("eval"):
         trainer.evaluator.state.load_state(state["eval"])
     rng = from_tree(state["rng"], tensors)

@@ -232,6 +232,22 @@ class Evaluator:
                 unwrap(m).train(inner)
 
     # ---------------------------------------------------------------- the summary
+    def _batch_record(self) -> dict[str, Any]:
+        """``batch_size``: the rows of the largest evaluation micro-batch that ran; when the
+        held-out rows cannot fill one of ``train.eval_batch_size`` rows, also
+        ``batch_size_asked`` and a note (the eval phase's memory is that smaller batch's; the
+        eval loss does not depend on it, so the run goes on)."""
+        asked = self.ctx.train.eval_rows()
+        if self.items != asked:  # items are whole packs (preference pairs packed in groups)
+            return {"batch_size": asked}
+        largest = max((len(idx) for idx, counted in self.slices() if counted), default=0)
+        if largest >= asked:
+            return {"batch_size": asked}
+        return {"batch_size": largest, "batch_size_asked": asked,
+                "batch_note": f"the held-out data has {len(self.ds)} rows: every evaluation "
+                              f"micro-batch held at most {largest}, fewer than "
+                              f"train.eval_batch_size={asked}"}
+
     def summary(self, held: dict[str, Any]) -> dict[str, Any]:
         """summary.json's ``eval``: ``held`` (where the rows come from, how many) plus the
         evaluations, the best and how the run ended."""
@@ -239,7 +255,7 @@ class Evaluator:
         return {
             **held,
             "every": self.ctx.train.eval_every,
-            "batch_size": self.ctx.train.eval_rows(),
+            **self._batch_record(),
             "metric": st.metric,
             "greater_is_better": st.greater_is_better,
             "final": ({k: v for k, v in st.history[-1].items() if k != "seconds"}

@@ -87,8 +87,14 @@ class TrainResult:
     checkpoint_errors: list[str] = field(default_factory=list)
     """Checkpoints that could not be written (an unwritable or full disk): the training and its
     measurements went on; the run reports them."""
+    checkpoints: list[str] = field(default_factory=list)
+    """The checkpoints this run wrote and kept, oldest first (``train.keep_last`` prunes these
+    only; the summary names the newest)."""
     profile: dict[str, Any] | None = None
     """``measure.profile_step``'s breakdown (:func:`memlab.measure.profile.summarize`)."""
+    counts: dict[str, int] = field(default_factory=dict)
+    """Counts the batches report (``Batch.meta["counts"]``: an online method's reward groups,
+    those of zero variance), summed over the run's steps and ranks."""
 
     def throughput(self) -> dict[str, Any]:
         if self.timed_seconds <= 0:
@@ -202,6 +208,7 @@ class Trainer:
         world = ctx.world_size
         inputs = [t for b in batches for t in b.tensor_list()]
         sums: dict[str, float] = {}
+        counts: dict[str, int] = {}
         loss_total = 0.0
         sync_s = None
         with self.probe.step(self.step_idx, tracked, inputs):
@@ -214,6 +221,9 @@ class Trainer:
                         batches[:] = [online.rollout(self.models, b, ctx, env)
                                       for b in batches]
                 self._rollouts = list(batches)
+                for b in batches:  # counted once per rollout (not again when trained again)
+                    for k, v in (b.meta.get("counts") or {}).items():
+                        counts[k] = counts.get(k, 0) + int(v)
             total_items: float = sum(b.num_items for b in batches)
             if world > 1:  # normalise by the items of the whole step on every rank
                 total_items = self.dist.all_reduce_sum([total_items], device)[0]
@@ -244,9 +254,13 @@ class Trainer:
             if self.generation is not None:
                 self.generation.weights_changed()
         if world > 1:  # the step's loss and metrics over every rank's items
-            keys = sorted(sums)
-            reduced = self.dist.all_reduce_sum([loss_total, *(sums[k] for k in keys)], device)
-            loss_total, sums = reduced[0], dict(zip(keys, reduced[1:], strict=True))
+            keys, ckeys = sorted(sums), sorted(counts)
+            reduced = self.dist.all_reduce_sum(
+                [loss_total, *(sums[k] for k in keys), *(counts[k] for k in ckeys)], device)
+            loss_total, sums = reduced[0], dict(zip(keys, reduced[1:1 + len(keys)], strict=True))
+            counts = {k: int(v) for k, v in zip(ckeys, reduced[1 + len(keys):], strict=True)}
+        for k, v in counts.items():
+            self.result.counts[k] = self.result.counts.get(k, 0) + v
         out = {"train/loss": loss_total, "train/lr": float(self.sched.get_last_lr()[0])}
         if gnorm is not None:
             out["train/grad_norm"] = gnorm
@@ -434,14 +448,17 @@ class Trainer:
         return checkpoint.save(self)
 
     def try_save_checkpoint(self):
-        """:meth:`save_checkpoint`, but a checkpoint that cannot be written (OSError: an
-        unwritable, missing or full disk) is recorded in ``result.checkpoint_errors`` and the
-        training goes on; returns the checkpoint's dir or None."""
+        """:meth:`save_checkpoint`, but a checkpoint that cannot be written (an unwritable,
+        missing or full disk: :func:`memlab.trainer.checkpoint.is_write_failure`, whichever
+        library raised it) is recorded in ``result.checkpoint_errors`` and the training goes
+        on; returns the checkpoint's dir or None."""
         try:
             path = self.save_checkpoint()
             self.saved_step = self.step_idx
             return path
-        except OSError as e:
+        except Exception as e:
+            if not checkpoint.is_write_failure(e):
+                raise
             self.result.checkpoint_errors.append(
                 f"step {self.step_idx}: {type(e).__name__}: {e}")
             best = self.evaluator.state.best if self.evaluator is not None else None

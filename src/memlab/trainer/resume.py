@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from memlab.registry import ConfigErrors
-from memlab.trainer import config_record
+from memlab.trainer import config_record, inputs
 from memlab.trainer.checkpoint import (
-    STATE,
     CheckpointError,
+    file_problems,
     format_problem,
     read_state,
     state_format,
@@ -33,10 +33,16 @@ class ResumePlan:
     requested: str
     step: int
     changed: dict[str, dict[str, Any]] = field(default_factory=dict)
+    skipped: list[dict[str, str]] = field(default_factory=list)
+    """``latest``: newer checkpoints left out because they are damaged (``checkpoint``,
+    ``why``)."""
 
     def as_dict(self) -> dict[str, Any]:
-        return {"from": str(self.path), "requested": self.requested, "step": self.step,
-                "changed": self.changed}
+        out = {"from": str(self.path), "requested": self.requested, "step": self.step,
+               "changed": self.changed}
+        if self.skipped:
+            out["skipped"] = self.skipped
+        return out
 
 
 def search_roots(ctx: BuildContext, roots: list[Path] | None) -> list[Path]:
@@ -47,32 +53,52 @@ def search_roots(ctx: BuildContext, roots: list[Path] | None) -> list[Path]:
     return list(roots) if roots else [Path(ctx.run_dir).absolute().parent]
 
 
-def find(roots: list[Path]) -> list[tuple[Path, dict[str, Any]]]:
-    """Every complete checkpoint under ``roots`` (recursively) with its state, newest first."""
+def find(roots: list[Path]) -> tuple[list[tuple[Path, dict[str, Any]]],
+                                     list[tuple[Path, str, float]]]:
+    """Every checkpoint directory under ``roots`` (recursively): ``(those whose state reads,
+    with it, newest first; those whose state does not, with why and when they were written)``.
+    """
     seen: set[Path] = set()
-    out = []
+    out, unreadable = [], []
     for root in roots:
         if not root.is_dir():
             continue
-        for file in root.rglob(f"checkpoints/step_*/{STATE}"):
-            d = file.parent.resolve()
-            if d in seen:
+        for d in root.rglob("checkpoints/step_*"):
+            d = d.resolve()
+            if d in seen or not d.is_dir():
                 continue
             seen.add(d)
             try:
                 out.append((d, read_state(d)))
-            except CheckpointError:
-                continue
+            except CheckpointError as e:
+                unreadable.append((d, str(e), d.stat().st_mtime))
     out.sort(key=lambda x: (x[1].get("saved_at", 0.0), x[1].get("step", 0)), reverse=True)
+    return out, unreadable
+
+
+def input_differences(state: dict[str, Any], ctx: BuildContext) -> list[config_record.Difference]:
+    """The run's inputs (data, model, tokenizer, chat template) that differ from the
+    fingerprints the checkpoint recorded (:mod:`memlab.trainer.inputs`), as ``inputs.<name>``
+    differences (the checkpoint's and this run's files, in words)."""
+    recorded = state.get("inputs") or {}
+    now = inputs.of_run(ctx)
+    out = []
+    for name in sorted(recorded):
+        differs, current = inputs.changed(recorded[name], now.get(name, inputs.Inputs()))
+        if differs:
+            was, is_now = inputs.describe(recorded[name], current)
+            out.append(config_record.Difference(f"inputs.{name}", was, is_now))
     return out
 
 
 def plan_resume(ctx: BuildContext, roots: list[Path] | None = None) -> ResumePlan | None:
     """Check ``train.resume_from`` against the checkpoint before anything loads: the
-    checkpoint exists and is memlab's, its kind of state suits this run, and its configuration
-    differs from this run's only in the settings ``train.resume_allow`` names. ``latest``: the
-    newest such checkpoint under :func:`search_roots`. Raises ConfigErrors (one message listing
-    every difference) otherwise."""
+    checkpoint exists, is memlab's and whole (:func:`memlab.trainer.checkpoint.file_problems`),
+    its kind of state suits this run, its configuration and its inputs (data, model, tokenizer,
+    chat template: :mod:`memlab.trainer.inputs`) differ from this run's only in what
+    ``train.resume_allow`` names, and it is short of ``train.steps``. ``latest``: the newest
+    such checkpoint under :func:`search_roots` (newer damaged ones are skipped and named).
+    Raises ConfigErrors (one message listing every difference) otherwise."""
     where = ctx.train.resume_from
     if not where:
         return None
@@ -81,26 +107,46 @@ def plan_resume(ctx: BuildContext, roots: list[Path] | None = None) -> ResumePla
     base = config_record.defaults(ctx)
     want = state_format(ctx.distributed)
 
-    def refused(state: dict[str, Any]) -> list[config_record.Difference]:
-        diffs = config_record.differences(state.get("config") or {}, new, base)
-        return [d for d in diffs if not config_record.matches(d.key, allow)]
+    def differences(state: dict[str, Any]) -> list[config_record.Difference]:
+        return (config_record.differences(state.get("config") or {}, new, base)
+                + input_differences(state, ctx))
 
+    def refused(state: dict[str, Any]) -> list[config_record.Difference]:
+        return [d for d in differences(state) if not config_record.matches(d.key, allow)]
+
+    skipped: list[dict[str, str]] = []
     if where == "latest":
         roots = search_roots(ctx, roots)
-        found = find(roots)
-        match = next(((p, s) for p, s in found
-                      if not refused(s) and format_problem(p, s, want) is None), None)
+        found, unreadable = find(roots)
+        match = None
+        for p, s in found:
+            if refused(s) or format_problem(p, s, want) is not None:
+                continue
+            damaged = file_problems(p, s)
+            if damaged:
+                skipped.append({"checkpoint": str(p), "why": "; ".join(damaged)})
+                continue
+            match = (p, s)
+            break
+        newest = match[1].get("saved_at", 0.0) if match is not None else 0.0
+        skipped += [{"checkpoint": str(p), "why": why} for p, why, when in
+                    sorted(unreadable, key=lambda x: -x[2]) if when > newest]
         if match is None:
             msg = (f"train.resume_from=latest: no checkpoint of this configuration under "
                    f"{', '.join(map(str, roots))}")
-            if found:
-                p, s = found[0]
+            others = [(p, s) for p, s in found if str(p) not in {k["checkpoint"]
+                                                                  for k in skipped}]
+            if others:
+                p, s = others[0]
                 diffs = refused(s)
-                msg += (f" ({len(found)} of other configurations; the newest, {p}, differs in: "
-                        + "; ".join(d.line() for d in diffs[:8])
+                msg += (f" ({len(others)} of other configurations; the newest, {p}, differs "
+                        "in: " + "; ".join(d.line() for d in diffs[:8])
                         + ("; ..." if len(diffs) > 8 else "")
                         + (f"; {format_problem(p, s, want)}" if format_problem(p, s, want)
                            else "") + ")")
+            if skipped:
+                msg += " (skipped as damaged: " + "; ".join(
+                    f"{k['checkpoint']}: {k['why']}" for k in skipped) + ")"
             msg += ("; start without train.resume_from, name a checkpoint directory, set "
                     "train.resume_root, or list the settings you mean to change in "
                     "train.resume_allow")
@@ -112,7 +158,7 @@ def plan_resume(ctx: BuildContext, roots: list[Path] | None = None) -> ResumePla
             state = read_state(path)
         except CheckpointError as e:
             raise ConfigErrors([f"train.resume_from={where}: {e}"]) from None
-        errors = []
+        errors = [f"train.resume_from={where}: {p}" for p in file_problems(path, state)]
         problem = format_problem(path, state, want)
         if problem:
             errors.append(problem)
@@ -121,7 +167,14 @@ def plan_resume(ctx: BuildContext, roots: list[Path] | None = None) -> ResumePla
             errors.append(config_record.refusal(where, diffs))
         if errors:
             raise ConfigErrors(errors)
-    changed = {d.key: {"checkpoint": d.checkpoint, "run": d.run}
-               for d in config_record.differences(state.get("config") or {}, new, base)}
-    return ResumePlan(path=path.absolute(), requested=where, step=int(state["step"]),
-                      changed=changed)
+    step = int(state["step"])
+    if step >= ctx.train.steps:
+        raise ConfigErrors([
+            f"train.resume_from={where}: {path} is at step {step}, and train.steps="
+            f"{ctx.train.steps}: that training is already complete (its record: "
+            f"{path.parent.parent / 'summary.json'}); nothing is left to train. To train "
+            f"further, raise train.steps and allow the change: train.steps=<more than {step}> "
+            "train.resume_allow='[train.steps]'"])
+    changed = {d.key: {"checkpoint": d.checkpoint, "run": d.run} for d in differences(state)}
+    return ResumePlan(path=path.absolute(), requested=where, step=step, changed=changed,
+                      skipped=skipped)

@@ -4,7 +4,8 @@ Layers, top to bottom (DESIGN.md; issue 13):
 
     0  entry points: memlab.__main__, memlab.cli.*, the launch modes (memlab.hydra_task,
        memlab.rank, memlab.torchrun)
-    1  memlab.run, memlab.record, memlab.estimate.*   (one job and its record / one estimate)
+    1  memlab.run, memlab.record, memlab.rundir, memlab.estimate.*   (one job, its record and
+       its directory / one estimate)
     2  memlab.pipeline                      (the one assembly)
     3  memlab.context                       (the typed context and validate)
     4  technique packages: method, generation, packing, attention, precision, offload, peft,
@@ -41,7 +42,7 @@ def layer(module: str) -> int:
     top = parts[1] if len(parts) > 1 else ""
     if top in ("__main__", "cli", "hydra_task", "rank", "torchrun"):
         return 0
-    if top in ("run", "record", "estimate"):
+    if top in ("run", "record", "rundir", "estimate"):
         return 1
     if top == "pipeline":
         return 2

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from memlab.estimate import CARDS, fmt_bytes, parse_bytes, verdict
-from memlab.estimate.fake import estimate_tracker
+from memlab.estimate.modes import estimate_tracker
 from memlab.estimate.sharding import apply_sharding
 from memlab.estimate.standins import QuantizedLinearStandin, fakeify
 

@@ -10,7 +10,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from memlab.data.base import DataError
 from memlab.losses import token_logps
 from memlab.method import _rewards
-from memlab.method._online import RewardModel, _prompt_and_reference
+from memlab.method._online import _prompt_and_reference
+from memlab.method._rewards import RewardModel
 from memlab.method.base import IGNORE, Batch
 from memlab.method.grpo import GRPO, advantages
 

@@ -291,8 +291,9 @@ def test_exclude_outputs_of_and_disabled():
     handles = off.disable_within(head)
     with off:
         head(x).exp().sum().backward()
-    assert off.stats()["kept_disabled"] == 2  # x and weight.t(), saved inside head
-    assert off.stats()["offloaded_tensors"] == 1  # exp's output, outside head
+    stats = off.stats()  # (printed on failure: CI once counted 3 kept here, not reproduced)
+    assert stats["kept_disabled"] == 2, stats  # x and weight.t(), saved inside head
+    assert stats["offloaded_tensors"] == 1, stats  # exp's output, outside head
     for hd in handles:
         hd.remove()
 

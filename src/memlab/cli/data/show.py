@@ -66,10 +66,13 @@ class Report:
 
 def inspect(ctx, tokenizer, n_rows: int) -> Report:
     """The first ``n_rows`` rows of the run's first micro-batches, traced (module docstring)."""
-    from memlab.pipeline import batch_stream, pack, prepare_rows
+    from memlab.pipeline import batch_stream, note_hollow, pack, prepare_rows
 
     raw, prepared, stats, tally = prepare_rows(ctx, tokenizer)
     ds, stats = pack(ctx, prepared, stats)
+    note_hollow(ctx, stats)
+    if stats.hollow_rows:
+        stats.extra.setdefault("hollow_rows", stats.hollow_rows)
     stream = batch_stream(ctx, tokenizer, ds)
     rows: list[Row] = []
     batch_no = 0

@@ -25,12 +25,16 @@ under ``runs/``, and the winner as ``experiment/fit.yaml``, runnable with
 and what would make them fit.
 
 Candidates are estimated ``--jobs`` at a time (default: one per core), each in a worker
-process. Ctrl-C or SIGTERM stops the search (the workers and the measured run with it) and still
-writes ``fit.json``: ``status: interrupted``, the candidates estimated and measured so far, no
-winner.
+process. Ctrl-C, SIGTERM or SIGHUP stop the search (the workers, and the measured run in order:
+it records what it measured), and ``fit.json`` is written with what was found so far,
+``status: interrupted`` and no verdict; so it is when a measured run is interrupted or killed
+from outside (an unfinished measurement is never taken for "does not fit"). Two searches never
+share ``--out`` (a lock, :mod:`memlab.rundir`; the default is a new directory even within one
+second).
 
 Exit status: 0 a configuration was found, 1 nothing fits (or nothing measured fits), 2 invalid
-command line, 130 interrupted (a partial fit.json).
+command line or ``--out`` in use, 128 + the signal when interrupted (130: Ctrl-C, 143: SIGTERM;
+a partial fit.json).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import contextlib
 import json
 import os
 import shlex
+import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -147,7 +152,8 @@ def fit(base: list[str], opts: FitOptions, out_dir: Path, argv: list[str],
     from memlab.cli.compose import compose
     from memlab.cli.fit import search, space
     from memlab.context import plain_config
-    from memlab.measure.summary import write_atomic
+    from memlab.measure.outcome import count_line
+    from memlab.measure.summary import write_atomic, write_text_atomic
 
     t0 = time.perf_counter()
     cfg, choices = compose(base)
@@ -160,7 +166,7 @@ def fit(base: list[str], opts: FitOptions, out_dir: Path, argv: list[str],
         space._is_configured((o,), plain, choices) for o in c.overrides)), None)
     ranked: list[Candidate] = []
     measured: list[Candidate] = []
-    interrupted = None
+    stopped: KeyboardInterrupt | None = None
     try:
         with _signals_interrupt():
             search.estimate_all(base, cands, opts, log)
@@ -169,20 +175,22 @@ def fit(base: list[str], opts: FitOptions, out_dir: Path, argv: list[str],
                 baseline = configured if configured is not None and configured.estimate.get(
                     "fits") else None
                 measured = search.measure(base, ranked, baseline, opts, out_dir, log)
-    except KeyboardInterrupt as e:
-        interrupted = str(e) or "interrupted (Ctrl-C)"
-        log(f"[fit] {interrupted}: writing what was found so far")
+    except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM / SIGHUP, an unfinished measurement
+        stopped = e
+        log(f"[fit] {_why_stopped(e)}: writing what was found so far, no verdict")
         ranked = search.rank([c for c in cands if c.estimate])
-        measured = [c for c in cands if c.measured and "fits" in c.measured]
+        measured = [c for c in cands if c.measured]
     # a run whose every step was warm-up or tracked has no tokens/s: it cannot be ranked
-    fits = [c for c in measured if c.run()["fits"] and c.run().get("tokens_per_s")]
-    best = search.fastest(fits)
-    if best is None and opts.estimate_only and ranked and interrupted is None:
+    fits = [c for c in measured if c.run().get("fits") and c.run().get("tokens_per_s")]
+    best = search.fastest(fits) if stopped is None else None
+    if best is None and opts.estimate_only and ranked and stopped is None:
         best = ranked[0]
     cmd = "memlab fit " + " ".join(shlex.quote(a) for a in argv)
     record: dict[str, Any] = {
-        "kind": "fit", "status": "ok" if interrupted is None else "interrupted",
-        "interrupted": interrupted, "command": cmd, "overrides": base, "budget_bytes": opts.budget_bytes,
+        "kind": "fit", "status": "ok" if stopped is None else "interrupted",
+        "interrupted": None if stopped is None else _why_stopped(stopped),
+        "signal": None if stopped is None else _stop_signal(stopped),
+        "command": cmd, "overrides": base, "budget_bytes": opts.budget_bytes,
         "device": opts.device, "card": opts.card, "allow": list(opts.allow),
         "margin": opts.margin, "measure": opts.measure, "steps": opts.steps,
         "estimate_only": opts.estimate_only,
@@ -196,20 +204,21 @@ def fit(base: list[str], opts: FitOptions, out_dir: Path, argv: list[str],
         "prediction": search.prediction_quality(measured),
         "winner": None, "nothing_fits": None,
     }
-    if best is not None and interrupted is None:
+    if best is not None and stopped is None:
         run = " ".join(["memlab", *(shlex.quote(a) for a in [*base, *best.overrides])])
         yaml_path = out_dir / "experiment" / "fit.yaml"
         yaml_path.parent.mkdir(parents=True, exist_ok=True)
-        yaml_path.write_text(winner_yaml(base, best, cmd))
+        write_text_atomic(yaml_path, winner_yaml(base, best, cmd))
         record["winner"] = {"label": best.label, "overrides": best.overrides, "command": run,
                             "experiment": str(yaml_path),
                             "run_experiment": f"memlab --config-dir {out_dir} experiment=fit",
                             "exact": best.exact, "estimate": best.estimate,
                             "measured": best.measured}
-    elif interrupted is None:
+    elif stopped is None:
         record["nothing_fits"] = {
             "why": ("no candidate's estimate fits the budget" if not ranked else
-                    "candidates estimated to fit, but none measured within the budget"),
+                    "candidates estimated to fit, but none measured within the budget (measured "
+                    + count_line(c.run()["status"] for c in measured) + ")"),
             "closest": search.closest(cands, opts.budget_bytes, opts.margin)}
     record["wall_s"] = round(time.perf_counter() - t0, 1)
     write_atomic(out_dir / "fit.json", record)
@@ -218,23 +227,35 @@ def fit(base: list[str], opts: FitOptions, out_dir: Path, argv: list[str],
 
 @contextlib.contextmanager
 def _signals_interrupt() -> Iterator[None]:
-    """SIGTERM raises KeyboardInterrupt in this (the main) thread for the block, as Ctrl-C
-    does: fit stops its workers and its measured run, and writes a partial fit.json."""
-    import signal
+    """SIGTERM and SIGHUP raise :class:`~memlab.cli.fit.search.SearchInterrupted` (a
+    KeyboardInterrupt, as Ctrl-C) in the main thread for the block: fit stops its workers and its
+    measured run, and writes a partial fit.json."""
     import threading
+
+    from memlab.cli.fit.search import SearchInterrupted
 
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
-    def stop(signum, frame):
-        raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
+    def stop(signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        raise SearchInterrupted(f"stopped by {name}", name)
 
-    previous = signal.signal(signal.SIGTERM, stop)
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _stop_signal(e: BaseException) -> str:
+    return str(getattr(e, "signal", None) or "SIGINT")
+
+
+def _why_stopped(e: BaseException) -> str:
+    return str(e) or "stopped by SIGINT (Ctrl-C)"
 
 
 def format_table(record: dict[str, Any]) -> str:
@@ -263,8 +284,10 @@ def format_table(record: dict[str, Any]) -> str:
     w = record["winner"]
     if record.get("interrupted"):
         done = sum(1 for c in record["candidates"] if c["estimate"])
-        lines += ["", f"{record['interrupted']}: {done} of {len(record['candidates'])} "
-                      "candidates estimated; no winner chosen"]
+        ran = sum(1 for c in record["candidates"] if c["measured"])
+        lines += ["", f"interrupted: {record['interrupted']}; {done} of "
+                      f"{len(record['candidates'])} candidates estimated, {ran} measured; no "
+                      "verdict"]
     elif w:
         how = "measured" if w["measured"] else "estimated (not measured: --estimate-only)"
         lines += ["", f"winner ({how}): {w['label']}", f"  {w['command']}",
@@ -273,6 +296,9 @@ def format_table(record: dict[str, Any]) -> str:
         nf = record["nothing_fits"]
         lines += ["", f"nothing fits: {nf['why']}; the closest:"]
         for c in nf["closest"]:
+            if c.get("dominant") is None:  # judged by its measured run
+                lines.append(f"  {c['label']}: {c['what_would_fit']}")
+                continue
             lines.append(f"  {c['label']}: needs {fmt_bytes(c['needed_bytes'])} (over by "
                          f"{fmt_bytes(c['over_by_bytes'])}; {c['dominant']} "
                          f"{fmt_bytes(c['dominant_bytes'])}): {c['what_would_fit']}")
@@ -295,19 +321,34 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"memlab fit: {e}", file=sys.stderr)
         return 2
+    from memlab import rundir
+
     out = args.out or Path("outputs") / "fit" / time.strftime("%Y-%m-%d") / time.strftime(
         "%H-%M-%S")
-    out = out.absolute()
-    out.mkdir(parents=True, exist_ok=True)
+    try:  # one search per directory; the default is a new one (memlab.rundir)
+        out = rundir.claim(out, fresh=args.out is None, kind="fit").path
+    except rundir.DirInUse as e:
+        print(f"memlab fit: --out {out.absolute()} is {e}; give another --out",
+              file=sys.stderr)
+        return 2
     try:
         record = fit(rest, opts, out, argv)
+    except KeyboardInterrupt:  # before the search or while its record is written
+        print("memlab fit: interrupted (Ctrl-C) before the search could record anything",
+              file=sys.stderr)
+        return 130
     except Exception as e:  # noqa: BLE001 - a bad override: Hydra's message, exit 2
-        if type(e).__module__.split(".")[0] not in ("hydra", "omegaconf"):
+        from memlab.registry import ConfigErrors
+
+        if type(e).__module__.split(".")[0] not in ("hydra", "omegaconf") and not isinstance(
+                e, ConfigErrors):
             raise
         print(f"memlab fit: {e}", file=sys.stderr)
         return 2
+    finally:
+        rundir.release("fit")
     print(json.dumps(record, indent=1, default=str) if args.json else format_table(record))
     print(f"\nwrote {out / 'fit.json'}", file=sys.stderr)
-    if record["interrupted"]:
-        return 130
+    if record["status"] == "interrupted":
+        return 128 + int(signal.Signals[record["signal"]])
     return 0 if record["winner"] else 1

@@ -14,6 +14,10 @@
    predicted classes (:func:`to_measure`), and the configuration as given when it fits, train for a few steps, each in a fresh ``python -m memlab`` process as a sweep
    job would (its summary.json: peak, tokens/s over the untimed-free steps with their spread,
    the loss curve). More are measured, down the ranking, while none of the measured fits.
+   Each run is in its own session with its console in ``runs/<i>.log``: when fit is stopped,
+   it stops the run in order (:func:`stop_run`: the run records what it measured), and a
+   measurement that was interrupted or killed is never taken for a result
+   (:class:`SearchInterrupted`: no verdict).
 4. **Choose** (:func:`fastest`): the fastest measured run whose *measured* peak is within the
    budget; runs within the measured spread of it are a tie, which the speed model's order
    breaks. How well the speed model ordered the measured candidates is reported (Spearman's rank correlation of
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -85,12 +90,11 @@ def estimate_candidate(base: list[str], c: Candidate, opts: FitOptions) -> dict[
 
 
 def _worker_init() -> None:
-    """A worker of :func:`estimate_all`: fit's own process handles Ctrl-C and SIGTERM (it
-    stops the workers and writes what it has)."""
-    import signal
-
+    """A worker of :func:`estimate_all`: fit's own process handles Ctrl-C, SIGTERM and SIGHUP
+    (it stops the workers and writes what it has)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
 def _estimate_in_worker(job: tuple[int, list[str], Candidate, FitOptions]
@@ -104,8 +108,9 @@ def estimate_all(base: list[str], cands: list[Candidate], opts: FitOptions,
     """Estimate each candidate (``cand.estimate``, :func:`estimate_candidate`): the first in this
     process, the others ``opts.jobs`` at a time in worker processes forked from it (they share
     what it loaded and warmed up; each worker estimates one candidate after another); a
-    candidate's estimate is the same whichever process makes it. Interrupted (Ctrl-C, or SIGTERM turned into one by fit), the workers are
-    stopped and the candidates estimated so far keep their estimates."""
+    candidate's estimate is the same whichever process makes it. Interrupted (Ctrl-C, or
+    SIGTERM / SIGHUP turned into one by fit), the workers are stopped and the candidates
+    estimated so far keep their estimates."""
     jobs = max(1, min(opts.jobs, len(cands)))
 
     def done(i: int, est: dict[str, Any]) -> None:
@@ -205,18 +210,91 @@ def to_measure(ranked: list[Candidate], k: int) -> list[Candidate]:
     return picked
 
 
+STOP_GRACE_S = 60.0
+"""Seconds a measured run has to record what it measured once fit stops it (then SIGKILL)."""
+
+UNFINISHED = ("interrupted", "killed")
+"""Statuses of a measured run that was stopped from outside: not a measurement of the
+candidate (it might fit), so the search stops without a verdict."""
+
+
+class SearchInterrupted(KeyboardInterrupt):
+    """The search stopped without a verdict: fit was stopped (SIGTERM, SIGHUP; Ctrl-C is a
+    plain KeyboardInterrupt), or a measured run was interrupted or killed from outside.
+    ``signal``: the signal's name."""
+
+    def __init__(self, why: str, signal: str):
+        super().__init__(why)
+        self.signal = signal
+
+
 def run_once(overrides: list[str], steps: int, run_dir: Path) -> dict[str, Any]:
-    """Train ``overrides`` for ``steps`` steps in a fresh process; what its summary says."""
+    """Train ``overrides`` for ``steps`` steps in a fresh process; what its summary says
+    (:func:`read_run`). The run has its own session (a Ctrl-C reaches fit, not the run) and its
+    console in ``<run_dir>.log`` (no pipe to break when fit ends). Whatever stops fit while the
+    run trains stops the run in order too (:func:`stop_run`), and is raised again."""
     cmd = [sys.executable, "-m", "memlab", *overrides, f"train.steps={steps}",
            "train.progress=false", f"hydra.run.dir={run_dir}"]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     t0 = time.perf_counter()
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    from memlab.measure.summary import unlink_link
+
+    log = run_log(run_dir)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    unlink_link(log)  # a link planted there is replaced, never followed out of the directory
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+    with open(fd, "wb") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        proc.wait()
+    except BaseException:
+        stop_run(proc)
+        raise
+    return read_run(run_dir, proc.returncode, time.perf_counter() - t0)
+
+
+def run_log(run_dir: Path) -> Path:
+    """Where a measured run's console goes (beside its run dir)."""
+    return run_dir.with_name(run_dir.name + ".log")
+
+
+def stop_run(proc: subprocess.Popen) -> None:
+    """SIGTERM to a measured run (it records ``interrupted`` with what it measured and stops
+    its ranks), SIGKILL to its session after :data:`STOP_GRACE_S` or at a second stop."""
+    if proc.poll() is not None:
+        return
+    try:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=STOP_GRACE_S)
+    except (subprocess.TimeoutExpired, KeyboardInterrupt):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:
+            proc.kill()
+        proc.wait()
+
+
+def read_run(run_dir: Path, code: int | None = None,
+             seconds: float | None = None) -> dict[str, Any]:
+    """A measured run as fit keeps it, from its summary (a run that wrote none: ``failed`` with
+    its console's last lines, or what the signal that ended it says)."""
+    from memlab.measure.outcome import killed_status
+
+    wall = None if seconds is None else round(seconds, 1)
     try:
         s = json.loads((run_dir / "summary.json").read_text())
     except (OSError, json.JSONDecodeError):
-        return {"status": "failed", "error": _short(r.stderr[-400:]), "run_dir": str(run_dir),
-                "wall_s": round(time.perf_counter() - t0, 1)}
+        if code is not None and code < 0:
+            status, error = killed_status(-code, None)
+        else:
+            try:
+                tail = run_log(run_dir).read_text(errors="replace")[-400:]
+            except OSError:
+                tail = ""
+            status, error = "failed", tail or f"exited with code {code} and wrote no summary"
+        return {"status": status, "error": _short(error), "run_dir": str(run_dir),
+                "wall_s": wall}
     mem, thr = s.get("memory") or {}, s.get("throughput") or {}
     cuda = mem.get("cuda") or {}
     peak = cuda.get("peak_reserved_bytes") or mem.get("peak_bytes")
@@ -225,7 +303,8 @@ def run_once(overrides: list[str], steps: int, run_dir: Path) -> dict[str, Any]:
             "tokens_per_s": thr.get("tokens_per_s"), "tokens_per_s_std": thr.get("tokens_per_s_std"),
             "timed_steps": thr.get("timed_steps"),
             "loss_curve": (s.get("train") or {}).get("loss_curve"),
-            "wall_s": round(time.perf_counter() - t0, 1)}
+            **({"signal": s["signal"]} if s.get("signal") else {}),
+            "wall_s": wall}
 
 
 def measure(base: list[str], ranked: list[Candidate], baseline: Candidate | None,
@@ -241,17 +320,31 @@ def measure(base: list[str], ranked: list[Candidate], baseline: Candidate | None
         c = todo.pop(0)
         run_dir = out_dir / "runs" / str(len(done))
         log(f"[fit] measure {c.label} ({opts.steps} steps) -> {run_dir}")
-        c.measured = run_once([*base, *c.overrides], opts.steps, run_dir)
-        c.measured["fits"] = bool(c.measured["status"] == "ok" and c.measured["peak_bytes"]
-                                  and c.measured["peak_bytes"] <= opts.budget_bytes)
-        if c.measured["status"] == "ok" and not c.measured.get("tokens_per_s"):
-            c.measured["error"] = ("no timed step (every step was warm-up or tracked): "
-                                   "raise --steps")
         done.append(c)
+        try:
+            c.measured = run_once([*base, *c.overrides], opts.steps, run_dir)
+        except BaseException:  # fit was stopped: the run was too, and recorded what it had
+            c.measured = {**read_run(run_dir), "fits": False}
+            raise
+        judge(c, opts.budget_bytes)
         if not todo and rest and len(done) < 2 * opts.measure + 1 and not any(
                 d.run()["fits"] and d.run().get("tokens_per_s") for d in done):
             todo.append(rest.pop(0))
     return done
+
+
+def judge(c: Candidate, budget: int) -> None:
+    """Whether the measured ``c`` fits; a run stopped from outside is no measurement: the search
+    stops (:class:`SearchInterrupted`)."""
+    m = c.run()
+    m["fits"] = bool(m["status"] == "ok" and m.get("peak_bytes") and m["peak_bytes"] <= budget)
+    if m["status"] == "ok" and not m.get("tokens_per_s"):
+        m["error"] = "no timed step (every step was warm-up or tracked): raise --steps"
+    if m["status"] in UNFINISHED:
+        raise SearchInterrupted(
+            f"the measured run of {c.label} ({m['run_dir']}) was {m['status']} from outside "
+            f"({m.get('error')}); no verdict from an unfinished measurement",
+            m.get("signal") or ("SIGKILL" if m["status"] == "killed" else "SIGTERM"))
 
 
 def fastest(fits: list[Candidate]) -> Candidate | None:
@@ -312,11 +405,17 @@ def prediction_quality(measured: list[Candidate]) -> dict[str, Any]:
 
 def closest(cands: list[Candidate], budget: int, margin: float,
             k: int = 3) -> list[dict[str, Any]]:
-    """The ``k`` candidates that came nearest the budget, and what would make them fit."""
+    """The ``k`` candidates that came nearest the budget, and what would make them fit. A
+    measured candidate is judged by its run (never "over by" a negative amount because its
+    estimate fitted): its measured peak, or why its run gave none."""
     ok = sorted((c for c in cands if c.estimate.get("status") == "ok"),
-                key=lambda c: c.estimate["needed_bytes"])
+                key=lambda c: _nearest_need(c))
     out = []
     for c in ok[:k]:
+        measured = _measured_miss(c, budget)
+        if measured is not None:
+            out.append(measured)
+            continue
         need, cats = c.estimate["needed_bytes"], c.estimate.get("by_category") or {}
         top = max(cats, key=cats.__getitem__) if cats else "?"
         advice = {
@@ -334,3 +433,31 @@ def closest(cands: list[Candidate], budget: int, margin: float,
                     "over_by_bytes": int(need * (1 + margin)) - budget, "dominant": top,
                     "dominant_bytes": cats.get(top), "what_would_fit": advice})
     return out
+
+
+def _nearest_need(c: Candidate) -> int:
+    m = c.measured or {}
+    if m.get("status") == "ok" and m.get("peak_bytes"):
+        return int(m["peak_bytes"])
+    return int(c.estimate["needed_bytes"])
+
+
+def _measured_miss(c: Candidate, budget: int) -> dict[str, Any] | None:
+    """Why a measured candidate is not the answer, as :func:`closest` lists it (None: it was
+    not measured)."""
+    m = c.measured
+    if not m:
+        return None
+    peak = m.get("peak_bytes") if m.get("status") == "ok" else None
+    if peak is not None and peak > budget:
+        why = (f"its measured peak, {peak / 2**20:.1f} MiB, is over the budget by "
+               f"{(peak - budget) / 2**20:.1f} MiB (the estimate was too low)")
+    elif peak is not None:
+        why = (f"its measured peak, {peak / 2**20:.1f} MiB, fits, but "
+               f"{m.get('error') or 'its run has no tokens/s'}")
+    else:
+        why = f"its measured run ended {m.get('status')}: {m.get('error')}"
+    return {"label": c.label, "overrides": c.overrides, "needed_bytes": peak,
+            "over_by_bytes": None if peak is None else peak - budget,
+            "dominant": None, "dominant_bytes": None, "what_would_fit": why,
+            "run_dir": m.get("run_dir")}

@@ -64,6 +64,7 @@ from memlab.cli.lengths.stats import (
     recommend,
     summarize,
 )
+from memlab.measure.summary import write_text_atomic
 
 __all__ = ["DEFAULT_EPOCHS", "DEFAULT_MAX_TRUNCATED", "MAX_CANDIDATE", "MIN_CANDIDATE", "PARTS",
            "PERCENTILES", "candidate_rows", "default_candidates", "epoch_permutations",
@@ -230,7 +231,7 @@ def _job(cfg, args: argparse.Namespace) -> int:
     timings["total_s"] = time.perf_counter() - t0
     result["seconds"] = timings
     path = out_dir / "lengths.json"
-    path.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    write_text_atomic(path, json.dumps(result, indent=2) + "\n")
     written.insert(0, path)
     print(format_table(result))
     print(f"\nwrote {', '.join(str(p) for p in written)} ({timings['total_s']:.1f} s)")

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from memlab.cli.lengths.stats import PERCENTILES
+from memlab.measure.summary import unlink_link
 
 
 def plot(result: dict[str, Any], lengths: np.ndarray, path: Path, title: str = "") -> Path:
@@ -63,6 +64,7 @@ def plot(result: dict[str, Any], lengths: np.ndarray, path: Path, title: str = "
     handles = ax.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
     ax.legend(handles, [str(hd.get_label()) for hd in handles], loc="center right", fontsize=8)
     fig.tight_layout()
+    unlink_link(path)  # a link there is replaced, never followed
     fig.savefig(path)
     return path
 

@@ -43,13 +43,11 @@ from memlab.cli.report.table import (
     ASSUMED_SPREAD,
     DEFAULT_SORT,
     build_table,
-    fixed_line,
-    format_markdown,
-    format_text,
     pareto_front,
     short_reason,
     sort_table,
 )
+from memlab.cli.report.text import fixed_line, format_markdown, format_text
 from memlab.measure.outcome import count_line
 
 if TYPE_CHECKING:
@@ -65,10 +63,12 @@ def write_report(df: pd.DataFrame, out_dir: Path, plots: bool = True,
     """Write ``report.csv``, ``report.md``, (unless ``plots`` is false) the PNGs and (with
     ``html``) ``report.html`` to ``out_dir``. Returns the paths written (a plot with nothing to
     show is skipped)."""
+    from memlab.measure.summary import write_text_atomic
+
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    csv_path = out_dir / "report.csv"
-    df.to_csv(csv_path, index=False)
+    csv_path = out_dir / "report.csv"  # (every file replaces a link there, never follows it)
+    write_text_atomic(csv_path, df.to_csv(index=False))
     written.append(csv_path)
     images: list[Path] = []
     if plots:
@@ -80,14 +80,14 @@ def write_report(df: pd.DataFrame, out_dir: Path, plots: bool = True,
             if result is not None:
                 images.append(result)
     md_path = out_dir / "report.md"
-    md_path.write_text(format_markdown(df, [p.name for p in images]), encoding="utf-8")
+    write_text_atomic(md_path, format_markdown(df, [p.name for p in images]))
     written.append(md_path)
     written += images
     if html:
         from memlab.cli.report.page import format_html
 
         page = out_dir / "report.html"
-        page.write_text(format_html(df, images), encoding="utf-8")
+        write_text_atomic(page, format_html(df, images))
         written.append(page)
     return written
 

@@ -1,6 +1,6 @@
 """``memlab report``, loading: find the ``summary.json`` of every job under the inputs, and a
-record for every Hydra job dir that lacks one (``missing``) or whose summary is unreadable
-(``corrupt``). Reads JSON and YAML only."""
+record for every Hydra job dir that lacks one, or job of a sweep with no dir (``missing``), or
+whose summary is unreadable (``corrupt``). Reads JSON and YAML only."""
 
 from __future__ import annotations
 
@@ -18,6 +18,9 @@ SUMMARY_NAME = "summary.json"
 
 OVERRIDES_REL = Path(".hydra") / "overrides.yaml"
 HYDRA_REL = Path(".hydra") / "hydra.yaml"
+
+MULTIRUN_NAME = "multirun.yaml"
+"""Hydra's record of a sweep, in its sweep dir."""
 
 OK = "ok"
 MISSING = "missing"
@@ -95,6 +98,55 @@ def _placeholder(job_dir: Path, status: str, error: str, source: Path) -> dict[s
     }
 
 
+def sweep_plan(sweep_dir: Path) -> dict[int, list[str]] | None:
+    """Job number -> overrides of every job of the sweep whose ``multirun.yaml`` is in
+    ``sweep_dir``, expanded as Hydra's basic sweeper expands it (the sweeper's ``params``, then
+    the command line's overrides); None when that cannot be known (another sweeper, job dirs
+    not named by their number, a sweep that needs the configs to expand: ``glob(...)``)."""
+    data = _read_yaml(sweep_dir / MULTIRUN_NAME)
+    try:
+        hydra = data["hydra"]
+        sweeper = hydra["runtime"]["choices"].get("hydra/sweeper")
+        task = [str(o) for o in hydra["overrides"]["task"]]
+        params = hydra["sweeper"].get("params") or {}
+        subdir = str(hydra["sweep"]["subdir"])
+    except (TypeError, KeyError, AttributeError):
+        return None
+    if sweeper != "basic" or subdir != "${hydra.job.num}":
+        return None
+    try:
+        from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        parsed = OverridesParser.create().parse_overrides(
+            [f"{k}={v}" for k, v in params.items()] + task)
+        jobs = BasicSweeper.split_arguments(parsed, None)[0]
+    except Exception:  # noqa: BLE001 - a sweep this cannot expand: its jobs are not guessed
+        return None
+    return dict(enumerate(jobs))
+
+
+def _unrecorded(sweep_dir: Path, seen: set[Path]) -> list[dict[str, Any]]:
+    """A ``missing`` record, with its overrides, for every job of the sweep in ``sweep_dir``
+    (:func:`sweep_plan`) whose dir holds neither a summary nor Hydra's record of the job, or
+    does not exist (the job never started, or its dir was removed)."""
+    plan = sweep_plan(sweep_dir) or {}
+    out = []
+    for num, overrides in plan.items():
+        job_dir = sweep_dir / str(num)
+        if job_dir.resolve() in seen:
+            continue
+        why = ("no job dir (the job never started, or its dir was removed)"
+               if not job_dir.is_dir() else
+               f"no {SUMMARY_NAME} and no Hydra record (.hydra/) in the job dir (the job died "
+               "before writing them; see its log)")
+        record = _placeholder(job_dir, MISSING, why, job_dir)
+        record["overrides"] = overrides
+        record["job"]["sweep_dir"] = str(sweep_dir)
+        out.append(record)
+    return out
+
+
 def _load_file(path: Path) -> dict[str, Any]:
     """Load one ``summary.json``; an unreadable one becomes a ``corrupt`` record."""
     try:
@@ -113,7 +165,9 @@ def load_summaries(paths: Sequence[Path | str]) -> list[dict[str, Any]]:
 
     Each path may be a multirun dir (walked recursively for ``summary.json``), a run dir, or a
     ``summary.json`` file. A Hydra job dir (one with ``.hydra/overrides.yaml``) without a summary
-    yields a record with status ``"missing"`` and the overrides read from that file; a summary
+    yields a record with status ``"missing"`` and the overrides read from that file, and so does
+    every job of a sweep (a dir with Hydra's ``multirun.yaml``) whose dir holds neither or does
+    not exist (its overrides from the sweep: :func:`sweep_plan`); a summary
     that is not valid JSON yields status ``"corrupt"`` with the path in ``error``. Every record
     gets ``_path`` (the summary file, or the job dir when missing) and ``_dir`` (the job dir).
     The same job reached through two inputs is returned once.
@@ -123,12 +177,17 @@ def load_summaries(paths: Sequence[Path | str]) -> list[dict[str, Any]]:
     """
     records: list[dict[str, Any]] = []
     seen: set[Path] = set()
+    job_dirs: set[Path] = set()
+    sweeps: list[Path] = []
     for raw in paths:
         path = Path(raw)
         if path.is_file():
             found: list[Path] = [path]
         elif path.is_dir():
             found = list(_discover(path))
+            sweeps += [Path(d) for d, names, files in os.walk(path)
+                       if MULTIRUN_NAME in files and not any(
+                           p.startswith(".") for p in Path(d).relative_to(path).parts)]
         else:
             raise FileNotFoundError(f"no such file or directory: {path}")
         for item in found:
@@ -136,10 +195,15 @@ def load_summaries(paths: Sequence[Path | str]) -> list[dict[str, Any]]:
             if key in seen:
                 continue
             seen.add(key)
+            job_dirs.add(key if item.is_dir() else key.parent)
             if item.is_dir():
                 msg = f"no {SUMMARY_NAME} (the job died before writing it; see its log)"
                 records.append(_placeholder(item, MISSING, msg, item))
             else:
                 records.append(_load_file(item))
+    for sweep in dict.fromkeys(s.resolve() for s in sweeps):
+        for record in _unrecorded(sweep, job_dirs):
+            job_dirs.add(Path(record["_dir"]).resolve())
+            records.append(record)
     return records
 

@@ -15,7 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from memlab.cli.report.table import NUMERIC_COLUMNS, fixed_line, format_cell, notes
+from memlab.cli.report.table import NUMERIC_COLUMNS
+from memlab.cli.report.text import fixed_line, format_cell, notes
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -95,8 +95,11 @@ def _finish_bars(fig: Any, ax: Any, df: pd.DataFrame, shown: list[int], xmax: fl
 
 
 def _save(fig: Any, path: Path) -> Path | None:
+    from memlab.measure.summary import unlink_link
+
     if fig is None:
         return None
+    unlink_link(path)  # a link there is replaced, never followed
     fig.savefig(path, bbox_inches="tight")
     return path
 
