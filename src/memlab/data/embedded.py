@@ -23,9 +23,13 @@ class Embedded(RowOptions):
     kind: Literal["auto", "chat", "text", "preference"] = "auto"
     """auto = what the method trains on (chat for SFT, preference pairs for DPO/Reward/KTO)."""
     n_examples: PositiveInt = 2000
+    """Rows generated."""
     seed: Seed = 0
+    """Seed of the generated rows (the same seed gives the same data)."""
     median_tokens: PositiveInt = 300
+    """Median length of a generated row, in tokens (lengths are long-tailed, like chat data)."""
     max_tokens: PositiveInt = 6000
+    """Longest generated row, in tokens."""
 
     def validate(self, ctx: BuildContext) -> list[str]:
         errors = self.row_errors()

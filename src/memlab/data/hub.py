@@ -22,17 +22,22 @@ class Hub(RowOptions):
     """Arguments of ``datasets.load_dataset``."""
 
     path: str = "trl-lib/Capybara"
+    """Hub dataset id (or a local dataset script / directory), as datasets.load_dataset's path."""
     config_name: str | None = None
     """The dataset configuration (datasets.load_dataset(path, name=...))."""
     split: str = "train"
+    """Split to train on (e.g. train, or a slice such as train[:10%])."""
     revision: str | None = None
+    """Hub branch, tag or commit of the dataset (None: the default branch)."""
     data_dir: str | None = None
+    """Sub-directory of the dataset repository to read."""
     cache_dir: str | None = None
     """Where ``datasets`` caches hub datasets (None: its default, ``HF_DATASETS_CACHE``); with
     ``HF_DATASETS_OFFLINE=1`` a dataset is read from there without the network."""
     max_examples: PositiveInt | None = None
     """Keep only this many rows (a seeded sample when shuffle_seed is set)."""
     shuffle_seed: Seed | None = None
+    """Seed of the sample that max_examples keeps (None: the first rows)."""
 
     def validate(self, ctx: BuildContext) -> list[str]:
         errors = self.row_errors()

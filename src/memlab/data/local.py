@@ -36,6 +36,7 @@ class Local(RowOptions):
     format: Literal["auto", "json", "parquet", "csv"] = "auto"
     max_examples: PositiveInt | None = None
     shuffle_seed: Seed | None = None
+    """Seed of the sample that max_examples keeps (None: the first rows)."""
 
     def _files(self) -> list[str]:
         p = Path(self.path).expanduser()

@@ -39,6 +39,9 @@ class DDP(Ranks):
     find_unused_parameters: bool = False
     """Needed only when some trainable parameter gets no gradient in a step."""
     static_graph: bool = False
+    """DDP's static_graph: the set of used parameters and the graph are the same every step,
+    which lets DDP skip its per-step search (and take checkpointed models with
+    find_unused_parameters)."""
     sync_buffers: bool = False
     """Re-send rank 0's buffers before every forward (DDP's ``broadcast_buffers``). Needed for
     running statistics (batch norm); a causal LM's buffers (rotary frequencies) are constant

@@ -73,7 +73,9 @@ class Vllm(Option):
     """Sampling seed of the engine; None = train.seed (+ rank)."""
     # ---- server mode
     host: str = "127.0.0.1"
+    """Address of the `memlab vllm-serve` server (mode=server)."""
     port: Annotated[int, Range(ge=1, le=65535)] = 8000
+    """Port of the `memlab vllm-serve` server (mode=server)."""
     server_timeout_s: PositiveFloat = 240.0
     """How long the client waits for the server to answer its first health check."""
     request_timeout_s: PositiveFloat = 600.0

@@ -49,7 +49,9 @@ class ServeConfig:
     """Checkpoint dir or hub id with the policy's architecture (the trainer pushes its own
     weights before the first generation, so any weights of that architecture do)."""
     host: str = "127.0.0.1"
+    """Address the server listens on (127.0.0.1: this machine only)."""
     port: int = 8000
+    """Port the server listens on (the trainer's generation.port)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_model_len: int | None = None
     gpu_memory_utilization: float = 0.9

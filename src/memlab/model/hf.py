@@ -30,13 +30,18 @@ class HubModel(Option):
     """Where to load weights and tokenizer from."""
 
     name_or_path: str = "Qwen/Qwen2.5-0.5B"
+    """A hub model id or a local directory holding config.json and the weights (``memlab
+    estimate`` needs no weights)."""
     revision: str | None = None
+    """Hub branch, tag or commit of the model (None: the default branch)."""
     tokenizer: str | None = None
     """Tokenizer name or path; None = same as name_or_path."""
     chat_template: str | None = None
     """A Jinja chat template file that replaces the tokenizer's own (e.g. one with
     ``{% generation %}`` markers); None = the tokenizer's."""
     trust_remote_code: bool = False
+    """Run the model repository's own Python code (transformers' trust_remote_code): only for
+    repositories you trust."""
     local_files_only: bool = False
     """Never touch the network (a local directory, or a model in the HF cache)."""
 

@@ -24,14 +24,21 @@ class Tiny(Option):
 
     arch: Literal["llama", "qwen2"] = "llama"
     hidden_size: PositiveInt = 128
+    """Width of the residual stream."""
     intermediate_size: PositiveInt = 384
+    """Width of the MLP's hidden layer."""
     num_layers: PositiveInt = 4
+    """Decoder layers."""
     num_heads: PositiveInt = 4
+    """Attention (query) heads; must divide hidden_size."""
     num_kv_heads: PositiveInt = 2
+    """Key/value heads (grouped-query attention); must divide num_heads."""
     vocab_size: PositiveInt | None = None
     """None = the tokenizer's size; larger values add unused rows (to study large vocabularies)."""
     max_position_embeddings: PositiveInt = 16384
+    """Longest sequence the rotary embedding covers."""
     tie_word_embeddings: bool = False
+    """The output head shares the input embedding's weight."""
     tokenizer: str | None = None
     """Tokenizer dir; None = the BPE tokenizer shipped in memlab/assets/tokenizer."""
     chat_template: str | None = None

@@ -287,12 +287,19 @@ def test_exclude_outputs_of_and_disabled():
     assert off.stats()["kept_disabled"] == 1 and off.stats()["offloaded_tensors"] == 2
     c.sum().backward()
 
+    # what head's forward saves, counted by a plain hook (x and weight.t() in a fresh process;
+    # under the full suite's xdist worker the same forward has been seen saving three)
+    inside: list[tuple] = []
+    with torch.autograd.graph.saved_tensors_hooks(
+            lambda t: inside.append((tuple(t.shape), t.dtype)) or t, lambda t: t):
+        head(x)
+    assert len(inside) >= 2, inside
     off = ActivationOffloader(min_bytes=0, storage=RecordingStorage())
     handles = off.disable_within(head)
     with off:
         head(x).exp().sum().backward()
-    stats = off.stats()  # (printed on failure: CI once counted 3 kept here, not reproduced)
-    assert stats["kept_disabled"] == 2, stats  # x and weight.t(), saved inside head
+    stats = off.stats()
+    assert stats["kept_disabled"] == len(inside), (stats, inside)  # all saved inside head
     assert stats["offloaded_tensors"] == 1, stats  # exp's output, outside head
     for hd in handles:
         hd.remove()
