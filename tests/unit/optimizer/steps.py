@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from memlab.context import BuildContext, validate
-from memlab.trainer import checkpoint as ckpt
+from memlab.trainer import state_files as ckpt
 from memlab.trainer.optim import step_in_backward
 from memlab_testing import FAST, compose
 
@@ -122,8 +122,8 @@ def resumed_equals_uninterrupted(make: Callable[[list[nn.Parameter]], torch.opti
         opt.zero_grad(set_to_none=True)
     tensors: dict[str, torch.Tensor] = {}
     tree = json.loads(json.dumps(ckpt.to_tree(opt.state_dict(), tensors, "optimizer")))
-    ckpt._save_tensors(where / "optimizer.safetensors", tensors)
-    tensors = ckpt._load_tensors(where / "optimizer.safetensors")
+    ckpt.save_tensors(where / "optimizer.safetensors", tensors)
+    tensors = ckpt.load_tensors(where / "optimizer.safetensors")
     opt = make(list(resumed.parameters()))
     opt.load_state_dict(ckpt.from_tree(tree, tensors))
     for ids in batches[steps // 2:]:
