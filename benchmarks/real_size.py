@@ -255,8 +255,9 @@ def run(side: str, s: Settings, case: Case, data: str, mode: str, work: Path, ta
     done = d / ("summary.json" if side == "memlab" else "result.json")
     if reuse and done.exists():  # --reuse: a run an earlier invocation finished in --workdir
         r = (memlab_result(d, mode) if side == "memlab" else json.loads(done.read_text()))
-        log(f"  {side:6s} {case.name:22s} {mode:6s} {tag:4s}  reused {d}")
-        return r
+        if r.get("status") == "ok":  # not one that failed or was interrupted
+            log(f"  {side:6s} {case.name:22s} {mode:6s} {tag:4s}  reused {d}")
+            return r
     if side not in sides:
         return {"status": "skipped"}
     wait_for_memory(case.need_gib, log)
