@@ -116,7 +116,7 @@ class Settings:
             f"method.max_length={self.max_length}",
             f"train.batch_size={self.batch_size}", f"train.steps={self.steps}",
             f"train.lr={self.lr}", f"train.seed={self.seed}", "train.grad_accum=1",
-            "train.optimizer=adamw", "train.scheduler=cosine", "train.warmup_steps=0",
+            "optimizer=adamw", "train.scheduler=cosine", "train.warmup_steps=0",
             "train.weight_decay=0.0", "train.max_grad_norm=1.0",
             f"train.device={self.device}", "train.progress=false", "measure.warmup_steps=1",
         ]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 from memlab import _guards
 from memlab import resolvers as _resolvers  # noqa: F401 - registers ${memlab.asset:...}
@@ -15,7 +15,6 @@ from memlab.registry import (
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
-    Range,
     Seed,
 )
 from memlab.trainer.inputs import NAMES as INPUT_NAMES
@@ -73,11 +72,11 @@ class TrainConfig:
     """Micro-batches per optimizer step. The loss is normalised over the whole step's tokens,
     so 1x8 and 8x1 give the same gradient."""
     lr: PositiveFloat = 3e-4
+    """The optimizer's learning rate (the peak of ``scheduler``); which optimizer and its own
+    knobs: the ``optimizer`` group."""
     weight_decay: NonNegativeFloat = 0.0
-    betas: list[Annotated[float, Range(ge=0, lt=1)]] = field(
-        default_factory=lambda: [0.9, 0.999])
-    """AdamW's (beta1, beta2), each in [0, 1)."""
-    optimizer: Literal["adamw", "sgd"] = "adamw"
+    """Decoupled weight decay (AdamW, 8-bit AdamW, Adafactor) or L2 added to the gradient
+    (SGD)."""
     scheduler: Literal["constant", "linear", "cosine"] = "cosine"
     warmup_steps: NonNegativeInt = 0
     """Steps of linear learning-rate warm-up."""
@@ -152,6 +151,16 @@ class TrainConfig:
     ``ok`` and summary.json's ``eval.stopped_early`` says at which step and why. The count
     survives a resume. None: never stop early."""
 
+    moved_keys: ClassVar[dict[str, str]] = {
+        "optimizer": "the optimizer is the config group `optimizer`: optimizer=<adamw | "
+                     "adamw_8bit | paged_adamw_8bit | adafactor | sgd> (train.optimizer=sgd "
+                     "is now optimizer=sgd)",
+        "betas": "AdamW's betas are a knob of the optimizer group: optimizer.betas=[0.9,0.999]",
+    }
+    """Keys that moved out of ``train:``, with their new spelling (reported by
+    :func:`memlab.registry.from_mapping` and, for command-line overrides, before Hydra
+    composes: :func:`moved_overrides`)."""
+
     def checkpoint_errors(self, ctx: BuildContext) -> list[str]:
         """Problems of the saving / resuming knobs (``ctx``: the run's other choices)."""
         errors = []
@@ -218,6 +227,20 @@ class TrainConfig:
     def eval_rows(self) -> int:
         """Rows (or prompts) per evaluation micro-batch."""
         return self.eval_batch_size or self.batch_size
+
+
+def moved_overrides(overrides: list[str]) -> list[str]:
+    """An error for each command-line override of a key that moved out of ``train:``
+    (``train.optimizer=sgd``): Hydra itself would only say that the key is not in the config."""
+    errors = []
+    for o in overrides:
+        if o.startswith("-") or "=" not in o:
+            continue
+        key = o.split("=", 1)[0].lstrip("+~")
+        head, _, rest = key.partition(".")
+        if head == "train" and rest in TrainConfig.moved_keys:
+            errors.append(f"{key} has moved: {TrainConfig.moved_keys[rest]}")
+    return errors
 
 
 @dataclass(kw_only=True)

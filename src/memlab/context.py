@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from memlab.method.base import Method
     from memlab.model.base import Model
     from memlab.offload.base import Offload
+    from memlab.optimizer.base import Optimizer
     from memlab.packing.base import PackingOption
     from memlab.peft.base import Peft
     from memlab.precision.base import Precision
@@ -54,6 +55,7 @@ class BuildContext:
     precision: Precision
     offload: Offload
     peft: Peft
+    optimizer: Optimizer
     distributed: Distributed
     model: Model
     data: DataSource
@@ -77,7 +79,8 @@ class BuildContext:
         alike: recording a configuration, listing its settings)."""
         return {"method": self.method, "generation": self.generation, "packing": self.packing,
                 "attention": self.attention, "precision": self.precision,
-                "offload": self.offload, "peft": self.peft, "distributed": self.distributed,
+                "offload": self.offload, "peft": self.peft, "optimizer": self.optimizer,
+                "distributed": self.distributed,
                 "model": self.model, "data": self.data, "logger": self.logger}
 
 
@@ -136,8 +139,6 @@ def validate(cfg: Any, run_dir: Path | str = ".", choices: Mapping[str, str] | N
     device = resolve_device(train.device, platform)
     if device == "cuda" and not platform.cuda:
         errors.append("train.device=cuda but no CUDA device is visible; use train.device=auto")
-    if len(train.betas) != 2:
-        errors.append(f"train.betas must be two numbers [beta1, beta2] (got {train.betas})")
     if world_size is None:
         world_size = typed["distributed"].processes(device, platform.gpus)
     ctx = BuildContext(

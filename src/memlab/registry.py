@@ -50,6 +50,7 @@ GROUPS = (
     "precision",
     "offload",
     "peft",
+    "optimizer",
     "distributed",
     "model",
     "data",
@@ -230,7 +231,11 @@ def from_mapping(cls: type[D], data: Mapping[str, Any], where: str,
     hints = typing.get_type_hints(cls, include_extras=True)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     kwargs: dict[str, Any] = {}
+    moved: Mapping[str, str] = getattr(cls, "moved_keys", {})
     for key, value in data.items():
+        if key not in fields and key in moved:
+            errors.append(f"{where}.{key} has moved: {moved[key]}")
+            continue
         if key not in fields:
             other = renamed(f"{where}.{key}") if renamed is not None else None
             close = difflib.get_close_matches(str(key), list(fields), n=1)

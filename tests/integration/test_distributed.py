@@ -113,6 +113,19 @@ def test_fsdp2_shards_parameters_gradients_and_optimizer_state(job):
     _same_training(single, accum)
 
 
+def test_fsdp2_steps_each_shard_inside_backward(job):
+    """optimizer.in_backward under FSDP2: each rank steps its reduced shard in the hook FSDP2
+    calls after the reduce-scatter; the same loss curve and weights as one process stepping
+    after backward (no clipping), and no gradient left at the optimizer phase."""
+    o = ["train.steps=3", "train.max_grad_norm=null", "train.save_final=true"]
+    single = job(o + ["train.batch_size=4"])
+    sharded = job(o + FSDP2 + ["train.batch_size=2", "optimizer.in_backward=true"])
+    _same_training(single, sharded)
+    w1, w2 = _weights(single), _weights(sharded)
+    assert max(float((w1[k] - w2[k]).abs().max()) for k in w1) <= 1e-5
+    assert sharded["memory"]["by_phase_category"]["optimizer"]["gradients"] == 0
+
+
 @pytest.mark.parametrize("dist", [DDP, FSDP2], ids=["ddp", "fsdp2"])
 def test_resume_gives_the_same_run(job, dist):
     """Save at step 2 (FSDP2: gathered from the shards, written by rank 0), resume to step 4:

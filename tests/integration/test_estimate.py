@@ -161,6 +161,14 @@ CASES = {
                                  "method.chunk_size=128", *ALL_LABELLED, *LEN], "unpadded"),
     "padding-free, no checkpointing": (["method.padding_free=true", *NO_GC, *ALL_LABELLED,
                                         *LEN], "unpadded"),
+    # the optimizer group: Adafactor's factored state stepped inside backward (the gradients
+    # freed as they are used), SGD's momentum buffer; 8-bit AdamW: tests/cpu_kernels
+    "packed bfd adafactor in backward": (["packing=bfd", "optimizer=adafactor",
+                                          "optimizer.in_backward=true",
+                                          "train.max_grad_norm=null", *ALL_LABELLED, *LEN],
+                                         "unpadded"),
+    "packed bfd sgd momentum": (["packing=bfd", "optimizer=sgd", "optimizer.momentum=0.9",
+                                 *ALL_LABELLED, *LEN], "unpadded"),
 }
 
 

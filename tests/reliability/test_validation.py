@@ -42,17 +42,18 @@ def test_a_type_error_does_not_hide_the_other_problems():
 
 
 def test_every_numeric_train_and_measure_knob_at_once():
-    errors = _problems(["train.lr=-0.001", "train.betas=[2,3]", "train.warmup_steps=-3",
+    errors = _problems(["train.lr=-0.001", "optimizer.betas=[2,3]", "train.warmup_steps=-3",
                         "train.log_every=0", "train.weight_decay=-1", "train.max_grad_norm=0",
                         "train.seed=-1", "train.save_every=-1", "measure.warmup_steps=-1",
                         "measure.memory_steps=-2"])
     knobs = sorted(e.split(":")[0] for e in errors)
-    assert knobs == sorted(["train.lr", "train.betas", "train.warmup_steps", "train.log_every",
+    assert knobs == sorted(["train.lr", "optimizer (adamw).betas", "train.warmup_steps",
+                            "train.log_every",
                             "train.weight_decay", "train.max_grad_norm", "train.seed",
                             "train.save_every", "measure.warmup_steps",
                             "measure.memory_steps"]), errors
     assert "train.max_grad_norm: must be > 0 or null (got 0)" in errors
-    assert "train.betas: item 0 must be in [0, 1) (got [2, 3])" in errors
+    assert "optimizer (adamw).betas: item 0 must be in [0, 1) (got [2, 3])" in errors
 
 
 def _all_configs() -> list[tuple[str, type]]:

@@ -85,4 +85,10 @@ def parse_command(argv: Sequence[str] | None, parser: argparse.ArgumentParser, p
         parser.print_usage(sys.stderr)
         print(f"{prog}: unknown option(s): {' '.join(unknown)}", file=sys.stderr)
         return None
+    from memlab.config import moved_overrides
+
+    moved = moved_overrides(rest)
+    if moved:
+        print("\n".join(f"{prog}: {m}" for m in moved), file=sys.stderr)
+        return None
     return hydra_args, args, rest

@@ -162,6 +162,12 @@ def main(argv: Sequence[str] | None = None, prog: str = "memlab") -> int:
     if err:
         print(f"memlab: {err}", file=sys.stderr)
         return 2
+    from memlab.config import moved_overrides
+
+    moved = moved_overrides(rest)
+    if moved:
+        print("\n".join(f"memlab: {m}" for m in moved), file=sys.stderr)
+        return 2
     from memlab.cli.overrides import command_line_error
 
     err = command_line_error(rest)

@@ -26,8 +26,17 @@ An option (``distributed=<name>``) is a registered dataclass with:
   stepping a ``wraps_fake_tensors`` wrapper as rank 0 of torch's fake process group; yields
   the assumptions it adds to the estimate's (what it answers without values).
 
+- ``optimizer_tensors(ctx)``: what the optimizer steps: the model's ``parameters``, FSDP2's
+  ``dtensors`` (each rank's shard of every parameter) or ZeRO's ``flat_partitions`` (each
+  rank's 1-D slice of all the parameters at once); an optimizer option says which it can take
+  (:mod:`memlab.optimizer.base`).
+
 Declared capabilities:
 
+- ``reduces_before_grad_hooks`` (a class variable): a parameter's post-accumulate-grad hook sees
+  its final gradient, reduced over the ranks (one process; FSDP2, which calls the hooks of the
+  sharded parameters after its reduce-scatter), so ``optimizer.in_backward`` can step there
+  (DDP averages its buckets after the hooks have run);
 - ``wraps_fake_tensors`` (a class variable): its ``wrap`` and steps work on fake weights over a
   fake process group, so ``memlab estimate`` measures a rank (FSDP2, DeepSpeed) instead of
   modelling the sharding (DDP: its C++ reducer reads tensor data, see
@@ -123,10 +132,15 @@ class Sharding:
     inside them instead of beside them."""
 
 
+OptimizerTensors = Literal["parameters", "dtensors", "flat_partitions"]
+"""What a distributed option hands the optimizer (:meth:`Distributed.optimizer_tensors`)."""
+
+
 class Distributed(Option, Protocol):
     """What every ``distributed=`` option provides (module docstring)."""
 
     wraps_fake_tensors: ClassVar[bool]
+    reduces_before_grad_hooks: ClassVar[bool]
 
     def processes(self, device: str, gpus: int = 0) -> int:
         """The processes the run needs on ``device`` with ``gpus`` visible GPUs (0: unknown)."""
@@ -143,6 +157,9 @@ class Distributed(Option, Protocol):
     def memory_roles(self, model: nn.Module) -> dict[str, list[torch.Tensor]]: ...
     def describe(self, model: nn.Module) -> dict[str, Any]: ...
     def sharding(self) -> Sharding | None: ...
+    def optimizer_tensors(self, ctx: BuildContext) -> OptimizerTensors:
+        """What the optimizer steps in this run (module docstring)."""
+        ...
     def on_fake_group(self, ctx: BuildContext) -> contextlib.AbstractContextManager[list[str]]:
         ...
     def as_ranks(self) -> Ranks | None: ...
@@ -191,6 +208,7 @@ class Ranks(Option):
     to it); 0: one the OS gives."""
 
     wraps_fake_tensors: ClassVar[bool] = False
+    reduces_before_grad_hooks: ClassVar[bool] = False
 
     def processes(self, device: str, gpus: int = 0) -> int:
         """``nproc``, or one rank per visible GPU (``gpus``) on CUDA, 2 on CPU."""
@@ -262,6 +280,10 @@ class Ranks(Option):
     def memory_roles(self, model: nn.Module) -> dict[str, list[torch.Tensor]]:
         """No buffers of the wrapper's own to categorise."""
         return {}
+
+    def optimizer_tensors(self, ctx: BuildContext) -> OptimizerTensors:
+        """A replica's optimizer steps the model's own parameters."""
+        return "parameters"
 
     @contextlib.contextmanager
     def on_fake_group(self, ctx: BuildContext) -> Iterator[list[str]]:

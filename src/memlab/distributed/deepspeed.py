@@ -12,7 +12,13 @@ What each stage shards over the N ranks, per rank (Psi = parameter count, traina
   all-gathered just before its forward (and again before its backward), then freed.
 
 memlab keeps its own loop, optimizer and schedule: the engine is built with memlab's optimizer
-(``train.optimizer``, ``lr``, ``betas``, ``weight_decay``) and memlab's LR schedule drives it;
+(the ``optimizer`` group with ``train.lr`` / ``weight_decay``) and memlab's LR schedule drives
+it. From stage 1 on (and in DeepSpeed's bf16 mode) the optimizer steps ZeRO's flat fp32
+partitions, 1-D slices of all the parameters at once: AdamW and 8-bit AdamW step them (8-bit
+blocks then run across parameter boundaries; no embedding is apart, so
+``embedding_states_32bit`` is refused), Adafactor cannot (it factors 2-D weights; refused);
+``optimizer.in_backward`` is refused (the engine owns the step). memlab estimate measures each
+option's state on the fake partitions, as it measures AdamW's;
 the loss is normalised over the whole step exactly as under DDP (so N ranks x B == 1 x N*B),
 gradient accumulation uses the engine's boundary (``set_gradient_accumulation_boundary``) and
 gradient clipping is DeepSpeed's (``train.max_grad_norm`` -> ``gradient_clipping``).
@@ -40,10 +46,17 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 import torch
 from torch import nn
 
-from memlab.distributed.base import NativeStates, Ranks, Sharding, StepOwner, env_rank, register
+from memlab.distributed.base import (
+    NativeStates,
+    OptimizerTensors,
+    Ranks,
+    Sharding,
+    StepOwner,
+    env_rank,
+    register,
+)
 from memlab.measure import patches
 from memlab.registry import NonNegativeInt, PositiveInt, Range
-from memlab.trainer.optim import build_optimizer
 from memlab.trainer.routing import Routed, base_model, unwrap
 
 if TYPE_CHECKING:
@@ -176,7 +189,7 @@ class DeepSpeed(Ranks):
             "train_batch_size": train.batch_size * train.grad_accum * ctx.world_size,
             "gradient_clipping": float(train.max_grad_norm or 0.0),
             "zero_optimization": zero,
-            "zero_allow_untested_optimizer": True,  # memlab's torch AdamW / SGD
+            "zero_allow_untested_optimizer": True,  # memlab's optimizer group's
             "zero_force_ds_cpu_optimizer": False,
             "steps_per_print": 2**31 - 1,
             "wall_clock_breakdown": False,
@@ -263,9 +276,9 @@ class DeepSpeed(Ranks):
         hidden = int(getattr(config, "hidden_size", 0) or 4096)
         engine, *_ = deepspeed.initialize(
             model=root, model_parameters=params, config=self.ds_config(ctx, hidden),
-            optimizer=lambda ps: build_optimizer(list(ps), ctx.train),
+            optimizer=lambda ps: ctx.optimizer.build(list(ps), ctx),
             dist_init_required=False)
-        if self.zero_stage == 3 and ctx.method.reads_head_weight() is not None:
+        if self.zero_stage == 3 and ctx.method.reads_head_weight(ctx) is not None:
             # a chunked / fused loss reads the output head's weight directly, inside the root's
             # forward (call_inside): gather it (and the tied input embedding) for that forward.
             # The cost: the head stays gathered for the whole forward and backward.
@@ -384,6 +397,13 @@ class DeepSpeed(Ranks):
         return {"zero_stage": self.zero_stage, "offload_optimizer": self.offload_optimizer,
                 "offload_param": self.offload_param,
                 "gather_for_generation": self.gather_for_generation}
+
+    def optimizer_tensors(self, ctx: BuildContext) -> OptimizerTensors:
+        """ZeRO (stage >= 1) and DeepSpeed's bf16 mode step flat fp32 partitions; stage 0 with
+        fp32 weights steps the module's parameters."""
+        if self.zero_stage >= 1 or ctx.precision.param_dtype == "bfloat16":
+            return "flat_partitions"
+        return "parameters"
 
     def sharding(self) -> Sharding | None:
         """ZeRO's stage (measured by ``memlab estimate`` on the fake process group)."""

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, cast
 import torch
 from torch import nn
 
-from memlab.distributed.base import GatheredStates, Ranks, Sharding, register
+from memlab.distributed.base import GatheredStates, OptimizerTensors, Ranks, Sharding, register
 from memlab.trainer.routing import Routed, base_model, unwrap
 
 if TYPE_CHECKING:
@@ -47,6 +47,9 @@ class FSDP2(Ranks):
     """Fully sharded data parallel: parameters, gradients and optimizer state split over ranks."""
 
     wraps_fake_tensors: ClassVar[bool] = True
+    reduces_before_grad_hooks: ClassVar[bool] = True
+    """FSDP2 calls a sharded parameter's post-accumulate-grad hooks right after its
+    reduce-scatter (``foreach_reduce``): ``optimizer.in_backward`` steps the reduced shard."""
 
     reshard_after_forward: bool = True
     """true: free a layer's gathered parameters after its forward (ZeRO-3); false: keep them
@@ -145,6 +148,10 @@ class FSDP2(Ranks):
     def describe(self, model: nn.Module) -> dict[str, Any]:
         return {"units": len(decoder_layers(model)) + 1,
                 "reshard_after_forward": self.reshard_after_forward}
+
+    def optimizer_tensors(self, ctx: BuildContext) -> OptimizerTensors:
+        """Each parameter is a DTensor, this rank's shard of it."""
+        return "dtensors"
 
     def sharding(self) -> Sharding | None:
         """Parameters, gradients and optimizer state split over the ranks (ZeRO-3)."""

@@ -13,6 +13,7 @@ from torch import nn
 from memlab.distributed.base import (
     GatheredStates,
     NativeStates,
+    OptimizerTensors,
     Ranks,
     Sharding,
     StepOwner,
@@ -30,6 +31,7 @@ class Single(Option):
     """No knobs."""
 
     wraps_fake_tensors: ClassVar[bool] = True
+    reduces_before_grad_hooks: ClassVar[bool] = True
 
     def processes(self, device: str, gpus: int = 0) -> int:
         return 1
@@ -68,6 +70,9 @@ class Single(Option):
     def on_fake_group(self, ctx: BuildContext) -> contextlib.AbstractContextManager[list[str]]:
         """No process group: nothing to add."""
         return contextlib.nullcontext([])
+
+    def optimizer_tensors(self, ctx: BuildContext) -> OptimizerTensors:
+        return "parameters"
 
     def sharding(self) -> Sharding | None:
         """One plain process: nothing to shard."""

@@ -225,7 +225,7 @@ def run_fake_step(ctx: BuildContext, opts: EstimateOptions, notes: list[str], *,
         model_context=in_fake_mode,
         prepare_eval=prepare_eval,
         loop=LoopOptions(tracker=estimate_tracker(CUDA_BLOCK if cuda else 0), grad_scaler=False,
-                         foreach=True if cuda and ctx.train.optimizer == "adamw" else None),
+                         foreach=True if cuda else None),
     )
     if ctx.precision.needs_scaler:
         notes.append("fp16 loss scaling (GradScaler) is left out: a few scalars")

@@ -119,7 +119,8 @@ def tracker_class():
                     and self._param_to_grad_hook_handles.get(param, None) is None
                 ):
                     def hook(grad, self=self):
-                        self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
+                        if grad is not None:  # an in-backward step freed it already
+                            self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
 
                     self._param_to_grad_hook_handles[param] = (
                         param.register_hook(hook),

@@ -236,7 +236,7 @@ class Online(Option):
     def liger_model_kernels(self) -> tuple[str, ...]:
         return ()
 
-    def reads_head_weight(self) -> str | None:
+    def reads_head_weight(self, ctx: BuildContext) -> str | None:
         return None
 
     # ------------------------------------------------------------------ generation

@@ -104,9 +104,9 @@ class Method(Option, Protocol):
     def liger_model_kernels(self) -> tuple[str, ...]:
         """Liger's kernels that replace modules of the method's models (empty: none)."""
         ...
-    def reads_head_weight(self) -> str | None:
-        """The setting whose loss reads the output head's weight directly (a chunked or fused
-        loss, e.g. ``method.loss_impl=chunked``), or None."""
+    def reads_head_weight(self, ctx: BuildContext) -> str | None:
+        """The setting whose loss reads the output head's weight directly in the run ``ctx``
+        (a chunked or fused loss, e.g. ``method.loss_impl=chunked``), or None."""
         ...
     def row_length(self) -> int | None:
         """The longest prepared row it keeps (an online method: its prompts), or None."""

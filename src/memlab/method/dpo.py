@@ -112,7 +112,7 @@ class DPO(Offline, _liger.LigerKnobs):
     def unit_pieces(self) -> int:
         return 2
 
-    def reads_head_weight(self) -> str | None:
+    def reads_head_weight(self, ctx: BuildContext) -> str | None:
         return _liger.LIGER_LOSS if self.liger_loss() else None
 
     # ------------------------------------------------------------------ validation

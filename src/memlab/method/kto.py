@@ -117,7 +117,7 @@ class KTO(Offline, _liger.LigerKnobs):
     def unit_pieces(self) -> int:
         return 2 if self.share_prompt else 1
 
-    def reads_head_weight(self) -> str | None:
+    def reads_head_weight(self, ctx: BuildContext) -> str | None:
         return _liger.LIGER_LOSS if self.liger_loss() else None
 
     # ------------------------------------------------------------------ validation

@@ -96,7 +96,7 @@ class Reward(Offline):
     def keeps_row_end(self) -> bool:
         return self.truncation_mode == "keep_end"
 
-    def reads_head_weight(self) -> str | None:
+    def reads_head_weight(self, ctx: BuildContext) -> str | None:
         return None
 
     # ------------------------------------------------------------------ validation

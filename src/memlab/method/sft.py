@@ -43,7 +43,7 @@ from memlab.method.base import (
 )
 from memlab.model.base import Head
 from memlab.registry import PositiveInt, Range
-from memlab.trainer.routing import call_inside
+from memlab.trainer.routing import call_inside, unwrap
 
 if TYPE_CHECKING:
     from memlab.context import BuildContext
@@ -65,9 +65,13 @@ class SFT(Offline, LigerKnobs):
     None = on when packing is on, off otherwise."""
     pad_to_multiple_of: PositiveInt | None = None
     """Round padded lengths up (tensor-core friendly shapes)."""
-    loss_impl: Literal["standard", "chunked"] = "standard"
+    loss_impl: Literal["auto", "standard", "chunked"] = "auto"
     """chunked: fused linear + cross-entropy over token chunks; the full [tokens, vocab] logits
-    never exist (pure PyTorch, any device)."""
+    never exist (pure PyTorch, any device), with the same loss and gradients as standard (the
+    model's logits, then cross-entropy). auto (the default): chunked, except where a PEFT
+    adapter sits on the output head (``peft.target_modules`` with ``lm_head``), whose weight
+    the chunked loss reads directly: standard there. Measured at real size (Qwen2.5-0.5B,
+    ``benchmarks/real_size.py``): the logits are ~600 MiB a copy at vocab 151,936."""
     chunk_size: PositiveInt = 1024
     """Tokens per chunk for loss_impl=chunked."""
     head_on: Literal["labelled", "all"] = "labelled"
@@ -103,10 +107,17 @@ class SFT(Offline, LigerKnobs):
     def keeps_row_end(self) -> bool:
         return self.truncation_mode == "keep_end"
 
-    def reads_head_weight(self) -> str | None:
+    def reads_head_weight(self, ctx: BuildContext) -> str | None:
         if self.liger_loss():
             return LIGER_LOSS
-        return "method.loss_impl=chunked" if self.loss_impl == "chunked" else None
+        return "method.loss_impl=chunked" if self.chunked(ctx) else None
+
+    def chunked(self, ctx: BuildContext) -> bool:
+        """Whether the loss is the chunked one (``loss_impl``; auto: unless the output head
+        carries an adapter)."""
+        if self.loss_impl == "auto":
+            return not ctx.peft.adapts_head()
+        return self.loss_impl == "chunked"
 
     # ------------------------------------------------------------------ validation
 
@@ -122,7 +133,7 @@ class SFT(Offline, LigerKnobs):
         if self.pad_to_multiple_of is not None and self.pad_to_multiple_of <= 0:
             errors.append("method.pad_to_multiple_of must be a positive integer or null")
         errors += self.liger_errors(ctx)
-        if self.loss_impl == "chunked" and self.chunk_size <= 0:
+        if self.chunked(ctx) and self.chunk_size <= 0:
             errors.append("method.chunk_size must be positive")
         return errors
 
@@ -263,7 +274,7 @@ class SFT(Offline, LigerKnobs):
         labels = t["labels"].reshape(-1)
         if index is not None:
             labels = labels.index_select(0, index)
-        if self.reads_head_weight() is not None:
+        if self.reads_head_weight(ctx) is not None:
             # decoder + head + loss in one call inside the wrapper's forward: under FSDP2 the
             # head's weight is gathered only there
             loss_sum = call_inside(model, self._fused_head_loss, labels, index, **inputs)
@@ -287,10 +298,31 @@ class SFT(Offline, LigerKnobs):
             hidden = hidden.index_select(0, index)
         head = model.get_output_embeddings()
         bias = getattr(head, "bias", None)
+        scale, softcap = head_post(model)
+        if scale != 1.0:  # (s h) W^T = s (h W^T): the model's own logit scale, before any cap
+            hidden = hidden * scale
         if self.liger_loss():
             from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
             loss_fn = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE, reduction="sum")
             return loss_fn(head.weight, hidden, labels, bias)
         return chunked_linear_cross_entropy(hidden, head.weight, labels, bias=bias,
-                                            chunk_size=self.chunk_size, reduction="sum")
+                                            chunk_size=self.chunk_size, reduction="sum",
+                                            logit_softcap=softcap)
+
+
+def head_post(model) -> tuple[float, float | None]:
+    """What the model's forward applies to the output head's logits, which a loss that reads
+    the head's weight must apply too: ``(scale, softcap)``, logits = ``softcap * tanh(scale *
+    head(h) / softcap)``. transformers' models do it by config: Cohere multiplies by
+    ``logit_scale``, Granite divides by ``logits_scaling``, Gemma 2 / 3 soft-cap at
+    ``final_logit_softcapping``; any other model: ``(1.0, None)``."""
+    inner = unwrap(model)
+    config = getattr(inner, "config", None)
+    scale = 1.0
+    if config is not None and getattr(config, "logit_scale", None) is not None:
+        scale *= float(config.logit_scale)
+    if config is not None and getattr(config, "logits_scaling", None) is not None:
+        scale /= float(config.logits_scaling)
+    cap = getattr(config, "final_logit_softcapping", None) if config is not None else None
+    return scale, (float(cap) if cap is not None else None)

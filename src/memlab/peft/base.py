@@ -45,6 +45,11 @@ class Peft(Option, Protocol):
         """Whether the trained parameters are adapters (the base can be switched off)."""
         ...
 
+    def adapts_head(self) -> bool:
+        """Whether an adapter sits on the output head (``lm_head``): a loss that reads the
+        head's weight directly would leave it out."""
+        ...
+
     def as_quantized_base(self) -> QuantizedBase | None:
         """The option as one whose frozen base is stored quantized, or None."""
         ...

@@ -33,3 +33,6 @@ class NoPeft(Option):
 
     def has_adapter(self) -> bool:
         return False
+
+    def adapts_head(self) -> bool:
+        return False

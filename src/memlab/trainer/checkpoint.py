@@ -397,17 +397,20 @@ def check_pickles(directory: Path) -> None:
 
 def _apply_hyperparameters(trainer: Any) -> None:
     """The optimizer's and schedule's settings from this run's config (loading a state dict
-    restores the checkpoint's; an allowed change of ``train.lr`` / ``weight_decay`` / ``betas``
-    takes effect here). Unchanged settings give back exactly the loaded values."""
+    restores the checkpoint's; an allowed change of ``train.lr`` / ``weight_decay`` or of the
+    optimizer's knobs, ``optimizer.betas``..., takes effect here). Unchanged settings give back
+    exactly the loaded values."""
     cfg, opt, sched = trainer.ctx.train, trainer.opt, trainer.sched
+    settings = trainer.ctx.optimizer.group_settings()
     sched.base_lrs = [cfg.lr for _ in opt.param_groups]
     for i, g in enumerate(opt.param_groups):
         g["initial_lr"] = cfg.lr
         g["lr"] = cfg.lr * sched.lr_lambdas[i](sched.last_epoch)
         if "weight_decay" in g:
             g["weight_decay"] = cfg.weight_decay
-        if "betas" in g:
-            g["betas"] = tuple(cfg.betas)
+        for k, v in settings.items():
+            if k in g:
+                g[k] = v
     sched._last_lr = [g["lr"] for g in opt.param_groups]
 
 

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from memlab.context import BuildContext
 
 NOT_COMPARED = (
-    "measure", "logger", "offload",
+    "measure", "logger", "offload", "optimizer.in_backward",
     "train.save_every", "train.save_final", "train.save_merged", "train.keep_last",
     "train.resume_from", "train.resume_allow", "train.resume_root", "train.progress",
     "train.log_every", "train.device", "train.gradient_checkpointing", "train.checkpoint_every",

@@ -35,7 +35,7 @@ from memlab.measure.profile import phase_label, profiled
 from memlab.trainer import checkpoint
 from memlab.trainer.batch import Batch, BatchStream
 from memlab.trainer.evaluate import Evaluator
-from memlab.trainer.optim import build_optimizer, build_scheduler
+from memlab.trainer.optim import build_scheduler, step_in_backward
 
 if TYPE_CHECKING:
     from memlab.context import BuildContext
@@ -161,8 +161,13 @@ class Trainer:
             # the optimizer; memlab's schedule drives the torch optimizer inside it
             self.opt = self.step_owner.optimizer(self.policy)
         else:
-            self.opt = build_optimizer(self.params, ctx.train, foreach=options.foreach)
+            self.opt = ctx.optimizer.build(self.params, ctx, self.policy, foreach=options.foreach)
             self.scaler = ctx.precision.grad_scaler(ctx.device) if options.grad_scaler else None
+        self.in_backward = self.step_owner is None and ctx.optimizer.in_backward
+        """Each parameter is stepped in backward (``optimizer.in_backward``): the optimizer
+        phase only moves the schedule on."""
+        if self.in_backward:
+            self._hooks = step_in_backward(self.opt, self.params)
         self.sched = build_scheduler(self.opt, ctx.train)
         self.step_idx = 0
         self.result = TrainResult()
@@ -273,6 +278,9 @@ class Trainer:
             norm = self.step_owner.step(self.policy)
             self.sched.step()
             return None if max_norm is None else norm
+        if self.in_backward:  # every parameter was stepped in backward; no clipping, no scaler
+            self.sched.step()
+            return None
         if self.scaler:
             self.scaler.unscale_(self.opt)
         gnorm = None

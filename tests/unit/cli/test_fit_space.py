@@ -113,3 +113,30 @@ def test_the_winner_is_the_fastest_beyond_the_measured_spread():
     assert fastest([run("a", 1, 100, 5), run("b", 2, 130, 5)]).label == "b"
     # 5120 +- 345 vs 4822 +- 539: one run's spread covers the gap -> the model's order decides
     assert fastest([run("padded", 4, 5120, 345), run("flat", 1, 4822, 539)]).label == "flat"
+
+
+def test_the_step_in_backward_and_the_optimizer_states():
+    """The step inside backward is offered, as one exact micro-batch option (the whole batch,
+    no accumulation), only where nothing is clipped; 8-bit / factored states only with
+    --allow optimizer (8-bit where bitsandbytes is installed)."""
+    import importlib.util
+
+    clipped = dict(CFG, optimizer={"name": "adamw", "in_backward": False},
+                   train=dict(CFG["train"], max_grad_norm=1.0))
+    unclipped = dict(clipped, train=dict(CFG["train"], max_grad_norm=None))
+    micro = {n: next(d for d in dimensions(c, "cpu")[0] if d.name == "micro_batch")
+             for n, c in (("clipped", clipped), ("unclipped", unclipped))}
+    assert not any("optimizer.in_backward=true" in o for _, o in micro["clipped"].options)
+    label, over = micro["unclipped"].options[-1]
+    assert over == ("train.batch_size=8", "train.grad_accum=1", "optimizer.in_backward=true")
+    assert micro["unclipped"].exact and "in backward" in label
+    fixed, _ = dimensions(unclipped, "cpu", fixed={"optimizer.in_backward"})
+    assert len(next(d for d in fixed if d.name == "micro_batch").options) == 3
+    dims, notes = dimensions(unclipped, "cpu", allow=["optimizer"])
+    states = next(d for d in dims if d.name == "optimizer")
+    assert not states.exact and ("as configured", ()) in states.options
+    flat = [o for _, opts in states.options for o in opts]
+    assert "optimizer=adafactor" in flat
+    assert ("optimizer=adamw_8bit" in flat) == (importlib.util.find_spec("bitsandbytes")
+                                                is not None)
+    assert not any("optimizer" in n and "--allow" in n for n in notes)

@@ -9,7 +9,7 @@ Layers, top to bottom (DESIGN.md; issue 13):
     2  memlab.pipeline                      (the one assembly)
     3  memlab.context                       (the typed context and validate)
     4  technique packages: method, generation, packing, attention, precision, offload, peft,
-       distributed, model, data, logger
+       optimizer, distributed, model, data, logger
     5  trainer, losses, measure, registry, config, _guards, faults, memlab (the package)
 
 Every import of every module is read with ``ast`` (module level and inside functions); an import
@@ -32,7 +32,7 @@ import pytest
 SRC = Path(__file__).resolve().parents[3] / "src" / "memlab"
 
 TECHNIQUES = ("method", "generation", "packing", "attention", "precision", "offload", "peft",
-              "distributed", "model", "data", "logger")
+              "optimizer", "distributed", "model", "data", "logger")
 BOTTOM = ("trainer", "losses", "measure", "registry", "config", "_guards", "resolvers", "faults")
 
 

@@ -13,9 +13,11 @@ GPU_ONLY = {
     ("attention", "flash_attention_2"), ("attention", "flash_attention_3"),
     ("attention", "kernels"), ("attention", "flex_attention"),
     ("precision", "fp16_mixed"), ("peft", "qlora"), ("offload", "activations"),
+    ("optimizer", "paged_adamw_8bit"),
 }
 NEEDS_INPUT = {("data", "local"): "data.path", ("data", "mixture"): "data.sources"}
-NEEDS_PACKAGE = {("generation", "vllm"): "vllm"}  # an extra outside [dev] (own env on CPU)
+NEEDS_PACKAGE = {("generation", "vllm"): "vllm",  # extras outside [dev] (own envs on CPU)
+                 ("optimizer", "adamw_8bit"): "bitsandbytes"}
 
 
 def _plain(cfg):

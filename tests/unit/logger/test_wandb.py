@@ -175,9 +175,9 @@ def test_an_invalid_job_is_a_wandb_run_with_its_status(tmp_path, monkeypatch):
     from memlab.run import run
 
     monkeypatch.setenv("WANDB_PROJECT", "from-env")
-    overrides = ["train.betas=[2,3]", "train.steps=0"]
+    overrides = ["optimizer.betas=[2,3]", "train.steps=0"]
     sweep = tmp_path / "sw"
-    run_dir = _hydra_files(sweep, 2, overrides, ["train.steps=1,0", "train.betas=[2,3]"], {})
+    run_dir = _hydra_files(sweep, 2, overrides, ["train.steps=1,0", "optimizer.betas=[2,3]"], {})
     cfg = compose([*FAST, "logger=wandb", *overrides])
     choices = choices_of(cfg)
     with open_dict(cfg):
@@ -189,11 +189,11 @@ def test_an_invalid_job_is_a_wandb_run_with_its_status(tmp_path, monkeypatch):
     assert summary["logger"]["sources"]["project"] == "env WANDB_PROJECT"
     got = read_run(run_file(Path(summary["run_dir"])))
     assert got["summary"]["status"] == "invalid"
-    assert "train.betas" in got["summary"]["error"] and "train.steps" in got["summary"]["error"]
+    assert "betas" in got["summary"]["error"] and "train.steps" in got["summary"]["error"]
     assert got["run"].project == "from-env"
     assert got["run"].run_group == "sw" and got["run"].display_name == "steps=0"
     config = {i.key: json.loads(i.value_json) for i in got["run"].config.update}
-    assert config["train"]["betas"] == [2, 3]
+    assert config["optimizer"]["betas"] == [2, 3]
     assert not any(k.startswith(("train/lr", "config/")) for k in got["summary"])
     exits = [r.exit for r in records(run_file(Path(summary["run_dir"])))
              if r.WhichOneof("record_type") == "exit"]

@@ -9,9 +9,10 @@ Usage::
 The overrides fix what the user decided (model, method, data, max_length, the effective batch
 ``train.batch_size x train.grad_accum``, and any technique named on the command line); fit
 searches the rest of the technique space (:mod:`.space`): gradient checkpointing (off, every
-2nd layer, every layer), the micro-batch split of the same effective batch, padding-free,
-chunked loss, packing, and on CUDA activation offloading and the attention backends; LoRA /
-QLoRA, mixed precision and sharding only with ``--allow``. It estimates every candidate on fake
+2nd layer, every layer), the micro-batch split of the same effective batch (or, without
+clipping, one micro-batch stepped inside backward), padding-free, chunked loss, packing, and on
+CUDA activation offloading and the attention backends; LoRA / QLoRA, mixed precision, sharding
+and 8-bit / factored optimizer states only with ``--allow``. It estimates every candidate on fake
 tensors, ranks those that fit (with ``--margin``) by a speed model, trains the best few for a few
 steps each in fresh processes and picks the fastest whose *measured* peak fits
 (:mod:`.search`).

@@ -423,9 +423,11 @@ def closest(cands: list[Candidate], budget: int, margin: float,
                            "batch; with --allow sharding the activations stay, the rest shrinks",
             "parameters": "--allow peft (LoRA / QLoRA: frozen or quantized base), --allow "
                           "sharding (FSDP2 / ZeRO-3 over several GPUs), or --allow precision",
-            "optimizer": "--allow peft (optimizer state for the adapter only) or --allow "
-                         "sharding (ZeRO shards it)",
-            "gradients": "--allow peft or --allow sharding",
+            "optimizer": "--allow optimizer (8-bit AdamW: ~2 bytes of state a parameter "
+                         "instead of 8), --allow peft (optimizer state for the adapter only) or "
+                         "--allow sharding (ZeRO shards it)",
+            "gradients": "train.max_grad_norm=null (then fit tries the step inside backward), "
+                         "--allow peft or --allow sharding",
         }.get(top, "a larger card")
         out.append({"label": c.label, "overrides": c.overrides, "needed_bytes": need,
                     "over_by_bytes": int(need * (1 + margin)) - budget, "dominant": top,

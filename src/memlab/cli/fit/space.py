@@ -1,14 +1,15 @@
 """The technique space ``memlab fit`` searches: dimensions of overrides, their product.
 
-A :class:`Dimension` is one decision (gradient checkpointing, micro-batch size, padding-free,
-packing, chunked loss, activation offloading, attention backend; with ``--allow``: PEFT, mixed
-precision, sharding), each option a list of Hydra overrides. A dimension is left out when the
+A :class:`Dimension` is one decision (gradient checkpointing, micro-batch size or the optimizer
+step inside backward, padding-free, packing, chunked loss, activation offloading, attention
+backend; with ``--allow``: PEFT, mixed precision, sharding, the optimizer), each option a list of Hydra overrides. A dimension is left out when the
 user fixed it (any of its keys on the command line), when the configuration has nothing to
 choose (a method without ``padding_free``), or when the device cannot run it (offloading and the
 CUDA attention backends on CPU, said in ``notes``). ``exact`` dimensions keep the training the
 same (the loss curve of every option equals the user's configuration's, up to float rounding):
-checkpointing, the micro-batch split of the same effective batch, padding-free, chunked loss,
-offloading; the others change what is trained or on which batches.
+checkpointing, the micro-batch split of the same effective batch, the step inside backward
+(offered only where the configuration clips no gradient; as one micro-batch per step, the only
+split it is exact with), padding-free, chunked loss, offloading; the others change what is trained or on which batches.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-ALLOWABLE = ("peft", "precision", "sharding")
+ALLOWABLE = ("peft", "precision", "sharding", "optimizer")
 """What ``--allow`` may add: they change what is trained (LoRA), the numerics (mixed
-precision) or how many processes train (sharding), so fit never chooses them unasked."""
+precision, 8-bit or factored optimizer states) or how many processes train (sharding), so fit
+never chooses them unasked."""
 
 
 @dataclass(frozen=True)
@@ -105,10 +107,20 @@ def dimensions(cfg: Mapping[str, Any], device: str, allow: Iterable[str] = (),
                                     "train.checkpoint_every=1")),
     ), exact=True))
     effective = int(train.get("batch_size", 1)) * int(train.get("grad_accum", 1))
-    add(Dimension("micro_batch", ("train.batch_size", "train.grad_accum"), tuple(
+    micro: list[tuple[str, tuple[str, ...]]] = [
         (f"{b} x {effective // b} accumulated", (f"train.batch_size={b}",
                                                  f"train.grad_accum={effective // b}"))
-        for b in _divisors_desc(effective)), exact=True))
+        for b in _divisors_desc(effective)]
+    optimizer = cfg.get("optimizer", {})
+    if "in_backward" in optimizer and train.get("max_grad_norm") is None \
+            and "optimizer.in_backward" not in fixed:
+        # exact with one micro-batch per step and no clipping (optimizer.base): the whole
+        # effective batch at once, each parameter stepped as its gradient is ready
+        micro.append((f"{effective} x 1, stepped in backward", (
+            f"train.batch_size={effective}", "train.grad_accum=1",
+            "optimizer.in_backward=true")))
+    add(Dimension("micro_batch", ("train.batch_size", "train.grad_accum"), tuple(micro),
+                  exact=True))
     if "padding_free" in method:
         add(Dimension("padding_free", ("method.padding_free",), (
             ("padded", ("method.padding_free=false",)),
@@ -145,6 +157,14 @@ def dimensions(cfg: Mapping[str, Any], device: str, allow: Iterable[str] = (),
             ("FSDP2", ("distributed=fsdp2",)),
             ("DeepSpeed ZeRO-3", ("distributed=deepspeed", "distributed.zero_stage=3"))),
             exact=False))
+    if "optimizer" in allow:
+        states = [("as configured", ()),
+                  ("Adafactor (factored second moments)", ("optimizer=adafactor",))]
+        if importlib.util.find_spec("bitsandbytes") is not None:
+            states.insert(1, ("8-bit AdamW (bitsandbytes)", ("optimizer=adamw_8bit",)))
+        else:
+            notes.append("optimizer: 8-bit AdamW not searched (bitsandbytes is not installed)")
+        add(Dimension("optimizer", ("optimizer",), tuple(states), exact=False))
     left = sorted(set(ALLOWABLE) - allow)
     if left:
         notes.append(f"not searched unless allowed (--allow): {', '.join(left)}")
