@@ -11,6 +11,7 @@ from omegaconf import OmegaConf, open_dict
 
 from memlab.config import Platform
 from memlab.context import validate
+from memlab.method._liger import LIGER_LOSS
 from memlab.registry import ConfigErrors
 from memlab_testing import FAST, compose
 
@@ -43,7 +44,7 @@ def test_a_cpu_run_with_liger_needs_the_opt_in_and_the_interpreter(method):
     assert "TRITON_INTERPRET=1 memlab" in _errors(m + LIGER + ON_CPU, CPU_LIGER)
     ctx = _validate(m + LIGER + ON_CPU, INTERPRETER)
     assert ctx.method.liger_model_kernels() == ("rope",)
-    assert ctx.method.liger_loss() and ctx.method.reads_head_weight()
+    assert ctx.method.liger_loss() and ctx.method.reads_head_weight(ctx) == LIGER_LOSS
 
 
 def test_kernels_that_fail_in_the_interpreter_are_named_with_the_fix():
@@ -60,9 +61,14 @@ def test_on_cuda_every_kernel_and_no_interpreter():
     ctx = _validate(["train.device=cuda", *LIGER], cuda)
     assert ctx.method.liger_model_kernels() == ("rope", "rms_norm", "swiglu")
     assert "a CPU test vehicle" in _errors(["train.device=cuda", *LIGER, *ON_CPU], cuda)
-    # the kernels without the fused loss: the method's own loss, which reads no head weight
+    # the kernels without the fused loss: the method's own loss (SFT's default, loss_impl=auto,
+    # is the chunked one, which reads the head weight too; Liger's does not)
     ctx = _validate(["train.device=cuda", *LIGER, "method.liger_kernels=[rms_norm]"], cuda)
-    assert not ctx.method.liger_loss() and not ctx.method.reads_head_weight()
+    assert not ctx.method.liger_loss()
+    assert ctx.method.reads_head_weight(ctx) == "method.loss_impl=chunked"
+    ctx = _validate(["train.device=cuda", *LIGER, "method.liger_kernels=[rms_norm]",
+                     "method.loss_impl=standard"], cuda)
+    assert ctx.method.reads_head_weight(ctx) is None
     assert ctx.method.liger_model_kernels() == ("rms_norm",)
 
 
