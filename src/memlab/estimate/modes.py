@@ -250,7 +250,12 @@ class FlopCount(TorchDispatchMode):
 
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        count = flop_registry.get(func._overloadpacket)
+        packet = func._overloadpacket
+        count = flop_registry.get(packet)
+        if count is None and packet.__name__.endswith("_"):
+            # an in-place matmul (a chunked loss accumulates its weight gradient with addmm_):
+            # the FLOPs of its functional form, which takes the same arguments
+            count = flop_registry.get(getattr(torch.ops.aten, packet.__name__[:-1], None))
         if count is not None:
             self.total += int(count(*args, **kwargs, out_val=out))
         return out
