@@ -35,6 +35,7 @@ class Local(RowOptions):
     """A file, a glob, or a directory of files of one format."""
     format: Literal["auto", "json", "parquet", "csv"] = "auto"
     max_examples: PositiveInt | None = None
+    """Keep only this many rows (a seeded sample when shuffle_seed is set)."""
     shuffle_seed: Seed | None = None
     """Seed of the sample that max_examples keeps (None: the first rows)."""
 

@@ -50,9 +50,16 @@ class Online(Option):
     max_prompt_length: PositiveInt | None = 256
     """Prompt tokens kept, cut from the left. None = no limit."""
     max_completion_length: PositiveInt = 64
+    """Longest sampled completion, in tokens (generation stops there or at the end-of-sequence
+    token)."""
     temperature: PositiveFloat = 1.0
+    """Sampling temperature of the completions (the loss's log-probs are the model's own, at
+    temperature 1)."""
     top_p: Annotated[float, Range(gt=0, le=1)] = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p (1.0:
+    all)."""
     top_k: PositiveInt | None = None
+    """Sample from the k most likely tokens only (None: all)."""
     rewards: list[str] = field(default_factory=lambda: ["length"])
     """Built-in reward names (length, finished, reference_f1) or 'package.module:function'."""
     reward_models: list[dict[str, Any]] = field(default_factory=list)
@@ -427,6 +434,8 @@ class Clipped(Online):
     """Online methods with a clipped probability-ratio surrogate (GRPO, RLOO)."""
 
     epsilon: PositiveFloat = 0.2
+    """Lower clip of the probability ratio, 1 - epsilon (and the upper one unless epsilon_high
+    is set)."""
     epsilon_high: PositiveFloat | None = None
     """Upper clip (DAPO's clip-higher); None = epsilon."""
 

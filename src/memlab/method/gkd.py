@@ -67,7 +67,9 @@ class GKD(Option):
     seq_kd: bool = False
     """Off-policy micro-batches use the teacher's samples instead of the dataset's answers."""
     max_length: Annotated[int, Range(ge=2)] | None = 1024
+    """Longest prompt + completion; the completion is cut to fit. None = no limit."""
     max_prompt_length: PositiveInt | None = 512
+    """Prompt tokens kept (its end). None = no limit."""
 
     data_kinds: ClassVar[tuple[str, ...]] = ("chat",)
     head: ClassVar[Head] = "causal_lm"

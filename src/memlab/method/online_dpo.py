@@ -35,8 +35,12 @@ class OnlineDPO(Online):
     num_generations: PositiveInt = 2
     """Two completions per prompt: the pair."""
     beta: PositiveFloat = 0.1
+    """Strength of the implicit KL penalty to the reference (DPO's beta)."""
     loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
+    """sigmoid (DPO's) or ipo."""
     missing_eos_penalty: Annotated[float, Range()] | None = None
+    """Subtracted from the reward of a completion that ends without the end-of-sequence token
+    (TRL's missing_eos_penalty); None: no penalty."""
 
     def validate(self, ctx: BuildContext) -> list[str]:
         errors = super().validate(ctx)

@@ -47,12 +47,20 @@ class PPO(Online):
     beta: NonNegativeFloat = 0.05
     """Per-token KL penalty in the reward (TRL's ``kl_coef``)."""
     cliprange: PositiveFloat = 0.2
+    """Clip of the policy's probability ratio (1 +- cliprange)."""
     cliprange_value: PositiveFloat = 0.2
+    """Clip of the value head's change from its rollout estimate."""
     vf_coef: NonNegativeFloat = 0.1
+    """Weight of the value loss in the total loss."""
     gamma: Fraction = 1.0
+    """Discount of future rewards (1.0: none)."""
     lam: Fraction = 0.95
+    """GAE's lambda: bias-variance trade-off of the advantage estimate."""
     whiten_advantages: bool = True
+    """Normalise the advantages to zero mean and unit variance over the batch."""
     missing_eos_penalty: Annotated[float, Range()] | None = None
+    """Subtracted from the score of a completion that ends without the end-of-sequence token
+    (TRL's missing_eos_penalty); None: no penalty."""
 
     min_generations: ClassVar[int] = 1
     trains_extra_models: ClassVar[bool] = True

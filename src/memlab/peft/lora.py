@@ -20,8 +20,11 @@ class Lora(Option):
     """LoRA knobs, named as in ``peft.LoraConfig``."""
 
     r: PositiveInt = 16
+    """Rank of the adapter's low-rank update."""
     alpha: PositiveInt = 32
+    """Scale of the update: alpha / r (alpha / sqrt(r) with use_rslora)."""
     dropout: Annotated[float, Range(ge=0, lt=1)] = 0.0
+    """Dropout on the adapter's input."""
     target_modules: str | list[str] = "all-linear"
     """'all-linear' (every linear layer but the output head) or a list of module names."""
     modules_to_save: list[str] | None = None
@@ -30,6 +33,7 @@ class Lora(Option):
     """PEFT's default keeps adapter weights in fp32 even on a bf16 base; that makes activations
     larger than full fine-tuning. false keeps adapters in the base dtype."""
     use_rslora: bool = False
+    """Rank-stabilised LoRA: scale by alpha / sqrt(r)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Any other LoraConfig keyword (e.g. use_dora: true)."""
 
