@@ -125,7 +125,7 @@ class Settings:
             "data=local", f"data.path={data}",
             f"train.batch_size={self.prompts}", f"train.steps={self.steps}",
             f"train.lr={self.lr}", f"train.seed={self.seed}", "train.grad_accum=1",
-            "train.optimizer=adamw", "train.scheduler=cosine", "train.warmup_steps=0",
+            "optimizer=adamw", "train.scheduler=cosine", "train.warmup_steps=0",
             "train.weight_decay=0.0", "train.max_grad_norm=1.0",
             "train.gradient_checkpointing=false", "train.device=cpu", "train.progress=false",
             "measure.warmup_steps=1",
