@@ -73,7 +73,7 @@ def test_grad_accumulation_across_ranks(job):
 @pytest.mark.parametrize("extra", [
     ["peft=lora", "method.loss_impl=chunked", "method.chunk_size=64", "packing=bfd"],
     ["method=dpo", "method.max_length=96"],
-    ["method=reward", "method.padding_free=true", "method.max_length=96"],
+    ["method=reward", "method.padding_free=true", "method.max_length=96", "data.median_tokens=48"],
 ], ids=["lora-chunked-packed", "dpo-reference-copy", "reward-padding-free"])
 def test_every_model_call_path_syncs(job, extra, dist):
     """Chunked loss and packed reward scoring call parts of the model; they run inside the
@@ -217,12 +217,12 @@ def test_fsdp2_estimate_measures_a_rank_of_the_real_wrap(job, tmp_path):
             real["memory"]["by_phase_category"]["backward"][cat], rel=0.01, abs=64 * 1024)
 
 
-def test_failing_ranks_fail_the_run_with_their_error(job, tmp_path):
-    # a directory with a config.json passes validation; loading it fails in every rank
-    (tmp_path / "no-weights").mkdir()
-    (tmp_path / "no-weights" / "config.json").write_text("{}")
-    bad = job(DDP + ["model=hf", f"model.name_or_path={tmp_path}/no-weights"])
+def test_failing_ranks_fail_the_run_with_their_error(job, monkeypatch):
+    # every rank crashes preparing its data (the launching process prepares none)
+    monkeypatch.setenv("MEMLAB_FAULT_AT", "data")
+    bad = job(DDP)
     assert bad["status"] == "failed"
+    assert "InjectedFault" in bad["error"], bad["error"]
     assert bad["error"].startswith("RankFailed: rank 0 failed:")
     assert [r["status"] for r in bad["distributed"]["ranks"]] == ["failed", "failed"]
 

@@ -65,12 +65,13 @@ class SFT(Offline, LigerKnobs):
     None = on when packing is on, off otherwise."""
     pad_to_multiple_of: PositiveInt | None = None
     """Round padded lengths up (tensor-core friendly shapes)."""
-    loss_impl: Literal["auto", "standard", "chunked"] = "auto"
+    loss_impl: Literal["auto", "standard", "chunked"] = "standard"
     """chunked: fused linear + cross-entropy over token chunks; the full [tokens, vocab] logits
     never exist (pure PyTorch, any device), with the same loss and gradients as standard (the
-    model's logits, then cross-entropy). auto (the default): chunked, except where a PEFT
+    model's logits, then cross-entropy; the default). auto: chunked, except where a PEFT
     adapter sits on the output head (``peft.target_modules`` with ``lm_head``), whose weight
-    the chunked loss reads directly: standard there. Measured at real size (Qwen2.5-0.5B,
+    the chunked loss reads directly: standard there (not the default: under FSDP2 the chunked
+    loss leaves the head's gradient unsharded, and estimates of sharded runs drift). Measured at real size (Qwen2.5-0.5B,
     ``benchmarks/real_size.py``): the logits are ~600 MiB a copy at vocab 151,936."""
     chunk_size: PositiveInt = 1024
     """Tokens per chunk for loss_impl=chunked."""

@@ -132,8 +132,7 @@ def test_source_configs_are_validated():
     text = "\n".join(errors)
     for needle in ("data.sources.both needs exactly one of weight", "data.sources.none needs",
                    "data.sources.nested: a mixture cannot be a source",
-                   "data.sources.kwargs.chat_template_kwargs: chat-template settings are the "
-                   "mixture's", "unknown key 'n_exampels'", "data.sources.zero.weight must be"):
+                   "data.sources.kwargs.chat_template_kwargs: this setting is the mixture's", "unknown key 'n_exampels'", "data.sources.zero.weight must be"):
         assert needle in text, text
 
 

@@ -227,9 +227,10 @@ def fit(base: list[str], opts: FitOptions, out_dir: Path, argv: list[str],
 
 @contextlib.contextmanager
 def _signals_interrupt() -> Iterator[None]:
-    """SIGTERM and SIGHUP raise :class:`~memlab.cli.fit.search.SearchInterrupted` (a
-    KeyboardInterrupt, as Ctrl-C) in the main thread for the block: fit stops its workers and its
-    measured run, and writes a partial fit.json."""
+    """SIGINT (Ctrl-C), SIGTERM and SIGHUP raise :class:`~memlab.cli.fit.search.SearchInterrupted`
+    (a KeyboardInterrupt) in the main thread for the block: fit stops its workers and its
+    measured run, and writes a partial fit.json. SIGINT gets fit's own handler too, so Ctrl-C
+    stops fit even in a process that inherited it ignored (seen: a test worker)."""
     import threading
 
     from memlab.cli.fit.search import SearchInterrupted
@@ -242,12 +243,12 @@ def _signals_interrupt() -> Iterator[None]:
         name = signal.Signals(signum).name
         raise SearchInterrupted(f"stopped by {name}", name)
 
-    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         yield
     finally:
         for s, handler in previous.items():
-            signal.signal(s, handler)
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)
 
 
 def _stop_signal(e: BaseException) -> str:
