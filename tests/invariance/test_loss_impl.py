@@ -17,10 +17,13 @@ HEAD_LORA = "peft.target_modules=[q_proj,lm_head]"
 
 
 def test_auto_is_chunked_unless_an_adapter_sits_on_the_head():
-    assert ctx_of().method.reads_head_weight(ctx_of()) == "method.loss_impl=chunked"
-    lora = ctx_of("peft=lora")  # all-linear leaves the head out
+    auto = ctx_of("method.loss_impl=auto")
+    assert auto.method.reads_head_weight(auto) == "method.loss_impl=chunked"
+    plain = ctx_of()  # the default: the standard loss
+    assert plain.method.reads_head_weight(plain) is None
+    lora = ctx_of("peft=lora", "method.loss_impl=auto")  # all-linear leaves the head out
     assert lora.method.reads_head_weight(lora) == "method.loss_impl=chunked"
-    head = ctx_of("peft=lora", HEAD_LORA)  # valid: auto falls back to the standard loss
+    head = ctx_of("peft=lora", HEAD_LORA, "method.loss_impl=auto")  # auto falls back to standard
     assert head.method.reads_head_weight(head) is None
     text = problems("peft=lora", HEAD_LORA, "method.loss_impl=chunked")
     assert "lm_head" in text and "method.loss_impl=chunked" in text
