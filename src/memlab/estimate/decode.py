@@ -29,7 +29,7 @@ attention, grown by concatenation); a sliding-window or other cache layer decode
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -51,6 +51,9 @@ class ShortDecode:
         self.every_step = every_step
         self.skipped = 0
         """Decode steps answered without the model so far (all generate calls)."""
+        self.on_grow: Callable[[int, int], None] | None = None
+        """Called with (layer, layers) before each layer of the cache grows
+        (:mod:`memlab.estimate.layers` labels the growth layer by layer)."""
 
     @contextlib.contextmanager
     def around(self, model: nn.Module, new_tokens: int) -> Iterator[None]:
@@ -114,7 +117,7 @@ class _Steps:
             shape, dtype = self.logits
             logits = torch.empty(shape, dtype=dtype, device=ids.device)
             return self.output_type(logits=logits, cache=cache)
-        _grow(cache, self.start + step - 1)
+        _grow(cache, self.start + step - 1, self.owner.on_grow)
         flops = self._flops()
         out = original(*args, **kwargs)
         skipped = self.last - 2
@@ -136,10 +139,12 @@ def _growable(cache: Any) -> bool:
                                 for layer in layers)
 
 
-def _grow(cache: Any, length: int) -> None:
+def _grow(cache: Any, length: int, on_grow: Callable[[int, int], None] | None = None) -> None:
     """Every layer of ``cache`` grown to ``length`` positions by its own ``update`` (fake keys
-    and values of the missing positions)."""
-    for layer in cache.layers:
+    and values of the missing positions); ``on_grow(i, layers)`` before layer ``i``."""
+    for i, layer in enumerate(cache.layers):
+        if on_grow is not None:
+            on_grow(i, len(cache.layers))
         keys, values = layer.keys, layer.values
         missing = length - keys.shape[-2]
         if missing > 0:

@@ -66,6 +66,7 @@ from memlab.estimate.standins import (
     round_trip_token,
 )
 from memlab.measure.data import DataStats
+from memlab.measure.memory import MemoryProbe
 from memlab.method.base import LOSS_INDEX
 from memlab.pipeline import HeldOut, Seams, build, eval_context
 from memlab.trainer.batch import Batch
@@ -120,8 +121,39 @@ def _fake_micro_batches(batch: Batch, micro: int, mode) -> list[Batch]:
         for n, v in batch.tensors.items()}) for _ in range(micro)]
 
 
+@dataclasses.dataclass
+class Measured:
+    """What one fake build and its tracked steps measured (:func:`measure`), before it is
+    summarised (:func:`summarize`): the probe with its phases, the batches and their
+    descriptions, the model's sizes. :mod:`memlab.estimate.layers` makes one for the run's
+    full depth from two shallower ones."""
+
+    ctx: BuildContext
+    notes: list[str]
+    probe: MemoryProbe
+    ran: list[tuple[int, int]]
+    """(candidate, run step) of each tracked step, in order."""
+    run_steps: list[int]
+    cands: list[Candidate]
+    eval_cands: list[Candidate]
+    eval_phase: list[int]
+    """Each held-out candidate's eval phase: its index in the tracker's phase log."""
+    trained: list[dict]
+    length: int | None
+    micro: int
+    model: dict[str, Any]
+    """The policy's parameter sizes as placed, its config, the models in training."""
+    flops: int | None
+    assumed: dict[str, int]
+    decode_skipped: bool
+    offload: dict[str, Any] | None
+    timing: dict[str, float]
+    layers: Any = None
+    """:class:`memlab.estimate.layers.LayerRecord` of a run measured for extrapolation."""
+
+
 def run_fake_step(ctx: BuildContext, opts: EstimateOptions, notes: list[str], *,
-                  every_decode_step: bool = False) -> dict[str, Any]:
+                  every_decode_step: bool = False, every_layer: bool = False) -> dict[str, Any]:
     """Build the configured run through :func:`memlab.pipeline.build` with the estimator's
     seams and run the tracked training step(s) through
     :meth:`memlab.trainer.loop.Trainer.run_step`, once per candidate batch
@@ -129,7 +161,32 @@ def run_fake_step(ctx: BuildContext, opts: EstimateOptions, notes: list[str], *,
     own micro-batches); returns the raw probe result (the largest peak of them all) plus model /
     batch descriptions. ``ctx`` is the validated context (run on the CPU here).
     ``every_decode_step``: generation runs the model for every new token instead of
-    :mod:`memlab.estimate.decode`'s shortcut (the reference its tests compare with)."""
+    :mod:`memlab.estimate.decode`'s shortcut (the reference its tests compare with).
+    ``every_layer``: the model is built at its full depth even where
+    :mod:`memlab.estimate.layers` can measure two shallower ones and extrapolate exactly."""
+    from memlab.estimate import layers
+
+    depth = None if every_layer else layers.repeated_depth(ctx, opts)
+    if depth is not None:
+        runs = []
+        for n in layers.MEASURED:
+            run_notes = list(notes)
+            runs.append(measure(ctx, opts, run_notes, every_decode_step=every_decode_step,
+                                layers=n))
+        full, why = layers.extrapolate(runs, depth)
+        if full is not None:
+            res = summarize(full)
+            notes[:] = full.notes
+            return res
+        notes.append(f"every one of the model's {depth} layers measured: {why}")
+    return summarize(measure(ctx, opts, notes, every_decode_step=every_decode_step))
+
+
+def measure(ctx: BuildContext, opts: EstimateOptions, notes: list[str], *,
+            every_decode_step: bool = False, layers: int | None = None) -> Measured:
+    """The fake build and its tracked steps (:func:`run_fake_step`); ``layers``: every model
+    built with that many decoder layers, each region of the model keeping its own peaks
+    (:mod:`memlab.estimate.layers`)."""
     cuda = opts.device == "cuda"
     if ctx.method.uses_liger():
         raise EstimateError(
@@ -141,7 +198,7 @@ def run_fake_step(ctx: BuildContext, opts: EstimateOptions, notes: list[str], *,
     mode = estimate_fake_mode()
     counter = FlopCount() if opts.count_flops else None
     steps = ShortDecode(counter, mode, every_step=every_decode_step)
-    standin = ModelStandin(opts.config_overrides, notes, mode)
+    standin = ModelStandin(opts.config_overrides, notes, mode, layers=layers)
     dense_padding = True  # padded rows build a dense [rows, 1, T, T] mask (sdpa, eager)
     if not (ctx.attention.trains_on_cpu and "cpu" in ctx.attention.devices):
         from memlab.attention.sdpa import Sdpa
@@ -233,6 +290,12 @@ def run_fake_step(ctx: BuildContext, opts: EstimateOptions, notes: list[str], *,
     pipe = build(ctx, seams)
     build_s = time.perf_counter() - t0
     trainer, models = pipe.trainer, pipe.models
+    record = None
+    if layers is not None:
+        from memlab.estimate.layers import LayerRecord
+
+        record = LayerRecord.start(models, trainer.probe.tracker, layers, standin.loaded_layers,
+                                   steps)
     extra = sorted(k for k in models if k != "policy")
     collate = pipe.stream.collate
     if cands is None:
@@ -299,6 +362,7 @@ def run_fake_step(ctx: BuildContext, opts: EstimateOptions, notes: list[str], *,
     if owned and ctx.train.steps == 1 and len(cands) > 1:
         notes.append("train.steps=1: batches after the first are measured as later steps of "
                      f"{ctx.distributed.name}'s engine, with its optimizer state (an upper bound)")
+    eval_phase: list[int] = []
     ran: list[tuple[int, int]] = []  # (candidate, run step) of each tracked step
     trained: list[dict] = []  # each candidate's trained batch (online: its rollout)
     t1 = time.perf_counter()
@@ -334,6 +398,7 @@ def run_fake_step(ctx: BuildContext, opts: EstimateOptions, notes: list[str], *,
                 trainer.step_idx = len(ran)
                 evaluator.measure(trainer, batch)
                 c.peak = trainer.probe.last_phase_peak
+                eval_phase.append(len(record.log) - 1 if record is not None else -1)
                 del batch
     except (torch._subclasses.fake_tensor.DataDependentOutputException,
             torch._subclasses.fake_tensor.DynamicOutputShapeException) as e:
@@ -343,21 +408,41 @@ def run_fake_step(ctx: BuildContext, opts: EstimateOptions, notes: list[str], *,
             "its value computed on the host (like the rows' document segments) or an answer "
             "in memlab.estimate.fake") from e
     step_s = time.perf_counter() - t1
+    if record is not None:
+        record.stop()
+    policy = unwrap(trainer.policy)
+    return Measured(
+        ctx=ctx, notes=notes, probe=trainer.probe, ran=ran, run_steps=run_steps, cands=cands,
+        eval_cands=eval_cands, eval_phase=eval_phase, trained=trained, length=length,
+        micro=micro,
+        model={**placed[id(policy)], "config": _hf_summary(standin.config(ctx.model, tokenizer)),
+               "extra_models": extra, "models_in_training": sorted(models)},
+        flops=None if counter is None else counter.total, assumed=dict(mode.assumed),
+        decode_skipped=bool(steps.skipped),
+        offload=pipe.offload.stats() if pipe.offload is not None else None,
+        timing={"build_s": build_s, "steps_s": step_s}, layers=record)
+
+
+def summarize(m: Measured) -> dict[str, Any]:
+    """The raw probe result, the notes and the model / batch descriptions of what
+    :func:`measure` measured (:func:`run_fake_step`'s result)."""
+    ctx, notes, cands, eval_cands, ran = m.ctx, m.notes, m.cands, m.eval_cands, m.ran
+    trained, run_steps, micro = m.trained, m.run_steps, m.micro
     online = ctx.method.as_generating()
-    if steps.skipped and online is not None:
+    if m.decode_skipped and online is not None:
         notes.append(f"generation: decode steps 2 to {online.sampling_length() - 2} of each "
                      "generate call answered without running the model (every step between "
                      "the first and the last runs the same ops on a shorter cache); the cache "
                      "grown to its full length before the last step; FLOPs and value reads of "
                      "the skipped steps counted from the first and the last "
                      "(memlab.estimate.decode)")
-    if mode.assumed:
+    if m.assumed:
         notes.append("value reads answered without values (metrics, logging): " + ", ".join(
-            f"{n} {k}" for k, n in sorted(mode.assumed.items())))
-    raw = trainer.probe.result()
+            f"{n} {k}" for k, n in sorted(m.assumed.items())))
+    raw = m.probe.result()
     peaks = [0] * len(cands)
     for i, (k, _) in enumerate(ran):
-        peaks[k] = max(peaks[k], trainer.probe.step_peaks.get(i, 0))
+        peaks[k] = max(peaks[k], m.probe.step_peaks.get(i, 0))
     at = raw.get("peak_at") or {}
     if at.get("phase") == "eval":  # a held-out batch set the peak
         top, top_step = max(range(len(cands)), key=peaks.__getitem__), run_steps[-1]
@@ -378,15 +463,11 @@ def run_fake_step(ctx: BuildContext, opts: EstimateOptions, notes: list[str], *,
         notes.append("batches measured: " + "; ".join(
             f"{c.name} ({c.description}): {peaks[k] / 2**20:.2f} MiB"
             for k, c in enumerate(cands)) + f"; the peak is the {cands[top].name} batch's")
-    policy = unwrap(trainer.policy)
     return {
         "raw": raw,
-        "offload": pipe.offload.stats() if pipe.offload is not None else None,
-        "model": {**placed[id(policy)],
-                  "config": _hf_summary(standin.config(ctx.model, tokenizer)),
-                  "extra_models": extra,
-                  "models_in_training": sorted(models)},
-        "batch": {**describe_batch(trained[top], ctx, cands[top].description, length,
+        "offload": m.offload,
+        "model": m.model,
+        "batch": {**describe_batch(trained[top], ctx, cands[top].description, m.length,
                                    padded(cands[top].collated().tensors)),
                   "peak_from": cands[top].name,
                   "candidates": [{"name": c.name, "rows": c.description, "peak_bytes": peaks[k],
@@ -394,10 +475,9 @@ def run_fake_step(ctx: BuildContext, opts: EstimateOptions, notes: list[str], *,
                                   "padded": padded(c.collated().tensors)}
                                  for k, c in enumerate(cands)],
                   "micro_batches_per_step": micro, "grad_accum": ctx.train.grad_accum},
-        "flops": None if counter is None else {
-            "total": counter.total, "micro_batches": len(ran) * micro,
-            "per_micro_batch": counter.total // max(1, len(ran) * micro),
-            "per_step": counter.total // max(1, len(ran) * micro) * max(1, ctx.train.grad_accum)},
-        "timing": {"build_s": build_s, "steps_s": step_s,
-                   "steps": sorted({s for _, s in ran}), "batches": len(cands)},
+        "flops": None if m.flops is None else {
+            "total": m.flops, "micro_batches": len(ran) * micro,
+            "per_micro_batch": m.flops // max(1, len(ran) * micro),
+            "per_step": m.flops // max(1, len(ran) * micro) * max(1, ctx.train.grad_accum)},
+        "timing": {**m.timing, "steps": sorted({s for _, s in ran}), "batches": len(cands)},
     }

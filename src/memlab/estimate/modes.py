@@ -114,6 +114,47 @@ def estimate_tracker(round_to: int = 0):
         (which wraps a new function on every call) and ``_update_snap`` builds a dict of every
         reference type on every call (an Enum walk) even when the device has one already."""
 
+        region: tuple = ()
+        """The labels of the part of the model running now (:meth:`enter_region`)."""
+        phase_log: list[dict[str, Any]] | None = None
+        """When a list (:mod:`memlab.estimate.layers`), every phase appends its step, name,
+        peak and *visits*: each stretch of time one region ran, ``[labels, moments, ops]``,
+        a moment (the memory by reference type, :attr:`moment_keys`, after each op) per op
+        and a hash of the ops it ran."""
+        moment_keys: tuple = ()
+        _current: dict[str, Any] | None = None
+
+        def enter_region(self, labels: tuple) -> None:
+            """The part of the model labelled ``labels`` starts running (a layer's hooks)."""
+            self.region = labels
+            cur = self._current
+            if cur is not None:
+                cur["visits"].append([labels, [], 0])
+
+        def phase_begins(self, step, name, training, device):
+            if self.phase_log is None:
+                return
+            if not self.moment_keys:
+                self.moment_keys = (*self._ref_class, _TOTAL_KEY)
+            self._current = {"step": step, "phase": name, "training": training,
+                             "device": device, "visits": [[self.region, [], 0]]}
+            self._moment(None)  # the phase's peak starts from the memory it starts with
+
+        def phase_ends(self):
+            cur, self._current = self._current, None
+            if cur is not None and self.phase_log is not None:
+                cur["peak"] = int(self._peak_mem.get(cur["device"], 0))
+                self.phase_log.append(cur)
+
+        def _moment(self, func) -> None:
+            cur = self._current
+            assert cur is not None
+            snap = self._curr_mem_snap.get(cur["device"])
+            visit = cur["visits"][-1]
+            visit[1].append(tuple(snap.get(k, 0) for k in self.moment_keys) if snap
+                            else (0,) * len(self.moment_keys))
+            visit[2] = hash((visit[2], func))
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if self.paused:
                 return func(*args, **(kwargs or {}))
@@ -137,6 +178,8 @@ def estimate_tracker(round_to: int = 0):
                         if isinstance(leaf, torch.Tensor):
                             self._track(reftype, leaf)
                 self._update_peak_stats(None)
+                if self._current is not None:
+                    self._moment(func)
             return res
 
         def _track(self, reftype, t: torch.Tensor) -> None:

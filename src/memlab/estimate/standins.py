@@ -47,10 +47,15 @@ class ModelStandin:
     """The model-loading seams of an estimate (module docstring). ``overrides``: fields of the
     HF config to change (``--set``), applied to every model built."""
 
-    def __init__(self, overrides: dict[str, Any], notes: list[str], fake_mode):
+    def __init__(self, overrides: dict[str, Any], notes: list[str], fake_mode,
+                 layers: int | None = None):
         self.overrides = dict(overrides)
         self.notes = notes
         self.fake_mode = fake_mode
+        self.layers = layers
+        """Build every model with this many decoder layers (:mod:`memlab.estimate.layers`)."""
+        self.loaded_layers: list[int | None] = []
+        """The depth each model built would have had (with the ``--set`` overrides)."""
 
     def load_tokenizer(self, ctx: BuildContext):
         try:
@@ -71,6 +76,11 @@ class ModelStandin:
                                     f"{type(cfg).__name__}); check --set {k}=...")
             setattr(cfg, k, v)
         cfg.use_cache = False
+        if self.layers is not None:
+            from memlab.estimate.layers import shallow
+
+            self.loaded_layers.append(getattr(cfg, "num_hidden_layers", None))
+            shallow(cfg, self.layers)
         return cfg
 
     def load(self, ctx: BuildContext, tokenizer: Any, head: Head, extra: dict[str, Any]

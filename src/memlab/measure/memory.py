@@ -92,6 +92,14 @@ def tracker_class():
                     handle.remove()
                 self._grad_hook_handles = []
 
+        def phase_begins(self, step: int, name: str, training: bool, device) -> None:
+            """Probe phase ``name`` of step ``step`` starts on ``device`` (its peak restarts
+            from the current memory): a tracker that keeps more than the phase's peak (an
+            estimate's, per region of the model: :mod:`memlab.estimate.layers`) starts it."""
+
+        def phase_ends(self) -> None:
+            """The probe phase that :meth:`phase_begins` started has ended."""
+
         def _pre_fw_hook(self, module, inputs):
             if self.paused:
                 return
@@ -278,21 +286,17 @@ class MemoryProbe:
             cur = t.get_tracker_snapshot("current").get(dev, {})
             t._peak_mem[dev] = int(cur.get("Total", 0))
             t._peak_mem_snap[dev] = dict(cur)
+            t.phase_begins(self._step, name, self._training, dev)
         try:
             yield
         finally:
             if t is not None:
+                t.phase_ends()
                 p = int(t._peak_mem.get(dev, 0))
                 snap = categorize(
                     {k: v for k, v in t._peak_mem_snap.get(dev, {}).items() if k != "Total"}
                 )
-                self.last_phase_peak = p
-                if p > self.phase_peak.get(name, -1):
-                    self.phase_peak[name] = p
-                    self.phase_snap[name] = snap
-                if p > self.peak:
-                    self.peak, self.peak_snap = p, snap
-                    self.peak_where = (self._step, name)
+                self.record_phase(name, p, snap)
             if self.is_cuda:
                 torch.cuda.synchronize(self.device)
                 a = torch.cuda.max_memory_allocated(self.device)
@@ -304,6 +308,18 @@ class MemoryProbe:
                     p = a
             if t is not None and self._training:
                 self.step_peaks[self._step] = max(self.step_peaks.get(self._step, 0), p)
+
+    def record_phase(self, name: str, peak: int, snap: dict[str, int]) -> None:
+        """The tracker's ``peak`` of phase ``name`` (its categories ``snap``) just measured in
+        the current step: the phase's, the run's and the step's peaks follow. (An estimate
+        also replays extrapolated phases through it: :mod:`memlab.estimate.layers`.)"""
+        self.last_phase_peak = peak
+        if peak > self.phase_peak.get(name, -1):
+            self.phase_peak[name] = peak
+            self.phase_snap[name] = snap
+        if peak > self.peak:
+            self.peak, self.peak_snap = peak, snap
+            self.peak_where = (self._step, name)
 
     def step_metrics(self, index: int) -> dict[str, int]:
         """Per-step metrics of step ``index`` for the logger: ``memory/step_peak_bytes`` when
