@@ -1,7 +1,10 @@
 """Benchmark ``memlab estimate``'s own speed at real model sizes, and check that the estimate did
 not change: each case's full ``estimate.json`` (less the estimator's timing) is compared with
-the one committed under ``benchmarks/results/estimate_before/`` (made by the code before the
-speed work of issue 33: ``--write-before`` with that code on ``PYTHONPATH``).
+the one committed under ``benchmarks/results/estimate_before/``: the estimate of every layer
+(``--write-before`` runs each case with ``--every-layer``, the reference
+:mod:`memlab.estimate.layers` is exact against; the code before the speed work of issue 33
+measured every layer too). The JSON is compared without the one assumption the shortcut adds
+(``layers: ...``) and the ``every_layer`` option.
 
 Each case runs in a fresh process (``OMP_NUM_THREADS=1``): imports, then ``estimate()`` in
 process (``--repeats`` times: the first carries one-time costs; the best is reported; the first
@@ -67,6 +70,7 @@ est.pop("estimator", None)
 # shortcut adds: the estimate is compared without it
 layers = [n for n in est.get("assumptions") or [] if n.startswith("layers: ")]
 est["assumptions"] = [n for n in est.get("assumptions") or [] if not n.startswith("layers: ")]
+(est.get("options") or {}).pop("every_layer", None)
 print(json.dumps({"import_s": t1 - t0, "runs_s": runs, "process_s": time.perf_counter() - t0,
                   "cpu_s": u.ru_utime + u.ru_stime, "max_rss_bytes": u.ru_maxrss * 1024,
                   "layers_extrapolated": bool(layers), "estimate": est}))
@@ -102,7 +106,8 @@ def main() -> int:
     for name in names:
         overrides, flags = CASES[name]
         print(f"[estimate speed] {name} ...", file=sys.stderr, flush=True)
-        res = run_case(overrides, flags, args.repeats)
+        res = run_case(overrides, flags + (["--every-layer"] if args.write_before else []),
+                       args.repeats)
         row = {"case": name, "overrides": overrides, "flags": flags,
                **{k: v for k, v in res.items() if k != "estimate"}}
         est = res.get("estimate")

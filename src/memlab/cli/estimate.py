@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inexact-masks", action="store_true",
                    help="keep transformers' fake-tensor mask behaviour (measures the "
                         "discrepancy the exact hooks remove)")
+    p.add_argument("--every-layer", action="store_true",
+                   help="build and measure every decoder layer (the reference) instead of two "
+                        "shallow builds extended exactly to the model's depth")
     p.add_argument("--run-first-step", action="store_true",
                    help="track step 0 too instead of creating the optimizer state directly")
     p.add_argument("--out", type=Path, default=None, metavar="DIR",
@@ -127,7 +130,7 @@ def options_from(args: argparse.Namespace) -> EstimateOptions:
         world_size=args.world_size, zero_stage=stage or 0, length=args.length,
         from_data=args.from_data, docs_per_row=args.docs_per_row,
         exact_masks=not args.inexact_masks, config_overrides=sets,
-        run_first_step=args.run_first_step,
+        run_first_step=args.run_first_step, every_layer=args.every_layer,
     )
 
 

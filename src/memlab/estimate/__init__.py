@@ -174,12 +174,11 @@ def _distributed_plan(ctx: BuildContext, opts: EstimateOptions, notes: list[str]
 
 def estimate(cfg, opts: EstimateOptions | None = None, choices: dict[str, str] | None = None,
              overrides: list[str] | None = None, *,
-             every_decode_step: bool = False, every_layer: bool = False) -> dict[str, Any]:
+             every_decode_step: bool = False) -> dict[str, Any]:
     """Estimate one composed configuration; returns the ``estimate.json`` dict (``status`` ok /
     invalid / failed, ``error`` says why). ``every_decode_step``: online methods generate with
     one fake forward per new token (:mod:`memlab.estimate.decode`'s reference) instead of the
-    shortened decode. ``every_layer``: the model is built at its full depth instead of two
-    shallow ones extrapolated (:mod:`memlab.estimate.layers`' reference)."""
+    shortened decode."""
     opts = opts or EstimateOptions()
     t0 = time.perf_counter()
     notes: list[str] = []
@@ -210,8 +209,7 @@ def estimate(cfg, opts: EstimateOptions | None = None, choices: dict[str, str] |
     out["options"]["zero_stage"] = opts.zero_stage
     try:
         with _fake_rank(ctx, fake_world, notes) if fake_world else contextlib.nullcontext():
-            res = run_fake_step(ctx, opts, notes, every_decode_step=every_decode_step,
-                                every_layer=every_layer)
+            res = run_fake_step(ctx, opts, notes, every_decode_step=every_decode_step)
     except EstimateError as e:
         out["error"] = str(e)
         return out

@@ -153,7 +153,7 @@ class Measured:
 
 
 def run_fake_step(ctx: BuildContext, opts: EstimateOptions, notes: list[str], *,
-                  every_decode_step: bool = False, every_layer: bool = False) -> dict[str, Any]:
+                  every_decode_step: bool = False) -> dict[str, Any]:
     """Build the configured run through :func:`memlab.pipeline.build` with the estimator's
     seams and run the tracked training step(s) through
     :meth:`memlab.trainer.loop.Trainer.run_step`, once per candidate batch
@@ -162,11 +162,11 @@ def run_fake_step(ctx: BuildContext, opts: EstimateOptions, notes: list[str], *,
     batch descriptions. ``ctx`` is the validated context (run on the CPU here).
     ``every_decode_step``: generation runs the model for every new token instead of
     :mod:`memlab.estimate.decode`'s shortcut (the reference its tests compare with).
-    ``every_layer``: the model is built at its full depth even where
-    :mod:`memlab.estimate.layers` can measure two shallower ones and extrapolate exactly."""
+    With ``opts.every_layer`` off, a deep model is measured as two shallow builds extended
+    exactly to its depth where :mod:`memlab.estimate.layers` can."""
     from memlab.estimate import layers
 
-    depth = None if every_layer else layers.repeated_depth(ctx, opts)
+    depth = None if opts.every_layer else layers.repeated_depth(ctx, opts)
     if depth is not None:
         runs = []
         for n in layers.MEASURED:
@@ -407,9 +407,10 @@ def measure(ctx: BuildContext, opts: EstimateOptions, notes: list[str], *,
             "value-dependent decisions it knows (transformers' mask decisions): a new one needs "
             "its value computed on the host (like the rows' document segments) or an answer "
             "in memlab.estimate.fake") from e
+    finally:
+        if record is not None:  # its hooks and patches end with the steps, whatever happens
+            record.stop()
     step_s = time.perf_counter() - t1
-    if record is not None:
-        record.stop()
     policy = unwrap(trainer.policy)
     return Measured(
         ctx=ctx, notes=notes, probe=trainer.probe, ran=ran, run_steps=run_steps, cands=cands,

@@ -32,6 +32,7 @@ against the estimate of every layer, byte for byte, across methods and technique
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
@@ -121,6 +122,7 @@ class LayerRecord:
     log: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     problem: str | None = None
     handles: list[Any] = dataclasses.field(default_factory=list)
+    patches: contextlib.ExitStack = dataclasses.field(default_factory=contextlib.ExitStack)
 
     @classmethod
     def start(cls, models: dict[str, nn.Module], tracker: Any, depth: int,
@@ -131,6 +133,7 @@ class LayerRecord:
         tracker.phase_log = rec.log
         tracker.enter_region((("start",),))  # until a layer runs
         decode.on_grow = lambda i, n: tracker.enter_region(_labels("cache", "grow", i, n))
+        rec._label_cache_calls()
         for key, model in models.items():
             layers = decoder_layers(model)
             if len(layers) != depth:
@@ -161,7 +164,35 @@ class LayerRecord:
         self.handles += [layer.register_forward_pre_hook(enter),
                          layer.register_forward_hook(leave)]
 
+    def _label_cache_calls(self) -> None:
+        """A KV cache's calls that loop over its layers outside the layers' forward (the
+        cache repeated for ``num_generations``, cropped, reordered): each layer's call a
+        region, numbered within the loop."""
+        from transformers.cache_utils import DynamicLayer
+
+        from memlab.measure.patches import patched
+
+        tracker, depth, state = self.tracker, self.depth, {"k": 0, "labels": None}
+
+        def wrap(name: str, original: Any) -> Any:
+            def call(layer: Any, *args: Any, **kwargs: Any) -> Any:
+                if tracker.region is not state["labels"]:  # a new loop starts
+                    state["k"] = 0
+                labels = _labels("cache", name, state["k"] % depth, depth)
+                state["k"] += 1
+                tracker.enter_region(labels)
+                state["labels"] = labels
+                return original(layer, *args, **kwargs)
+            return call
+
+        for name in ("batch_repeat_interleave", "batch_select_indices", "crop",
+                     "reorder_cache"):
+            original = getattr(DynamicLayer, name, None)
+            if original is not None:
+                self.patches.enter_context(patched(DynamicLayer, name, wrap(name, original)))
+
     def stop(self) -> None:
+        self.patches.close()
         for h in self.handles:
             h.remove()
         self.handles = []
@@ -272,7 +303,7 @@ def extrapolate(runs: list[Measured], depth: int) -> tuple[Measured | None, str]
                      ([c.description for c in a.cands], [c.description for c in b.cands])):
             if x != y:
                 raise ValueError("the batches or steps differ")
-        log_a, log_b = a.layers.log, b.layers.log  # type: ignore[union-attr]
+        log_a, log_b = a.layers.log, b.layers.log
         if len(log_a) != len(log_b):
             raise ValueError(f"{len(log_a)} phases at {MEASURED[0]} layers, {len(log_b)} at "
                              f"{MEASURED[1]}")

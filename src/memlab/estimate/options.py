@@ -105,6 +105,10 @@ class EstimateOptions:
     """Count the floating-point operations of the measured step(s) (torch's
     ``FlopCounterMode`` over the fake step: matmuls and attention, the recomputation that
     checkpointing adds included) into ``flops`` (``memlab fit``'s speed model)."""
+    every_layer: bool = False
+    """Build and measure every decoder layer, not two shallow builds extended to the model's
+    depth (:mod:`memlab.estimate.layers`: the same estimate, the reference it is tested
+    against)."""
     run_first_step: bool = False
     """Run (and track) step 0 as well. Default: the optimizer state is created by the
     optimizer's own ``step`` on fake zero gradients, then only the steady-state step 1 runs

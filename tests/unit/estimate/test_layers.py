@@ -8,6 +8,8 @@ tracked step 0) every layer is built."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from memlab.cli.compose import compose
@@ -18,7 +20,7 @@ TINY = ["model.hidden_size=32", "model.intermediate_size=64", f"model.num_layers
         "model.num_heads=4", "model.num_kv_heads=2", "train.batch_size=2",
         "data.seed=1", "data.median_tokens=40", "data.n_examples=4",
         "train.progress=false"]
-ONLINE = ["method.max_prompt_length=16", "method.max_completion_length=5"]
+ONLINE = ["method.max_prompt_length=16", "method.max_completion_length=5", "method.num_generations=2"]
 CASES = {
     "sft lora checkpointing packed chunked": [
         "method.max_length=48", "peft=lora", "train.gradient_checkpointing=true", "packing=bfd",
@@ -39,9 +41,10 @@ def _both(overrides: list[str], opts: EstimateOptions) -> tuple[dict, dict]:
     cfg, choices = compose(overrides)
     out = []
     for every in (True, False):
-        est = estimate(cfg, opts, choices, overrides, every_layer=every)
+        est = estimate(cfg, dataclasses.replace(opts, every_layer=every), choices, overrides)
         assert est["status"] == "ok", est["error"]
         est.pop("estimator")
+        est["options"].pop("every_layer")
         out.append(est)
     return out[0], out[1]
 
