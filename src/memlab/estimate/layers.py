@@ -22,8 +22,9 @@ Only where the premise holds, checked rather than assumed, else every layer is b
 measured (the estimate says why): a model type whose layers are all alike
 (:data:`UNIFORM_TYPES`, ``layer_types`` all equal), every model of the run as deep as the policy
 and its layers identical after PEFT (parameters, shapes, dtypes, trainable flags), one process
-(FSDP2 / DeepSpeed wrap the layers into units and buckets of their own), no activation
-offload (its host-side peak is not per region), the steady-state step with the optimizer state
+(FSDP2 / DeepSpeed wrap the layers into units and buckets of their own), checkpointing on
+every layer or none (``train.checkpoint_every`` > 1 makes the layers alike in pairs), no
+activation offload (its host-side peak is not per region), the steady-state step with the optimizer state
 created untracked (a tracked step 0 creates it parameter by parameter, a peak whose place moves
 with depth), the two measurements agreeing in everything but sizes, every phase's peak found
 among its regions. ``tests/unit/estimate/test_layers.py`` checks the extrapolated estimate
@@ -73,7 +74,9 @@ def repeated_depth(ctx: BuildContext, opts: EstimateOptions) -> int | None:
     if ctx.world_size > 1 or dist.sharding() is not None or dist.as_step_owner() is not None:
         return None  # FSDP2 / DeepSpeed: units and buckets of their own
     if opts.run_first_step or ctx.train.steps == 1:
-        return None
+        return None  # step 0 creates the optimizer state parameter by parameter
+    if ctx.train.gradient_checkpointing and ctx.train.checkpoint_every > 1:
+        return None  # every other layer recomputes: alike in pairs, not one by one
     standin = ModelStandin(opts.config_overrides, [], None)
     try:
         cfg = standin.config(ctx.model, standin.load_tokenizer(ctx))
@@ -97,7 +100,8 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def _signature(layer: nn.Module) -> tuple:
-    return (tuple((n, type(m).__name__) for n, m in layer.named_modules()),
+    return (getattr(layer, "gradient_checkpointing", None),
+            tuple((n, type(m).__name__) for n, m in layer.named_modules()),
             tuple((n, tuple(p.shape), p.dtype, p.requires_grad)
                   for n, p in layer.named_parameters()))
 

@@ -1,7 +1,8 @@
 """Deep models estimated from two shallow builds (:mod:`memlab.estimate.layers`): on a tiny
 8-layer model the extrapolated estimate is the estimate of every layer, byte for byte (every
 category, phase, batch, FLOP count and assumption but the one that says it extrapolated),
-across methods (SFT, DPO with a held-out set, GRPO and PPO generating, reward) and techniques
+across methods (SFT, DPO with a held-out set, GRPO and PPO generating: PPO's value and reward
+models have a sequence-classification head) and techniques
 (LoRA, checkpointing, packing, the chunked loss, the in-backward step, Adafactor, the CUDA model
 with mixed precision, DDP's modelled sharding); and where a premise fails (FSDP2's units, a
 tracked step 0) every layer is built."""
@@ -27,10 +28,8 @@ CASES = {
         "method.loss_impl=chunked", "method.chunk_size=16", "train.grad_accum=2"],
     "dpo held-out": ["method=dpo", "method.max_length=48", "method.max_prompt_length=24", "data.eval=0.5",
                      "train.eval_batch_size=2"],
-    "grpo lora": ["method=grpo", *ONLINE, "peft=lora", "method.beta=0.04",
-                  "method.reference=adapter_disabled"],
+    "grpo lora": ["method=grpo", *ONLINE, "peft=lora"],
     "ppo": ["method=ppo", *ONLINE],
-    "reward": ["method=reward", "method.max_length=48"],
     "in-backward adafactor": ["method.max_length=48", "optimizer=adafactor", "optimizer.in_backward=true",
                               "train.max_grad_norm=null"],
 }
@@ -73,6 +72,8 @@ def test_the_cuda_model_with_ddp_sharding_extrapolates_exactly():
 @pytest.mark.parametrize("extra,opts", [
     (["distributed=fsdp2", "distributed.nproc=2"], EstimateOptions()),  # its own units
     ([], EstimateOptions(run_first_step=True)),  # step 0 makes the state param by param
+    (["train.gradient_checkpointing=true", "train.checkpoint_every=2"],  # alike in pairs
+     EstimateOptions()),
     (["model.num_layers=4"], EstimateOptions()),  # shallower than MIN_DEPTH
 ])
 def test_every_layer_is_built_where_a_premise_fails(extra, opts):
