@@ -275,6 +275,7 @@ def _trl_trainer(method: str, s: Settings, model, tok, ds, order: list[int], out
     ``order`` (each ``num_generations`` times in a row); with ``probe``, every training step
     runs under memlab's tracker with memlab's phases."""
     import torch
+    from _trl_probe import watch_trainer
     from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
     common = dict(
@@ -305,18 +306,7 @@ def _trl_trainer(method: str, s: Settings, model, tok, ds, order: list[int], out
         def training_step(self, model, inputs, num_items_in_batch=None):
             if probe is None:
                 return super().training_step(model, inputs, num_items_in_batch)
-            if not probe._external:
-                probe.watch(model, getattr(self.optimizer, "optimizer", self.optimizer))
-            if not getattr(self.accelerator, "_bench_wrapped", False):
-                orig = self.accelerator.backward
-
-                def backward(loss, **kw):
-                    with probe.phase("backward"):
-                        orig(loss, **kw)
-                    probe.micro_end()
-
-                self.accelerator.backward = backward
-                self.accelerator._bench_wrapped = True
+            watch_trainer(probe, self, model)
             stack = contextlib.ExitStack()
             step = state.setdefault("step", 0)
             state["step"] = step + 1

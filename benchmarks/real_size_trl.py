@@ -18,6 +18,7 @@ def trl_job(req: dict[str, Any]) -> dict[str, Any]:
     speed (the time of steps 1..)."""
     import datasets
     import torch
+    from _trl_probe import watch_trainer
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
@@ -52,16 +53,7 @@ def trl_job(req: dict[str, Any]) -> dict[str, Any]:
             if rec["first_ids"] is None:
                 rec["first_ids"] = ids[:, :8].tolist()
             if probe is not None:
-                if not probe._external:
-                    probe.watch(model, getattr(self.optimizer, "optimizer", self.optimizer))
-                    backward = self.accelerator.backward
-
-                    def tracked_backward(loss, **kw):
-                        with probe.phase("backward"):
-                            backward(loss, **kw)
-                        probe.micro_end()
-
-                    self.accelerator.backward = tracked_backward
+                watch_trainer(probe, self, model)
                 stack = contextlib.ExitStack()
                 stack.enter_context(probe.step(len(rec["tokens"]) - 1, True,
                                                [v for v in inputs.values()

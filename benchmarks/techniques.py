@@ -290,6 +290,7 @@ def _trl_tokenized(rows: list[dict], tok, max_length: int) -> list[dict]:
 def trl_job(req: dict[str, Any]) -> dict[str, Any]:
     import datasets
     import torch
+    from _trl_probe import watch_trainer
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
@@ -369,22 +370,11 @@ def trl_job(req: dict[str, Any]) -> dict[str, Any]:
                 return super().training_step(model, inputs, num_items_in_batch)
             step = len(rec["tokens"]) - 1
             key = (ids.numel(), ids.shape[1]) if padded else (ids.numel(),)
-            if not probe._external:
-                probe.watch(model, getattr(self.optimizer, "optimizer", self.optimizer))
+            watch_trainer(probe, self, model)
             stack = contextlib.ExitStack()
             tensors = [v for v in inputs.values() if isinstance(v, torch.Tensor)]
             stack.enter_context(probe.step(step, track_rule(step, key), tensors))
             state["stack"] = stack
-            if not getattr(self.accelerator, "_bench_wrapped", False):
-                orig = self.accelerator.backward
-
-                def backward(loss, **kw):
-                    with probe.phase("backward"):
-                        orig(loss, **kw)
-                    probe.micro_end()
-
-                self.accelerator.backward = backward
-                self.accelerator._bench_wrapped = True
             loss = super().training_step(model, inputs, num_items_in_batch)
             stack.enter_context(probe.phase("optimizer"))  # clip + step + zero_grad
             return loss

@@ -41,14 +41,39 @@ def _weights(summary) -> dict[str, torch.Tensor]:
     return read_weights(f"{summary['run_dir']}/checkpoints/step_{step:06d}")
 
 
+STAGE_RUN = ["train.steps=3", "train.save_final=true", "measure.memory_steps=2",
+             "method.loss_on=all"]
+"""One run per ZeRO stage, shared by the two tests below (and the one process it is compared
+with): 2 micro-batches per step (DeepSpeed's accumulation boundary), the first two steps
+tracked. Loss on every token of rows cut at max_length: both micro-batches the same size (the
+head runs at labelled positions only), so the second one's forward is the larger."""
+
+
+@pytest.fixture(scope="module")
+def stage_runs(tmp_path_factory):
+    """``runs(key)``: the summary of the single-process run (key "single", 4 rows a step) or of
+    ZeRO stage ``key`` (2 ranks x 1 row x 2 micro-batches), each run once per module."""
+    from memlab_testing import run_job
+
+    root, done = tmp_path_factory.mktemp("zero_stages"), {}
+
+    def runs(key):
+        if key not in done:
+            o = STAGE_RUN + (["train.batch_size=4"] if key == "single" else
+                             DS(key) + ["train.batch_size=1", "train.grad_accum=2"])
+            done[key] = run_job(root, o, name=f"stage_{key}")
+        return done[key]
+
+    return runs
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_every_zero_stage_trains_like_one_process(job, stage):
+def test_every_zero_stage_trains_like_one_process(stage_runs, stage):
     """2 ranks x 1 row x 2 micro-batches (DeepSpeed's accumulation boundary) == 1 process x 4
     rows: the same loss curve, tokens and final weights (gathered from the shards)."""
-    o = ["train.steps=3", "train.save_final=true", "measure.memory_steps=0"]
-    single = job(o + ["train.batch_size=4"])
-    ds = job(o + DS(stage) + ["train.batch_size=1", "train.grad_accum=2"])
+    single, ds = stage_runs("single"), stage_runs(stage)
     _ok(single, ds)
+    assert len(ds["train"]["loss_curve"]) == 3
     assert ds["train"]["loss_curve"] == pytest.approx(single["train"]["loss_curve"], rel=2e-5)
     assert ds["data"]["tokens_trained"] == single["data"]["tokens_trained"]
     w1, w2 = _weights(single), _weights(ds)
@@ -58,17 +83,13 @@ def test_every_zero_stage_trains_like_one_process(job, stage):
     assert ds["memory"]["distributed"]["zero_stage"] == stage
 
 
-def test_each_stage_shards_what_it_should(job):
+def test_each_stage_shards_what_it_should(stage_runs):
     """Per rank, 2 ranks, 2 micro-batches per step, measured in the second micro-batch's
     forward (state of the previous step and gradients of the first micro-batch alive):
     stage 0 holds full gradients and Adam's two moments; stage 1 half of the moments plus a
     half-size fp32 master copy, still full gradients; stage 2 also half of the gradients;
-    stage 3 also half of the parameters."""
-    # loss on every token of rows cut at max_length: both micro-batches the same size (the
-    # head runs at labelled positions only), so the second one's forward is the larger
-    o = ["train.steps=2", "train.batch_size=1", "train.grad_accum=2", "measure.memory_steps=2",
-         "method.loss_on=all"]
-    runs = {s: job(o + DS(s)) for s in (0, 1, 2, 3)}
+    stage 3 also half of the parameters. (The runs are :func:`stage_runs`'.)"""
+    runs = {s: stage_runs(s) for s in (0, 1, 2, 3)}
     _ok(*runs.values())
     fwd = {s: r["memory"]["by_phase_category"]["forward"] for s, r in runs.items()}
     step = {s: r["memory"]["by_phase_category"]["optimizer"] for s, r in runs.items()}

@@ -24,6 +24,23 @@ def _weights(summary) -> dict[str, torch.Tensor]:
     return read_weights(f"{summary['run_dir']}/checkpoints/step_{step:06d}")
 
 
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """``one_process(overrides)``: the summary of a single-process run with ``overrides``, run
+    once per module (the reference several tests and parametrizations compare with)."""
+    from memlab_testing import run_job
+
+    root, done = tmp_path_factory.mktemp("one_process"), {}
+
+    def run(overrides: list[str]) -> dict:
+        key = tuple(overrides)
+        if key not in done:
+            done[key] = run_job(root, list(overrides), name=f"single{len(done)}")
+        return done[key]
+
+    return run
+
+
 def _same_training(single, ddp, rel=2e-5):
     assert single["status"] == "ok", single["error"]
     assert ddp["status"] == "ok", ddp["error"]
@@ -31,9 +48,9 @@ def _same_training(single, ddp, rel=2e-5):
     assert ddp["data"]["tokens_trained"] == single["data"]["tokens_trained"]
 
 
-def test_two_ranks_of_two_rows_train_like_one_process_of_four(job):
+def test_two_ranks_of_two_rows_train_like_one_process_of_four(job, one_process):
     o = ["train.steps=4", "train.save_final=true", "measure.memory_steps=2"]
-    single = job(o + ["train.batch_size=4"])
+    single = one_process(o + ["train.batch_size=4"])
     ddp = job(o + DDP + ["train.batch_size=2"])
     _same_training(single, ddp)
     w1, w2 = _weights(single), _weights(ddp)
@@ -75,21 +92,23 @@ def test_grad_accumulation_across_ranks(job):
     ["method=dpo", "method.max_length=96"],
     ["method=reward", "method.padding_free=true", "method.max_length=96", "data.median_tokens=48"],
 ], ids=["lora-chunked-packed", "dpo-reference-copy", "reward-padding-free"])
-def test_every_model_call_path_syncs(job, extra, dist):
+def test_every_model_call_path_syncs(job, one_process, extra, dist):
     """Chunked loss and packed reward scoring call parts of the model; they run inside the
     wrapper's forward (call_inside), or gradients would not be synchronised (DDP) or the
-    sharded parameters not gathered (FSDP2), and the runs would differ or fail."""
+    sharded parameters not gathered (FSDP2), and the runs would differ or fail. (DDP and
+    FSDP2 compare with the same one-process run.)"""
     o = ["train.steps=3"] + extra
-    single = job(o + ["train.batch_size=4"])
+    single = one_process(o + ["train.batch_size=4"])
     multi = job(o + dist + ["train.batch_size=2"])
     _same_training(single, multi, rel=1e-4)
 
 
-def test_fsdp2_shards_parameters_gradients_and_optimizer_state(job):
+def test_fsdp2_shards_parameters_gradients_and_optimizer_state(job, one_process):
     """2 ranks x 2 rows under FSDP2 == 1 process x 4 rows, and each rank holds half of the
-    parameters and optimizer state (measured by each rank's tracker)."""
+    parameters and optimizer state (measured by each rank's tracker). The one process is
+    the DDP test's (its final checkpoint unused here)."""
     o = ["train.steps=4", "measure.memory_steps=2"]
-    single = job(o + ["train.batch_size=4"])
+    single = one_process(o[:1] + ["train.save_final=true"] + o[1:] + ["train.batch_size=4"])
     sharded = job(o + FSDP2 + ["train.batch_size=2", "train.grad_accum=1"])
     _same_training(single, sharded)
     one = single["memory"]["by_phase_category"]["optimizer"]

@@ -78,22 +78,35 @@ def test_a_full_disk_keeps_training_records_checkpoint_errors_and_leaves_no_part
 
 
 # ---------------------------------------------------------------------------------- sweeps
-def test_a_hung_up_sweep_records_every_job_and_each_job_log_holds_its_console(tmp_path):
-    sweep, rel, log, outside = (tmp_path / "sweep", tmp_path / "rel", tmp_path / "sweep.log",
-                                tmp_path / "outside")
-    outside.write_text("precious")
-    (sweep / "0").mkdir(parents=True)
-    (sweep / "0" / "memlab.log").symlink_to(outside)  # a link where the job's log goes
-    proc = memlab_popen(["-m", "--config-dir", str(CONF), "experiment=rel_interrupted,rel_not_run",
-                         *QUIET, f"hydra.sweep.dir={sweep}"], log, env={"REL_DIR": str(rel)})
+def _stopped_sweep(tmp_path, args: list[str], act) -> tuple[int, str]:
+    """A sweep (``memlab -m`` of the reliability configs with ``args``) into ``tmp_path/sweep``,
+    in a subprocess whose jobs pause under ``tmp_path/rel`` (``REL_DIR``); ``act(proc, log)``
+    while it runs (it waits at the jobs' markers), then the sweep's exit status and console.
+    The sweep is killed if it outlives the test."""
+    log = tmp_path / "sweep.log"
+    proc = memlab_popen(["-m", "--config-dir", str(CONF), *args, *QUIET,
+                         f"hydra.sweep.dir={tmp_path / 'sweep'}"], log,
+                        env={"REL_DIR": str(tmp_path / "rel")})
     try:
-        wait_for_marker(rel / "interrupted", "step:1", proc, log)
-        proc.send_signal(signal.SIGHUP)  # the terminal closed
+        act(proc, log)
         code = proc.wait(timeout=HANG_S)
     finally:
         if proc.poll() is None:
             proc.kill()
-    out = log.read_text()
+    return code, log.read_text()
+
+
+def test_a_hung_up_sweep_records_every_job_and_each_job_log_holds_its_console(tmp_path):
+    sweep, rel, outside = tmp_path / "sweep", tmp_path / "rel", tmp_path / "outside"
+    outside.write_text("precious")
+    (sweep / "0").mkdir(parents=True)
+    (sweep / "0" / "memlab.log").symlink_to(outside)  # a link where the job's log goes
+
+    def hang_up(proc, log):
+        wait_for_marker(rel / "interrupted", "step:1", proc, log)
+        proc.send_signal(signal.SIGHUP)  # the terminal closed
+
+    code, out = _stopped_sweep(tmp_path, ["experiment=rel_interrupted,rel_not_run"], hang_up)
     assert code == 128 + signal.SIGHUP, out[-3000:]
     assert "[memlab] sweep interrupted by SIGHUP: 2 jobs: 1 interrupted, 1 not_run" in out
     first, second = _summary(sweep / "0"), _summary(sweep / "1")
@@ -112,21 +125,17 @@ def test_a_second_stop_kills_the_job_and_its_record_names_the_signal_received(tm
     """Ctrl-C twice: the job (waiting at its summary write, where stop signals are held) is
     killed; its record says SIGINT, twice, not "interrupted by SIGKILL". The running sweep holds
     its dir: a second sweep there is refused."""
-    sweep, rel, log = tmp_path / "sweep", tmp_path / "rel", tmp_path / "sweep.log"
-    proc = memlab_popen(["-m", "--config-dir", str(CONF), "experiment=rel_held", *QUIET,
-                         "hydra.launcher.stop_grace_s=600", f"hydra.sweep.dir={sweep}"], log,
-                        env={"REL_DIR": str(rel)})
-    try:
+    sweep, rel = tmp_path / "sweep", tmp_path / "rel"
+
+    def stop_twice(proc, log):
         wait_for_marker(rel / "held", "summary", proc, log)
         assert app(["-m", *QUIET, f"hydra.sweep.dir={sweep}"]) == 2  # in use: refused
         proc.send_signal(signal.SIGINT)
         wait_for_text(log, "job #0: stopping it (SIGINT", proc)  # the first one reached it
         proc.send_signal(signal.SIGINT)
-        code = proc.wait(timeout=HANG_S)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    out = log.read_text()
+
+    code, out = _stopped_sweep(tmp_path, ["experiment=rel_held",
+                                          "hydra.launcher.stop_grace_s=600"], stop_twice)
     assert code == 128 + signal.SIGINT, out[-3000:]
     assert "[memlab] sweep interrupted by SIGINT: 1 job: 1 interrupted" in out
     s = _summary(sweep / "0")

@@ -5,8 +5,9 @@ app (the same config a run with the same overrides gets), and the command line w
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 # conf_dir, sweeps_dir: imported from here too (memlab.cli.conf keeps them, for the overrides' check)
@@ -73,6 +74,14 @@ def app_argv(args: Sequence[str], command: str, out: Path | None = None) -> list
     return [*extra, *args]
 
 
+def positive_int(text: str) -> int:
+    """An argparse ``type=`` for an option that takes a whole number >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 def parse_command(argv: Sequence[str] | None, parser: argparse.ArgumentParser, prog: str
                   ) -> tuple[list[str], argparse.Namespace, list[str]] | None:
     """A subcommand's command line: ``(Hydra's flags, this command's options, the overrides)``,
@@ -92,3 +101,15 @@ def parse_command(argv: Sequence[str] | None, parser: argparse.ArgumentParser, p
         print("\n".join(f"{prog}: {m}" for m in moved), file=sys.stderr)
         return None
     return hydra_args, args, rest
+
+
+def run_command(argv: Sequence[str] | None, parser: argparse.ArgumentParser, prog: str,
+                body: Callable[[list[str], argparse.Namespace, list[str]], int]) -> int:
+    """A subcommand (``memlab data``, ``memlab lengths``): tokenizers' own threads off, its
+    command line parsed (:func:`parse_command`: 2 for a bad one), then ``body(Hydra's flags,
+    its options, the overrides)``, whose exit status it returns."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    parsed = parse_command(argv, parser, prog)
+    if parsed is None:
+        return 2
+    return body(*parsed)

@@ -193,8 +193,25 @@ def external_launch() -> bool:
     return "MEMLAB_RANK" not in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
+class NoCapabilities:
+    """None of the optional capabilities (the ``as_<capability>()`` answers): an option mixes
+    this in and overrides the ones it has."""
+
+    def as_ranks(self) -> Ranks | None:
+        return None
+
+    def as_step_owner(self) -> StepOwner | None:
+        return None
+
+    def as_gathered_states(self) -> GatheredStates | None:
+        return None
+
+    def as_native_states(self) -> NativeStates | None:
+        return None
+
+
 @dataclass(kw_only=True)
-class Ranks(Option):
+class Ranks(NoCapabilities, Option):
     """What every multi-process option shares: how many ranks, the process group, sums."""
 
     nproc: PositiveInt | None = None
@@ -292,12 +309,3 @@ class Ranks(Option):
 
     def as_ranks(self) -> Ranks | None:
         return self
-
-    def as_step_owner(self) -> StepOwner | None:
-        return None
-
-    def as_gathered_states(self) -> GatheredStates | None:
-        return None
-
-    def as_native_states(self) -> NativeStates | None:
-        return None

@@ -10,15 +10,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
-from memlab.distributed.base import (
-    GatheredStates,
-    NativeStates,
-    OptimizerTensors,
-    Ranks,
-    Sharding,
-    StepOwner,
-    register,
-)
+from memlab.distributed.base import NoCapabilities, OptimizerTensors, Sharding, register
 from memlab.registry import Option
 
 if TYPE_CHECKING:
@@ -27,7 +19,7 @@ if TYPE_CHECKING:
 
 @register("single")
 @dataclass(kw_only=True)
-class Single(Option):
+class Single(NoCapabilities, Option):
     """No knobs."""
 
     wraps_fake_tensors: ClassVar[bool] = True
@@ -76,16 +68,4 @@ class Single(Option):
 
     def sharding(self) -> Sharding | None:
         """One plain process: nothing to shard."""
-        return None
-
-    def as_ranks(self) -> Ranks | None:
-        return None
-
-    def as_step_owner(self) -> StepOwner | None:
-        return None
-
-    def as_gathered_states(self) -> GatheredStates | None:
-        return None
-
-    def as_native_states(self) -> NativeStates | None:
         return None

@@ -48,6 +48,7 @@ import torch
 
 from memlab.data.base import DataError
 from memlab.method import _collate, _layout, _liger, _logps, _reference, _rows
+from memlab.method._preference import PreferenceBatches
 from memlab.method.base import Batch, DataStats, Offline, batch_key, drops_padding_mask, register
 from memlab.model.base import Head
 from memlab.registry import PositiveFloat, PositiveInt, Range
@@ -59,7 +60,7 @@ if TYPE_CHECKING:
 
 @register("dpo")
 @dataclass(kw_only=True)
-class DPO(Offline, _liger.LigerKnobs):
+class DPO(Offline, _liger.LigerKnobs, PreferenceBatches):
     """DPO knobs, named as in TRL's DPOConfig where one exists."""
 
     beta: PositiveFloat = 0.1
@@ -204,15 +205,6 @@ class DPO(Offline, _liger.LigerKnobs):
         return whole, pieces
 
     # ------------------------------------------------------------------ batches
-    def labelled(self) -> bool:
-        """Whether batches list their scored tokens (``head_on=labelled``; Liger's fused loss
-        runs its own head over every position)."""
-        return self.head_on == "labelled" and not self.use_liger_kernel
-
-    def collate(self, rows: list[dict], tokenizer, ctx: BuildContext) -> Batch:
-        return self._collate(rows, tokenizer.pad_token_id,
-                             not drops_padding_mask(self.padding_mask, ctx))
-
     def _collate(self, rows: list[dict], pad_id: int, mask: bool = True) -> Batch:
         units, rows_of = _layout.units_of(rows)
         if rows_of is not None or self.share_prompt:

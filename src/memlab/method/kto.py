@@ -40,6 +40,7 @@ import torch
 
 from memlab.data.base import DataError
 from memlab.method import _collate, _layout, _liger, _logps, _reference, _rows
+from memlab.method._preference import PreferenceBatches
 from memlab.method.base import Batch, DataStats, Offline, batch_key, drops_padding_mask, register
 from memlab.model.base import Head
 from memlab.registry import NonNegativeFloat, PositiveFloat, PositiveInt, Range
@@ -67,7 +68,7 @@ def mismatched_partners(prompts: list[list[int]]) -> list[int]:
 
 @register("kto")
 @dataclass(kw_only=True)
-class KTO(Offline, _liger.LigerKnobs):
+class KTO(Offline, _liger.LigerKnobs, PreferenceBatches):
     """KTO knobs, named as in TRL's KTOConfig where one exists."""
 
     beta: PositiveFloat = 0.1
@@ -306,15 +307,6 @@ class KTO(Offline, _liger.LigerKnobs):
         return whole, pieces
 
     # ------------------------------------------------------------------ batches
-    def labelled(self) -> bool:
-        """Whether batches list their scored tokens (``head_on=labelled``; Liger's fused loss
-        runs its own head over every position)."""
-        return self.head_on == "labelled" and not self.use_liger_kernel
-
-    def collate(self, rows: list[dict], tokenizer, ctx: BuildContext) -> Batch:
-        return self._collate(rows, tokenizer.pad_token_id,
-                             not drops_padding_mask(self.padding_mask, ctx))
-
     def _collate(self, rows: list[dict], pad_id: int, mask: bool = True) -> Batch:
         units, rows_of = _layout.units_of(rows)
         if rows_of is not None or self.share_prompt:

@@ -21,15 +21,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+from memlab.cli.compose import positive_int, run_command
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "(after the method's preparation, truncation and packing), the tokens that "
                     "carry a loss marked, with token counts and where each document comes from. "
                     "key=value arguments are Hydra overrides, as for a run.")
-    show.add_argument("--rows", type=_positive, default=3, metavar="N",
+    show.add_argument("--rows", type=positive_int, default=3, metavar="N",
                       help="rows to show (default: 3)")
     show.add_argument("--color", choices=("auto", "always", "never"), default="auto",
                       help="mark loss tokens in colour (auto: on a terminal) or between [[ and "
@@ -61,13 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``memlab data``; 0 on success, 2 for a bad command line, config or data."""
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    from memlab.cli.compose import parse_command
+    return run_command(argv, build_parser(), "memlab data", _data)
 
-    parsed = parse_command(argv, build_parser(), "memlab data")
-    if parsed is None:
-        return 2
-    hydra_args, args, overrides = parsed
+
+def _data(hydra_args: list[str], args: argparse.Namespace, overrides: list[str]) -> int:
+    """The parsed command line: ``show`` is the one subcommand."""
     odd = hydra_args + [a for a in overrides if "=" not in a]
     if odd:
         print(f"memlab data: {' '.join(odd)}: expected key=value overrides (Hydra's flags and "

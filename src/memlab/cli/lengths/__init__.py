@@ -44,7 +44,7 @@ import sys
 import time
 from pathlib import Path
 
-from memlab.cli.compose import app_argv, parse_command
+from memlab.cli.compose import app_argv, positive_int, run_command
 from memlab.cli.lengths.data import PARTS, lengths_of, tokenize_lengths, untruncated
 from memlab.cli.lengths.output import format_table, plot
 from memlab.cli.lengths.stats import (
@@ -92,13 +92,6 @@ def _fraction(text: str) -> float:
     return value
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The ``memlab lengths`` argument parser (Hydra overrides are split off before it)."""
     p = argparse.ArgumentParser(
@@ -113,16 +106,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--candidates", type=_candidates, default=None, metavar="N,N,...",
                    help="max_length values to evaluate (default: powers of two 128..16384 "
                         "up to twice the longest example)")
-    p.add_argument("--batch-size", type=_positive, default=None, metavar="N",
+    p.add_argument("--batch-size", type=positive_int, default=None, metavar="N",
                    help="rows per padded batch for the padding estimate (default: "
                         "train.batch_size)")
     p.add_argument("--max-truncated", type=_fraction, default=DEFAULT_MAX_TRUNCATED, metavar="F",
                    help="largest fraction of tokens the recommended max_length may cut "
                         f"(default: {DEFAULT_MAX_TRUNCATED})")
-    p.add_argument("--epochs", type=_positive, default=DEFAULT_EPOCHS, metavar="N",
+    p.add_argument("--epochs", type=positive_int, default=DEFAULT_EPOCHS, metavar="N",
                    help=f"seeded epochs averaged for the padding estimate (default: "
                         f"{DEFAULT_EPOCHS})")
-    p.add_argument("--num-proc", type=_positive, default=min(8, os.cpu_count() or 1),
+    p.add_argument("--num-proc", type=positive_int, default=min(8, os.cpu_count() or 1),
                    metavar="N", help="processes to tokenize with (default: CPUs, at most 8)")
     p.add_argument("--no-plot", action="store_true", help="skip lengths.png")
     return p
@@ -130,11 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``memlab lengths``; 0 on success, 2 for a bad command line, config or data."""
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    parsed = parse_command(argv, build_parser(), "memlab lengths")
-    if parsed is None:
-        return 2
-    hydra_args, args, rest = parsed
+    return run_command(argv, build_parser(), "memlab lengths", _lengths)
+
+
+def _lengths(hydra_args: list[str], args: argparse.Namespace, rest: list[str]) -> int:
+    """The parsed command line: one Hydra job (a sweep with -m) per composed data config."""
     if not args.no_plot:
         from memlab._guards import missing
 
