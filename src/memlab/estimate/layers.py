@@ -23,8 +23,8 @@ measured (the estimate says why): a model type whose layers are all alike
 (:data:`UNIFORM_TYPES`, ``layer_types`` all equal), every model of the run as deep as the policy
 and its layers identical after PEFT (parameters, shapes, dtypes, trainable flags), one process
 (FSDP2 / DeepSpeed wrap the layers into units and buckets of their own), checkpointing on
-every layer or none (``train.checkpoint_every`` > 1 makes the layers alike in pairs), no
-activation offload (its host-side peak is not per region), the steady-state step with the optimizer state
+every layer or none (``train.checkpoint_every`` > 1 makes the layers alike in pairs), the
+steady-state step with the optimizer state
 created untracked (a tracked step 0 creates it parameter by parameter, a peak whose place moves
 with depth), the two measurements agreeing in everything but sizes, every phase's peak found
 among its regions. ``tests/unit/estimate/test_layers.py`` checks the extrapolated estimate
@@ -176,7 +176,8 @@ class LayerRecord:
 
         from memlab.measure.patches import patched
 
-        tracker, depth, state = self.tracker, self.depth, {"k": 0, "labels": None}
+        tracker, depth = self.tracker, self.depth
+        state: dict[str, Any] = {"k": 0, "labels": None}
 
         def wrap(name: str, original: Any) -> Any:
             def call(layer: Any, *args: Any, **kwargs: Any) -> Any:
@@ -297,8 +298,6 @@ def extrapolate(runs: list[Measured], depth: int) -> tuple[Measured | None, str]
             return None, r.layers.problem
         if any(n != depth for n in r.layers.loaded):
             return None, "the run's models differ in depth"
-        if r.offload is not None:
-            return None, "activation offload keeps a host-side peak of its own"
     try:
         if a.notes != b.notes:
             raise ValueError("the assumptions differ")
@@ -315,6 +314,7 @@ def extrapolate(runs: list[Measured], depth: int) -> tuple[Measured | None, str]
         model = _line(a.model, b.model, depth)
         flops = _line(a.flops, b.flops, depth)
         assumed = _line(a.assumed, b.assumed, depth)
+        offload = _line(a.offload, b.offload, depth)
     except ValueError as e:
         return None, f"the measurements at {MEASURED[0]} and {MEASURED[1]} layers disagree " \
                      f"({e})"
@@ -337,4 +337,5 @@ def extrapolate(runs: list[Measured], depth: int) -> tuple[Measured | None, str]
              "builds them all)"]
     timing = {k: a.timing[k] + b.timing[k] for k in b.timing}
     return dataclasses.replace(b, notes=notes, probe=probe, model=model, flops=flops,
-                               assumed=assumed, timing=timing, layers=None), ""
+                               assumed=assumed, offload=offload, timing=timing,
+                               layers=None), ""

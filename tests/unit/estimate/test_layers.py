@@ -4,7 +4,7 @@ category, phase, batch, FLOP count and assumption but the one that says it extra
 across methods (SFT, DPO with a held-out set, GRPO and PPO generating: PPO's value and reward
 models have a sequence-classification head) and techniques
 (LoRA, checkpointing, packing, the chunked loss, the in-backward step, Adafactor, the CUDA model
-with mixed precision, DDP's modelled sharding); and where a premise fails (FSDP2's units, a
+with mixed precision, DDP's modelled sharding, activation offload); and where a premise fails (FSDP2's units, a
 tracked step 0) every layer is built."""
 
 from __future__ import annotations
@@ -59,14 +59,23 @@ def test_two_shallow_builds_give_the_estimate_of_every_layer(case):
     assert every["model"]["config"]["num_hidden_layers"] == MIN_DEPTH
 
 
-def test_the_cuda_model_with_ddp_sharding_extrapolates_exactly():
-    every, short = _both(TINY + ["method.max_length=48", "precision=bf16_mixed", "distributed=ddp",
-                                 "distributed.nproc=2", "train.gradient_checkpointing=true"],
+@pytest.mark.parametrize("extra", [
+    ["precision=bf16_mixed", "distributed=ddp", "distributed.nproc=2",
+     "train.gradient_checkpointing=true"],
+    ["offload=activations", "train.gradient_checkpointing=true"],
+])
+def test_the_cuda_model_extrapolates_exactly(extra):
+    """With DDP's modelled sharding; with activation offload (CUDA only), its host-side
+    statistics included."""
+    every, short = _both(TINY + ["method.max_length=48", *extra],
                          EstimateOptions(device="cuda", card="a10g", count_flops=True))
     assert any(a.startswith(NOTE) for a in short["assumptions"])
     short["assumptions"] = [a for a in short["assumptions"] if not a.startswith(NOTE)]
     assert short == every
-    assert short["sharding"]["world_size"] == 2 and short["unsharded"] is not None
+    if "distributed=ddp" in extra:
+        assert short["sharding"]["world_size"] == 2 and short["unsharded"] is not None
+    else:
+        assert short["offload"]["offloaded_bytes"] > 0
 
 
 @pytest.mark.parametrize("extra,opts", [
