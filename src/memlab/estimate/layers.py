@@ -57,14 +57,6 @@ UNIFORM_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 """Model types whose decoder layers are all alike, but for ``layer_types`` (checked)."""
 
 
-def shallow(cfg: Any, depth: int) -> None:
-    """``cfg`` (a transformers config) with ``depth`` decoder layers."""
-    cfg.num_hidden_layers = depth
-    types = getattr(cfg, "layer_types", None)
-    if isinstance(types, list):
-        cfg.layer_types = types[:depth]
-
-
 def repeated_depth(ctx: BuildContext, opts: EstimateOptions) -> int | None:
     """The policy's depth when this estimate can measure :data:`MEASURED` depths instead (the
     premises that can be checked before a build), else None."""

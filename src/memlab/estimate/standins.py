@@ -76,11 +76,12 @@ class ModelStandin:
                                     f"{type(cfg).__name__}); check --set {k}=...")
             setattr(cfg, k, v)
         cfg.use_cache = False
-        if self.layers is not None:
-            from memlab.estimate.layers import shallow
-
+        if self.layers is not None:  # (memlab.estimate.layers: a shallow build)
             self.loaded_layers.append(getattr(cfg, "num_hidden_layers", None))
-            shallow(cfg, self.layers)
+            cfg.num_hidden_layers = self.layers
+            types = getattr(cfg, "layer_types", None)
+            if isinstance(types, list):
+                cfg.layer_types = types[:self.layers]
         return cfg
 
     def load(self, ctx: BuildContext, tokenizer: Any, head: Head, extra: dict[str, Any]
