@@ -19,8 +19,8 @@ along their line to the model's depth and replays the phases through the run's o
 24-layer model costs the estimate 7 layers instead of 24.
 
 Only where the premise holds, checked rather than assumed, else every layer is built and
-measured (the estimate says why): a model type whose layers are all alike
-(:data:`UNIFORM_TYPES`, ``layer_types`` all equal), every model of the run as deep as the policy
+measured (where a check after the shallow builds fails, the assumptions say which): a model
+type whose layers are all alike (:data:`UNIFORM_TYPES`, ``layer_types`` all equal), every model of the run as deep as the policy
 and its layers identical after PEFT (parameters, shapes, dtypes, trainable flags), one process
 (FSDP2 / DeepSpeed wrap the layers into units and buckets of their own), checkpointing on
 every layer or none (``train.checkpoint_every`` > 1 makes the layers alike in pairs), the
