@@ -185,8 +185,8 @@ def run_fake_step(ctx: BuildContext, opts: EstimateOptions, notes: list[str], *,
 def measure(ctx: BuildContext, opts: EstimateOptions, notes: list[str], *,
             every_decode_step: bool = False, layers: int | None = None) -> Measured:
     """The fake build and its tracked steps (:func:`run_fake_step`); ``layers``: every model
-    built with that many decoder layers, each region of the model keeping its own peaks
-    (:mod:`memlab.estimate.layers`)."""
+    built with that many decoder layers, the memory after every op recorded by the part of
+    the model running (:mod:`memlab.estimate.layers`)."""
     cuda = opts.device == "cuda"
     if ctx.method.uses_liger():
         raise EstimateError(

@@ -6,16 +6,17 @@ layer's work, in a model of ``L`` layers, is ``A + B*L + C*i``: ``A`` what that 
 layer allocates (and the embedding, head and loss around them hold), ``B`` what each layer adds
 everywhere (its weights, gradients, optimizer state), ``C`` what each layer before it left
 behind (saved activations in forward; gradients in backward; a KV cache while generating). The
-largest over the layers is therefore at one of the two ends, and each part of the step - the
-embedding, the first two layers, the last two, the head and loss, the optimizer - peaks at an
-amount that grows by the same number of bytes per layer. The estimate measures the model at
+largest over the layers is therefore at one of the two ends, and every moment outside the
+middle layers grows by a fixed number of bytes per layer. The estimate measures the model at
 :data:`MEASURED` depths (3 and 4 layers: each has a first two and a last two, and at 4 they
-are four different layers) with each of those *regions* keeping its own peak and categories
-(:class:`memlab.estimate.modes.estimate_tracker`'s region log; the labels come from hooks on
+are four different layers), the tracker recording the memory after every op and labelling
+each stretch of time ("visit") by the part of the model running
+(:func:`memlab.estimate.modes.estimate_tracker`'s phase log; the labels come from hooks on
 the layers: forward, the work after a layer's forward, the backward from the gradient of its
-output), then extends every region's peak and categories, the parameter counts and the FLOPs
-along their line to the model's depth and replays the phases through the run's own
-:class:`~memlab.measure.memory.MemoryProbe`: the largest region of each phase is its peak. A
+output; and on each layer of a KV cache grown or repeated outside them). It then extends
+every moment, the parameter counts and the FLOPs along their line to the model's depth
+(:func:`_phase`) and replays the phases through the run's own
+:class:`~memlab.measure.memory.MemoryProbe`: the largest moment of each phase is its peak. A
 24-layer model costs the estimate 7 layers instead of 24.
 
 Only where the premise holds, checked rather than assumed, else every layer is built and
@@ -24,10 +25,9 @@ type whose layers are all alike (:data:`UNIFORM_TYPES`, ``layer_types`` all equa
 and its layers identical after PEFT (parameters, shapes, dtypes, trainable flags), one process
 (FSDP2 / DeepSpeed wrap the layers into units and buckets of their own), checkpointing on
 every layer or none (``train.checkpoint_every`` > 1 makes the layers alike in pairs), the
-steady-state step with the optimizer state
-created untracked (a tracked step 0 creates it parameter by parameter, a peak whose place moves
-with depth), the two measurements agreeing in everything but sizes, every phase's peak found
-among its regions. ``tests/unit/estimate/test_layers.py`` checks the extrapolated estimate
+steady-state step with the optimizer state created untracked (a tracked step 0 creates it
+parameter by parameter, a peak whose place moves with depth), the two measurements agreeing in
+everything but sizes, every phase's peak found among its labelled moments. ``tests/unit/estimate/test_layers.py`` checks the extrapolated estimate
 against the estimate of every layer, byte for byte, across methods and techniques.
 """
 
@@ -256,14 +256,14 @@ def _phase(pa: dict[str, Any], pb: dict[str, Any], depth: int) -> tuple[int, tup
     if va.keys() != vb.keys():
         raise ValueError(f"the regions of phase {pa['phase']} differ")
     best: tuple | None = None
+    lo, hi = MEASURED
     for key, (_, moments, ops) in vb.items():  # (in time order: one label a visit)
         a_moments, a_ops = va[key][1], va[key][2]
         if not moments and not a_moments:
             continue
-        if len(a_moments) == len(moments) and a_ops == ops:
-            at_depth = [_line(list(x), list(y), depth) for x, y in zip(a_moments, moments,
-                                                                      strict=True)]
-            top = tuple(_top([tuple(m) for m in at_depth]))
+        if len(a_moments) == len(moments) and a_ops == ops:  # (_line, moment by moment)
+            top = _top([tuple(x + (y - x) * (depth - lo) // (hi - lo) for x, y in zip(
+                ma, mb, strict=True)) for ma, mb in zip(a_moments, moments, strict=True)])
         else:
             if not moments or not a_moments:
                 raise ValueError(f"visit {key} ran at one depth only")
@@ -272,7 +272,7 @@ def _phase(pa: dict[str, Any], pb: dict[str, Any], depth: int) -> tuple[int, tup
             if grows < max(moments[0][-1] - a_moments[0][-1], moments[-1][-1] - a_moments[-1][-1]):
                 raise ValueError(f"in visit {key} memory grows faster with depth elsewhere than "
                                  "at its peak")
-            top = tuple(_line(list(ta), list(tb), depth))
+            top = _line(ta, tb, depth)
         if min(top) < 0:
             raise ValueError(f"visit {key} shrinks with depth")
         if best is None or top[-1] > best[-1]:
@@ -314,19 +314,16 @@ def extrapolate(runs: list[Measured], depth: int) -> tuple[Measured | None, str]
     probe.tracked_steps = list(b.probe.tracked_steps)
     keys = b.probe.tracker.moment_keys  # type: ignore[union-attr]
     for entry, peak, moment in phases:
-        probe._step, probe._training = entry["step"], entry["training"]
-        probe.record_phase(entry["phase"], peak, categorize(
+        probe.replay_phase(entry["step"], entry["phase"], entry["training"], peak, categorize(
             {k: v for k, v in zip(keys[:-1], moment[:-1], strict=True)}))
-        if entry["training"]:
-            probe.step_peaks[entry["step"]] = max(probe.step_peaks.get(entry["step"], 0), peak)
     for c, k in zip(b.eval_cands, b.eval_phase, strict=True):
         c.peak = phases[k][1]
     notes = [*b.notes, f"layers: the model's {depth} decoder layers measured at {MEASURED[0]} "
-             f"and {MEASURED[1]} layers, every region of the step (embedding, first and last "
-             "two layers, head and loss, optimizer) keeping its own peak, each region's peak, "
-             "categories, the parameters and the FLOPs extended along their line to "
-             f"{depth} (the layers are alike: exact; memlab.estimate.layers; --every-layer "
-             "builds them all)"]
+             f"and {MEASURED[1]} layers, the memory after every op labelled by the part of the "
+             "step running (embedding, first and last two layers, head and loss, optimizer), "
+             "each moment's bytes by category, the parameters and the FLOPs extended along "
+             f"their line to {depth} (the layers are alike: exact; memlab.estimate.layers; "
+             "--every-layer builds them all)"]
     timing = {k: a.timing[k] + b.timing[k] for k in b.timing}
     return dataclasses.replace(b, notes=notes, probe=probe, model=model, flops=flops,
                                assumed=assumed, offload=offload, timing=timing,

@@ -95,7 +95,7 @@ def tracker_class():
         def phase_begins(self, step: int, name: str, training: bool, device) -> None:
             """Probe phase ``name`` of step ``step`` starts on ``device`` (its peak restarts
             from the current memory): a tracker that keeps more than the phase's peak (an
-            estimate's, per region of the model: :mod:`memlab.estimate.layers`) starts it."""
+            estimate's memory after every op: :mod:`memlab.estimate.layers`) starts it."""
 
         def phase_ends(self) -> None:
             """The probe phase that :meth:`phase_begins` started has ended."""
@@ -306,13 +306,16 @@ class MemoryProbe:
                 self.cuda_peak_reserved = max(self.cuda_peak_reserved, r, base_res)
                 if t is not None:
                     p = a
-            if t is not None and self._training:
-                self.step_peaks[self._step] = max(self.step_peaks.get(self._step, 0), p)
+            if t is not None:
+                self._book_step_peak(p)
+
+    def _book_step_peak(self, peak: int) -> None:
+        if self._training:
+            self.step_peaks[self._step] = max(self.step_peaks.get(self._step, 0), peak)
 
     def record_phase(self, name: str, peak: int, snap: dict[str, int]) -> None:
         """The tracker's ``peak`` of phase ``name`` (its categories ``snap``) just measured in
-        the current step: the phase's, the run's and the step's peaks follow. (An estimate
-        also replays extrapolated phases through it: :mod:`memlab.estimate.layers`.)"""
+        the current step: the phase's and the run's peaks follow."""
         self.last_phase_peak = peak
         if peak > self.phase_peak.get(name, -1):
             self.phase_peak[name] = peak
@@ -320,6 +323,14 @@ class MemoryProbe:
         if peak > self.peak:
             self.peak, self.peak_snap = peak, snap
             self.peak_where = (self._step, name)
+
+    def replay_phase(self, step: int, name: str, training: bool, peak: int,
+                     snap: dict[str, int]) -> None:
+        """Book phase ``name`` of ``step`` measured elsewhere (an estimate extended to a
+        model's depth: :mod:`memlab.estimate.layers`) as :meth:`phase` books a tracker's."""
+        self._step, self._training = step, training
+        self.record_phase(name, peak, snap)
+        self._book_step_peak(peak)
 
     def step_metrics(self, index: int) -> dict[str, int]:
         """Per-step metrics of step ``index`` for the logger: ``memory/step_peak_bytes`` when
