@@ -75,6 +75,7 @@ from memlab.trainer.routing import unwrap
 
 if TYPE_CHECKING:
     from memlab.context import BuildContext
+    from memlab.estimate.layers import Plan
 
 
 def _param_info(model: nn.Module) -> dict[str, Any]:
@@ -166,27 +167,28 @@ def run_fake_step(ctx: BuildContext, opts: EstimateOptions, notes: list[str], *,
     exactly to its depth where :mod:`memlab.estimate.layers` can."""
     from memlab.estimate import layers
 
-    depth = None if opts.every_layer else layers.repeated_depth(ctx, opts)
-    if depth is not None:
+    plan = None if opts.every_layer else layers.repeated_depth(ctx, opts)
+    if plan is not None:
         runs = []
-        for n in layers.MEASURED:
+        for n in plan.measured:
             run_notes = list(notes)
             runs.append(measure(ctx, opts, run_notes, every_decode_step=every_decode_step,
-                                layers=n))
-        full, why = layers.extrapolate(runs, depth)
+                                layers=n, plan=plan))
+        full, why = layers.extrapolate(runs, plan)
         if full is not None:
             res = summarize(full)
             notes[:] = full.notes
             return res
-        notes.append(f"every one of the model's {depth} layers measured: {why}")
+        notes.append(f"every one of the model's {plan.depth} layers measured: {why}")
     return summarize(measure(ctx, opts, notes, every_decode_step=every_decode_step))
 
 
 def measure(ctx: BuildContext, opts: EstimateOptions, notes: list[str], *,
-            every_decode_step: bool = False, layers: int | None = None) -> Measured:
+            every_decode_step: bool = False, layers: int | None = None,
+            plan: Plan | None = None) -> Measured:
     """The fake build and its tracked steps (:func:`run_fake_step`); ``layers``: every model
     built with that many decoder layers, the memory after every op recorded by the part of
-    the model running (:mod:`memlab.estimate.layers`)."""
+    the model running as ``plan`` labels it (:mod:`memlab.estimate.layers`)."""
     cuda = opts.device == "cuda"
     if ctx.method.uses_liger():
         raise EstimateError(
@@ -294,8 +296,9 @@ def measure(ctx: BuildContext, opts: EstimateOptions, notes: list[str], *,
     if layers is not None:
         from memlab.estimate.layers import LayerRecord
 
+        assert plan is not None
         record = LayerRecord.start(models, trainer.probe.tracker, layers, standin.loaded_layers,
-                                   steps)
+                                   steps, plan)
     extra = sorted(k for k in models if k != "policy")
     collate = pipe.stream.collate
     if cands is None:

@@ -19,12 +19,23 @@ every moment, the parameter counts and the FLOPs along their line to the model's
 :class:`~memlab.measure.memory.MemoryProbe`: the largest moment of each phase is its peak. A
 24-layer model costs the estimate 7 layers instead of 24.
 
+Checkpointing every second layer (``train.checkpoint_every=2``) makes the layers alike in
+pairs: the even ones recompute, the odd ones keep their activations. Within each class the
+same argument holds (a layer's moment is linear in how many layers of each class came before
+it, which is linear in ``L`` at a fixed place from either end, for depths of the same parity),
+so each class's largest moment is at its first or last layer that is neither the model's first
+nor its last: the first three and the last three layers are labelled, and the model is
+measured at 4 and 6 layers (5 and 7 for an odd depth, four labelled at each end:
+:data:`IN_PAIRS`), every layer of both depths labelled.
+
 Only where the premise holds, checked rather than assumed, else every layer is built and
 measured (where a check after the shallow builds fails, the assumptions say which): a model
 type whose layers are all alike (:data:`UNIFORM_TYPES`, ``layer_types`` all equal), every model of the run as deep as the policy
-and its layers identical after PEFT (parameters, shapes, dtypes, trainable flags), one process
+and its layers identical after PEFT (parameters, shapes, dtypes, trainable flags, the
+checkpointing flag: within each class), one process
 (FSDP2 / DeepSpeed wrap the layers into units and buckets of their own), checkpointing on
-every layer or none (``train.checkpoint_every`` > 1 makes the layers alike in pairs), the
+every layer, every second or none (every third and beyond: built whole), a model deeper than
+the two measured depths together, the
 steady-state step with the optimizer state created untracked (a tracked step 0 creates it
 parameter by parameter, a peak whose place moves with depth), the two measurements agreeing in
 everything but sizes, every phase's peak found among its labelled moments. ``tests/unit/estimate/test_layers.py`` checks the extrapolated estimate
@@ -50,16 +61,37 @@ if TYPE_CHECKING:
     from memlab.estimate.options import EstimateOptions
 
 MEASURED = (3, 4)
-"""The depths measured: at 3 the middle layer is both the second and the second-to-last."""
+"""The depths measured where every layer is alike: at 3 the middle layer is both the second and
+the second-to-last."""
+IN_PAIRS = {0: ((4, 6), 3), 1: ((5, 7), 4)}
+"""By the model's depth % 2, the depths measured and the layers labelled at each end where the
+layers are alike in pairs (``train.checkpoint_every=2``: the even layers recompute, the odd
+ones keep their activations): the measured depths as even or odd as the model's, each class's
+first and last layer that has a layer before and after it labelled, and every layer of both
+measured depths labelled (at 4 the second is also the third-to-last)."""
 MIN_DEPTH = 8
-"""Shallower models are measured whole (two measured depths cost 7 layers)."""
+"""Shallower models are measured whole (two measured depths cost 7 layers); so is any model
+the measured depths would not be cheaper for."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How a model of ``depth`` layers is measured: at the two ``measured`` depths, its layers
+    alike in classes ``i % period`` (checkpointing every ``period``-th layer), the first and the
+    last ``ends`` labelled (:func:`_labels`): each class's first and last layer with another
+    layer before and after it (the first and the last layer of the model differ)."""
+
+    depth: int
+    period: int = 1
+    measured: tuple[int, int] = MEASURED
+    ends: int = 2
 UNIFORM_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 """Model types whose decoder layers are all alike, but for ``layer_types`` (checked)."""
 
 
-def repeated_depth(ctx: BuildContext, opts: EstimateOptions) -> int | None:
-    """The policy's depth when this estimate can measure :data:`MEASURED` depths instead (the
-    premises that can be checked before a build), else None."""
+def repeated_depth(ctx: BuildContext, opts: EstimateOptions) -> Plan | None:
+    """How the policy is measured at two shallow depths where this estimate can (the premises
+    that can be checked before a build), else None."""
     from memlab.estimate.standins import ModelStandin
 
     dist = ctx.distributed
@@ -67,8 +99,9 @@ def repeated_depth(ctx: BuildContext, opts: EstimateOptions) -> int | None:
         return None  # FSDP2 / DeepSpeed: units and buckets of their own
     if opts.run_first_step or ctx.train.steps == 1:
         return None  # step 0 creates the optimizer state parameter by parameter
-    if ctx.train.gradient_checkpointing and ctx.train.checkpoint_every > 1:
-        return None  # every other layer recomputes: alike in pairs, not one by one
+    period = ctx.train.checkpoint_every if ctx.train.gradient_checkpointing else 1
+    if period > 2:
+        return None  # alike in triples and more: measured depths that cost less are rare
     standin = ModelStandin(opts.config_overrides, [], None)
     try:
         cfg = standin.config(ctx.model, standin.load_tokenizer(ctx))
@@ -77,12 +110,15 @@ def repeated_depth(ctx: BuildContext, opts: EstimateOptions) -> int | None:
     depth = getattr(cfg, "num_hidden_layers", None)
     if not isinstance(depth, int) or depth < MIN_DEPTH:
         return None
+    measured, ends = (MEASURED, 2) if period == 1 else IN_PAIRS[depth % 2]
+    if depth <= sum(measured):
+        return None
     if getattr(cfg, "model_type", None) not in UNIFORM_TYPES:
         return None
     types = getattr(cfg, "layer_types", None)
     if isinstance(types, list) and len(set(types)) > 1:
         return None
-    return depth
+    return Plan(depth, period, measured, ends)
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -98,11 +134,12 @@ def _signature(layer: nn.Module) -> tuple:
                   for n, p in layer.named_parameters()))
 
 
-def _labels(key: str, kind: str, i: int, depth: int) -> tuple:
-    """A layer's region labels: by its place from the start (0, 1) and from the end (-1, -2);
-    the layers between are ``mid`` (none at the measured depths)."""
-    places: list[Any] = [p for p in (i if i < 2 else None, i - depth if i >= depth - 2 else None)
-                         if p is not None]
+def _labels(key: str, kind: str, i: int, depth: int, ends: int = 2) -> tuple:
+    """A layer's region labels: by its place from the start (0, 1, ... ``ends`` - 1) and from
+    the end (-1, -2, ... -``ends``); the layers between are ``mid`` (none at the measured
+    depths)."""
+    places: list[Any] = [p for p in (i if i < ends else None,
+                                     i - depth if i >= depth - ends else None) if p is not None]
     return tuple((key, kind, p) for p in (places or ["mid"]))
 
 
@@ -113,6 +150,7 @@ class LayerRecord:
     depth: int
     loaded: list[int | None]
     """The depth each model of the run would have had (ModelStandin.loaded_layers)."""
+    plan: Plan
     tracker: Any
     decode: ShortDecode
     log: list[dict[str, Any]] = dataclasses.field(default_factory=list)
@@ -122,28 +160,33 @@ class LayerRecord:
 
     @classmethod
     def start(cls, models: dict[str, nn.Module], tracker: Any, depth: int,
-              loaded: list[int | None], decode: ShortDecode) -> LayerRecord:
+              loaded: list[int | None], decode: ShortDecode, plan: Plan) -> LayerRecord:
         """Label every layer of every model of the run (its ``depth`` layers), and each
         layer of a KV cache the shortened decode grows."""
-        rec = cls(depth=depth, loaded=loaded, tracker=tracker, decode=decode)
+        rec = cls(depth=depth, loaded=loaded, plan=plan, tracker=tracker, decode=decode)
         tracker.phase_log = rec.log
         tracker.enter_region((("start",),))  # until a layer runs
-        decode.on_grow = lambda i, n: tracker.enter_region(_labels("cache", "grow", i, n))
+        ends = plan.ends
+        decode.on_grow = lambda i, n: tracker.enter_region(_labels("cache", "grow", i, n, ends))
         rec._label_cache_calls()
         for key, model in models.items():
             layers = decoder_layers(model)
             if len(layers) != depth:
                 rec.problem = f"the {key} model has {len(layers)} layers memlab can label"
                 continue
-            if len({_signature(layer) for layer in layers}) > 1:
-                rec.problem = f"the layers of the {key} model differ (after PEFT)"
+            period = plan.period
+            if any(len({_signature(layer) for layer in layers[c::period]}) > 1
+                   for c in range(period)):
+                rec.problem = f"the layers of the {key} model differ (after PEFT)" + (
+                    f", every {period}th apart" if period > 1 else "")
             for i, layer in enumerate(layers):
                 rec._label(layer, key, i)
         return rec
 
     def _label(self, layer: nn.Module, key: str, i: int) -> None:
         tracker, depth = self.tracker, self.depth
-        fw, after, bw = (_labels(key, kind, i, depth) for kind in ("fw", "after", "bw"))
+        fw, after, bw = (_labels(key, kind, i, depth, self.plan.ends)
+                         for kind in ("fw", "after", "bw"))
 
         def enter(module, args):
             tracker.enter_region(fw)
@@ -175,7 +218,7 @@ class LayerRecord:
             def call(layer: Any, *args: Any, **kwargs: Any) -> Any:
                 if tracker.region is not state["labels"]:  # a new loop starts
                     state["k"] = 0
-                labels = _labels("cache", name, state["k"] % depth, depth)
+                labels = _labels("cache", name, state["k"] % depth, depth, self.plan.ends)
                 state["k"] += 1
                 tracker.enter_region(labels)
                 state["labels"] = labels
@@ -198,24 +241,24 @@ class LayerRecord:
         self.decode.on_grow = None
 
 
-def _line(a: Any, b: Any, depth: int) -> Any:
-    """``a`` (measured at MEASURED[0]) and ``b`` (at MEASURED[1]) extended to ``depth``:
-    integers along their line, everything else equal (ValueError where not)."""
+def _line(a: Any, b: Any, depth: int, measured: tuple[int, int] = MEASURED) -> Any:
+    """``a`` (measured at ``measured[0]`` layers) and ``b`` (at ``measured[1]``) extended to
+    ``depth``: integers along their line, everything else equal (ValueError where not)."""
     if isinstance(a, bool) or isinstance(b, bool) or a is None or isinstance(a, str):
         if a != b:
             raise ValueError(f"{a!r} != {b!r}")
         return a
     if isinstance(a, int) and isinstance(b, int):
-        lo, hi = MEASURED
+        lo, hi = measured
         return a + (b - a) * (depth - lo) // (hi - lo)
     if isinstance(a, dict) and isinstance(b, dict):
         if a.keys() != b.keys():
             raise ValueError(f"keys {sorted(map(str, a))} != {sorted(map(str, b))}")
-        return {k: _line(a[k], b[k], depth) for k in a}
+        return {k: _line(a[k], b[k], depth, measured) for k in a}
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         if len(a) != len(b):
             raise ValueError(f"lengths {len(a)} != {len(b)}")
-        return type(a)(_line(x, y, depth) for x, y in zip(a, b, strict=True))
+        return type(a)(_line(x, y, depth, measured) for x, y in zip(a, b, strict=True))
     if a != b:
         raise ValueError(f"{a!r} != {b!r}")
     return a
@@ -238,7 +281,8 @@ def _top(moments: list[tuple]) -> tuple:
     return max(moments, key=lambda m: m[-1])  # max() keeps the first of equals
 
 
-def _phase(pa: dict[str, Any], pb: dict[str, Any], depth: int) -> tuple[int, tuple]:
+def _phase(pa: dict[str, Any], pb: dict[str, Any], depth: int,
+           measured: tuple[int, int] = MEASURED) -> tuple[int, tuple]:
     """The peak of one phase at ``depth`` and its moment, from the phase at the two measured
     depths: every moment of a visit that ran the same ops at both depths along its own line;
     a visit whose ops grow with depth (a loop over the parameters or the cache's layers) by
@@ -256,7 +300,7 @@ def _phase(pa: dict[str, Any], pb: dict[str, Any], depth: int) -> tuple[int, tup
     if va.keys() != vb.keys():
         raise ValueError(f"the regions of phase {pa['phase']} differ")
     best: tuple | None = None
-    lo, hi = MEASURED
+    lo, hi = measured
     for key, (_, moments, ops) in vb.items():  # (in time order: one label a visit)
         a_moments, a_ops = va[key][1], va[key][2]
         if not moments and not a_moments:
@@ -272,7 +316,7 @@ def _phase(pa: dict[str, Any], pb: dict[str, Any], depth: int) -> tuple[int, tup
             if grows < max(moments[0][-1] - a_moments[0][-1], moments[-1][-1] - a_moments[-1][-1]):
                 raise ValueError(f"in visit {key} memory grows faster with depth elsewhere than "
                                  "at its peak")
-            top = _line(ta, tb, depth)
+            top = _line(ta, tb, depth, measured)
         if min(top) < 0:
             raise ValueError(f"visit {key} shrinks with depth")
         if best is None or top[-1] > best[-1]:
@@ -280,10 +324,12 @@ def _phase(pa: dict[str, Any], pb: dict[str, Any], depth: int) -> tuple[int, tup
     return (best[-1], best) if best is not None else (0, ())
 
 
-def extrapolate(runs: list[Measured], depth: int) -> tuple[Measured | None, str]:
-    """The measurement of the model at ``depth`` from ``runs`` at :data:`MEASURED` depths;
-    ``(None, why)`` where a premise fails (module docstring)."""
+def extrapolate(runs: list[Measured], plan: Plan) -> tuple[Measured | None, str]:
+    """The measurement of the model at ``plan.depth`` from ``runs`` at ``plan.measured``
+    depths; ``(None, why)`` where a premise fails (module docstring)."""
     a, b = runs
+    depth, measured = plan.depth, plan.measured
+    lo, hi = measured
     for r in runs:
         assert r.layers is not None
         if r.layers.problem:
@@ -300,15 +346,15 @@ def extrapolate(runs: list[Measured], depth: int) -> tuple[Measured | None, str]
                 raise ValueError("the batches or steps differ")
         log_a, log_b = a.layers.log, b.layers.log
         if len(log_a) != len(log_b):
-            raise ValueError(f"{len(log_a)} phases at {MEASURED[0]} layers, {len(log_b)} at "
-                             f"{MEASURED[1]}")
-        phases = [(pb, *_phase(pa, pb, depth)) for pa, pb in zip(log_a, log_b, strict=True)]
-        model = _line(a.model, b.model, depth)
-        flops = _line(a.flops, b.flops, depth)
-        assumed = _line(a.assumed, b.assumed, depth)
-        offload = _line(a.offload, b.offload, depth)
+            raise ValueError(f"{len(log_a)} phases at {lo} layers, {len(log_b)} at {hi}")
+        phases = [(pb, *_phase(pa, pb, depth, measured))
+                  for pa, pb in zip(log_a, log_b, strict=True)]
+        model = _line(a.model, b.model, depth, measured)
+        flops = _line(a.flops, b.flops, depth, measured)
+        assumed = _line(a.assumed, b.assumed, depth, measured)
+        offload = _line(a.offload, b.offload, depth, measured)
     except ValueError as e:
-        return None, f"the measurements at {MEASURED[0]} and {MEASURED[1]} layers disagree " \
+        return None, f"the measurements at {lo} and {hi} layers disagree " \
                      f"({e})"
     probe = MemoryProbe("cpu", enabled=False)
     probe.tracked_steps = list(b.probe.tracked_steps)
@@ -318,9 +364,11 @@ def extrapolate(runs: list[Measured], depth: int) -> tuple[Measured | None, str]
             {k: v for k, v in zip(keys[:-1], moment[:-1], strict=True)}))
     for c, k in zip(b.eval_cands, b.eval_phase, strict=True):
         c.peak = phases[k][1]
-    notes = [*b.notes, f"layers: the model's {depth} decoder layers measured at {MEASURED[0]} "
-             f"and {MEASURED[1]} layers, the memory after every op labelled by the part of the "
-             "step running (embedding, first and last two layers, head and loss, optimizer), "
+    pairs = f" (alike in pairs: train.checkpoint_every={plan.period})" if plan.period > 1 else ""
+    ends = {2: "two", 3: "three", 4: "four"}.get(plan.ends, str(plan.ends))
+    notes = [*b.notes, f"layers: the model's {depth} decoder layers measured at {lo} "
+             f"and {hi} layers{pairs}, the memory after every op labelled by the part of the "
+             f"step running (embedding, first and last {ends} layers, head and loss, optimizer), "
              "each moment's bytes by category, the parameters and the FLOPs extended along "
              f"their line to {depth} (the layers are alike: exact; memlab.estimate.layers; "
              "--every-layer builds them all)"]

@@ -4,8 +4,10 @@ category, phase, batch, FLOP count and assumption but the one that says it extra
 across methods (SFT, DPO with a held-out set, GRPO and PPO generating: PPO's value and reward
 models have a sequence-classification head) and techniques
 (LoRA, checkpointing, packing, the chunked loss, the in-backward step, Adafactor, the CUDA model
-with mixed precision, DDP's modelled sharding, activation offload); and where a premise fails (FSDP2's units, a
-tracked step 0) every layer is built."""
+with mixed precision, DDP's modelled sharding, activation offload); layers alike in pairs
+(checkpointing every second layer) at an even and an odd depth; and where a premise fails
+(FSDP2's units, a tracked step 0, a model the measured depths would not be cheaper for) every
+layer is built."""
 
 from __future__ import annotations
 
@@ -78,10 +80,27 @@ def test_the_cuda_model_extrapolates_exactly(extra):
         assert short["offload"]["offloaded_bytes"] > 0
 
 
+@pytest.mark.parametrize("layers", [12, 13])
+def test_layers_alike_in_pairs_extrapolate_exactly(layers):
+    """``train.checkpoint_every=2``: the even layers recompute, the odd ones keep their
+    activations; measured at 4 and 6 layers for an even depth, 5 and 7 for an odd one."""
+    every, short = _both(TINY + [f"model.num_layers={layers}", "method.max_length=48",
+                                 "train.gradient_checkpointing=true", "train.checkpoint_every=2",
+                                 "peft=lora", "train.grad_accum=2"],
+                         EstimateOptions(count_flops=True))
+    notes = [a for a in short["assumptions"] if a.startswith(NOTE)]
+    measured = "4 and 6" if layers % 2 == 0 else "5 and 7"
+    assert len(notes) == 1 and f"{layers} decoder layers measured at {measured} layers (alike " \
+        "in pairs" in notes[0]
+    short["assumptions"] = [a for a in short["assumptions"] if not a.startswith(NOTE)]
+    assert short == every
+    assert every["model"]["config"]["num_hidden_layers"] == layers
+
+
 @pytest.mark.parametrize("extra,opts", [
     (["distributed=fsdp2", "distributed.nproc=2"], EstimateOptions()),  # its own units
     ([], EstimateOptions(run_first_step=True)),  # step 0 makes the state param by param
-    (["train.gradient_checkpointing=true", "train.checkpoint_every=2"],  # alike in pairs
+    (["train.gradient_checkpointing=true", "train.checkpoint_every=2"],  # pairs: 4 + 6 > 8
      EstimateOptions()),
     (["model.num_layers=4"], EstimateOptions()),  # shallower than MIN_DEPTH
 ])
@@ -100,6 +119,10 @@ def test_labels_name_the_two_first_and_two_last_layers():
         (("p", "fw", 0),), (("p", "fw", 1), ("p", "fw", -2)), (("p", "fw", -1),)]
     assert [len(_labels("p", "bw", i, 4)) for i in range(4)] == [1, 1, 1, 1]
     assert _labels("p", "bw", 4, 9) == (("p", "bw", "mid"),)
+    # alike in pairs: three at each end (at 4 layers, the middle two carry two labels each)
+    assert [len(_labels("p", "fw", i, 4, 3)) for i in range(4)] == [1, 2, 2, 1]
+    assert [len(_labels("p", "fw", i, 6, 3)) for i in range(6)] == [1] * 6
+    assert _labels("p", "fw", 3, 12, 3) == (("p", "fw", "mid"),)
 
 
 def test_a_line_through_two_depths_extends_numbers_and_refuses_disagreements():
