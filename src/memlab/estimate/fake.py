@@ -38,6 +38,14 @@ from typing import TYPE_CHECKING, Any
 
 import datasets
 import torch
+
+# What every estimate loads on first use, loaded with this module instead: torch._dynamo
+# (the disable guard around checkpointing's recomputation and the tracker's hooks imports it
+# on its first call: ~1.5 s), the memory tracker (and the FSDP / DTensor modules it imports),
+# transformers' model base. The process's time is the same; an estimate's own time is its own.
+import torch._dynamo  # noqa: F401
+import torch.distributed._tools.mem_tracker  # noqa: F401
+import transformers.modeling_utils  # noqa: F401
 from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 

@@ -15,6 +15,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from memlab.estimate.cache_key import prep_args_for_hash
 from memlab.measure import patches
 from memlab.measure.memory import tracker_class
 
@@ -272,6 +273,9 @@ def estimate_fake_mode():
     class EstimateFakeMode(FakeTensorMode):
         assumed: dict[str, int]
         _should_skip_dynamo = _no_dynamo_guard
+
+        def _prep_args_for_hash(self, result, args, state, id_hashed_objects):
+            prep_args_for_hash(self, result, args, state, id_hashed_objects)
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func is aten._local_scalar_dense.default:
