@@ -177,7 +177,8 @@ def _job(cfg, opts, as_json: bool, done: list[tuple[Path, dict[str, Any], str]])
     out = Path(hc.runtime.output_dir)
     overrides = list(hc.overrides.task)
     plain = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
-    est = estimate(plain, opts, user_choices(hc.runtime.choices), overrides)
+    est = estimate(plain, opts, user_choices(hc.runtime.choices), overrides,
+                   parallel_builds=(os.cpu_count() or 1) > 1)
     write_atomic(out / "estimate.json", est)
     done.append((out, est, str(hc.sweep.dir)))
     if hc.mode == RunMode.MULTIRUN:

@@ -174,11 +174,13 @@ def _distributed_plan(ctx: BuildContext, opts: EstimateOptions, notes: list[str]
 
 def estimate(cfg, opts: EstimateOptions | None = None, choices: dict[str, str] | None = None,
              overrides: list[str] | None = None, *,
-             every_decode_step: bool = False) -> dict[str, Any]:
+             every_decode_step: bool = False, parallel_builds: bool = False) -> dict[str, Any]:
     """Estimate one composed configuration; returns the ``estimate.json`` dict (``status`` ok /
     invalid / failed, ``error`` says why). ``every_decode_step``: online methods generate with
     one fake forward per new token (:mod:`memlab.estimate.decode`'s reference) instead of the
-    shortened decode."""
+    shortened decode. ``parallel_builds``: a deep model's two shallow builds
+    (:mod:`memlab.estimate.layers`) run at once, the shallower in a forked process (the same
+    estimate; ``memlab estimate`` does, ``memlab fit``'s estimates are parallel already)."""
     opts = opts or EstimateOptions()
     t0 = time.perf_counter()
     notes: list[str] = []
@@ -209,7 +211,8 @@ def estimate(cfg, opts: EstimateOptions | None = None, choices: dict[str, str] |
     out["options"]["zero_stage"] = opts.zero_stage
     try:
         with _fake_rank(ctx, fake_world, notes) if fake_world else contextlib.nullcontext():
-            res = run_fake_step(ctx, opts, notes, every_decode_step=every_decode_step)
+            res = run_fake_step(ctx, opts, notes, every_decode_step=every_decode_step,
+                                parallel_builds=parallel_builds)
     except EstimateError as e:
         out["error"] = str(e)
         return out

@@ -162,7 +162,8 @@ class Measured:
 
 
 def run_fake_step(ctx: BuildContext, opts: EstimateOptions, notes: list[str], *,
-                  every_decode_step: bool = False) -> dict[str, Any]:
+                  every_decode_step: bool = False, parallel_builds: bool = False
+                  ) -> dict[str, Any]:
     """Build the configured run through :func:`memlab.pipeline.build` with the estimator's
     seams and run the tracked training step(s) through
     :meth:`memlab.trainer.loop.Trainer.run_step`, once per candidate batch
@@ -172,17 +173,34 @@ def run_fake_step(ctx: BuildContext, opts: EstimateOptions, notes: list[str], *,
     ``every_decode_step``: generation runs the model for every new token instead of
     :mod:`memlab.estimate.decode`'s shortcut (the reference its tests compare with).
     With ``opts.every_layer`` off, a deep model is measured as two shallow builds extended
-    exactly to its depth where :mod:`memlab.estimate.layers` can."""
+    exactly to its depth where :mod:`memlab.estimate.layers` can; ``parallel_builds``: the
+    shallower one in a forked process meanwhile (:mod:`memlab.estimate.forked`; measured here
+    after all where the child gives no result)."""
     from memlab.estimate import layers
 
     plan = None if opts.every_layer else layers.repeated_depth(ctx, opts)
     if plan is not None:
-        runs = []
-        for n in plan.measured:
-            run_notes = list(notes)
-            runs.append(measure(ctx, opts, run_notes, every_decode_step=every_decode_step,
-                                layers=n, plan=plan))
-        full, why = layers.extrapolate(runs, plan)
+        from memlab.estimate.forked import Forked, ForkedFailed
+
+        def build(n: int) -> Measured:
+            return measure(ctx, opts, list(notes), every_decode_step=every_decode_step,
+                           layers=n, plan=plan)
+
+        lo, hi = plan.measured
+        child = Forked(lambda: layers.Shallow.of(build(lo))) if parallel_builds else None
+        try:
+            shallow = None if child is not None else layers.Shallow.of(build(lo))
+            deeper = build(hi)
+            if child is not None:
+                try:
+                    shallow = child.result()
+                except ForkedFailed:  # (an error of its own shows in this process too)
+                    shallow = layers.Shallow.of(build(lo))
+        finally:
+            if child is not None:
+                child.stop()
+        assert shallow is not None
+        full, why = layers.extrapolate(shallow, deeper, plan)
         if full is not None:
             res = summarize(full)
             notes[:] = full.notes

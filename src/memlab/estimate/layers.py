@@ -324,27 +324,61 @@ def _phase(pa: dict[str, Any], pb: dict[str, Any], depth: int,
     return (best[-1], best) if best is not None else (0, ())
 
 
-def extrapolate(runs: list[Measured], plan: Plan) -> tuple[Measured | None, str]:
-    """The measurement of the model at ``plan.depth`` from ``runs`` at ``plan.measured``
-    depths; ``(None, why)`` where a premise fails (module docstring)."""
-    a, b = runs
+@dataclasses.dataclass
+class Shallow:
+    """What :func:`extrapolate` reads of a shallow build's :class:`Measured` (plain data: a
+    build measured in a forked process sends it back, :mod:`memlab.estimate.forked`)."""
+
+    notes: list[str]
+    ran: list
+    run_steps: list[int]
+    trained: list
+    eval_phase: list[int]
+    decode_skipped: bool
+    cands: list[str]
+    """Each candidate batch's description."""
+    log: list[dict[str, Any]]
+    problem: str | None
+    loaded: list[int | None]
+    model: dict[str, Any]
+    flops: Any
+    assumed: dict[str, int]
+    offload: Any
+    timing: dict[str, float]
+
+    @classmethod
+    def of(cls, m: Measured) -> Shallow:
+        rec = m.layers
+        assert rec is not None
+        return cls(notes=list(m.notes), ran=list(m.ran), run_steps=list(m.run_steps),
+                   trained=m.trained, eval_phase=list(m.eval_phase),
+                   decode_skipped=m.decode_skipped, cands=[c.description for c in m.cands],
+                   log=rec.log, problem=rec.problem, loaded=list(rec.loaded), model=m.model,
+                   flops=m.flops, assumed=dict(m.assumed), offload=m.offload,
+                   timing=dict(m.timing))
+
+
+def extrapolate(shallow: Shallow, deeper: Measured, plan: Plan) -> tuple[Measured | None, str]:
+    """The measurement of the model at ``plan.depth`` from its builds at ``plan.measured``
+    depths (the shallower one as a :class:`Shallow`); ``(None, why)`` where a premise fails
+    (module docstring)."""
+    a, b = shallow, Shallow.of(deeper)
     depth, measured = plan.depth, plan.measured
     lo, hi = measured
-    for r in runs:
-        assert r.layers is not None
-        if r.layers.problem:
-            return None, r.layers.problem
-        if any(n != depth for n in r.layers.loaded):
+    for r in (a, b):
+        if r.problem:
+            return None, r.problem
+        if any(n != depth for n in r.loaded):
             return None, "the run's models differ in depth"
     try:
         if a.notes != b.notes:
             raise ValueError("the assumptions differ")
         for x, y in ((a.ran, b.ran), (a.run_steps, b.run_steps), (a.trained, b.trained),
                      (a.eval_phase, b.eval_phase), (a.decode_skipped, b.decode_skipped),
-                     ([c.description for c in a.cands], [c.description for c in b.cands])):
+                     (a.cands, b.cands)):
             if x != y:
                 raise ValueError("the batches or steps differ")
-        log_a, log_b = a.layers.log, b.layers.log
+        log_a, log_b = a.log, b.log
         if len(log_a) != len(log_b):
             raise ValueError(f"{len(log_a)} phases at {lo} layers, {len(log_b)} at {hi}")
         phases = [(pb, *_phase(pa, pb, depth, measured))
@@ -357,12 +391,12 @@ def extrapolate(runs: list[Measured], plan: Plan) -> tuple[Measured | None, str]
         return None, f"the measurements at {lo} and {hi} layers disagree " \
                      f"({e})"
     probe = MemoryProbe("cpu", enabled=False)
-    probe.tracked_steps = list(b.probe.tracked_steps)
-    keys = b.probe.tracker.moment_keys  # type: ignore[union-attr]
+    probe.tracked_steps = list(deeper.probe.tracked_steps)
+    keys = deeper.probe.tracker.moment_keys  # type: ignore[union-attr]
     for entry, peak, moment in phases:
         probe.replay_phase(entry["step"], entry["phase"], entry["training"], peak, categorize(
             {k: v for k, v in zip(keys[:-1], moment[:-1], strict=True)}))
-    for c, k in zip(b.eval_cands, b.eval_phase, strict=True):
+    for c, k in zip(deeper.eval_cands, b.eval_phase, strict=True):
         c.peak = phases[k][1]
     pairs = f" (alike in pairs: train.checkpoint_every={plan.period})" if plan.period > 1 else ""
     ends = {2: "two", 3: "three", 4: "four"}.get(plan.ends, str(plan.ends))
@@ -373,6 +407,6 @@ def extrapolate(runs: list[Measured], plan: Plan) -> tuple[Measured | None, str]
              f"their line to {depth} (the layers are alike: exact; memlab.estimate.layers; "
              "--every-layer builds them all)"]
     timing = {k: a.timing[k] + b.timing[k] for k in b.timing}
-    return dataclasses.replace(b, notes=notes, probe=probe, model=model, flops=flops,
+    return dataclasses.replace(deeper, notes=notes, probe=probe, model=model, flops=flops,
                                assumed=assumed, offload=offload, timing=timing,
                                layers=None), ""

@@ -80,6 +80,22 @@ def test_the_cuda_model_extrapolates_exactly(extra):
         assert short["offload"]["offloaded_bytes"] > 0
 
 
+def test_the_shallow_build_in_a_forked_process_gives_the_same_estimate():
+    """``parallel_builds`` (what ``memlab estimate`` does): the 3-layer build forked while this
+    process measures the 4-layer one; GRPO with LoRA (generation, a reference-free policy)."""
+    overrides = TINY + CASES["grpo lora"]
+    cfg, choices = compose(overrides)
+    out = []
+    for parallel in (False, True):
+        est = estimate(cfg, EstimateOptions(count_flops=True), choices, overrides,
+                       parallel_builds=parallel)
+        assert est["status"] == "ok", est["error"]
+        est.pop("estimator")
+        out.append(est)
+    assert any(a.startswith(NOTE) for a in out[1]["assumptions"])
+    assert out[0] == out[1]
+
+
 @pytest.mark.parametrize("layers", [12, 13])
 def test_layers_alike_in_pairs_extrapolate_exactly(layers):
     """``train.checkpoint_every=2``: the even layers recompute, the odd ones keep their

@@ -1,0 +1,95 @@
+"""A function run in a forked child process while the caller goes on; its result (plain,
+picklable data) comes back through a file. :func:`memlab.estimate.fake.run_fake_step` measures
+the shallower of :mod:`memlab.estimate.layers`' two builds this way, the deeper one in its own
+process: the two at once on two cores (the same estimate: ``tests/unit/estimate/test_layers.py``).
+
+The child inherits everything the caller has loaded (imports, torch's dispatch caches), as
+``memlab fit``'s forked workers do, and runs one intra-op thread (GNU OpenMP is not fork-safe:
+a parallel op in a child of a process that started the pool waits forever). It leaves through
+``os._exit`` (no atexit handler or buffered output of the caller runs twice). A child that
+fails, or whose caller is gone, says so instead of a result: the caller measures that build
+itself.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import sys
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+
+class ForkedFailed(RuntimeError):
+    """The child gave no result (its error, or how it ended)."""
+
+
+class Forked:
+    """``fn()`` running in a forked child: :meth:`result` waits for it, :meth:`stop` ends it."""
+
+    def __init__(self, fn: Callable[[], Any]):
+        fd, self.path = tempfile.mkstemp(prefix="memlab-estimate-", suffix=".pickle")
+        os.close(fd)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        parent = os.getpid()
+        self.pid = os.fork()
+        if self.pid == 0:  # the child: never returns
+            _child(fn, self.path, parent)
+        self.done = False
+
+    def result(self) -> Any:
+        """The child's result; :class:`ForkedFailed` where it has none."""
+        _, status = os.waitpid(self.pid, 0)
+        self.done = True
+        try:
+            with open(self.path, "rb") as f:
+                kind, value = pickle.load(f)
+        except (OSError, EOFError, pickle.UnpicklingError):
+            kind, value = "failed", f"the child process ended with status {status}, no result"
+        finally:
+            _unlink(self.path)
+        if kind != "ok":
+            raise ForkedFailed(value)
+        return value
+
+    def stop(self) -> None:
+        """End the child (the caller failed or was interrupted) and reap it."""
+        if self.done:
+            return
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+        self.done = True
+        _unlink(self.path)
+
+
+def _child(fn: Callable[[], Any], path: str, parent: int) -> None:
+    code = 0
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        out: tuple[str, Any] = ("ok", fn())
+    except BaseException as e:  # noqa: BLE001 - reported to the caller, which measures itself
+        out = ("failed", f"{type(e).__name__}: {e}")
+    try:
+        if os.getppid() != parent:  # the caller is gone: nobody reads the result
+            _unlink(path)
+        else:
+            with open(path, "wb") as f:
+                pickle.dump(out, f)
+    except BaseException:  # noqa: BLE001
+        code = 1
+    os._exit(code)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
