@@ -7,10 +7,13 @@ measured every layer too). The JSON is compared without the one assumption the s
 (``layers: ...``) and the ``every_layer`` option.
 
 Each case runs in a fresh process (``OMP_NUM_THREADS=1``): imports, then ``estimate()`` in
-process ``--repeats`` times. ``estimate s`` is the first: what ``memlab estimate`` costs a
-user's process after its imports (cold caches: torch's fake-tensor dispatch cache fills as it
-goes; the target is read here). ``again s`` is the best of the later ones in the same process,
-the caches warm: what ``memlab fit``'s forked workers pay per candidate. The first one's JSON is
+process ``--repeats`` times, as ``memlab estimate`` calls it (a deep model's two shallow builds
+at once, the shallower in a forked process; ``--serial``: one after the other, as ``memlab
+fit``'s estimates run). ``estimate s`` is the first: what ``memlab estimate`` costs a user's
+process after its imports (cold caches: torch's fake-tensor dispatch cache fills as it goes;
+the target is read here). ``again s`` is the best of the later ones in the same process, the
+caches warm (with ``--serial``: what fit's forked workers pay per candidate). CPU seconds
+include the forked builds', max RSS is the larger process's. The first one's JSON is
 compared (a second FSDP2 estimate in one process differs in its optimizer phase, before and
 after issue 33), with the
 process's wall time including imports beside it, CPU seconds (user + system: less sensitive than
@@ -58,16 +61,18 @@ from memlab.estimate import estimate
 import memlab.estimate.fake  # noqa: F401  (what an estimate imports up front)
 t1 = time.perf_counter()
 overrides, flags, repeats = json.loads(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3])
+parallel = sys.argv[4] == "1"
 opts = options_from(build_parser().parse_args(flags))
 runs, first = [], None
 for _ in range(repeats):
     t = time.perf_counter()
     cfg, choices = compose(overrides)
-    est = estimate(cfg, opts, choices, overrides)
+    est = estimate(cfg, opts, choices, overrides, parallel_builds=parallel)
     runs.append(time.perf_counter() - t)
     first = first or est  # the CLI's: the first estimate of a fresh process
 est = first
 u = resource.getrusage(resource.RUSAGE_SELF)
+c = resource.getrusage(resource.RUSAGE_CHILDREN)  # (the forked shallow builds)
 est.pop("estimator", None)
 # the note of memlab.estimate.layers (two shallow builds extrapolated) is the only text the
 # shortcut adds: the estimate is compared without it
@@ -75,15 +80,17 @@ layers = [n for n in est.get("assumptions") or [] if n.startswith("layers: ")]
 est["assumptions"] = [n for n in est.get("assumptions") or [] if not n.startswith("layers: ")]
 (est.get("options") or {}).pop("every_layer", None)
 print(json.dumps({"import_s": t1 - t0, "runs_s": runs, "process_s": time.perf_counter() - t0,
-                  "cpu_s": u.ru_utime + u.ru_stime, "max_rss_bytes": u.ru_maxrss * 1024,
+                  "cpu_s": u.ru_utime + u.ru_stime + c.ru_utime + c.ru_stime,
+                  "max_rss_bytes": max(u.ru_maxrss, c.ru_maxrss) * 1024,
                   "layers_extrapolated": bool(layers), "estimate": est}))
 """
 
 
-def run_case(overrides: list[str], flags: list[str], repeats: int) -> dict:
+def run_case(overrides: list[str], flags: list[str], repeats: int, parallel: bool = True
+             ) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     r = subprocess.run([sys.executable, "-c", ONE, json.dumps(overrides), json.dumps(flags),
-                        str(repeats)], cwd=REPO, env=env, capture_output=True, text=True,
+                        str(repeats), "1" if parallel else "0"], cwd=REPO, env=env, capture_output=True, text=True,
                        timeout=7200)
     if r.returncode != 0:
         return {"error": r.stderr[-2000:]}
@@ -100,6 +107,9 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", type=Path,
                     default=REPO / "benchmarks" / "results" / "estimate_speed.json")
+    ap.add_argument("--serial", action="store_true",
+                    help="the two shallow builds one after the other in one process (memlab "
+                         "estimate runs them at once, the shallower one forked)")
     ap.add_argument("--write-before", action="store_true",
                     help="write each case's estimate.json as the reference (run with the "
                          "code before the change)")
@@ -110,7 +120,7 @@ def main() -> int:
         overrides, flags = CASES[name]
         print(f"[estimate speed] {name} ...", file=sys.stderr, flush=True)
         res = run_case(overrides, flags + (["--every-layer"] if args.write_before else []),
-                       args.repeats)
+                       args.repeats, parallel=not args.serial)
         row = {"case": name, "overrides": overrides, "flags": flags,
                **{k: v for k, v in res.items() if k != "estimate"}}
         est = res.get("estimate")
