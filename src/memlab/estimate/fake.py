@@ -187,7 +187,12 @@ def run_fake_step(ctx: BuildContext, opts: EstimateOptions, notes: list[str], *,
                            layers=n, plan=plan)
 
         lo, hi = plan.measured
-        child = Forked(lambda: layers.Shallow.of(build(lo))) if parallel_builds else None
+        child = None
+        if parallel_builds:
+            try:
+                child = Forked(lambda: layers.Shallow.of(build(lo)))
+            except OSError:  # no process to spare (ulimit, memory): one after the other
+                child = None
         try:
             shallow = None if child is not None else layers.Shallow.of(build(lo))
             deeper = build(hi)
