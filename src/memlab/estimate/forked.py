@@ -35,7 +35,11 @@ class Forked:
         sys.stdout.flush()
         sys.stderr.flush()
         parent = os.getpid()
-        self.pid = os.fork()
+        try:
+            self.pid = os.fork()
+        except OSError:
+            _unlink(self.path)
+            raise
         if self.pid == 0:  # the child: never returns
             _child(fn, self.path, parent)
         self.done = False
