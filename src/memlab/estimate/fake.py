@@ -39,10 +39,8 @@ from typing import TYPE_CHECKING, Any
 import datasets
 import torch
 
-# What every estimate loads on first use, loaded with this module instead: torch._dynamo
-# (the disable guard around checkpointing's recomputation and the tracker's hooks imports it
-# on its first call: ~1.5 s), the memory tracker (and the FSDP / DTensor modules it imports),
-# transformers' model base. The process's time is the same; an estimate's own time is its own.
+# What every estimate loads on first use, loaded here instead (~3 s): torch._dynamo (imported
+# by the first dynamo-disable guard called), the memory tracker, transformers' model base.
 import torch._dynamo  # noqa: F401
 import torch.distributed._tools.mem_tracker  # noqa: F401
 import transformers.modeling_utils  # noqa: F401
@@ -180,32 +178,9 @@ def run_fake_step(ctx: BuildContext, opts: EstimateOptions, notes: list[str], *,
 
     plan = None if opts.every_layer else layers.repeated_depth(ctx, opts)
     if plan is not None:
-        from memlab.estimate.forked import Forked, ForkedFailed
-
-        def build(n: int) -> Measured:
-            return measure(ctx, opts, list(notes), every_decode_step=every_decode_step,
-                           layers=n, plan=plan)
-
-        lo, hi = plan.measured
-        child = None
-        if parallel_builds:
-            try:
-                child = Forked(lambda: layers.Shallow.of(build(lo)))
-            except OSError:  # no process to spare (ulimit, memory): one after the other
-                child = None
-        try:
-            shallow = None if child is not None else layers.Shallow.of(build(lo))
-            deeper = build(hi)
-            if child is not None:
-                try:
-                    shallow = child.result()
-                except ForkedFailed:  # (an error of its own shows in this process too)
-                    shallow = layers.Shallow.of(build(lo))
-        finally:
-            if child is not None:
-                child.stop()
-        assert shallow is not None
-        full, why = layers.extrapolate(shallow, deeper, plan)
+        full, why = layers.measure_shallow(plan, lambda n: measure(
+            ctx, opts, list(notes), every_decode_step=every_decode_step, layers=n, plan=plan),
+            parallel=parallel_builds)
         if full is not None:
             res = summarize(full)
             notes[:] = full.notes

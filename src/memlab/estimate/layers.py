@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -356,6 +357,36 @@ class Shallow:
                    log=rec.log, problem=rec.problem, loaded=list(rec.loaded), model=m.model,
                    flops=m.flops, assumed=dict(m.assumed), offload=m.offload,
                    timing=dict(m.timing))
+
+
+def measure_shallow(plan: Plan, build: Callable[[int], Measured], *, parallel: bool = False
+                    ) -> tuple[Measured | None, str]:
+    """The model measured at ``plan.measured`` depths (``build(n)``: the run built and measured
+    with ``n`` layers) and extended to its own (:func:`extrapolate`). ``parallel``: the
+    shallower build in a forked process meanwhile (:mod:`memlab.estimate.forked`; measured
+    here after all where the child gives no result or no process can be forked)."""
+    from memlab.estimate.forked import Forked, ForkedFailed
+
+    lo, hi = plan.measured
+    child = None
+    if parallel:
+        try:
+            child = Forked(lambda: Shallow.of(build(lo)))
+        except OSError:  # no process to spare (ulimit, memory): one after the other
+            child = None
+    try:
+        shallow = None if child is not None else Shallow.of(build(lo))
+        deeper = build(hi)
+        if child is not None:
+            try:
+                shallow = child.result()
+            except ForkedFailed:  # (an error of its own shows in this process too)
+                shallow = Shallow.of(build(lo))
+    finally:
+        if child is not None:
+            child.stop()
+    assert shallow is not None
+    return extrapolate(shallow, deeper, plan)
 
 
 def extrapolate(shallow: Shallow, deeper: Measured, plan: Plan) -> tuple[Measured | None, str]:
