@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch._prims_common import suggest_memory_format
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 _PLAIN = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
@@ -43,8 +44,6 @@ def _tensor(result: list[object], t: Any) -> None:
     ndim = len(shape)
     memory_format: Any = _CONTIGUOUS
     if ndim in (4, 5):  # (suggest_memory_format: channels-last strides are 4- or 5-d)
-        from torch._prims_common import suggest_memory_format
-
         memory_format = suggest_memory_format(t)
     if not t.is_contiguous(memory_format=memory_format):
         memory_format = None

@@ -4,8 +4,8 @@ the shallower of :mod:`memlab.estimate.layers`' two builds this way, the deeper 
 process: the two at once on two cores (the same estimate: ``tests/unit/estimate/test_layers.py``).
 
 The child inherits everything the caller has loaded (imports, torch's dispatch caches), as
-``memlab fit``'s forked workers do, and runs one intra-op thread (GNU OpenMP is not fork-safe:
-a parallel op in a child of a process that started the pool waits forever). It leaves through
+``memlab fit``'s forked workers do, and runs one intra-op thread (:func:`fork_safe_threads`).
+It leaves through
 ``os._exit`` (no atexit handler or buffered output of the caller runs twice). A child that
 fails, or whose caller is gone, says so instead of a result: the caller measures that build
 itself.
@@ -20,6 +20,18 @@ import sys
 import tempfile
 from collections.abc import Callable
 from typing import Any
+
+
+def fork_safe_threads() -> None:
+    """One intra-op thread for a forked process (a :class:`Forked` child, ``memlab fit``'s
+    estimating workers): a parent that had started torch's OpenMP pool (a collator's ``nonzero``
+    over a large batch) leaves a child whose next parallel op waits forever (GNU OpenMP is not
+    fork-safe; seen on fit's 32-row Qwen2.5-0.5B candidates,
+    ``tests/unit/cli/test_fit_workers.py``). With one thread torch runs every op inline, never
+    entering an OpenMP region; the forked processes are the parallelism."""
+    import torch
+
+    torch.set_num_threads(1)
 
 
 class ForkedFailed(RuntimeError):
@@ -75,9 +87,7 @@ class Forked:
 def _child(fn: Callable[[], Any], path: str, parent: int) -> None:
     code = 0
     try:
-        import torch
-
-        torch.set_num_threads(1)
+        fork_safe_threads()
         out: tuple[str, Any] = ("ok", fn())
     except BaseException as e:  # noqa: BLE001 - reported to the caller, which measures itself
         out = ("failed", f"{type(e).__name__}: {e}")

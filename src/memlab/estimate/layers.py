@@ -70,9 +70,9 @@ layers are alike in pairs (``train.checkpoint_every=2``: the even layers recompu
 ones keep their activations): the measured depths as even or odd as the model's, each class's
 first and last layer that has a layer before and after it labelled, and every layer of both
 measured depths labelled (at 4 the second is also the third-to-last)."""
-MIN_DEPTH = 8
-"""Shallower models are measured whole (two measured depths cost 7 layers); so is any model
-the measured depths would not be cheaper for."""
+MIN_DEPTH = sum(MEASURED) + 1
+"""Shallower models are measured whole (two measured depths cost 7 layers): any model the
+measured depths would not be cheaper for is (:func:`repeated_depth`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +86,8 @@ class Plan:
     period: int = 1
     measured: tuple[int, int] = MEASURED
     ends: int = 2
+
+
 UNIFORM_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 """Model types whose decoder layers are all alike, but for ``layer_types`` (checked)."""
 
@@ -109,10 +111,10 @@ def repeated_depth(ctx: BuildContext, opts: EstimateOptions) -> Plan | None:
     except Exception:  # noqa: BLE001 - the full build reports it
         return None
     depth = getattr(cfg, "num_hidden_layers", None)
-    if not isinstance(depth, int) or depth < MIN_DEPTH:
+    if not isinstance(depth, int):
         return None
     measured, ends = (MEASURED, 2) if period == 1 else IN_PAIRS[depth % 2]
-    if depth <= sum(measured):
+    if depth <= sum(measured):  # (MIN_DEPTH: at least 8 layers, 11 in pairs)
         return None
     if getattr(cfg, "model_type", None) not in UNIFORM_TYPES:
         return None
@@ -179,7 +181,7 @@ class LayerRecord:
             if any(len({_signature(layer) for layer in layers[c::period]}) > 1
                    for c in range(period)):
                 rec.problem = f"the layers of the {key} model differ (after PEFT)" + (
-                    f", every {period}th apart" if period > 1 else "")
+                    f", compared every {period} layers" if period > 1 else "")
             for i, layer in enumerate(layers):
                 rec._label(layer, key, i)
         return rec

@@ -91,15 +91,11 @@ def estimate_candidate(base: list[str], c: Candidate, opts: FitOptions) -> dict[
 
 def _worker_init() -> None:
     """A worker of :func:`estimate_all`: fit's own process handles Ctrl-C, SIGTERM and SIGHUP
-    (it stops the workers and writes what it has). One intra-op thread: the parent's first
-    estimate may have started torch's OpenMP pool (a collator's ``nonzero`` over a large
-    batch), and GNU OpenMP is not fork-safe: a forked worker's next parallel op waited
-    forever (seen: a 32-row Qwen2.5-0.5B candidate; ``tests/unit/cli/test_fit_workers.py``).
-    With one thread torch runs every op inline, never entering an OpenMP region; ``jobs``
-    workers already use the cores."""
-    import torch
+    (it stops the workers and writes what it has). One intra-op thread, as in every process
+    forked after an estimate (:func:`memlab.estimate.forked.fork_safe_threads`)."""
+    from memlab.estimate.forked import fork_safe_threads
 
-    torch.set_num_threads(1)
+    fork_safe_threads()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGHUP, signal.SIG_DFL)
