@@ -50,14 +50,14 @@ def reference_errors(method: WithReference, ctx: BuildContext) -> list[str]:
 @contextlib.contextmanager
 def frozen_forward(model: nn.Module, disable_adapter: bool = False) -> Iterator[nn.Module]:
     """No grad, eval mode (no dropout), optionally the LoRA adapter off; the mode is restored."""
-    from peft import PeftModel
-
     inner = unwrap(model)
     was_training = inner.training
     inner.eval()
     try:
         with torch.no_grad():
             if disable_adapter:
+                from peft import PeftModel  # only here: a run without an adapter skips peft
+
                 if not isinstance(inner, PeftModel):
                     raise TypeError("reference=adapter_disabled needs a PEFT model with a LoRA "
                                     f"adapter; the policy is a {type(inner).__name__}")

@@ -9,6 +9,7 @@ all-reduce. Wrappers wrap a :class:`Routed` module for that reason.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
@@ -45,11 +46,13 @@ def unwrap(model: nn.Module) -> HFModel:
 
 
 def base_model(model: nn.Module) -> PreTrainedModel:
-    """The transformers model under a PEFT wrapper (the model itself when there is none)."""
-    from peft import PeftModel
+    """The transformers model under a PEFT wrapper (the model itself when there is none).
 
-    return cast("PreTrainedModel", model.get_base_model() if isinstance(model, PeftModel)
-                else model)
+    Without ``peft`` imported no model can be a PeftModel, so a run without an adapter does not
+    pay peft's import (0.4 s, on every estimate too)."""
+    peft = sys.modules.get("peft")
+    is_peft = peft is not None and isinstance(model, peft.PeftModel)
+    return cast("PreTrainedModel", model.get_base_model() if is_peft else model)
 
 
 def call_inside(model: nn.Module, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
