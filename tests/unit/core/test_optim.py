@@ -54,3 +54,23 @@ def test_schedule_state_round_trips() -> None:
     sched2.load_state_dict(state)
     assert sched2.last_epoch == 4
     assert sched2.lr_lambdas[0](sched2.last_epoch) == sched.lr_lambdas[0](sched.last_epoch)
+
+
+@pytest.mark.parametrize("name", ["constant", "linear", "cosine"])
+@pytest.mark.parametrize(("steps", "warmup"), [(1, 0), (7, 0), (7, 3), (10, 10), (5, 9)])
+def test_schedule_is_transformers(name: str, steps: int, warmup: int) -> None:
+    """memlab writes the three formulas itself (importing transformers.optimization pulls in
+    peft, 0.4 s a run); they give transformers.get_scheduler's factor at every step, past the
+    end too."""
+    from transformers import get_scheduler
+
+    from memlab.trainer.optim import SCHEDULES
+
+    cfg = TrainConfig(steps=steps, warmup_steps=warmup, scheduler=name, lr=1.0)
+    hf_name = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}[name]
+    ours = build_scheduler(_adamw([torch.nn.Parameter(torch.zeros(1))], cfg), cfg)
+    theirs = get_scheduler(hf_name, _adamw([torch.nn.Parameter(torch.zeros(1))], cfg),
+                           num_warmup_steps=warmup, num_training_steps=steps)
+    assert name in SCHEDULES
+    for step in range(steps + 3):
+        assert ours.lr_lambdas[0](step) == theirs.lr_lambdas[0](step), (name, step)
