@@ -66,6 +66,25 @@ def test_packed_row_logits_equal_documents_alone(attn):
         start += len(d)
 
 
+@pytest.mark.parametrize("attn", ["memlab_eager_varlen", "memlab_sdpa_varlen"])
+@pytest.mark.parametrize("cuts", [
+    [[7, 1, 12, 5]] * 3, [[25]] * 2, [[6, 6, 6, 7]] * 2,
+    [[7, 1, 12, 5], [12, 13], [7, 1, 12, 5]], [[8, 8, 9], [4, 4, 8, 9], [25]]])
+def test_rows_attend_as_each_row_alone(attn, cuts):
+    """Under sdpa, rows cut alike run together and adjacent documents of one length run as one
+    batched kernel; otherwise one row and document at a time: either way every row's logits
+    are those of the row alone."""
+    model = _model(attn)
+    rows = [_docs(c, seed=i) for i, c in enumerate(cuts)]
+    ids = torch.stack([torch.cat(r) for r in rows])
+    pos = torch.stack([torch.cat([torch.arange(len(d)) for d in r]) for r in rows])
+    with torch.no_grad():
+        batch = model(input_ids=ids, position_ids=pos, use_cache=False,
+                      memlab_segments=Segments.from_positions(pos.tolist())).logits
+    for i, r in enumerate(rows):
+        torch.testing.assert_close(batch[i], _packed_logits(model, r), atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("attn", BACKENDS)
 def test_contamination_is_detected(attn):
     """Changing document A must not change any logit of document B in the same row; with an

@@ -5,7 +5,10 @@ block-diagonal [N, N] mask over the whole row: attention then costs N^2 over the
 length N, more than the padding it removed (a padded batch pays B * L_max^2). Flash attention's
 varlen kernel avoids that by running attention per document; this module does the same with
 the eager / sdpa kernels: when a layer gets no padding mask, the row is cut where position_ids
-restart and each document runs causal attention alone (cost sum(L_i^2)). Where the documents
+restart and each document runs causal attention alone (cost sum(L_i^2)); under sdpa, adjacent
+documents of one length run as one batched kernel call, and so do rows cut alike (the same
+memory: sdpa's causal kernel builds no scores; one call instead of one per document, on the
+GPU fewer launches and in ``memlab estimate`` fewer fake ops). Where the documents
 are comes from the batch: memlab's collators compute the rows' ``Segments`` once on the host and
 the methods pass them as ``memlab_segments`` (transformers forwards extra keyword arguments down
 to the attention function), so no layer reads position_ids back from the device. A call
@@ -170,6 +173,39 @@ def _prefix_mask(n: int, prefix: int, kind: str, dtype: torch.dtype, device) -> 
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
 
 
+def _row_blocks(segments: Segments, rows: int, merge: bool) -> list[tuple[int, int]]:
+    """The row ranges that run together: all rows where every row is cut the same way and
+    ``merge`` (sdpa), else one row at a time."""
+    if merge and all(segments[b] == segments[0] for b in range(1, rows)):
+        return [(0, rows)]
+    return [(b, b + 1) for b in range(rows)]
+
+
+def _runs(documents: list[tuple[int, int, tuple[int, int] | None]], merge: bool
+          ) -> list[tuple[int, int, int, tuple[int, int] | None]]:
+    """``(start, length, count, prefix)``: ``count`` consecutive documents of ``length`` tokens
+    from ``start`` that run as one batched call (with ``merge``: adjacent plain documents of
+    equal length; a document with a shared prefix always alone)."""
+    out: list[tuple[int, int, int, tuple[int, int] | None]] = []
+    for s, e, prefix in documents:
+        last = out[-1] if out else None
+        if (merge and prefix is None and last is not None and last[3] is None
+                and last[1] == e - s):
+            out[-1] = (last[0], last[1], last[2] + 1, None)
+        else:
+            out.append((s, e - s, 1, prefix))
+    return out
+
+
+def _stack(t: torch.Tensor, k: int) -> torch.Tensor:
+    """``[rows, heads, k * n, dim]`` -> ``[rows * k, heads, n, dim]``: k documents of n tokens
+    side by side in each row as k rows (a view where the layout allows)."""
+    if k == 1:
+        return t
+    rows, heads, width, dim = t.shape
+    return t.unflatten(2, (k, width // k)).transpose(1, 2).flatten(0, 1)
+
+
 def _make(kind: str):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.models.llama.modeling_llama import eager_attention_forward
@@ -194,21 +230,21 @@ def _make(kind: str):
         if uses_varlen_kernel(query, dropout):
             return varlen_attention(query, key, value, segments, scaling), None
         outs = []
-        for b in range(query.shape[0]):
+        for r0, r1 in _row_blocks(segments, query.shape[0], merge=kind == "sdpa"):
             parts = []
-            for s, e, prefix in segments.documents(b):
-                q = query[b : b + 1, :, s:e]
-                k, v = key[b : b + 1, :, s:e], value[b : b + 1, :, s:e]
+            for s, n, k, prefix in _runs(segments.documents(r0), merge=kind == "sdpa"):
+                e = s + k * n
+                q, ke, v = (_stack(t[r0:r1, :, s:e], k) for t in (query, key, value))
                 if prefix is None:
-                    mask = None if kind == "sdpa" else _causal_mask(e - s, query.dtype,
+                    mask = None if kind == "sdpa" else _causal_mask(n, query.dtype,
                                                                     query.device)
                 else:  # the document also sees the shared prefix [a, z) before it
                     a, z = prefix
-                    k = torch.cat([key[b : b + 1, :, a:z], k], dim=2)
-                    v = torch.cat([value[b : b + 1, :, a:z], v], dim=2)
-                    mask = _prefix_mask(e - s, z - a, kind, query.dtype, query.device)
-                o, _ = base(module, q, k, v, mask, dropout=dropout, scaling=scaling, **kwargs)
-                parts.append(o)
+                    ke = torch.cat([key[r0:r1, :, a:z], ke], dim=2)
+                    v = torch.cat([value[r0:r1, :, a:z], v], dim=2)
+                    mask = _prefix_mask(n, z - a, kind, query.dtype, query.device)
+                o, _ = base(module, q, ke, v, mask, dropout=dropout, scaling=scaling, **kwargs)
+                parts.append(o if k == 1 else o.reshape(r1 - r0, k * n, *o.shape[2:]))
             outs.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))
         return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)), None
 
