@@ -45,6 +45,7 @@ from memlab.context import BuildContext
 from memlab.distributed.base import Sharding
 from memlab.distributed.single import Single
 from memlab.estimate.fake import run_fake_step
+from memlab.estimate.forked import frozen_heap
 from memlab.estimate.options import (
     ALL_PHASES,
     CARDS,
@@ -210,7 +211,8 @@ def estimate(cfg, opts: EstimateOptions | None = None, choices: dict[str, str] |
     out["options"]["world_size"] = opts.world_size
     out["options"]["zero_stage"] = opts.zero_stage
     try:
-        with _fake_rank(ctx, fake_world, notes) if fake_world else contextlib.nullcontext():
+        with (frozen_heap(),
+              _fake_rank(ctx, fake_world, notes) if fake_world else contextlib.nullcontext()):
             res = run_fake_step(ctx, opts, notes, every_decode_step=every_decode_step,
                                 parallel_builds=parallel_builds)
     except EstimateError as e:

@@ -38,15 +38,10 @@ from typing import TYPE_CHECKING, Any
 
 import datasets
 import torch
-
-# What every estimate loads on first use, loaded here instead (~3 s): torch._dynamo (imported
-# by the first dynamo-disable guard called), the memory tracker, transformers' model base.
-import torch._dynamo  # noqa: F401
-import torch.distributed._tools.mem_tracker  # noqa: F401
-import transformers.modeling_utils  # noqa: F401
 from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from memlab.estimate import preload  # noqa: F401  (what every estimate loads, loaded up front)
 from memlab.estimate.batch import (
     Candidate,
     candidates,

@@ -52,7 +52,8 @@ def base_model(model: nn.Module) -> PreTrainedModel:
     pay peft's import (0.4 s, on every estimate too)."""
     peft = sys.modules.get("peft")
     is_peft = peft is not None and isinstance(model, peft.PeftModel)
-    return cast("PreTrainedModel", model.get_base_model() if is_peft else model)
+    return cast("PreTrainedModel", cast("PeftModel", model).get_base_model() if is_peft
+                else model)
 
 
 def call_inside(model: nn.Module, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
