@@ -6,7 +6,9 @@ the one committed under ``benchmarks/results/estimate_before/``: the estimate of
 measured every layer too). The JSON is compared without the one assumption the shortcut adds
 (``layers: ...``) and the ``every_layer`` option.
 
-Each case runs in a fresh process (``OMP_NUM_THREADS=1``): imports, then ``estimate()`` in
+Each case runs in a fresh process (``OMP_NUM_THREADS=1``, bytecode caches on: memlab's own
+modules are compiled first, as a user's first run or a wheel install leaves them, so that a
+``PYTHONDONTWRITEBYTECODE`` shell does not time the compiler): imports, then ``estimate()`` in
 process ``--repeats`` times, as ``memlab estimate`` calls it (a deep model's two shallow builds
 at once, the shallower in a forked process; ``--serial``: one after the other, as ``memlab
 fit``'s estimates run). ``estimate s`` is the first: what ``memlab estimate`` costs a user's
@@ -89,6 +91,7 @@ print(json.dumps({"import_s": t1 - t0, "runs_s": runs, "process_s": time.perf_co
 def run_case(overrides: list[str], flags: list[str], repeats: int, parallel: bool = True
              ) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     r = subprocess.run([sys.executable, "-c", ONE, json.dumps(overrides), json.dumps(flags),
                         str(repeats), "1" if parallel else "0"], cwd=REPO, env=env, capture_output=True, text=True,
                        timeout=7200)
@@ -115,6 +118,8 @@ def main() -> int:
                          "code before the change)")
     args = ap.parse_args()
     names = args.cases.split(",") if args.cases else list(CASES)
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(REPO / "src" / "memlab")],
+                   check=True)  # (the bytecode a user's process finds: module docstring)
     rows = []
     for name in names:
         overrides, flags = CASES[name]
