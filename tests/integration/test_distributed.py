@@ -48,8 +48,12 @@ def _same_training(single, ddp, rel=2e-5):
     assert ddp["data"]["tokens_trained"] == single["data"]["tokens_trained"]
 
 
+STANDARD = "method.loss_impl=standard"
+"""The loss a distributed run's ``auto`` chooses, pinned where one process is the reference."""
+
+
 def test_two_ranks_of_two_rows_train_like_one_process_of_four(job, one_process):
-    o = ["train.steps=4", "train.save_final=true", "measure.memory_steps=2"]
+    o = ["train.steps=4", "train.save_final=true", "measure.memory_steps=2", STANDARD]
     single = one_process(o + ["train.batch_size=4"])
     ddp = job(o + DDP + ["train.batch_size=2"])
     _same_training(single, ddp)
@@ -107,7 +111,7 @@ def test_fsdp2_shards_parameters_gradients_and_optimizer_state(job, one_process)
     """2 ranks x 2 rows under FSDP2 == 1 process x 4 rows, and each rank holds half of the
     parameters and optimizer state (measured by each rank's tracker). The one process is
     the DDP test's (its final checkpoint unused here)."""
-    o = ["train.steps=4", "measure.memory_steps=2"]
+    o = ["train.steps=4", "measure.memory_steps=2", STANDARD]
     single = one_process(o[:1] + ["train.save_final=true"] + o[1:] + ["train.batch_size=4"])
     sharded = job(o + FSDP2 + ["train.batch_size=2", "train.grad_accum=1"])
     _same_training(single, sharded)
@@ -180,6 +184,11 @@ def test_estimate_of_a_ddp_run_is_one_rank_with_resident_buckets(job, tmp_path):
              "method.max_length=128", "train.batch_size=2", "train.device=cpu",
              "data.n_examples=32", "data.median_tokens=3000", "method.loss_on=all",
              "train.progress=false"]
+    # the DDP run's auto loss is the standard one, and so is its estimate as one process
+    # (the method pinned before its distributed option is modelled away)
+    assert estimate_main([*shape, *DDP, "--out", str(tmp_path / "auto")]) == 0
+    auto = json.loads((tmp_path / "auto" / "estimate.json").read_text())
+    shape.append(STANDARD)
     ddp_opts = DDP  # gradient_as_bucket_view=true (=false: the same peak, measured by hand)
     ests = {}
     for name, extra in (("single", []), ("ddp", ddp_opts)):
@@ -196,6 +205,7 @@ def test_estimate_of_a_ddp_run_is_one_rank_with_resident_buckets(job, tmp_path):
     assert any("one rank of 2, estimated as one plain process" in a for a in ddp["assumptions"])
     assert any(f"measured error: {100 * DDP_MODEL_ERROR:+.2f}%" in a
                for a in ddp["assumptions"])
+    assert auto["by_phase_category"] == ddp["by_phase_category"]
     real = job(shape + ddp_opts + ["measure.memory_steps=all", "train.steps=2"], fast=False)
     assert real["status"] == "ok", real["error"]
     ep, rp = ddp["peak_bytes"], real["memory"]["peak_bytes_max_rank"]

@@ -1,7 +1,7 @@
 """``method.loss_impl=auto`` (SFT's default) is the chunked loss, which never builds the
 [tokens, vocab] logits, except where a LoRA adapter sits on the output head (the chunked loss
-reads the head's weight directly, so it would leave the adapter out): the standard loss there,
-where an explicit ``chunked`` is refused. The chunked loss applies the model's own transform
+reads the head's weight directly, so it would leave the adapter out; an explicit ``chunked`` is
+refused there) and in a distributed run (DDP, FSDP2, DeepSpeed): the standard loss there. The chunked loss applies the model's own transform
 of its logits (Gemma-2's soft-capping, Granite's divisor, Cohere's scale), so it gives the
 standard loss and gradients on those models too (fp32 CPU: 1e-5 relative on the loss, 1e-5
 absolute on the gradients)."""
@@ -19,8 +19,16 @@ HEAD_LORA = "peft.target_modules=[q_proj,lm_head]"
 def test_auto_is_chunked_unless_an_adapter_sits_on_the_head():
     auto = ctx_of("method.loss_impl=auto")
     assert auto.method.reads_head_weight(auto) == "method.loss_impl=chunked"
-    plain = ctx_of()  # the default: the standard loss
-    assert plain.method.reads_head_weight(plain) is None
+    plain = ctx_of()  # the default: auto
+    assert plain.method.loss_impl == "auto"
+    assert plain.method.reads_head_weight(plain) == "method.loss_impl=chunked"
+    for dist in (("distributed=ddp", "distributed.nproc=2"),
+                 ("distributed=fsdp2", "distributed.nproc=2"),
+                 ("distributed=deepspeed", "distributed.zero_stage=2")):
+        c = ctx_of(*dist)  # the head's gradient would be whole from forward to backward
+        assert c.method.reads_head_weight(c) is None, dist
+    forced = ctx_of("distributed=fsdp2", "distributed.nproc=2", "method.loss_impl=chunked")
+    assert forced.method.reads_head_weight(forced) == "method.loss_impl=chunked"
     lora = ctx_of("peft=lora", "method.loss_impl=auto")  # all-linear leaves the head out
     assert lora.method.reads_head_weight(lora) == "method.loss_impl=chunked"
     head = ctx_of("peft=lora", HEAD_LORA, "method.loss_impl=auto")  # auto falls back to standard

@@ -169,7 +169,9 @@ def _distributed_plan(ctx: BuildContext, opts: EstimateOptions, notes: list[str]
     notes.append(f"distributed={wrapper.name}: one rank of {world}, estimated as one plain "
                  f"process (its wrapper needs real storage) and sharded by the model below; "
                  "train.batch_size rows per rank")
-    return (dataclasses.replace(ctx, distributed=Single(), world_size=1, rank=0), opts,
+    # (the method's choices that depend on the distributed option stay the run's: pinned)
+    return (dataclasses.replace(ctx, method=ctx.method.pinned(ctx), distributed=Single(),
+                                world_size=1, rank=0), opts,
             declared, 0)
 
 

@@ -38,6 +38,7 @@ from memlab.registry import NonNegativeFloat, Option, PositiveFloat, PositiveInt
 
 if TYPE_CHECKING:
     from memlab.context import BuildContext
+    from memlab.method.base import Method
     from memlab.packing.groups import GroupPacked
 
 
@@ -213,6 +214,9 @@ class Online(Option):
 
     def as_group_packed(self) -> GroupPacked | None:
         return None
+
+    def pinned(self, ctx: BuildContext) -> Method:
+        return self  # type: ignore[return-value]
 
     def row_length(self) -> int | None:
         return self.max_prompt_length

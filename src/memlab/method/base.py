@@ -120,6 +120,11 @@ class Method(Option, Protocol):
     def as_generating(self) -> Generating | None:
         """The method as an online one (it samples its training batches), or None."""
         ...
+    def pinned(self, ctx: BuildContext) -> Method:
+        """The method with every choice that depends on the rest of the run ``ctx`` (an
+        ``auto``) made explicit: what an estimate keeps where it measures the run in another
+        context (DDP as one plain process), so that it measures the run's own choices."""
+        ...
     def as_group_packed(self) -> GroupPacked | None:
         """The method whose rows pack as units of several sequences, or None."""
         ...
@@ -200,6 +205,9 @@ class Offline(Option):
 
     def as_group_packed(self) -> GroupPacked | None:
         return None
+
+    def pinned(self, ctx: BuildContext) -> Method:
+        return self  # type: ignore[return-value]
 
     def evaluate(self, models, batch, ctx, env) -> tuple[dict[str, float], int]:
         return loss_sums(self, models, batch, ctx)  # type: ignore[arg-type]

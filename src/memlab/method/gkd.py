@@ -45,6 +45,7 @@ from memlab.registry import Fraction, Option, PositiveFloat, PositiveInt, Range
 
 if TYPE_CHECKING:
     from memlab.context import BuildContext
+    from memlab.method.base import Method
     from memlab.packing.groups import GroupPacked
 
 
@@ -91,6 +92,9 @@ class GKD(Option):
 
     def as_group_packed(self) -> GroupPacked | None:
         return None
+
+    def pinned(self, ctx: BuildContext) -> Method:
+        return self
 
     def packs_rows(self, ctx: BuildContext) -> bool:
         return False

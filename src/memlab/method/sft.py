@@ -12,6 +12,7 @@ tokens itself) -> shifted labels per document -> (packing, by the pipeline) -> c
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
@@ -65,14 +66,17 @@ class SFT(Offline, LigerKnobs):
     None = on when packing is on, off otherwise."""
     pad_to_multiple_of: PositiveInt | None = None
     """Round padded lengths up (tensor-core friendly shapes)."""
-    loss_impl: Literal["auto", "standard", "chunked"] = "standard"
+    loss_impl: Literal["auto", "standard", "chunked"] = "auto"
     """chunked: fused linear + cross-entropy over token chunks; the full [tokens, vocab] logits
     never exist (pure PyTorch, any device), with the same loss and gradients as standard (the
-    model's logits, then cross-entropy; the default). auto: chunked, except where a PEFT
+    model's logits, then cross-entropy). auto (the default): chunked, except where a PEFT
     adapter sits on the output head (``peft.target_modules`` with ``lm_head``), whose weight
-    the chunked loss reads directly: standard there (not the default: under FSDP2 the chunked
-    loss leaves the head's gradient unsharded, and estimates of sharded runs drift). Measured at real size (Qwen2.5-0.5B,
-    ``benchmarks/real_size.py``): the logits are ~600 MiB a copy at vocab 151,936."""
+    the chunked loss reads directly, and in a distributed run (DDP, FSDP2, DeepSpeed: the
+    chunked loss makes the head's gradient in forward, whole, and it stays so until backward
+    reduces it; under FSDP2 that is an unsharded head-sized gradient, and memlab's estimates of
+    DDP / FSDP2 runs with it are off by up to 7%): standard there. Measured at real size
+    (Qwen2.5-0.5B, ``benchmarks/real_size.py``): the logits are ~600 MiB a copy at vocab
+    151,936."""
     chunk_size: PositiveInt = 1024
     """Tokens per chunk for loss_impl=chunked."""
     head_on: Literal["labelled", "all"] = "labelled"
@@ -113,11 +117,18 @@ class SFT(Offline, LigerKnobs):
             return LIGER_LOSS
         return "method.loss_impl=chunked" if self.chunked(ctx) else None
 
+    def pinned(self, ctx: BuildContext) -> SFT:
+        if self.loss_impl != "auto":
+            return self
+        return dataclasses.replace(self, loss_impl="chunked" if self.chunked(ctx) else "standard")
+
     def chunked(self, ctx: BuildContext) -> bool:
         """Whether the loss is the chunked one (``loss_impl``; auto: unless the output head
-        carries an adapter)."""
-        if self.loss_impl == "auto":
-            return not ctx.peft.adapts_head()
+        carries an adapter, or the run is distributed: DDP, FSDP2, DeepSpeed)."""
+        if self.loss_impl == "auto":  # (a distributed option declares what it splits)
+            dist = ctx.distributed
+            return (not ctx.peft.adapts_head() and dist.sharding() is None
+                    and dist.as_step_owner() is None)
         return self.loss_impl == "chunked"
 
     # ------------------------------------------------------------------ validation

@@ -62,11 +62,11 @@ def test_on_cuda_every_kernel_and_no_interpreter():
     assert ctx.method.liger_model_kernels() == ("rope", "rms_norm", "swiglu")
     assert "a CPU test vehicle" in _errors(["train.device=cuda", *LIGER, *ON_CPU], cuda)
     # the kernels without the fused loss: the method's own loss, which reads no head weight
-    # (the standard one, the default) or does (the chunked one)
-    ctx = _validate(["train.device=cuda", *LIGER, "method.liger_kernels=[rms_norm]"], cuda)
-    assert not ctx.method.liger_loss() and ctx.method.reads_head_weight(ctx) is None
+    # (the standard one) or does (the chunked one, the default)
     ctx = _validate(["train.device=cuda", *LIGER, "method.liger_kernels=[rms_norm]",
-                     "method.loss_impl=chunked"], cuda)
+                     "method.loss_impl=standard"], cuda)
+    assert not ctx.method.liger_loss() and ctx.method.reads_head_weight(ctx) is None
+    ctx = _validate(["train.device=cuda", *LIGER, "method.liger_kernels=[rms_norm]"], cuda)
     assert ctx.method.reads_head_weight(ctx) == "method.loss_impl=chunked"
     assert ctx.method.liger_model_kernels() == ("rms_norm",)
 
