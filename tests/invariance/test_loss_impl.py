@@ -1,10 +1,10 @@
 """``method.loss_impl=auto`` (SFT's default) is the chunked loss, which never builds the
 [tokens, vocab] logits, except where a LoRA adapter sits on the output head (the chunked loss
 reads the head's weight directly, so it would leave the adapter out; an explicit ``chunked`` is
-refused there) and in a distributed run (DDP, FSDP2, DeepSpeed): the standard loss there. The chunked loss applies the model's own transform
-of its logits (Gemma-2's soft-capping, Granite's divisor, Cohere's scale), so it gives the
-standard loss and gradients on those models too (fp32 CPU: 1e-5 relative on the loss, 1e-5
-absolute on the gradients)."""
+refused there) and in a distributed run (DDP, FSDP2, DeepSpeed): the standard loss there. The
+chunked loss applies the model's own transform of its logits (Gemma-2's soft-capping,
+Granite's divisor, Cohere's scale), so it gives the standard loss and gradients on those models
+too (fp32 CPU: 1e-5 relative on the loss, 1e-5 absolute on the gradients)."""
 
 from __future__ import annotations
 

@@ -202,8 +202,7 @@ def _stack(t: torch.Tensor, k: int) -> torch.Tensor:
     side by side in each row as k rows (a view where the layout allows)."""
     if k == 1:
         return t
-    rows, heads, width, dim = t.shape
-    return t.unflatten(2, (k, width // k)).transpose(1, 2).flatten(0, 1)
+    return t.unflatten(2, (k, t.shape[2] // k)).transpose(1, 2).flatten(0, 1)
 
 
 def _make(kind: str):

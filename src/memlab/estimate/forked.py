@@ -42,8 +42,8 @@ def fork_safe_threads() -> None:
 @contextlib.contextmanager
 def frozen_heap() -> Iterator[None]:
     """Every object alive on entry moved out of the garbage collector's reach until exit
-    (``gc.freeze`` / ``gc.unfreeze``; a no-op inside another freeze). :func:`memlab.estimate.estimate`
-    runs in one: a full collection then walks what the estimate made, not every module, tensor
+    (``gc.freeze`` / ``gc.unfreeze``; a no-op inside another freeze).
+    :func:`memlab.estimate.estimate` runs in one: a full collection then walks what the estimate made, not every module, tensor
     and config the process holds (0.4 s of the first Qwen2.5-0.5B estimate), and a forked child
     copies none of the caller's pages by collecting them. Nothing leaks: what was frozen is
     collected as before after exit."""

@@ -23,9 +23,10 @@ def lr_factor(step: int, *, schedule: str, warmup: int, total: int) -> float:
         return float(step) / float(max(1, warmup))
     if schedule == "constant":
         return 1.0
-    progress = float(step - warmup) / float(max(1, total - warmup))
+    span = float(max(1, total - warmup))
     if schedule == "linear":
-        return max(0.0, float(total - step) / float(max(1, total - warmup)))
+        return max(0.0, float(total - step) / span)
+    progress = float(step - warmup) / span
     return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))  # one half-cosine to 0
 
 
