@@ -27,8 +27,12 @@ SWEEPS = REPO / "sweeps"
 :data:`CONF`; a wheel ships them as ``memlab/sweeps``)."""
 
 # Small, fast settings every in-process job starts from (tests add their own overrides).
+# precision=fp32: the default (auto) is bf16 mixed on a CPU, as TRL's; the tests compare numbers
+# (one technique on against off, a run against an estimate) in fp32, where they are exact. The
+# default itself is tested by tests/unit/precision/test_auto.py and the README run's test.
 FAST = [
     "train.device=cpu",
+    "precision=fp32",
     "train.progress=false",
     "train.steps=3",
     "train.batch_size=2",
@@ -61,7 +65,7 @@ def choices_of(cfg) -> dict[str, str]:
 def with_fast(overrides: list[str]) -> list[str]:
     """:data:`FAST` (less the settings of a group the overrides switch) + ``overrides``."""
     switched = {o.split("=")[0] for o in overrides if "=" in o and "." not in o.split("=")[0]}
-    return [o for o in FAST if o.split(".")[0] not in switched] + list(overrides)
+    return [o for o in FAST if o.split("=")[0].split(".")[0] not in switched] + list(overrides)
 
 
 def run_job(tmp_path: Path, overrides: list[str], fast: bool = True, name: str = "run",

@@ -96,6 +96,14 @@ def plain_config(cfg: Any) -> dict[str, Any]:
     return dict(cfg)
 
 
+def resolved_options(config: Mapping[str, Any], ctx: BuildContext) -> dict[str, str]:
+    """The groups whose composed option stands for another in this run (``precision=auto`` ->
+    ``bf16_mixed``), each with the option the run trains with. ``config``: :func:`plain_config`
+    of the composed config."""
+    return {group: opt.name for group, opt in ctx.groups().items()
+            if (config.get(group) or {}).get("name") != opt.name}
+
+
 def resolve_device(requested: str, platform: Platform) -> str:
     """``train.device``: ``auto`` is CUDA where the platform has it, else the CPU."""
     if requested == "auto":
@@ -141,6 +149,7 @@ def validate(cfg: Any, run_dir: Path | str = ".", choices: Mapping[str, str] | N
         errors.append("train.device=cuda but no CUDA device is visible; use train.device=auto")
     if world_size is None:
         world_size = typed["distributed"].processes(device, platform.gpus)
+    typed["precision"] = typed["precision"].resolved(device, platform)
     ctx = BuildContext(
         **typed, train=train, measure=measure, device=device, world_size=world_size,
         rank=rank, choices=dict(choices or {}), run_dir=Path(run_dir), platform=platform,

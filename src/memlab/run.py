@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from memlab.context import BuildContext, plain_config, validate
+from memlab.context import BuildContext, plain_config, resolved_options, validate
 from memlab.distributed import launch
 from memlab.logger.base import RunInfo, build_logger
 from memlab.measure.summary import device_info, format_table
@@ -66,6 +66,7 @@ def base_summary(run_dir: Path, choices: dict[str, str], overrides: list[str],
         "status": "failed",
         "error": None,
         "choices": choices,
+        "resolved": {},
         "overrides": overrides,
         "run_dir": str(run_dir),
         "job": job,
@@ -94,6 +95,7 @@ def run(cfg: Any, run_dir: Path | str, choices: dict[str, str] | None = None,
     def body(logger_box: list) -> None:
         ctx = validate(cfg, run_dir, choices)
         summary["config"] = plain_config(cfg)
+        summary["resolved"] = resolved_options(summary["config"], ctx)
         ctx = plan_resume(ctx, summary)
         if ctx.world_size > 1:  # one worker process per rank; their summaries merged here
             launch.launch(ctx, summary, worker="memlab.rank")

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from memlab import faults
-from memlab.context import BuildContext, plain_config, validate
+from memlab.context import BuildContext, plain_config, resolved_options, validate
 from memlab.distributed import launch
 from memlab.logger.base import RunInfo
 from memlab.measure.summary import format_table
@@ -69,6 +69,7 @@ def run_rank(cfg: Any, run_dir: Path, choices: dict[str, str] | None = None,
                                 "every rank; run the sweep without torchrun: memlab starts the "
                                 "ranks of each job itself (distributed.nproc)"])
         summary["config"] = plain_config(cfg)
+        summary["resolved"] = resolved_options(summary["config"], ctx)
         holder.append(plan_resume(ctx, summary))
 
     scratch = run_dir / f".rank{rank}.check.json"

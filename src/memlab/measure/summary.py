@@ -242,7 +242,9 @@ def format_table(s: dict[str, Any]) -> str:
     """Human-readable end-of-run table."""
     lines = []
     ch = user_choices(s.get("choices") or {})
-    lines.append("memlab run: " + " ".join(f"{k}={v}" for k, v in ch.items()))
+    resolved = s.get("resolved") or {}
+    lines.append("memlab run: " + " ".join(
+        f"{k}={v}" + (f" ({resolved[k]})" if k in resolved else "") for k, v in ch.items()))
     lines.append(f"status: {s.get('status')}" + (f"  ({s['error']})" if s.get("error") else ""))
     m = s.get("memory") or {}
     if m.get("peak_bytes") is not None:

@@ -14,6 +14,7 @@ from memlab import registry
 from memlab.registry import Option
 
 if TYPE_CHECKING:
+    from memlab.config import Platform
     from memlab.context import BuildContext
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -41,6 +42,11 @@ class Precision(Option, Protocol):
 
     def grad_scaler(self, device: str) -> torch.amp.GradScaler | None:
         """A GradScaler for fp16 mixed precision, else None."""
+        ...
+
+    def resolved(self, device: str, platform: Platform) -> Precision:
+        """The option a run on ``device`` of ``platform`` trains with: itself, or for
+        ``precision=auto`` the option it stands for there (chosen before any rule reads it)."""
         ...
 
 
@@ -80,6 +86,9 @@ class Dtypes(Option):
         if not self.needs_scaler:
             return None
         return torch.amp.GradScaler(device.split(":")[0])
+
+    def resolved(self, device: str, platform: Platform) -> Precision:
+        return self
 
     def validate(self, ctx: BuildContext) -> list[str]:
         name = self.name

@@ -1,0 +1,68 @@
+"""precision=auto, the default: bf16 mixed precision (TRL's default, ``bf16=True``) on the CPU
+and on a GPU with bf16 kernels, fp32 on a GPU without them. It resolves once, when the run is
+validated: every rule and every builder sees the option it stands for, and a default run trains
+exactly as an explicit ``precision=bf16_mixed`` one does."""
+
+from __future__ import annotations
+
+import pytest
+
+from memlab.config import Platform
+from memlab.context import validate
+from memlab.measure.summary import format_table
+from memlab.precision.auto import Auto
+from memlab.precision.bf16_mixed import Bf16Mixed
+from memlab.precision.fp32 import Fp32
+from memlab_testing import FAST, compose, with_fast
+
+GPU_WITHOUT_BF16 = Platform(cuda=True, gpus=1, bf16=False)
+
+
+def _ctx(overrides: list[str], platform: Platform | None = None):
+    from omegaconf import open_dict
+
+    cfg = compose(overrides)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return validate(cfg, platform=platform)
+
+
+def test_auto_is_the_default():
+    assert compose([]).precision.name == "auto"
+    assert "precision=fp32" in FAST  # the tests' own runs pin fp32 (see memlab_testing.FAST)
+
+
+@pytest.mark.parametrize(("device", "platform", "expected"), [
+    ("cpu", Platform(), Bf16Mixed),
+    ("cuda", Platform.cuda_machine(gpus=1), Bf16Mixed),
+    ("cuda", GPU_WITHOUT_BF16, Fp32),
+])
+def test_auto_resolves_for_the_device(device, platform, expected):
+    chosen = Auto().resolved(device, platform)
+    assert type(chosen) is expected
+    assert chosen.resolved(device, platform) is chosen  # a concrete option stands for itself
+
+
+def test_the_run_context_holds_the_resolved_option():
+    ctx = _ctx(["train.device=auto"])
+    assert ctx.device == "cpu" and type(ctx.precision) is Bf16Mixed
+    assert ctx.precision.compute_dtype_name() == "bfloat16"
+    on_old_gpu = _ctx(["train.device=auto"], platform=GPU_WITHOUT_BF16)
+    assert on_old_gpu.device == "cuda" and type(on_old_gpu.precision) is Fp32
+    # a bf16-only attention backend is checked against the resolved option: auto on a GPU
+    # without bf16 is fp32, which flash attention refuses, naming the precision to choose
+    with pytest.raises(Exception, match="precision=fp32 computes in float32"):
+        _ctx(["train.device=auto", "attention=flash_attention_2"], platform=GPU_WITHOUT_BF16)
+
+
+def test_a_default_run_trains_as_bf16_mixed(job):
+    """The same loss curve, to the bit, as ``precision=bf16_mixed``; and not fp32's."""
+    base = [o for o in with_fast([]) if not o.startswith("precision=")]
+    auto = job(base, fast=False)
+    mixed = job(base + ["precision=bf16_mixed"], fast=False)
+    fp32 = job(base + ["precision=fp32"], fast=False)
+    assert auto["choices"]["precision"] == "auto" and auto["resolved"] == {"precision": "bf16_mixed"}
+    assert mixed["resolved"] == {} and fp32["resolved"] == {}
+    assert auto["train"]["loss_curve"] == mixed["train"]["loss_curve"]
+    assert auto["train"]["loss_curve"] != fp32["train"]["loss_curve"]
+    assert "precision=auto (bf16_mixed)" in format_table(auto)
