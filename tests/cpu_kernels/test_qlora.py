@@ -164,3 +164,25 @@ def test_a_no_grad_pass_keeps_the_input_gradient(tmp_path):
     assert kept is not None and kept.abs().sum() > 0
     if bnb.nn.Linear4bit(8, 8).support_avx512bf16_for_cpu:  # this CPU has the fused kernel
         assert input_grad_after_a_no_grad_pass(keep=False) is None  # what memlab prevents
+
+
+def test_qlora_in_backward_trains_as_the_standard_step(job):
+    """optimizer.in_backward=true on the 4-bit base (no clipping): each adapter weight stepped
+    in its gradient hook gives the standard step's loss curve and adapters, to 1e-5; its
+    optimizer phase holds no gradient, the standard step's every adapter gradient."""
+    from memlab.trainer.checkpoint import read_weights
+
+    o = QLORA + ["train.max_grad_norm=null", "train.steps=3", "train.lr=1e-2",
+                 "train.save_final=true", "measure.memory_steps=1"]
+    std, inb = job(o), job(o + ["optimizer.in_backward=true"])
+    assert std["status"] == inb["status"] == "ok", (std["error"], inb["error"])
+    losses = std["train"]["loss_curve"]
+    assert losses[-1] < losses[0]  # it trained
+    assert inb["train"]["loss_curve"] == pytest.approx(losses, abs=1e-5)
+    w_std = read_weights(std["train"]["checkpoint"])
+    w_inb = read_weights(inb["train"]["checkpoint"])
+    assert w_std.keys() == w_inb.keys() and all("lora_" in k for k in w_std)
+    assert max(float((w_std[k] - w_inb[k]).abs().max()) for k in w_std) <= 1e-5
+    adapters = 4 * std["memory"]["models"]["policy"]["trainable"]  # float32 gradients
+    assert std["memory"]["by_phase_category"]["optimizer"]["gradients"] == adapters
+    assert inb["memory"]["by_phase_category"]["optimizer"]["gradients"] == 0

@@ -49,17 +49,31 @@ def step_in_backward(opt: torch.optim.Optimizer, params: list[nn.Parameter]
     parameter's param group holds that parameter alone, so the optimizer's own update runs on
     it with its own state, exactly as the standard step would after backward (per-parameter
     updates: AdamW, SGD, Adafactor, 8-bit AdamW). A tied weight (a head sharing the input
-    embedding) has one hook, called once its gradients from both uses are summed."""
-    where = {id(p): g for g in opt.param_groups for p in g["params"]}
+    embedding) has one hook, called once its gradients from both uses are summed. A
+    parameter's group is looked up by its index at each call: ``opt.load_state_dict`` (a
+    resumed run loads the state after the hooks are set) replaces the group dicts.
+
+    A torch optimizer left to its default implementation (``foreach=None``: on a CPU the
+    single-tensor loop, whose AdamW holds two parameter-sized temporaries, ``sqrt`` then the
+    division) runs its multi-tensor one for the call: on one parameter it holds one
+    temporary and gives the same floats (the same operations in the same order: AdamW and SGD
+    measured bit for bit on a CPU; on CUDA it is torch's default already). The group's
+    ``foreach`` is restored after the call: the state dict is the standard step's."""
+    where = {id(p): i for i, g in enumerate(opt.param_groups) for p in g["params"]}
 
     def hook(p: torch.Tensor) -> None:
-        group = where[id(p)]
+        group = opt.param_groups[where[id(p)]]
         every = group["params"]
+        default = "foreach" in group and group["foreach"] is None and not group.get("fused")
         group["params"] = [p]
+        if default:
+            group["foreach"] = True
         try:
             opt.step()
         finally:
             group["params"] = every
+            if default:
+                group["foreach"] = None
         p.grad = None
 
     return [p.register_post_accumulate_grad_hook(hook) for p in params if id(p) in where]
