@@ -6,7 +6,8 @@ Token level (:mod:`memlab.losses.token`):
   :func:`sequence_logps`, :func:`segment_logps` -- label log-probs per token, per (padded)
   sequence and per packed segment, without extra ``[..., V]`` copies.
 * :func:`chunked_linear_cross_entropy` / :class:`ChunkedCrossEntropy` -- cross-entropy of
-  ``hidden @ weight.T`` computed over token chunks, never materializing the ``[N, V]`` logits.
+  ``hidden @ weight.T`` computed over token chunks, never materializing the ``[N, V]`` logits;
+  :class:`TiedWeightGrad` hands its weight gradient to a tied input embedding's lookup.
 
 Preference / reward (:mod:`memlab.losses.preference`):
 
@@ -26,6 +27,7 @@ from memlab.losses.preference import (  # noqa: E402
 from memlab.losses.token import (  # noqa: E402
     ChunkedCrossEntropy,
     LinearCrossEntropyFunction,
+    TiedWeightGrad,
     chunked_linear_cross_entropy,
     forked_token_logps,
     segment_logps,
@@ -37,6 +39,7 @@ __all__ = [
     "IGNORE",
     "ChunkedCrossEntropy",
     "LinearCrossEntropyFunction",
+    "TiedWeightGrad",
     "bradley_terry_loss",
     "chunked_linear_cross_entropy",
     "dpo_loss",

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from memlab import registry
-from memlab.losses import IGNORE
+from memlab.losses import IGNORE, TiedWeightGrad
 from memlab.measure.data import DataStats
 from memlab.model.base import Head
 from memlab.registry import Option
@@ -235,6 +235,39 @@ def decoder_hidden(model, **inputs: Any) -> torch.Tensor:
     Methods run it through ``memlab.trainer.routing.call_inside`` so that it stays inside a
     distributed wrapper's forward."""
     return model.get_decoder()(**inputs, use_cache=False).last_hidden_state
+
+
+@contextlib.contextmanager
+def tied_head_grad(model: nn.Module, weight: torch.Tensor) -> Iterator[TiedWeightGrad | None]:
+    """Within the block, where the output head's ``weight`` (read by a chunked loss) is the
+    input embedding's (tied embeddings) and gets a gradient: the embedding module looks its
+    ids up through the yielded :class:`~memlab.losses.TiedWeightGrad`, which the loss hands
+    the weight's gradient to (``weight_grad_to``), so that backward keeps one weight-sized
+    gradient of it, not the head's, the embedding's and their sum. None (nothing changed)
+    where the weight is not tied, gets no gradient, or the embedding is not a plain
+    ``nn.Embedding`` with a dense gradient (an adapter, a scaled or quantized one) or already
+    has its forward replaced, and in a distributed run."""
+    embed = unwrap(model).get_input_embeddings()
+    # one process only: a sharded or replicated weight's gradient is the wrapper's to reduce
+    # (FSDP2 / DeepSpeed hooks; their runs use the standard loss by default anyway)
+    if not (torch.is_grad_enabled() and weight.requires_grad and type(embed) is nn.Embedding
+            and not torch.distributed.is_initialized()
+            and embed.weight is weight and embed.max_norm is None
+            and not embed.scale_grad_by_freq and not embed.sparse
+            and "forward" not in vars(embed)):
+        yield None
+        return
+    sink = TiedWeightGrad()
+
+    def forward(ids: torch.Tensor) -> torch.Tensor:
+        return sink.embedding(embed, ids)
+
+    # the instance's forward: the module's own hooks (the memory tracker's) run as before
+    embed.forward = forward  # type: ignore[method-assign,assignment]
+    try:
+        yield sink
+    finally:
+        del embed.forward
 
 
 LOSS_INDEX = "loss_index"

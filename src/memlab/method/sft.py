@@ -12,6 +12,7 @@ tokens itself) -> shifted labels per document -> (packing, by the pipeline) -> c
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ from memlab.method.base import (
     pad_batch,
     register,
     shifted_labels,
+    tied_head_grad,
 )
 from memlab.model.base import Head
 from memlab.registry import PositiveInt, Range
@@ -304,23 +306,28 @@ class SFT(Offline, LigerKnobs):
         """Summed token loss from the decoder's hidden states (at ``index`` only, when given)
         and the output head, never building the [tokens, vocab] logits (Liger's fused kernel,
         or memlab's chunked one)."""
-        hidden = decoder_hidden(model, **inputs)
-        hidden = hidden.reshape(-1, hidden.shape[-1])
-        if index is not None:
-            hidden = hidden.index_select(0, index)
         head = model.get_output_embeddings()
-        bias = getattr(head, "bias", None)
-        scale, softcap = head_post(model)
-        if scale != 1.0:  # (s h) W^T = s (h W^T): the model's own logit scale, before any cap
-            hidden = hidden * scale
-        if self.liger_loss():
-            from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+        # a tied weight (memlab's loss): the head's gradient of it goes to the embedding
+        # lookup's backward, which adds its rows in place: one weight-sized gradient alive
+        tying = contextlib.nullcontext() if self.liger_loss() else tied_head_grad(model,
+                                                                                 head.weight)
+        with tying as tied:
+            hidden = decoder_hidden(model, **inputs)
+            hidden = hidden.reshape(-1, hidden.shape[-1])
+            if index is not None:
+                hidden = hidden.index_select(0, index)
+            bias = getattr(head, "bias", None)
+            scale, softcap = head_post(model)
+            if scale != 1.0:  # (s h) W^T = s (h W^T): the model's logit scale, before any cap
+                hidden = hidden * scale
+            if self.liger_loss():
+                from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
-            loss_fn = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE, reduction="sum")
-            return loss_fn(head.weight, hidden, labels, bias)
-        return chunked_linear_cross_entropy(hidden, head.weight, labels, bias=bias,
-                                            chunk_size=self.chunk_size, reduction="sum",
-                                            logit_softcap=softcap)
+                loss_fn = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE, reduction="sum")
+                return loss_fn(head.weight, hidden, labels, bias)
+            return chunked_linear_cross_entropy(hidden, head.weight, labels, bias=bias,
+                                                chunk_size=self.chunk_size, reduction="sum",
+                                                logit_softcap=softcap, weight_grad_to=tied)
 
 
 def head_post(model) -> tuple[float, float | None]:

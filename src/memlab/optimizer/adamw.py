@@ -31,9 +31,10 @@ class AdamW(OptimizerKnobs):
     fused: bool = False
     """torch's fused kernel (TRL's ``optim="adamw_torch_fused"``; CPU and CUDA): each
     parameter updated in one pass, without the parameter-sized temporaries of torch's default
-    implementations (two for the largest parameter on CPU: with ``in_backward`` they sit at the
-    peak). The same update up to float rounding. false: torch's default (the multi-tensor
-    implementation on CUDA, the single-tensor loop on CPU)."""
+    implementations (two for the largest parameter on CPU; one with ``in_backward``, which
+    steps each parameter with the multi-tensor implementation: it sits at the peak). The same
+    update up to float rounding. false: torch's default (the multi-tensor implementation on
+    CUDA, the single-tensor loop on CPU)."""
 
     def validate(self, ctx: BuildContext) -> list[str]:
         return beta_errors(self.betas) + super().validate(ctx)

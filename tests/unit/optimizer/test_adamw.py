@@ -133,3 +133,40 @@ def test_fused_steps_without_temporaries_to_the_same_parameters():
     assert peaks[True] <= 4 * size + 4096  # weight, gradient, two moments (+ step scalars)
     assert peaks[False] >= peaks[True] + 2 * size  # torch's loop: sqrt, then the division
     torch.testing.assert_close(weights[True], weights[False], rtol=0, atol=1e-6)
+
+
+def test_in_backward_keeps_one_gradient_of_a_tied_weight(job):
+    """A head tied to the input embedding (SFT's chunked loss): the loss hands its gradient of
+    the weight to the embedding lookup's backward, which adds its rows in place, so that the
+    in-backward peak holds one weight-sized gradient of it, not the head's, the embedding's and
+    their sum (autograd's input buffer sums out of place under any dispatch mode, the memory
+    tracker's included). torch's default AdamW then steps it with one parameter-sized
+    temporary, not two (its multi-tensor implementation on the one parameter: the same
+    floats). The same loss curve and weights as the standard step. CPU bytes: exact."""
+    from memlab.trainer.checkpoint import read_weights
+
+    vocab, hidden = 16384, 64
+    tied = vocab * hidden * 4  # fp32: 4 MiB, most of the model
+    common = [*FIXED, "model.tie_word_embeddings=true", f"model.vocab_size={vocab}",
+              f"model.hidden_size={hidden}", "train.steps=2", "method.max_length=32",
+              "measure.memory_steps=all", "train.save_final=true"]
+    std = job(common)
+    fused = job([*common, "optimizer.in_backward=true", "optimizer.fused=true"])
+    loop = job([*common, "optimizer.in_backward=true"])  # torch's default implementation
+    for s in (std, fused, loop):
+        assert s["status"] == "ok", s["error"]
+    w_std = read_weights(std["train"]["checkpoint"])
+    for s in (fused, loop):
+        assert s["train"]["loss_curve"] == pytest.approx(std["train"]["loss_curve"], abs=1e-5)
+        w = read_weights(s["train"]["checkpoint"])
+        assert max(float((w_std[k] - w[k]).abs().max()) for k in w_std) <= 1e-5
+    params = std["memory"]["by_category"]["parameters"]
+    states = 2 * params  # AdamW's two moments, all of them from step 0's last hook on
+    # fused: the backward peak holds the head's gradient of the tied weight and the
+    # activations left (was: three weight-sized tensors)
+    back = fused["memory"]["by_phase_category"]["backward"]
+    assert back["gradients"] + back["activations"] < 1.5 * tied, back
+    # the default loop: the summed gradient and one temporary at its step (was: two)
+    back = loop["memory"]["by_phase_category"]["backward"]
+    assert back["gradients"] + back["activations"] + back["optimizer"] - states < 2.5 * tied, \
+        back
