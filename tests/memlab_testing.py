@@ -27,9 +27,10 @@ SWEEPS = REPO / "sweeps"
 :data:`CONF`; a wheel ships them as ``memlab/sweeps``)."""
 
 # Small, fast settings every in-process job starts from (tests add their own overrides).
-# precision=fp32: the default (auto) is bf16 mixed on a CPU, as TRL's; the tests compare numbers
-# (one technique on against off, a run against an estimate) in fp32, where they are exact. The
-# default itself is tested by tests/unit/precision/test_auto.py and the README run's test.
+# precision=fp32: the default (auto) is bf16 mixed on a CPU with bf16 kernels; the tests compare
+# numbers (a technique on against off, a run against an estimate) in fp32, where they are exact. The
+# default itself runs in tests/unit/precision/test_auto.py and in the command-line tests that
+# leave precision alone (test_install, test_cli).
 FAST = [
     "train.device=cpu",
     "precision=fp32",

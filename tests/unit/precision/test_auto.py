@@ -1,7 +1,7 @@
-"""precision=auto, the default: bf16 mixed precision (TRL's default, ``bf16=True``) on the CPU
-and on a GPU with bf16 kernels, fp32 on a GPU without them. It resolves once, when the run is
-validated: every rule and every builder sees the option it stands for, and a default run trains
-exactly as an explicit ``precision=bf16_mixed`` one does."""
+"""precision=auto, the default: bf16 mixed precision (TRL's default, ``bf16=True``) where the
+device has bf16 kernels (a GPU with them, a CPU with oneDNN's), fp32 where it has not. It
+resolves once, when the run is validated: every rule and every builder sees the option it
+stands for, and a default run trains exactly as the explicit option does."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from memlab.precision.fp32 import Fp32
 from memlab_testing import FAST, compose, with_fast
 
 GPU_WITHOUT_BF16 = Platform(cuda=True, gpus=1, bf16=False)
+CPU_WITH_BF16 = Platform(cpu_bf16=True)
 
 
 def _ctx(overrides: list[str], platform: Platform | None = None):
@@ -33,9 +34,11 @@ def test_auto_is_the_default():
 
 
 @pytest.mark.parametrize(("device", "platform", "expected"), [
-    ("cpu", Platform(), Bf16Mixed),
+    ("cpu", CPU_WITH_BF16, Bf16Mixed),
+    ("cpu", Platform(cpu_bf16=False), Fp32),
     ("cuda", Platform.cuda_machine(gpus=1), Bf16Mixed),
     ("cuda", GPU_WITHOUT_BF16, Fp32),
+    ("cuda", Platform(cuda=True, gpus=1, bf16=True, cpu_bf16=False), Bf16Mixed),
 ])
 def test_auto_resolves_for_the_device(device, platform, expected):
     chosen = Auto().resolved(device, platform)
@@ -44,7 +47,7 @@ def test_auto_resolves_for_the_device(device, platform, expected):
 
 
 def test_the_run_context_holds_the_resolved_option():
-    ctx = _ctx(["train.device=auto"])
+    ctx = _ctx(["train.device=auto"], platform=CPU_WITH_BF16)
     assert ctx.device == "cpu" and type(ctx.precision) is Bf16Mixed
     assert ctx.precision.compute_dtype_name() == "bfloat16"
     on_old_gpu = _ctx(["train.device=auto"], platform=GPU_WITHOUT_BF16)
@@ -55,14 +58,17 @@ def test_the_run_context_holds_the_resolved_option():
         _ctx(["train.device=auto", "attention=flash_attention_2"], platform=GPU_WITHOUT_BF16)
 
 
-def test_a_default_run_trains_as_bf16_mixed(job):
-    """The same loss curve, to the bit, as ``precision=bf16_mixed``; and not fp32's."""
+def test_a_default_run_trains_as_the_option_auto_stands_for_here(job):
+    """On this machine's CPU: the same loss curve, to the bit, as the explicit option, and not
+    the other one's; the record keeps the choice and says what it stood for."""
+    here = Auto().resolved("cpu", Platform.detect()).name
+    other = "fp32" if here == "bf16_mixed" else "bf16_mixed"
     base = [o for o in with_fast([]) if not o.startswith("precision=")]
     auto = job(base, fast=False)
-    mixed = job(base + ["precision=bf16_mixed"], fast=False)
-    fp32 = job(base + ["precision=fp32"], fast=False)
-    assert auto["choices"]["precision"] == "auto" and auto["resolved"] == {"precision": "bf16_mixed"}
-    assert mixed["resolved"] == {} and fp32["resolved"] == {}
-    assert auto["train"]["loss_curve"] == mixed["train"]["loss_curve"]
-    assert auto["train"]["loss_curve"] != fp32["train"]["loss_curve"]
-    assert "precision=auto (bf16_mixed)" in format_table(auto)
+    same = job(base + [f"precision={here}"], fast=False)
+    different = job(base + [f"precision={other}"], fast=False)
+    assert auto["choices"]["precision"] == "auto" and auto["resolved"] == {"precision": here}
+    assert same["resolved"] == {} and different["resolved"] == {}
+    assert auto["train"]["loss_curve"] == same["train"]["loss_curve"]
+    assert auto["train"]["loss_curve"] != different["train"]["loss_curve"]
+    assert f"precision=auto ({here})" in format_table(auto)
