@@ -19,7 +19,7 @@ pytestmark = pytest.mark.integration
 # fixed: packing (not exact) and padding-free rows; the default (4 rows a micro-batch, the
 # chunked loss, checkpointing every layer: ~90 MiB) fits only with smaller micro-batches
 BASE = ["packing=none", "method.padding_free=false"]
-BUDGET = 75 * 2**20
+BUDGET = 60 * 2**20
 N = 18  # checkpointing (3) x micro-batch (4x1, 2x2, 1x4) x loss (2)
 STEPS = 6
 
@@ -28,7 +28,7 @@ STEPS = 6
 def searched(tmp_path_factory):
     out = tmp_path_factory.mktemp("fit")
     record = fit(BASE, FitOptions(budget_bytes=BUDGET, measure=3, steps=STEPS, jobs=2), out,
-                 ["--budget", "75MiB", *BASE])
+                 ["--budget", "60MiB", *BASE])
     default = run_once(BASE, STEPS, out / "default")
     return out, record, default
 
@@ -83,7 +83,7 @@ def test_sigterm_stops_the_search_and_leaves_a_partial_fit_json(tmp_path):
     import signal
 
     out = tmp_path / "fit"
-    proc = subprocess.Popen([sys.executable, "-m", "memlab", "fit", "--budget", "75MiB",
+    proc = subprocess.Popen([sys.executable, "-m", "memlab", "fit", "--budget", "60MiB",
                              "--estimate-only", "--jobs", "2", "--out", str(out), *BASE],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     seen = []

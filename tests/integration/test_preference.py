@@ -118,8 +118,8 @@ def test_reference_modes_same_loss_and_their_memory_cost(job):
     # every reference is the initial policy: the first step's loss is the same in all modes
     first = {n: s["train"]["loss_curve"][0] for n, s in runs.items()}
     assert first["copy"] == pytest.approx(math.log(2), rel=1e-6)  # policy == reference
-    for n in first:
-        assert first[n] == pytest.approx(first["copy"], rel=1e-6), first
+    for n in first:  # other code paths sum the same log-probs in another order: fp32 round-off
+        assert first[n] == pytest.approx(first["copy"], rel=1e-5), first
     assert runs["adapter_disabled"]["train"]["loss_curve"] == pytest.approx(
         runs["copy"]["train"]["loss_curve"], rel=1e-5)
     # the cost: a frozen copy's weights show up as "parameters"; the others keep none

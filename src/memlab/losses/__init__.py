@@ -24,10 +24,10 @@ from memlab.losses.preference import (  # noqa: E402
     kto_kl_estimate,
     kto_loss,
 )
+from memlab.losses.tied import TiedWeightGrad  # noqa: E402
 from memlab.losses.token import (  # noqa: E402
     ChunkedCrossEntropy,
     LinearCrossEntropyFunction,
-    TiedWeightGrad,
     chunked_linear_cross_entropy,
     forked_token_logps,
     segment_logps,

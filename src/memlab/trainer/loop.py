@@ -35,6 +35,7 @@ from memlab.measure.profile import phase_label, profiled
 from memlab.trainer import checkpoint
 from memlab.trainer.batch import Batch, BatchStream
 from memlab.trainer.evaluate import Evaluator
+from memlab.trainer import optim
 from memlab.trainer.optim import build_scheduler, step_in_backward
 
 if TYPE_CHECKING:
@@ -290,7 +291,7 @@ class Trainer:
             self.scaler.step(self.opt)
             self.scaler.update()
         else:
-            self.opt.step()
+            optim.step(self.opt)
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)
         return gnorm

@@ -62,18 +62,46 @@ def step_in_backward(opt: torch.optim.Optimizer, params: list[nn.Parameter]
     where = {id(p): i for i, g in enumerate(opt.param_groups) for p in g["params"]}
 
     def hook(p: torch.Tensor) -> None:
-        group = opt.param_groups[where[id(p)]]
-        every = group["params"]
-        default = "foreach" in group and group["foreach"] is None and not group.get("fused")
-        group["params"] = [p]
-        if default:
-            group["foreach"] = True
-        try:
-            opt.step()
-        finally:
-            group["params"] = every
-            if default:
-                group["foreach"] = None
+        _step_one(opt, opt.param_groups[where[id(p)]], p)
         p.grad = None
 
     return [p.register_post_accumulate_grad_hook(hook) for p in params if id(p) in where]
+
+
+def _default_impl(group: dict) -> bool:
+    """A torch optimizer's group left to its default implementation (``foreach`` None, not
+    fused): on a CPU torch's single-tensor loop."""
+    return "foreach" in group and group["foreach"] is None and not group.get("fused")
+
+
+def _step_one(opt: torch.optim.Optimizer, group: dict, p: torch.Tensor) -> None:
+    """``opt``'s update of ``p`` alone (its group holding only ``p`` for the call), with the
+    multi-tensor implementation where the group is left to the default."""
+    every, default = group["params"], _default_impl(group)
+    group["params"] = [p]
+    if default:
+        group["foreach"] = True
+    try:
+        opt.step()
+    finally:
+        group["params"] = every
+        if default:
+            group["foreach"] = None
+
+
+def step(opt: torch.optim.Optimizer) -> None:
+    """The standard step after backward: ``opt.step()``, except where every group is a torch
+    optimizer's at its default implementation on CPU tensors. There torch's single-tensor loop
+    makes two temporaries of each parameter's size (AdamW's ``exp_avg_sq.sqrt()``, then the
+    division), so the peak of a step holds two copies of the largest parameter over every
+    gradient and state; each parameter is stepped alone with the multi-tensor code instead,
+    which makes one, with the same floats (as in :func:`step_in_backward`)."""
+    groups = opt.param_groups
+    if not all(_default_impl(g) for g in groups) or any(
+            p.device.type != "cpu" for g in groups for p in g["params"]):
+        opt.step()
+        return
+    for group in groups:
+        for p in list(group["params"]):
+            if p.grad is not None:
+                _step_one(opt, group, p)

@@ -170,3 +170,38 @@ def test_in_backward_keeps_one_gradient_of_a_tied_weight(job):
     back = loop["memory"]["by_phase_category"]["backward"]
     assert back["gradients"] + back["activations"] + back["optimizer"] - states < 2.5 * tied, \
         back
+
+
+def test_the_standard_cpu_step_makes_one_temporary_with_the_same_floats(job):
+    """torch's default AdamW on CPU tensors (the single-tensor loop) makes two temporaries of
+    each parameter's size; memlab steps each parameter alone with the multi-tensor code: one
+    temporary, bit for bit the same parameters."""
+    import copy
+
+    from torch import nn
+
+    from memlab.trainer import optim
+
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(64, 256), nn.Linear(256, 64))
+    b = copy.deepcopy(a)
+    oa = torch.optim.AdamW(a.parameters(), lr=1e-2, weight_decay=0.1)
+    ob = torch.optim.AdamW(b.parameters(), lr=1e-2, weight_decay=0.1)
+    for _ in range(4):
+        x = torch.randn(8, 64)
+        for m in (a, b):
+            m(x).square().sum().backward()
+        oa.step()
+        optim.step(ob)
+        oa.zero_grad()
+        ob.zero_grad()
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+    assert ob.param_groups[0]["foreach"] is None  # the state dict is the standard step's
+
+    common = [*FIXED, "train.steps=2", "measure.memory_steps=all", "method.max_length=32",
+              "model.hidden_size=128", "model.intermediate_size=384"]
+    s = job(common)
+    params = s["memory"]["by_category"]["parameters"]
+    in_step = s["memory"]["by_phase_category"]["optimizer"]["optimizer"]
+    head = 4096 * 128 * 4  # the largest parameter: the output head (untied), fp32
+    assert head <= in_step - 2 * params < 2 * head  # two moments + one temporary
