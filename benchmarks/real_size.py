@@ -5,7 +5,9 @@ Qwen2.5-1.5B-Instruct for the LoRA / 8-bit rows) built with random weights on bo
 same way (memlab's ``model=tiny`` with the config's sizes, ``arch=qwen2``, tied embeddings,
 vocab 151,936; TRL gets the very model memlab's loader builds, same seed, same weights; the
 parameter count is checked against ``AutoModelForCausalLM.from_config`` of the shipped
-config.json), fp32, sdpa, gradient checkpointing, ``--rows`` rows of ``--length`` tokens with a
+config.json), fp32 weights trained in bf16 mixed precision (both defaults: memlab's
+``precision=auto``, TRL's ``bf16=True``; the ``fp32_both`` row trains both in fp32), sdpa,
+gradient checkpointing, ``--rows`` rows of ``--length`` tokens with a
 label on every token (plain text, memlab's shipped tokenizer; both sides tokenize each row to
 the same first ``--length`` ids, checked), batch = all rows, lr 2e-5 cosine, AdamW's defaults.
 TRL 1.16's ``SFTTrainer`` reads memlab's batch order through its sampler.
@@ -84,10 +86,8 @@ CASES = [
     Case("default", "Qwen2.5-0.5B", [], {}, "both defaults (AdamW, clipping at 1.0)"),
     Case("lora", "Qwen2.5-0.5B", ["peft=lora"], {"lora": True},
          "LoRA r 16, all linear layers; both defaults otherwise", need_gib=6),
-    Case("fp32_both", "Qwen2.5-0.5B", [], {"bf16": False},
-         "both in fp32 (TRL with bf16=False: its default trains under bf16 autocast)"),
-    Case("bf16_mixed_both", "Qwen2.5-0.5B", ["precision=bf16_mixed"], {},
-         "both in bf16 mixed precision (memlab precision=bf16_mixed; TRL's default)"),
+    Case("fp32_both", "Qwen2.5-0.5B", ["precision=fp32"], {"bf16": False},
+         "both in fp32 (memlab precision=fp32, TRL bf16=False; both defaults are bf16 mixed)"),
     Case("no_clip", "Qwen2.5-0.5B", NOCLIP, {"max_grad_norm": None},
          "no clipping (the reference of the in-backward rows)"),
     Case("in_backward", "Qwen2.5-0.5B", EXACT, {"max_grad_norm": None},
@@ -368,6 +368,31 @@ def report(s: Settings, cases: list[Case], res: Results, params: dict[str, int]
             "transformers": _version("transformers"), "bitsandbytes": _version("bitsandbytes")}
 
 
+def trl_from(rep: dict[str, Any], path: Path) -> None:
+    """Fill each row without a TRL memory run from ``path``'s row of the same case and the same
+    TRL configuration (TRL's side of a case does not change with memlab's code), marked
+    ``trl_memory_from``; the ratios are recomputed."""
+    old = json.loads(path.read_text())
+    before = {r["case"]: r for r in old.get("rows", [])}
+    default = (before.get("default") or {}).get("trl_peak_mib")
+    for row in rep["rows"]:
+        prev = before.get(row["case"])
+        if row.get("trl_peak_mib") is not None or not prev or prev.get("trl") != row["trl"] \
+                or prev.get("trl_peak_mib") is None:
+            continue
+        for key in ("trl_peak_mib", "trl_by_category_mib", "trl_losses"):
+            row[key] = prev.get(key)
+        row["trl_memory_from"] = f"{path.name}: TRL {old.get('trl')}, torch {old.get('torch')}"
+        if row.get("memlab_peak_mib"):
+            row["peak_ratio"] = round(row["memlab_peak_mib"] / row["trl_peak_mib"], 3)
+            if default and row["model"] == "Qwen2.5-0.5B":
+                row["peak_ratio_vs_trl_default"] = round(row["memlab_peak_mib"] / default, 3)
+        if row.get("floor_mib"):
+            row["trl_over_floor_mib"] = round(row["trl_peak_mib"] - row["floor_mib"], 1)
+        if row.get("memlab_losses") and row.get("trl_losses"):
+            row["dloss0"] = round(abs(row["memlab_losses"][0] - row["trl_losses"][0]), 5)
+
+
 def _version(name: str) -> str | None:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -446,6 +471,8 @@ def main() -> None:
     ap.add_argument("--only", default=None, help="comma-separated case names")
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--skip-speed", action="store_true")
+    ap.add_argument("--speed", default=None,
+                    help="comma-separated cases to time (default: every case run)")
     ap.add_argument("--curves", action="store_true", help="8-bit AdamW's 50-step loss curves")
     ap.add_argument("--out", default=str(REPO / "benchmarks/results/real_size.json"))
     ap.add_argument("--workdir", default=None)
@@ -453,6 +480,10 @@ def main() -> None:
                     help="take the runs an earlier invocation finished in --workdir")
     ap.add_argument("--sides", default="memlab,trl",
                     help="the sides to run (runs reused with --reuse are kept either way)")
+    ap.add_argument("--trl-from", default=None,
+                    help="an earlier results file: TRL's memory numbers of the cases not run "
+                         "on TRL's side now (the same TRL configuration) are taken from it, "
+                         "and the row says so")
     ap.add_argument("--job", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.job:
@@ -496,7 +527,8 @@ def main() -> None:
             res.memory[f"{side}:{c.name}"] = run(side, s, c, data["path"], "memory", work,
                                                  "mem", log, reuse=a.reuse, sides=sides)
     if not a.skip_speed:
-        fast = [c for c in cases if c.speed and c.trl is not None]
+        fast = [c for c in cases if c.speed and c.trl is not None
+                and (not a.speed or c.name in a.speed.split(","))]
         for rnd in range(s.rounds):
             for i, c in enumerate(fast if rnd % 2 == 0 else list(reversed(fast))):
                 sides = ["memlab", "trl"] if (rnd + i) % 2 == 0 else ["trl", "memlab"]
@@ -506,6 +538,8 @@ def main() -> None:
     if a.curves:
         res.curves = curves(s, data["path"], work, log)
     rep = report(s, cases, res, params)
+    if a.trl_from:
+        trl_from(rep, Path(a.trl_from))
     if previous:  # --only: the other cases' rows stay as they were measured
         names = {r["case"] for r in rep["rows"]}
         rep["rows"] = [r for r in previous.get("rows", []) if r["case"] not in names] + \
