@@ -93,6 +93,11 @@ CASES = [
     Case("in_backward", "Qwen2.5-0.5B", EXACT, {"max_grad_norm": None},
          "exact options: in-backward step, chunked loss, labelled head; no clipping",
          reference="no_clip"),
+    Case("in_backward_chunk512", "Qwen2.5-0.5B", [*EXACT, "method.chunk_size=512"],
+         {"max_grad_norm": None},
+         "exact options + the chunked loss over 512 tokens a chunk (the default 1024 is both "
+         "rows at once: one [1024, vocab] fp32 chunk, 594 MiB, beside the head's gradient in "
+         "forward)", reference="no_clip"),
     Case("in_backward_fused", "Qwen2.5-0.5B", [*EXACT, "optimizer.fused=true"],
          {"max_grad_norm": None, "optim": "adamw_torch_fused"},
          "exact options + torch's fused AdamW kernel, no temporaries in a parameter's step "
@@ -369,25 +374,28 @@ def report(s: Settings, cases: list[Case], res: Results, params: dict[str, int]
 
 
 def trl_from(rep: dict[str, Any], path: Path) -> None:
-    """Fill each row without a TRL memory run from ``path``'s row of the same case and the same
-    TRL configuration (TRL's side of a case does not change with memlab's code), marked
+    """Fill each row without a TRL memory run from ``path``'s row with the same model and the
+    same TRL configuration (TRL's side does not change with memlab's code), marked
     ``trl_memory_from``; the ratios are recomputed."""
     old = json.loads(path.read_text())
-    before = {r["case"]: r for r in old.get("rows", [])}
-    default = (before.get("default") or {}).get("trl_peak_mib")
+
+    def key(r: dict[str, Any]) -> str:
+        return json.dumps([r["model"], r["trl"]], sort_keys=True)
+
+    before = {key(r): r for r in old.get("rows", []) if r.get("trl_peak_mib") is not None}
+    default = (before.get(json.dumps(["Qwen2.5-0.5B", {}])) or {}).get("trl_peak_mib")
     for row in rep["rows"]:
-        prev = before.get(row["case"])
-        if row.get("trl_peak_mib") is not None or not prev or prev.get("trl") != row["trl"] \
-                or prev.get("trl_peak_mib") is None:
-            continue
-        for key in ("trl_peak_mib", "trl_by_category_mib", "trl_losses"):
-            row[key] = prev.get(key)
-        row["trl_memory_from"] = f"{path.name}: TRL {old.get('trl')}, torch {old.get('torch')}"
-        if row.get("memlab_peak_mib"):
+        prev = before.get(key(row)) if row.get("trl") is not None else None
+        if row.get("trl_peak_mib") is None and prev:
+            for k in ("trl_peak_mib", "trl_by_category_mib", "trl_losses"):
+                row[k] = prev.get(k)
+            row["trl_memory_from"] = (f"{path.name} ({prev['case']}): TRL {old.get('trl')}, "
+                                      f"torch {old.get('torch')}")
+        if row.get("memlab_peak_mib") and row.get("trl_peak_mib"):
             row["peak_ratio"] = round(row["memlab_peak_mib"] / row["trl_peak_mib"], 3)
-            if default and row["model"] == "Qwen2.5-0.5B":
-                row["peak_ratio_vs_trl_default"] = round(row["memlab_peak_mib"] / default, 3)
-        if row.get("floor_mib"):
+        if row.get("memlab_peak_mib") and default and row["model"] == "Qwen2.5-0.5B":
+            row["peak_ratio_vs_trl_default"] = round(row["memlab_peak_mib"] / default, 3)
+        if row.get("floor_mib") and row.get("trl_peak_mib"):
             row["trl_over_floor_mib"] = round(row["trl_peak_mib"] - row["floor_mib"], 1)
         if row.get("memlab_losses") and row.get("trl_losses"):
             row["dloss0"] = round(abs(row["memlab_losses"][0] - row["trl_losses"][0]), 5)
