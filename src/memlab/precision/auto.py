@@ -20,7 +20,7 @@ The run records the option it resolved to (``summary.json``'s ``config.precision
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 from memlab.precision.base import Dtypes, Precision, register
 from memlab.precision.bf16_mixed import Bf16Mixed
@@ -33,12 +33,8 @@ if TYPE_CHECKING:
 @register("auto")
 @dataclass(kw_only=True)
 class Auto(Dtypes):
-    """No knobs; :meth:`resolved` picks the option."""
-
-    param_dtype: ClassVar[str] = "float32"
-    autocast_dtype: ClassVar[str | None] = None
-    needs_scaler: ClassVar[bool] = False
-    cuda_only: ClassVar[bool] = False
+    """No knobs; :meth:`resolved` picks the option (the dtypes are :class:`Dtypes`' defaults,
+    never read: a run sees the resolved option)."""
 
     def resolved(self, device: str, platform: Platform) -> Precision:
         has_bf16 = platform.bf16 if device.startswith("cuda") else platform.cpu_bf16
