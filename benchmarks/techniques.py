@@ -635,7 +635,10 @@ def main() -> None:
     speed_over = ["measure.memory=false"]
 
     def run_memlab(c: Config, mode: str, tag: str) -> dict:
-        over = common + c.memlab + {"memory": mem_over, "speed": speed_over,
+        # TRL's side trains in fp32 unless a configuration says bf16: memlab's default
+        # (precision=auto) would be bf16 mixed on a CPU or GPU with bf16 kernels
+        pin = [] if any(o.startswith("precision=") for o in c.memlab) else ["precision=fp32"]
+        over = common + pin + c.memlab + {"memory": mem_over, "speed": speed_over,
                                     "profile": [*speed_over,
                                                 f"measure.profile_step={prof_step}"]}[mode]
         r = mw.run({"mode": mode, "overrides": over, "dir": str(work / "runs"),

@@ -4,16 +4,13 @@ backward, which adds its rows into it in place (:class:`TiedWeightGrad`)."""
 
 from __future__ import annotations
 
-from typing import Any, TypeAlias
-
 import torch
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
-__all__ = ["TiedWeightGrad"]
+from memlab.losses.token import AutogradCtx
 
-AutogradCtx: TypeAlias = Any
-"""A custom autograd function's ``ctx`` (as in :mod:`memlab.losses.token`)."""
+__all__ = ["TiedWeightGrad"]
 
 
 class TiedWeightGrad:

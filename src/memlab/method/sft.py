@@ -79,8 +79,12 @@ class SFT(Offline, LigerKnobs):
     DDP / FSDP2 runs with it are off by up to 7%): standard there. Measured at real size
     (Qwen2.5-0.5B, ``benchmarks/real_size.py``): the logits are ~600 MiB a copy at vocab
     151,936."""
-    chunk_size: PositiveInt = 1024
-    """Tokens per chunk for loss_impl=chunked."""
+    chunk_size: PositiveInt | None = None
+    """Tokens per chunk for loss_impl=chunked. None (the default): 1024, fewer where a chunk's
+    fp32 ``[chunk, vocab]`` block would pass 2**26 elements (256 MiB): 441 tokens at Qwen2.5's
+    vocabulary (151,936), 523 at Llama 3's (vocabularies up to 65,536 keep 1024). A chunk's
+    logits and their gradient are the loss's working memory; at Qwen2.5's vocabulary 1024
+    tokens cost 593 MiB (measured at real size)."""
     head_on: Literal["labelled", "all"] = "labelled"
     """labelled: the output head (and the loss) runs only at the positions that carry a label,
     which the collator lists; prompt and padding positions get no logits. The same loss and
@@ -147,8 +151,8 @@ class SFT(Offline, LigerKnobs):
         if self.pad_to_multiple_of is not None and self.pad_to_multiple_of <= 0:
             errors.append("method.pad_to_multiple_of must be a positive integer or null")
         errors += self.liger_errors(ctx)
-        if self.chunked(ctx) and self.chunk_size <= 0:
-            errors.append("method.chunk_size must be positive")
+        if self.chunked(ctx) and self.chunk_size is not None and self.chunk_size <= 0:
+            errors.append("method.chunk_size must be positive or null")
         return errors
 
     # ------------------------------------------------------------------ data

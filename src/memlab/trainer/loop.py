@@ -32,10 +32,9 @@ from memlab import faults
 from memlab.measure.memory import MemoryProbe
 from memlab.measure.outcome import NonFiniteLoss
 from memlab.measure.profile import phase_label, profiled
-from memlab.trainer import checkpoint
+from memlab.trainer import checkpoint, optim
 from memlab.trainer.batch import Batch, BatchStream
 from memlab.trainer.evaluate import Evaluator
-from memlab.trainer import optim
 from memlab.trainer.optim import build_scheduler, step_in_backward
 
 if TYPE_CHECKING:

@@ -422,3 +422,21 @@ def test_chunked_ce_peak_memory_is_lower_at_large_vocab() -> None:
     budget = (n * h + v * h) * f32 + 2 * chunk * v * f32 + 64 * 1024
     assert chunk_peak - inputs <= budget
     assert chunk_peak < 0.3 * std_peak
+
+
+def test_chunked_ce_default_chunk_is_1024_tokens_capped_at_256_mib() -> None:
+    """The default chunk: 1024 tokens up to a vocabulary of 65,536 (the same peak as an explicit
+    1024), fewer beyond it, so that one fp32 ``[chunk, V]`` block stays at 2**26 elements
+    (at vocab 2**17 the default's working memory is half of a 1024-token chunk's)."""
+    f32, n, h = 4, 2048, 4
+
+    def work(v: int, chunk: int | None) -> int:
+        inputs, peak = _peak_bytes(
+            lambda x, w, y: chunked_linear_cross_entropy(x, w, y, chunk_size=chunk), n, h, v)
+        return peak - inputs - (n * h + v * h) * f32  # less the inputs and their gradients
+
+    assert work(4096, None) == work(4096, 1024)
+    big = 1 << 17
+    default, whole = work(big, None), work(big, 1024)
+    assert (1 << 26) * f32 <= default <= 1.1 * (1 << 26) * f32
+    assert whole >= 2 * (1 << 26) * f32
