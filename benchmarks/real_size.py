@@ -387,8 +387,8 @@ def trl_from(rep: dict[str, Any], path: Path) -> None:
         if row.get("trl_peak_mib") is None and prev:
             for k in ("trl_peak_mib", "trl_by_category_mib", "trl_losses"):
                 row[k] = prev.get(k)
-            row["trl_memory_from"] = (f"{path.name} ({prev['case']}): TRL {old.get('trl')}, "
-                                      f"torch {old.get('torch')}")
+            row["trl_memory_from"] = prev.get("trl_memory_from") or (  # (the run's origin)
+                f"{path.name} ({prev['case']}): TRL {old.get('trl')}, torch {old.get('torch')}")
         if row.get("memlab_peak_mib") and row.get("trl_peak_mib"):
             row["peak_ratio"] = round(row["memlab_peak_mib"] / row["trl_peak_mib"], 3)
         if row.get("memlab_peak_mib") and default and row["model"] == "Qwen2.5-0.5B":
@@ -435,17 +435,18 @@ def markdown(rep: dict[str, Any]) -> str:
 
 def curves(s: Settings, data: str, work: Path, log) -> dict[str, Any]:
     """50 steps of memlab's default model (tiny) with fp32 and 8-bit AdamW, and TRL's
-    adamw_torch and adamw_bnb_8bit, on the same rows (4 a step); the largest step-by-step loss
-    differences."""
+    adamw_torch and adamw_bnb_8bit, on the same rows (4 a step), every run in fp32; the largest
+    step-by-step loss differences."""
     tiny = Settings(**{**asdict(s), "rows": 4})
     got: dict[str, list[float]] = {}
+    fp32 = ["precision=fp32"]  # both sides in fp32: the curves differ by the optimizer only
     for name, memlab, trl in (
-            ("memlab_adamw", [], None),
-            ("memlab_adamw_8bit", ["optimizer=adamw_8bit"], None),
-            ("memlab_adamw_8bit_emb32", ["optimizer=adamw_8bit",
+            ("memlab_adamw", fp32, None),
+            ("memlab_adamw_8bit", [*fp32, "optimizer=adamw_8bit"], None),
+            ("memlab_adamw_8bit_emb32", [*fp32, "optimizer=adamw_8bit",
                                          "optimizer.embedding_states_32bit=true"], None),
-            ("trl_adamw", None, {}),
-            ("trl_adamw_8bit", None, {"optim": "adamw_bnb_8bit"})):
+            ("trl_adamw", None, {"bf16": False}),
+            ("trl_adamw_8bit", None, {"optim": "adamw_bnb_8bit", "bf16": False})):
         case = Case(name, "tiny", memlab or [], trl, "", need_gib=2, kernels=True)
         r = run("memlab" if trl is None else "trl", tiny, case, data, "speed", work, "c50",
                 log, steps=50, knobs=DEFAULT_MODEL)
