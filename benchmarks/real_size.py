@@ -438,6 +438,9 @@ def curves(s: Settings, data: str, work: Path, log) -> dict[str, Any]:
     adamw_torch and adamw_bnb_8bit, on the same rows (4 a step), every run in fp32; the largest
     step-by-step loss differences."""
     tiny = Settings(**{**asdict(s), "rows": 4})
+    # rows for 50 steps of 4 in one epoch (TRL's sampler repeats memlab's first permutation)
+    (work / "curves").mkdir(exist_ok=True)
+    data = prepare_data(tiny, work / "curves")["path"]
     got: dict[str, list[float]] = {}
     fp32 = ["precision=fp32"]  # both sides in fp32: the curves differ by the optimizer only
     for name, memlab, trl in (
