@@ -106,6 +106,10 @@ CASES = [
          "them)", kernels=True),
     Case("1.5b_lora", "Qwen2.5-1.5B", ["peft=lora"], {"lora": True},
          "Qwen2.5-1.5B, LoRA, both defaults otherwise", need_gib=10),
+    Case("1.5b_lora_fp32_both", "Qwen2.5-1.5B", ["peft=lora", "precision=fp32"],
+         {"lora": True, "bf16": False}, "Qwen2.5-1.5B, LoRA, both in fp32 (memlab's default "
+         "on a CPU without bf16 kernels, where TRL's bf16 default is emulated)", need_gib=10,
+         speed=False),
     Case("1.5b_8bit_in_backward", "Qwen2.5-1.5B", ["optimizer=adamw_8bit", *EXACT], None,
          "Qwen2.5-1.5B, 8-bit AdamW in backward (memlab only: TRL's 8-bit run holds every "
          "gradient, ~17 GiB with the model)", need_gib=13, kernels=True, speed=False),
