@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from memlab.losses.tied import TiedWeightGrad
-from memlab.losses.token import AutogradCtx, _acc_dtype, _chunks, tokens_per_chunk
+from memlab.losses.token import AutogradCtx, acc_dtype, token_chunks, tokens_per_chunk
 
 __all__ = ["ChunkedCrossEntropy", "LinearCrossEntropyFunction", "chunked_linear_cross_entropy"]
 
@@ -62,14 +62,14 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         n, device = hidden.shape[0], hidden.device
         need_h, need_w, need_b = need_grads
         need_any = need_h or need_w or need_b
-        acc = _acc_dtype(hidden.dtype)
+        acc = acc_dtype(hidden.dtype)
         loss = torch.zeros((), dtype=acc, device=device)
         grad_h = torch.empty_like(hidden) if need_h else None
         w_acc_dtype = acc if grad_weight_fp32 else weight.dtype
         grad_w = torch.zeros(weight.shape, dtype=w_acc_dtype, device=device) if need_w else None
         grad_b = torch.zeros(weight.shape[0], dtype=acc, device=device) if need_b else None
         w_t = weight.t()
-        for s, e in _chunks(n, chunk_size):
+        for s, e in token_chunks(n, chunk_size):
             h = hidden[s:e]
             lab = labels[s:e]
             valid = lab != ignore_index

@@ -67,12 +67,13 @@ def _as_3d(x: Tensor) -> Tensor:
     return x.reshape(-1, x.shape[-2], x.shape[-1])  # rare: >3-D and strided (may copy)
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """Accumulation dtype: fp32 for half / bf16 / fp32 inputs, fp64 for fp64."""
     return torch.promote_types(dtype, torch.float32)
 
 
-def _chunks(n: int, size: int) -> list[tuple[int, int]]:
+def token_chunks(n: int, size: int) -> list[tuple[int, int]]:
+    """``(start, end)`` of consecutive chunks of ``size`` over ``n`` tokens (the last shorter)."""
     return [(s, min(s + size, n)) for s in range(0, n, size)]
 
 
@@ -89,10 +90,10 @@ class _TokenLogps(torch.autograd.Function):
         valid = labels != ignore_index
         safe = labels.masked_fill(~valid, 0)
         x3 = _as_3d(logits)
-        acc = _acc_dtype(logits.dtype)
+        acc = acc_dtype(logits.dtype)
         lse = torch.empty(x3.shape[:-1], dtype=acc, device=logits.device)
         for b in range(x3.shape[0]):
-            for s, e in _chunks(x3.shape[1], chunk_tokens):
+            for s, e in token_chunks(x3.shape[1], chunk_tokens):
                 torch.logsumexp(x3[b, s:e].to(acc), dim=-1, out=lse[b, s:e])
         lse = lse.view(labels.shape)
         target = logits.gather(-1, safe.unsqueeze(-1)).squeeze(-1).to(acc)
@@ -119,7 +120,7 @@ class _TokenLogps(torch.autograd.Function):
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         grad3 = grad.view(x3.shape)
         for b in range(x3.shape[0]):
-            for s, e in _chunks(x3.shape[1], ctx.chunk_tokens):
+            for s, e in token_chunks(x3.shape[1], ctx.chunk_tokens):
                 p = (x3[b, s:e].to(lse.dtype) - lse3[b, s:e]).exp_()
                 p.mul_(-g3[b, s:e])
                 p.scatter_add_(-1, lab3[b, s:e], g3[b, s:e])
@@ -238,7 +239,7 @@ def segment_logps(
             f"segment_ids {tuple(segment_ids.shape)} and labels {tuple(labels.shape)} differ"
         )
     if logits_or_logps.shape == labels.shape:
-        per_token = logits_or_logps.to(_acc_dtype(logits_or_logps.dtype))
+        per_token = logits_or_logps.to(acc_dtype(logits_or_logps.dtype))
     elif logits_or_logps.shape[:-1] == labels.shape:
         per_token = token_logps(logits_or_logps, labels, ignore_index, chunk_tokens)
     else:
