@@ -139,7 +139,8 @@ PIECES: tuple[Piece, ...] = (
                                               "offload=activations"),
              "saved activations to pinned host memory", (), "no offload", 1e-4, "no offload"))),
     Piece("precision", "bf16, bf16_mixed and fp16_mixed (loss scaler) against fp32", 2, (
-        Case("fp32", SMALL), *(Case(p, SMALL + (f"precision={p}",), "", (), "fp32", 3e-2)
+        # the reference pins fp32: SMALL leaves precision=auto, which is bf16_mixed on a GPU
+        Case("fp32", SMALL + ("precision=fp32",)), *(Case(p, SMALL + (f"precision={p}",), "", (), "fp32", 3e-2)
                                for p in ("bf16_mixed", "bf16", "fp16_mixed")))),
     Piece("varlen", "torch's varlen attention on packed rows (sdpa, eager) against "
           "transformers' block-diagonal mask", 1.5, (
