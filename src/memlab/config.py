@@ -4,6 +4,7 @@ for (:class:`Platform`). The context every builder reads is :mod:`memlab.context
 from __future__ import annotations
 
 import difflib
+import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Literal
@@ -302,24 +303,27 @@ class Platform:
     cpu_bf16: bool = False
     """oneDNN's bf16 kernels on this CPU (AVX-512 or AMX on x86, the BF16 extension on Arm):
     without them a bf16 matmul runs a reference loop (measured 58x slower than fp32 on an
-    AVX2-only CPU)."""
+    AVX2-only CPU). ``MEMLAB_CPU_BF16=1|0`` overrides the detection (:data:`CPU_BF16_ENV`)."""
+    cpu_bf16_env: str | None = None
+    """``MEMLAB_CPU_BF16``'s value where it is set (what :attr:`cpu_bf16` then says, instead of
+    the detection); None where unset."""
     assume_installed: frozenset[str] = frozenset()
     """Packages counted as installed whether or not they are (a hypothetical machine)."""
+    detected: bool = False
+    """This machine, read by :meth:`detect` (not a platform given for a hypothetical machine)."""
     triton_interpret: bool = False
     """Triton interprets its kernels on the CPU (``TRITON_INTERPRET=1`` in the environment the
     process started with: Triton reads it when it is imported)."""
 
     @classmethod
     def detect(cls) -> Platform:
-        import os
-
         import torch
 
         cuda = torch.cuda.is_available()
         return cls(cuda=cuda, gpus=torch.cuda.device_count() if cuda else 0,
                    bf16=bool(cuda and torch.cuda.is_bf16_supported()),
-                   cpu_bf16=_cpu_bf16(),
-                   triton_interpret=os.environ.get("TRITON_INTERPRET") == "1")
+                   cpu_bf16=_cpu_bf16(), cpu_bf16_env=os.environ.get(CPU_BF16_ENV) or None,
+                   detected=True, triton_interpret=os.environ.get("TRITON_INTERPRET") == "1")
 
     @classmethod
     def cuda_machine(cls, gpus: int = 0) -> Platform:
@@ -336,9 +340,28 @@ class Platform:
         return None if module in self.assume_installed else _guards.missing(module, what)
 
 
+CPU_BF16_ENV = "MEMLAB_CPU_BF16"
+"""``MEMLAB_CPU_BF16=1`` / ``0``: take this CPU as one with / without bf16 kernels, whatever it
+has (what ``precision=auto`` resolves to on a CPU: ``bf16_mixed`` / ``fp32``). For a run that
+must not depend on the machine (the test suite, a benchmark repeated on other CPUs). Recorded
+in summary.json (``device.cpu_bf16_env``)."""
+
+
+def cpu_bf16_env_problems() -> list[str]:
+    """A :data:`CPU_BF16_ENV` value other than 1 or 0 (checked with the configuration)."""
+    value = os.environ.get(CPU_BF16_ENV)
+    if value and value not in ("0", "1"):
+        return [f"{CPU_BF16_ENV}={value!r}: set it to 1 (this CPU has bf16 kernels) or 0 (it has "
+                "not), or unset it to detect them"]
+    return []
+
+
 def _cpu_bf16() -> bool:
     """Whether oneDNN has bf16 kernels on this CPU (torch's own check, the one its mkldnn
-    matmuls take; False where the build has no such check)."""
+    matmuls take; False where the build has no such check), unless :data:`CPU_BF16_ENV` says."""
+    forced = os.environ.get(CPU_BF16_ENV)
+    if forced in ("0", "1"):
+        return forced == "1"
     import torch
 
     try:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from memlab import faults
-from memlab.config import MeasureConfig, Platform, TrainConfig, trl_hint
+from memlab.config import MeasureConfig, Platform, TrainConfig, cpu_bf16_env_problems, trl_hint
 from memlab.registry import GROUPS, ConfigErrors, Option, build, from_mapping
 
 if TYPE_CHECKING:
@@ -160,6 +160,7 @@ def validate(cfg: Any, run_dir: Path | str = ".", choices: Mapping[str, str] | N
     errors += train.eval_errors(ctx)
     errors += measure.errors(train)
     errors += faults.problems()  # a test hook left in the environment would hang the run
+    errors += cpu_bf16_env_problems()
     if errors:
         raise ConfigErrors(errors)
     return ctx

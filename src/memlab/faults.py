@@ -1,5 +1,5 @@
-"""Fault injection for memlab's reliability tests: two explicit, documented environment variables
-read at a few named points of a run. Nothing else in memlab reads them, and unset (always, outside
+"""Fault injection for memlab's reliability tests, and the test suite's guard: explicit,
+documented environment variables read at a few named points of a run. Nothing else in memlab reads them, and unset (always, outside
 tests) a point costs one dictionary lookup.
 
 ``MEMLAB_PAUSE_AT=<point>``
@@ -9,6 +9,12 @@ tests) a point costs one dictionary lookup.
     and then releases the run, so the run is at a known place without any sleep or timing luck.
 ``MEMLAB_FAULT_AT=<point>``
     At ``<point>`` the run raises :class:`InjectedFault` (a crash stand-in: status ``failed``).
+
+``MEMLAB_TEST_EVENTS=<dir>``
+    The test suite's guard (tests/conftest.py): at a few named events a process appends one line,
+    ``<event>``, to ``<dir>/<pid>.events``, so the suite can tell which test made a process (its
+    own, or one it spawned) resolve ``precision=auto`` on this machine's CPU (``precision=auto``)
+    or build a run's pipeline (``pipeline``). It changes nothing a run does.
 
 ``MEMLAB_PAUSE_AT`` without ``MEMLAB_PAUSE_DIR`` (a hook left in a shell's environment) would
 wait forever for a file nobody creates: a run refuses it before anything loads
@@ -31,6 +37,7 @@ from pathlib import Path
 PAUSE_AT = "MEMLAB_PAUSE_AT"
 PAUSE_DIR = "MEMLAB_PAUSE_DIR"
 FAULT_AT = "MEMLAB_FAULT_AT"
+EVENTS = "MEMLAB_TEST_EVENTS"
 
 
 class InjectedFault(RuntimeError):
@@ -46,6 +53,18 @@ def problems() -> list[str]:
                 f"{point} (a test hook of memlab's reliability suite, memlab/faults.py); unset "
                 f"{PAUSE_AT}, or set {PAUSE_DIR} to the directory where a test releases it"]
     return []
+
+
+def note(event: str) -> None:
+    """Record ``event`` for the test suite's guard (``MEMLAB_TEST_EVENTS``); nothing when unset."""
+    where = os.environ.get(EVENTS)
+    if not where:
+        return
+    try:
+        with open(Path(where) / f"{os.getpid()}.events", "a") as f:
+            f.write(event + "\n")
+    except OSError:  # the suite's dir is gone (a process that outlived its test): nothing to tell
+        pass
 
 
 def reach(point: str) -> None:

@@ -36,9 +36,12 @@ from memlab_testing import REPO
 
 pytestmark = pytest.mark.integration
 
+# precision=fp32 pinned: the default (auto) is bf16 mixed on a CPU with bf16 kernels and fp32 on
+# one without; these tests compare estimates with runs in fp32 (cases that test a precision add
+# their own, which wins: Hydra keeps the last value of a group)
 SHAPE = ["model.hidden_size=128", "model.intermediate_size=384", "model.num_layers=2",
          "train.batch_size=2", "data.n_examples=32", "data.median_tokens=3000",
-         "train.device=cpu", "train.progress=false"]
+         "train.device=cpu", "train.progress=false", "precision=fp32"]
 LEN = ["method.max_length=256"]
 REAL = ["measure.memory_steps=all", "train.steps=2"]
 NO_GC = ["train.gradient_checkpointing=false"]
@@ -251,7 +254,7 @@ def test_hf_model_estimate_matches_real_run(job, tmp_path, hf_files, case):
     overrides = ["model=hf", f"model.name_or_path={hf_files[arch]}", "model.local_files_only=true",
                  "data=local", f"data.path={hf_files['data']}", f"method.max_length={length}",
                  f"method.loss_on={loss_on}", "method.head_on=all", "method.padding_mask=always",
-                 "train.batch_size=2", "train.device=cpu",
+                 "train.batch_size=2", "train.device=cpu", "precision=fp32",
                  "train.progress=false", *NO_GC, *extra]
     est = _estimate(tmp_path, overrides)
     real = job(overrides + REAL, fast=False)
@@ -366,7 +369,7 @@ def test_online_estimates_move_the_right_way(tmp_path):
     assert longer["batch"]["shapes"]["input_ids"] == [8, 64 + 48]
     # one row per prompt: the prompt once, its 4 completions after it
     assert shared["batch"]["shapes"]["input_ids"] == [2, 64 + 4 * 16]
-    assert shared["by_category"]["activations"] < base["by_category"]["activations"]
+    assert_sharing_saves(shared, base)
     assert more["batch"]["shapes"]["input_ids"] == [16, 64 + 16]
     # more rows: a larger prefill and KV cache in generate; longer or more rows: a larger
     # training batch (the generate phase of this tiny model peaks in its prefill)
@@ -379,6 +382,42 @@ def test_online_estimates_move_the_right_way(tmp_path):
     assert kl["by_category"]["optimizer"] == base["by_category"]["optimizer"]
     assert "reference" in kl["model"]["extra_models"]
     assert any("generation: every completion runs to 16" in a for a in base["assumptions"])
+
+
+def forward_activations(est: dict) -> int:
+    """The activations at the forward phase's peak: their own peak in that phase (nothing else
+    changes in it), the saved activations and the forward's temporaries. ``by_category`` is
+    read at the run's overall peak instead, whose instant moves with the layout."""
+    return est["by_phase_category"]["forward"]["activations"]
+
+
+def assert_sharing_saves(shared: dict, unshared: dict) -> None:
+    """Each prompt stored once (256 tokens instead of 8 x 80): a lower peak, a lower peak in
+    every training phase, fewer activations in forward."""
+    assert shared["peak_bytes"] < unshared["peak_bytes"]
+    for ph in ("forward", "backward"):
+        assert shared["by_phase"][ph] < unshared["by_phase"][ph], ph
+    assert forward_activations(shared) < forward_activations(unshared)
+
+
+def test_online_shared_prompt_saves_memory_under_bf16_mixed(tmp_path):
+    """Issue 41: under bf16 mixed the shared-prompt estimate's ``by_category["activations"]``
+    (7,975,612 B) is above the unshared one's (6,239,932 B), and a real run tracks the same
+    bytes; yet sharing saves memory. The two numbers are read at different instants: the
+    shared rows peak at the start of backward (the output head's fp32 ``[128, vocab]``
+    gradient temporaries, which both layouts have, before any weight gradient exists), the
+    unshared rows later, in the last layer's backward over 640 tokens with 3,081,728 B of
+    weight gradients alive. At the shared peak's instant the unshared run holds 8,720,188 B
+    of activations, its most (744,576 B more, the saved activations of 384 more tokens). In
+    fp32 the shared run peaks in the optimizer step (9,264 B of activations there), so the
+    old comparison of ``by_category`` held there by chance."""
+    o = SHAPE + ["method=grpo", *ONLINE, "precision=bf16_mixed"]
+    shared = _estimate(tmp_path, o + ["method.share_prompt=true"])
+    unshared = _estimate(tmp_path, o + ["method.share_prompt=false"])
+    assert_sharing_saves(shared, unshared)
+    # the peaks' instants: before the weight gradients (shared) and among them (unshared)
+    assert shared["peak_at"]["phase"] == unshared["peak_at"]["phase"] == "backward"
+    assert shared["by_category"]["gradients"] == 0 < unshared["by_category"]["gradients"]
 
 
 def test_a_colocated_vllm_engine_is_counted_as_its_own_category(tmp_path):
@@ -527,7 +566,7 @@ def test_python_m_memlab_mode_estimate(tmp_path):
 
 LLAMA_1B = ["model.hidden_size=2048", "model.num_layers=16", "model.num_heads=32",
             "model.num_kv_heads=8", "model.intermediate_size=8192", "model.vocab_size=32000",
-            "method.max_length=2048", "train.batch_size=4", "packing=none"]
+            "method.max_length=2048", "train.batch_size=4", "packing=none", "precision=fp32"]
 
 
 @pytest.mark.slow

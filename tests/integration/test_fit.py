@@ -18,7 +18,7 @@ pytestmark = pytest.mark.integration
 
 # fixed: packing (not exact) and padding-free rows; the default (4 rows a micro-batch, the
 # chunked loss, checkpointing every layer: ~90 MiB) fits only with smaller micro-batches
-BASE = ["packing=none", "method.padding_free=false"]
+BASE = ["packing=none", "method.padding_free=false", "precision=fp32"]
 BUDGET = 64 * 2**20
 N = 18  # checkpointing (3) x micro-batch (4x1, 2x2, 1x4) x loss (2)
 STEPS = 6

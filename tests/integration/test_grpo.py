@@ -16,11 +16,18 @@ LEARN = ["method=grpo", "method.rewards=[memlab_testing:reward_low_ids]",
 
 
 def test_grpo_learns_a_reward_and_measures_generation(job):
-    s = job(LEARN + ["train.steps=14", "train.lr=5e-2", "measure.memory_steps=1"])
+    s = job(LEARN + ["train.steps=20", "train.lr=5e-2", "measure.memory_steps=1"])
     assert s["status"] == "ok", s["error"]
     reward = s["train"]["curves"]["reward"]
-    assert len(reward) == 14
-    # ~0.5 at random; the policy learns to emit the rewarded half of the vocabulary
+    assert len(reward) == 20
+    # ~0.5 at random; the policy learns to emit the rewarded half of the vocabulary. Measured
+    # (fp32, train.seed 0-9, each on AVX-512 kernels and on AVX2 ones, ATEN_CPU_CAPABILITY=avx2
+    # ONEDNN_MAX_CPU_ISA=AVX2): first-3 mean 0.48-0.54. At 14 steps the last-3 mean was >= 0.996
+    # in 17 of the 20 runs but 0.84-0.85 in 3 still climbing (seed 0 on AVX-512 only, seed 2 on
+    # both): the window sat mid-climb, where the kernels' rounding decides. At 20 steps all 20
+    # runs end at exactly 1.0; the slowest was last below 1.0 at step 17 (its curve 3 steps
+    # later would still average > 0.94). Untrained (lr 1e-9, seeds 0-4, both kernels): every
+    # step 0.43-0.61, last-3 mean 0.47-0.53.
     assert sum(reward[:3]) / 3 < 0.7 and sum(reward[-3:]) / 3 > 0.9, reward
     lengths = s["train"]["curves"]["completions/mean_length"]
     assert all(0 < n <= 8 for n in lengths)

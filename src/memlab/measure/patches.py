@@ -53,6 +53,26 @@ from typing import Any
 
 _MISSING = object()
 
+GLOBAL_TARGETS: tuple[tuple[str, str], ...] = (
+    ("torch.distributed._tools.mod_tracker", "register_multi_grad_hook"),
+    ("transformers.generation.utils", "StopCheck.__call__"),
+    ("transformers.masking_utils", "find_packed_sequence_indices"),
+    ("transformers.masking_utils", "_ignore_causal_mask_sdpa"),
+    ("torch", "set_num_threads"),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine.__init__"),
+    ("deepspeed.runtime.zero.stage_1_and_2", "is_invalid_grad_norm"),
+    ("deepspeed.runtime.zero.stage3", "is_invalid_grad_norm"),
+    ("deepspeed.runtime.bf16_optimizer", "is_invalid_grad_norm"),
+    ("deepspeed.runtime.fp16.unfused_optimizer", "is_invalid_grad_norm"),
+    ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.has_overflow"),
+    ("deepspeed.runtime.utils", "CheckOverflow.has_overflow"),
+    ("deepspeed.runtime.zero.utils", "get_lst_from_rank0"),
+)
+"""(module, attribute path) of every module-level or class attribute the scoped patches below
+replace for a block and put back: the test suite checks after each test that each is as it
+was (tests/conftest.py). The instance patches (a model's forward, a layer's flag) and
+:func:`skip_deepspeed_shm_comm` (a DeepSpeed rank's process, for good) are not listed."""
+
 
 class PatchTargetMissing(RuntimeError):
     """A third-party attribute memlab patches is not where memlab expects it."""

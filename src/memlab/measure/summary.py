@@ -193,9 +193,13 @@ def versions() -> dict[str, str]:
 def device_info(device: str) -> dict[str, Any]:
     import torch
 
+    from memlab.config import CPU_BF16_ENV
+
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     info = _device_info(device, torch)
     info["visible_devices"] = visible
+    if os.environ.get(CPU_BF16_ENV):  # the CPU's bf16 kernels taken as said, not detected
+        info["cpu_bf16_env"] = os.environ[CPU_BF16_ENV]
     return info
 
 

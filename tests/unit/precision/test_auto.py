@@ -58,6 +58,27 @@ def test_the_run_context_holds_the_resolved_option():
         _ctx(["train.device=auto", "attention=flash_attention_2"], platform=GPU_WITHOUT_BF16)
 
 
+def test_memlab_cpu_bf16_overrides_the_detection(monkeypatch):
+    """MEMLAB_CPU_BF16=1|0 decides what precision=auto is on any CPU; another value is refused
+    with the configuration; the run's record says it was set (device.cpu_bf16_env)."""
+    from memlab.measure.summary import device_info
+
+    for value, expected in (("1", Bf16Mixed), ("0", Fp32)):
+        monkeypatch.setenv("MEMLAB_CPU_BF16", value)
+        platform = Platform.detect()
+        assert platform.cpu_bf16 is (value == "1") and platform.cpu_bf16_env == value
+        assert type(_ctx(["train.device=cpu"]).precision) is expected
+        assert device_info("cpu")["cpu_bf16_env"] == value
+    monkeypatch.setenv("MEMLAB_CPU_BF16", "yes")
+    with pytest.raises(Exception, match="MEMLAB_CPU_BF16='yes': set it to 1"):
+        _ctx(["train.device=cpu"])
+    monkeypatch.delenv("MEMLAB_CPU_BF16")
+    assert Platform.detect().cpu_bf16_env is None and "cpu_bf16_env" not in device_info("cpu")
+
+
+@pytest.mark.pipeline
+@pytest.mark.auto_precision("the default run as this machine's CPU resolves it, against the "
+                            "option it stands for")
 def test_a_default_run_trains_as_the_option_auto_stands_for_here(job):
     """On this machine's CPU: the same loss curve, to the bit, as the explicit option, and not
     the other one's; the record keeps the choice and says what it stood for."""
