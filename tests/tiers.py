@@ -1,0 +1,66 @@
+"""The test suite's tiers: which command runs which tests (issue 41).
+
+Each tier is a pytest marker expression; together they select every test exactly once, whatever
+markers it carries (``tests/unit/core/test_tiers.py`` checks it over every combination, and the
+collection refuses a test outside its tier's folder). ``pytest`` with no arguments runs the
+``check`` tier (``addopts`` in pyproject.toml); ``scripts/test.sh`` (``make test``, CI) runs
+every tier with the expression printed by ``python tests/tiers.py <tier>``, which replaces the
+one in ``addopts`` (the last ``-m`` wins).
+
+- ``check``: builds no pipeline and answers in seconds; ``make check`` (with ruff and mypy) is
+  the inner loop. Enforced at run time (tests/conftest.py): a test of this tier fails when it
+  builds a pipeline (its own process or one it spawns) or takes over :data:`CHECK_LIMIT_S`.
+- ``main``: runs, estimates, sweeps, launches (``pipeline``: every test outside tests/unit, and
+  the tests in tests/unit marked so), and ``slow`` ones.
+- ``cpu_kernels``: Liger in Triton's interpreter, bitsandbytes on CPU (their own packages,
+  tests/cpu_kernels); ``vllm``: vLLM's own environment (tests/generation); ``gpu``: a CUDA
+  device (tests/gpu; skipped with the reason on a CPU).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import PurePosixPath
+
+MARKERS = ("pipeline", "slow", "cpu_kernels", "vllm", "gpu")
+"""The markers the tiers are drawn on."""
+
+TIERS: dict[str, str] = {
+    "check": "not (pipeline or slow or gpu or vllm or cpu_kernels)",
+    "main": "(pipeline or slow) and not (gpu or vllm or cpu_kernels)",
+    "cpu_kernels": "cpu_kernels and not (gpu or vllm)",
+    "vllm": "vllm and not gpu",
+    "gpu": "gpu",
+}
+"""Tier -> its marker expression, in the order ``make test`` runs them."""
+
+FOLDER: dict[str, str] = {"cpu_kernels": "tests/cpu_kernels", "vllm": "tests/generation"}
+"""The tiers that run in their own environment collect only their folder (a collection of the
+whole suite there would import every test module): a test of theirs must live in it."""
+
+UNIT = "tests/unit"
+"""Tests outside this folder build pipelines: they are marked ``pipeline`` at collection."""
+
+CHECK_LIMIT_S = 5.0
+"""The longest a ``check`` test may take (its call, on 2 loaded cores)."""
+
+
+def tier_of(markers: set[str]) -> list[str]:
+    """The tiers whose expression selects a test with these markers (one, by construction)."""
+    from _pytest.mark.expression import Expression
+
+    return [name for name, expr in TIERS.items()
+            if Expression.compile(expr).evaluate(lambda m, **_: m in markers)]
+
+
+def folder_problem(path: str, tier: str) -> str | None:
+    """Why a test at ``path`` (relative to the repo) cannot be in ``tier``, or None."""
+    folder = FOLDER.get(tier)
+    if folder and not PurePosixPath(path).is_relative_to(folder):
+        return (f"{path}: a {tier} test runs in its own environment, which collects {folder} "
+                "alone; move it there")
+    return None
+
+
+if __name__ == "__main__":  # scripts/test.sh: the expression of a tier
+    print(TIERS[sys.argv[1]])
