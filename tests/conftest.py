@@ -38,10 +38,12 @@ SHARED = None if "MEMLAB_TEST_SHARED" in os.environ else tempfile.mkdtemp(
 if SHARED is not None:
     os.environ["MEMLAB_TEST_SHARED"] = SHARED
 
-ENV_PREFIXES = ("MEMLAB_", "WANDB_", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "TRITON_", "CUDA_",
-                "OMP_", "MASTER_", "VLLM_", "PYTORCH_")
-ENV_NAMES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "PYTHONPATH")
-"""The environment variables memlab (and the libraries it drives) read."""
+ENV_PREFIXES = ("MEMLAB_", "WANDB_", "HF_")
+ENV_NAMES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+             "PYTHONPATH", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM",
+             "TRITON_INTERPRET", "VLLM_ENABLE_V1_MULTIPROCESSING")
+"""The environment variables memlab reads (a library setting one of its own on import, as
+DeepSpeed sets PYTORCH_NVML_BASED_CUDA_CHECK, is not a test's leak)."""
 
 
 def pytest_configure(config):
@@ -57,7 +59,7 @@ def pytest_collection_modifyitems(config, items):
     problems = []
     for item in items:
         rel = Path(str(item.path)).resolve().relative_to(REPO).as_posix()
-        if not rel.startswith(UNIT + "/"):
+        if not rel.startswith(UNIT + "/") or item.get_closest_marker("integration"):
             item.add_marker("pipeline")
         markers = {m.name for m in item.iter_markers()} & set(MARKERS)
         tiers = tier_of(markers)
@@ -76,6 +78,17 @@ TIER = pytest.StashKey[str]()
 
 def _tier(item) -> str:
     return item.stash.get(TIER, "main")
+
+
+@pytest.fixture(scope="module")
+def no_cpu_bf16():
+    """``MEMLAB_CPU_BF16=0`` for a module: ``precision=auto`` is fp32 on any CPU, as on an
+    AVX2-only one. For tests that validate or build configurations whose precision does not
+    matter to what they check (``pytestmark = pytest.mark.usefixtures("no_cpu_bf16")``, set
+    up before the module's own fixtures)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MEMLAB_CPU_BF16", "0")
+        yield
 
 
 # --- the guard --------------------------------------------------------------------------------
@@ -207,7 +220,7 @@ def _events() -> list[str]:
 
 @pytest.fixture(autouse=True)
 def _guard(request):
-    _events()  # a process that outlived an earlier test
+    # the events since the last test ended belong to this one (its module fixtures' setup)
     before = global_state()
     yield
     problems = []

@@ -197,8 +197,14 @@ class WandbRun:
         return {"option": "wandb", **self.described}
 
     def finish(self, summary: dict[str, Any]) -> None:
+        import wandb
+
         self.run.summary.update(measurements(summary))
         self.run.finish(exit_code=0 if summary.get("status") == "ok" else 1)
+        # the service this process started ends with the run: it would outlive the job, and
+        # WANDB_SERVICE (where it listens) would lead every process started later from here,
+        # the next job of an in-process sweep among them, into the ended run's service
+        wandb.teardown()
 
 
 # ------------------------------------------------------------------------------ names

@@ -95,6 +95,7 @@ def test_documents_are_traced_with_their_truncation():
             assert doc.notes == [] and doc.end - doc.start == full
 
 
+@pytest.mark.pipeline
 def test_converted_and_skipped_rows_are_reported(tmp_path, capsys):
     rows = [{"conversations": [{"from": "human", "value": f"question {i}"},
                                {"from": "gpt", "value": f"answer {i}"}]} for i in range(3)]

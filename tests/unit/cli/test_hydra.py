@@ -10,6 +10,8 @@ import pytest
 
 from memlab_testing import CONF, SWEEPS, compose
 
+pytestmark = pytest.mark.usefixtures("no_cpu_bf16")
+
 METHODS = sorted(p.stem for p in (CONF / "method").glob("*.yaml"))
 DATA = sorted(p.stem for p in (CONF / "data").glob("*.yaml"))
 

@@ -13,6 +13,8 @@ import pytest
 
 from memlab.cli import lengths as L
 
+pytestmark = pytest.mark.usefixtures("no_cpu_bf16")
+
 WORDS = ("apple banana cherry river mountain planet garden window silver yellow orange "
          "quiet rapid gentle castle harbor").split()
 
@@ -82,6 +84,7 @@ def test_hydra_flags_split_off_and_default_candidates():
     assert L.default_candidates(10) == [128]
 
 
+@pytest.mark.pipeline
 def test_local_jsonl_exact(tmp_path, monkeypatch):
     from memlab.model.tiny import Tiny
 
@@ -135,6 +138,7 @@ def test_local_jsonl_exact(tmp_path, monkeypatch):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.pipeline
 def test_sharded_tokenization_is_identical(tmp_path):
     from memlab.cli.compose import compose
     from memlab.context import validate
@@ -201,6 +205,7 @@ def test_bad_config_exits_2(tmp_path, capsys):
     assert L.main(["data=nope", "--out", str(tmp_path)]) == 2
 
 
+@pytest.mark.pipeline
 def test_embedded_default_heavy_tail(tmp_path):
     code = L.main(["--out", str(tmp_path), "--no-plot"])
     assert code == 0

@@ -387,6 +387,7 @@ def test_invalid_reason_kept_in_table_and_csv(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------ outputs / CLI
 
 
+@pytest.mark.slow
 def test_main_writes_reports_and_plots(sweep: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import matplotlib.image as mpimg
     import pandas as pd

@@ -68,6 +68,7 @@ def _wide_sweep(root: Path) -> Path:
     return sweep
 
 
+@pytest.mark.slow
 def test_the_html_report_fits_a_1280px_window_in_a_real_browser(tmp_path: Path) -> None:
     from playwright.sync_api import sync_playwright
 

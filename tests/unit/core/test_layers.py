@@ -25,6 +25,7 @@ Protocols, so the types point both ways while the code points one way. They are 
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -70,10 +71,17 @@ def _type_checking(test: ast.expr) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
+@functools.cache
+def parsed(path: Path) -> ast.Module:
+    """Each module parsed once for every test of this file (the check tier's 5 s each)."""
+    return ast.parse(path.read_text())
+
+
+@functools.cache
 def imports(path: Path, type_only: bool = False) -> list[tuple[str, int, bool]]:
     """Every memlab module ``path`` imports at run time: (name, line, inside a function); with
     ``type_only``, those it imports for annotations only (under ``if TYPE_CHECKING:``)."""
-    tree = ast.parse(path.read_text())
+    tree = parsed(path)
     in_function: set[int] = set()
     for_types: set[int] = set()
     for node in ast.walk(tree):
@@ -207,7 +215,7 @@ def test_no_memlab_module_is_patched():
     ``module.attr = ...`` on an imported memlab module)."""
     bad = []
     for path in sorted(SRC.rglob("*.py")):
-        tree = ast.parse(path.read_text())
+        tree = parsed(path)
         memlab_aliases = set()
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("memlab"):

@@ -9,6 +9,8 @@ from memlab.context import resolved_options, validate
 from memlab.registry import GROUPS, ConfigErrors, build, options
 from memlab_testing import CONF, FAST, SWEEPS, compose
 
+pytestmark = pytest.mark.usefixtures("no_cpu_bf16")
+
 GPU_ONLY = {
     ("attention", "flash_attention_2"), ("attention", "flash_attention_3"),
     ("attention", "kernels"), ("attention", "flex_attention"),
@@ -117,6 +119,7 @@ def test_experiment_configs_compose_and_validate():
         assert ctx.method.name in ("sft", "dpo", "reward", "kto")
 
 
+@pytest.mark.slow
 def test_every_point_of_every_shipped_sweep_validates():
     """The ready sweeps (sweeps/*.yaml, ``memlab -m sweep=<name>``): each point of the
     sweeper's grid, composed with ``sweep=<name>`` (so with the sweep's own settings), passes

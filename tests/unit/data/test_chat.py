@@ -405,6 +405,7 @@ def _spans(mask):
 # ------------------------------------------------------------------------------ SFT end to end
 
 
+@pytest.mark.pipeline
 def test_sft_trains_on_exactly_the_assistant_tokens_of_a_marker_free_template(tmp_path, job):
     """``model.tokenizer=<dir>`` whose template has no generation markers (Qwen-style, default
     system prompt): the default ``loss_on=completion`` run trains, and the tokens its data

@@ -136,6 +136,7 @@ def test_source_configs_are_validated():
         assert needle in text, text
 
 
+@pytest.mark.pipeline
 def test_a_mixture_run_records_rows_per_source(job, sources):
     chat, hub = sources["chat"], sources["hub"]
     s = job(["data=mixture", "train.steps=1",

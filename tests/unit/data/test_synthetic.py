@@ -181,6 +181,7 @@ def test_generation_is_fast():
 
 
 # -- lengths under the shipped tokenizer ---------------------------------------------------------
+@pytest.mark.slow
 def test_chat_lengths_are_heavy_tailed(tok):
     rows = synthetic.generate_chat(1000, seed=0)
     lengths = _lengths(tok, [r["messages"] for r in rows])
@@ -195,6 +196,7 @@ def _content_lengths(tok, rows: list[dict], key: str) -> list[int]:
     return [len(ids) + 2 for ids in tok(texts, add_special_tokens=False)["input_ids"]]
 
 
+@pytest.mark.slow
 def test_text_and_preference_lengths(tok):
     texts = [r["text"] for r in synthetic.generate_text(300, seed=0)]
     lengths = [len(ids) for ids in tok(texts, add_special_tokens=False)["input_ids"]]

@@ -307,6 +307,7 @@ def test_unsplittable_rows_are_refused_by_default_and_skipped_and_counted_on_req
         "skipped": 2, "first": ["line 5", "line 10"], "reason": tally.skip_reason}
 
 
+@pytest.mark.pipeline
 def test_skipped_and_templated_rows_in_a_run_summary(job, tmp_path):
     """A run on Qwen3-style data: multi-turn rows train through the training template, a row
     the template cannot render alone... is skipped (on_unsplittable=skip), and the summary says

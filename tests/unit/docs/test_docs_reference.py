@@ -55,6 +55,7 @@ def test_a_new_field_appears_with_type_default_range_and_help():
     assert list(rows) == ["`inherited`", "`chunk`", "`mode`", "`names`"]
 
 
+@pytest.mark.slow
 def test_every_option_and_every_field_is_in_the_reference(configs):
     from memlab import config, registry
 

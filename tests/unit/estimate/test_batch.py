@@ -22,6 +22,8 @@ from memlab.method.base import layout_shapes
 from memlab.trainer.batch import Batch, Segments
 from memlab_testing import compose
 
+pytestmark = [pytest.mark.pipeline, pytest.mark.usefixtures("no_cpu_bf16")]
+
 TINY = ["model.hidden_size=64", "model.intermediate_size=128", "model.num_layers=2",
         "train.batch_size=3"]
 LEN = ["method.max_length=64"]

@@ -11,6 +11,8 @@ import pytest
 from memlab.cli.compose import compose
 from memlab.estimate import EstimateOptions, estimate
 
+pytestmark = [pytest.mark.pipeline, pytest.mark.usefixtures("no_cpu_bf16")]
+
 TINY = ["model.hidden_size=64", "model.intermediate_size=128", "model.num_layers=2",
         "model.num_heads=4", "model.num_kv_heads=2", "train.batch_size=1",
         "data.seed=1", "data.median_tokens=150", "data.n_examples=2", "train.progress=false"]

@@ -9,6 +9,9 @@ from memlab.estimate import EstimateOptions
 SMALL = ["method.max_length=256", "train.batch_size=2"]
 
 
+pytestmark = [pytest.mark.pipeline, pytest.mark.usefixtures("no_cpu_bf16")]
+
+
 @pytest.fixture(scope="module")
 def estimates():
     runs = {}

@@ -19,6 +19,8 @@ from memlab.cli.compose import compose
 from memlab.estimate import EstimateOptions, estimate
 from memlab.estimate.layers import MIN_DEPTH, _labels, _line
 
+pytestmark = [pytest.mark.pipeline, pytest.mark.usefixtures("no_cpu_bf16")]
+
 TINY = ["model.hidden_size=32", "model.intermediate_size=64", f"model.num_layers={MIN_DEPTH}",
         "model.num_heads=4", "model.num_kv_heads=2", "train.batch_size=2",
         "data.seed=1", "data.median_tokens=40", "data.n_examples=4",

@@ -65,6 +65,7 @@ SUMMARY = {
 }
 
 
+@pytest.mark.pipeline
 def test_summary_is_summary_json_and_steps_carry_memory(tmp_path):
     sweep = tmp_path / "multirun" / "2026-11-23" / "14-03-22"
     run_dir = _hydra_files(sweep, 1, ["peft=lora", "train.gradient_checkpointing=false"],

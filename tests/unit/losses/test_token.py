@@ -408,6 +408,7 @@ def _peak_bytes(fn, n: int, h: int, v: int) -> tuple[int, int]:
     return inputs, peak
 
 
+@pytest.mark.slow
 def test_chunked_ce_peak_memory_is_lower_at_large_vocab() -> None:
     n, h, v, chunk = 1024, 64, 32000, 256
     f32 = 4
@@ -424,6 +425,7 @@ def test_chunked_ce_peak_memory_is_lower_at_large_vocab() -> None:
     assert chunk_peak < 0.3 * std_peak
 
 
+@pytest.mark.slow
 def test_chunked_ce_default_chunk_is_1024_tokens_capped_at_256_mib() -> None:
     """The default chunk: 1024 tokens up to a vocabulary of 65,536 (the same peak as an explicit
     1024), fewer beyond it, so that one fp32 ``[chunk, V]`` block stays at 2**26 elements

@@ -170,6 +170,7 @@ def test_liger_instance_patcher_target_exists():
     assert callable(patches.check_target(liger, "_apply_liger_kernel_to_instance"))
 
 
+@pytest.mark.slow
 def test_third_party_code_is_changed_only_here():
     """No module but memlab.measure.patches assigns an attribute of an imported module (or
     what one holds: ``module.attr[key] = ...``) or setattr()s one; the process's documented

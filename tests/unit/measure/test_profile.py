@@ -12,6 +12,8 @@ import torch
 
 from memlab.measure.profile import ORDER, bucket_of, phase_label, profiled, summarize, table
 
+pytestmark = pytest.mark.usefixtures("no_cpu_bf16")
+
 
 def test_operator_names_fall_in_their_bucket():
     assert bucket_of("aten::mm") == "matmul"
@@ -53,6 +55,7 @@ def test_a_profiled_block_is_summarised_and_written(tmp_path):
 
 
 @pytest.mark.integration
+@pytest.mark.pipeline
 def test_a_run_profiles_one_step_outside_its_timing(job, tmp_path):
     s = job(["train.steps=5", "measure.profile_step=3", "measure.memory_steps=2"])
     assert s["status"] == "ok", s["error"]

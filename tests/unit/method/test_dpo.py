@@ -273,6 +273,7 @@ def test_on_the_fly_reference_runs_without_grad_in_eval_mode(monkeypatch):
 # ------------------------------------------------------------------------------ validation
 
 
+@pytest.mark.slow
 def test_validation_messages_name_the_fix():
     text = _errors(["method=dpo", "method.reference=adapter_disabled", "peft=none"])
     assert "adapter_disabled" in text and "peft=lora" in text

@@ -35,6 +35,7 @@ def _errors(overrides: list[str], platform: Platform) -> str:
 
 
 @pytest.mark.parametrize("method", ["sft", "dpo", "kto"])
+@pytest.mark.slow
 def test_a_cpu_run_with_liger_needs_the_opt_in_and_the_interpreter(method):
     m = [f"method={method}"]
     text = _errors(m + LIGER, CPU_LIGER)
@@ -56,6 +57,7 @@ def test_kernels_that_fail_in_the_interpreter_are_named_with_the_fix():
     assert "is empty" in _errors(LIGER + ON_CPU[:1] + ["method.liger_kernels=[]"], INTERPRETER)
 
 
+@pytest.mark.slow
 def test_on_cuda_every_kernel_and_no_interpreter():
     cuda = Platform.cuda_machine()
     ctx = _validate(["train.device=cuda", *LIGER], cuda)

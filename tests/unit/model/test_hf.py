@@ -173,6 +173,7 @@ def _unreachable(name: str, hf_home: Path, local: Path) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_unreachable_hub_fails_within_seconds_and_names_the_fix(saved, tmp_path):
     res = _unreachable("someorg/no-such-model", tmp_path, saved)
     assert not res["ok"]
@@ -181,6 +182,7 @@ def test_unreachable_hub_fails_within_seconds_and_names_the_fix(saved, tmp_path)
     assert "hf download someorg/no-such-model --local-dir DIR" in res["error"]
 
 
+@pytest.mark.slow
 def test_unreachable_hub_loads_a_cached_copy_offline(saved, tmp_path):
     """A model already in the HF cache loads without waiting for the hub."""
     snapshot = tmp_path / "hub" / "models--someorg--cached" / "snapshots" / ("0" * 40)

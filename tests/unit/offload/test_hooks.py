@@ -328,6 +328,7 @@ def test_dropped_graph_and_retain_graph_release_host_memory():
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "grad_ckpt"])
+@pytest.mark.pipeline
 def test_no_leak_over_training_steps(checkpointing):
     from torch.distributed._tools.mem_tracker import MemTracker
 

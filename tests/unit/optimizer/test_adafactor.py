@@ -64,6 +64,7 @@ def test_state_resumes_through_the_checkpoint_files(tmp_path):
     assert resumed_equals_uninterrupted(_adafactor, tmp_path) == 0.0
 
 
+@pytest.mark.pipeline
 def test_a_run_resumes_its_state_whichever_way_it_steps(job):
     """A run stepping Adafactor inside backward saves at step 2; resumed with the standard
     step (in_backward is not a training difference: the same parameters), the rest of its loss

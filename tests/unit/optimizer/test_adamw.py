@@ -44,6 +44,7 @@ def test_in_backward_steps_each_parameter_as_the_standard_step_does():
     assert l_std[-1] < l_std[0]  # it trained
 
 
+@pytest.mark.pipeline
 def test_in_backward_run_frees_the_gradients_and_trains_the_same(job):
     """A run: the same loss curve and saved weights as the standard step (no clipping); the
     gradients at the peak drop from all of them to those backward is still producing."""
@@ -135,6 +136,7 @@ def test_fused_steps_without_temporaries_to_the_same_parameters():
     torch.testing.assert_close(weights[True], weights[False], rtol=0, atol=1e-6)
 
 
+@pytest.mark.pipeline
 def test_in_backward_keeps_one_gradient_of_a_tied_weight(job):
     """A head tied to the input embedding (SFT's chunked loss): the loss hands its gradient of
     the weight to the embedding lookup's backward, which adds its rows in place, so that the
@@ -172,6 +174,7 @@ def test_in_backward_keeps_one_gradient_of_a_tied_weight(job):
         back
 
 
+@pytest.mark.pipeline
 def test_the_standard_cpu_step_makes_one_temporary_with_the_same_floats(job):
     """torch's default AdamW on CPU tensors (the single-tensor loop) makes two temporaries of
     each parameter's size; memlab steps each parameter alone with the multi-tensor code: one

@@ -18,6 +18,8 @@ from memlab.trainer.optim import step_in_backward
 from memlab_testing import compose, with_fast
 from unit.optimizer.steps import FIXED, Tied, loss_of, max_param_diff
 
+pytestmark = [pytest.mark.pipeline, pytest.mark.usefixtures("no_cpu_bf16")]
+
 COMMON = [*FIXED, "train.steps=2", "train.lr=1e-2", "train.save_every=1", "data.n_examples=8"]
 """Two steps, each saved."""
 TRACKED = ("sft_lora", "dpo", "grpo")
