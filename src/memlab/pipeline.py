@@ -1,33 +1,42 @@
 """The one assembly function, for a training run and for ``memlab estimate`` alike.
 
-Order, and why:
+The order in which :func:`build` runs, and why:
 
 1. tokenizer (model group): the data steps need it.
-2. data source -> method.prepare (format, tokenize, truncate, shifted labels) -> packing.apply.
-   Labels are shifted per document *before* packing, so no token is ever trained to predict
-   the first token of the next document in a packed row. Truncation happens before packing
-   except for strategies that keep overflow tokens themselves (bfd_split, wrapped).
-3. collator: the method's, told by packing / padding_free / pad_to_multiple_of how to shape
-   rows (padded with an attention mask, or flat with restarting position_ids and the rows'
-   document segments). A dataset whose units were packed in groups (preference pairs) holds one
-   micro-batch per item: the stream takes ``packing.batch_items`` items per micro-batch.
-4. model: attention backend and parameter dtype are chosen at load (transformers builds
-   its attention modules from them; quantization too, for qlora).
-5. peft: adapters on the loaded model (before checkpointing, which must see the final modules).
-6. gradient checkpointing (non-reentrant, every k-th layer), then activation offload hooks:
+2. the training rows: data source (less the rows a fraction ``data.eval`` holds out) ->
+   conversion to memlab's row formats -> method.prepare (chat template, tokenize, truncate,
+   shifted labels) -> packing.apply. Labels are shifted per document *before* packing, so no
+   token is ever trained to predict the first token of the next document in a packed row.
+   Truncation happens before packing except for strategies that keep overflow tokens
+   themselves (bfd_split, wrapped). The rows are then checked: a warning above
+   ``data.max_hollow_fraction`` hollow examples; a DataError (status ``invalid``) when nothing
+   is left to train on or, in a run, when the rows cannot fill one micro-batch of
+   ``train.batch_size`` rows on every process.
+3. model: attention backend and parameter dtype are chosen at load (transformers builds
+   its attention modules from them; quantization too, for qlora), then the method's Liger
+   kernels (``method.use_liger_kernel``).
+4. peft: adapters on the loaded model (before checkpointing, which must see the final modules).
+5. gradient checkpointing (non-reentrant, every k-th layer), then activation offload hooks:
    offload wraps the forward outside checkpointing, so only what checkpointing still saves is
    moved off the device.
-7. distributed wrap last (DDP wraps the finished module; each rank runs this same build and
-   streams its own slice of every global batch).
-8. extra models the method needs (reference, teacher, reward, value...), built by the same
-   loader (optionally with model-group overrides: a teacher of another size), then
-   the method's one-off pass (``before_training``), which may return the dataset with added
-   columns (DPO's precomputed reference log-probs) and drop a model it no longer needs.
-9. online methods: the generation engine (``generation=``) and the run's random draws.
-10. the held-out data (``data.eval``): read, converted, prepared and packed as the training rows
-    are (its own micro-batch size, ``train.eval_batch_size``); the method's one-off pass (step
-    8) runs over both, so precomputed reference log-probs exist for the held-out rows too.
-11. the trainer: optimizer, schedule, memory probe, loop, and the evaluator.
+6. distributed wrap, last of the policy's steps (DDP wraps the finished module; each rank runs
+   this same build and streams its own slice of every global batch, step 10).
+7. extra models the method needs (reference, teacher, reward, value...), built by the same
+   loader (optionally with model-group overrides: a teacher of another size).
+8. the held-out data (``data.eval``): read, converted, prepared and packed as the training rows
+   are (its own micro-batch size, ``train.eval_batch_size``), before the one-off pass.
+9. the method's one-off pass (``before_training``) over the training and held-out rows
+   together, which may return them with added columns (DPO's precomputed reference log-probs,
+   so the held-out rows have them too) and drop a model it no longer needs.
+10. collator: the method's, over the rows step 9 returned, told by packing / padding_free /
+    pad_to_multiple_of how to shape rows (padded with an attention mask, or flat with
+    restarting position_ids and the rows' document segments); the stream of micro-batches
+    takes ``packing.batch_items`` items per micro-batch (one where a dataset's units were
+    packed in groups, preference pairs: each item is a micro-batch) and this rank's slice.
+11. online methods: the generation engine (``generation=``) and the run's random draws.
+12. the evaluator (with held-out data), then the trainer: it builds the optimizer (or takes
+    the one DeepSpeed's engine built), the schedule and the memory probe; its loop runs the
+    steps (forward, backward, optimizer step) when the run calls it, after ``build`` returns.
 
 What differs between a run and an estimate is passed in as :class:`Seams` (the estimator's
 model loader builds fake weights, its rows are the worst-case batch, its engine decodes to the

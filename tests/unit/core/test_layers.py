@@ -1,6 +1,6 @@
 """memlab's imports point one way, and nothing patches a memlab module.
 
-Layers, top to bottom (DESIGN.md; issue 13):
+Layers, top to bottom (docs/architecture.md, "Dependencies point one way"; issue 13):
 
     0  entry points: memlab.__main__, memlab.cli.*, the launch modes (memlab.hydra_task,
        memlab.rank, memlab.torchrun)
@@ -10,7 +10,8 @@ Layers, top to bottom (DESIGN.md; issue 13):
     3  memlab.context                       (the typed context and validate)
     4  technique packages: method, generation, packing, attention, precision, offload, peft,
        optimizer, distributed, model, data, logger
-    5  trainer, losses, measure, registry, config, _guards, faults, memlab (the package)
+    5  trainer, losses, measure, registry, config, resolvers, _guards, faults, memlab (the
+       package)
 
 Every import of every module is read with ``ast`` (module level and inside functions); an import
 of a higher layer fails the test, and so does any import cycle (between modules, and between the
@@ -20,6 +21,10 @@ Imports under ``if TYPE_CHECKING:`` are for annotations only and never run: the 
 name :class:`memlab.context.BuildContext` in their signatures, and the context names the groups'
 Protocols, so the types point both ways while the code points one way. They are left out here
 (mypy checks them).
+
+The layers are the static import graph: a module imported by its name at run time is not seen
+here (``registry.load_all`` imports every option with ``importlib``; the trainer reaches the
+groups only through their Protocols, on the objects the pipeline hands it).
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ def layer(module: str) -> int:
     if top in BOTTOM or top == "":
         return 5
     raise AssertionError(f"{module}: no layer assigned; add memlab.{top} to the layer map of "
-                         "tests/unit/core/test_layers.py (and to DESIGN's picture)")
+                         "tests/unit/core/test_layers.py (and to the layer table of docs/architecture.md)")
 
 
 def module_name(path: Path) -> str:
