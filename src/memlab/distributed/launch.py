@@ -123,7 +123,9 @@ def launch(ctx: BuildContext, summary: dict[str, Any], worker: str) -> None:
                 "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True",
                 "TORCHELASTIC_ERROR_FILE": errors[r], "PYTHONPATH": os.pathsep.join(path)}
             for r in range(n)}
-    ours = {sig: signals.getsignal(sig) for sig in STOP_SIGNALS}
+    # start_processes installs its own handlers for SIGTERM, SIGINT, SIGHUP and SIGQUIT: the run
+    # keeps its own (a stop signal is the run's to record; SIGQUIT stays what it was)
+    ours = {sig: signals.getsignal(sig) for sig in (*STOP_SIGNALS, signals.SIGQUIT)}
     pc, watches = None, None
     try:
         try:

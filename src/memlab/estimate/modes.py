@@ -247,16 +247,6 @@ def estimate_tracker(round_to: int = 0):
             if u_type is not add and u_type is not ref and dev_snap[_TOTAL_KEY] == 0:
                 del snaps[winfo.device]
 
-        def _update_peak_stats(self, peak_state) -> None:
-            # Only the global peak (what MemoryProbe reads). MemTracker also keeps a per-module
-            # peak, walking every tracked module after every op: 2/3 of the time of a 1B
-            # estimate, and memlab never reads it.
-            for dev, snap in self._curr_mem_snap.items():
-                total = snap[_TOTAL_KEY]
-                if self._peak_mem.get(dev, 0) < total:
-                    self._peak_mem[dev] = total
-                    self._peak_mem_snap[dev] = dict(snap)
-
 
     return EstimateTracker()
 
