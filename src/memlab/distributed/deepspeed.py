@@ -71,12 +71,19 @@ def _merge(base: dict, extra: dict) -> dict:
     return out
 
 
+_SET_HERE: set[str] = set()
+"""The rank variables :func:`_rank_env` set in this process (the process's environment is what
+they live in): :meth:`DeepSpeed.teardown` removes them, so a one-rank run inside a longer-lived
+process (an in-process sweep, a notebook, a test) leaves no RANK behind for what runs next."""
+
+
 def _rank_env(rank: int, local: int, world: int) -> None:
     """The variables DeepSpeed reads (its own launcher and torchrun set them; memlab's launcher
     passes ranks under its own names)."""
-    os.environ.setdefault("RANK", str(rank))
-    os.environ.setdefault("LOCAL_RANK", str(local))
-    os.environ.setdefault("WORLD_SIZE", str(world))
+    for key, value in (("RANK", rank), ("LOCAL_RANK", local), ("WORLD_SIZE", world)):
+        if key not in os.environ:
+            os.environ[key] = str(value)
+            _SET_HERE.add(key)
 
 
 def _engine(model: nn.Module):
@@ -211,6 +218,8 @@ class DeepSpeed(Ranks):
         if deepspeed.comm.is_initialized():
             deepspeed.comm.destroy_process_group()
         super().teardown()
+        while _SET_HERE:
+            os.environ.pop(_SET_HERE.pop(), None)
 
     def _adopt_group(self, ctx: BuildContext, local_rank: int) -> None:
         """DeepSpeed's comm layer on the existing process group (with the rank variables it
