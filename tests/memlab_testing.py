@@ -86,6 +86,23 @@ def run_job(tmp_path: Path, overrides: list[str], fast: bool = True, name: str =
     return summary
 
 
+DDP = ["distributed=ddp", "distributed.nproc=2"]
+FSDP2 = ["distributed=fsdp2", "distributed.nproc=2"]
+STANDARD_LOSS = "method.loss_impl=standard"
+"""The loss a distributed run's ``auto`` chooses, pinned where one process is the reference."""
+RUN = ["train.steps=4", "measure.memory_steps=2", STANDARD_LOSS, "train.save_every=2",
+       "train.save_final=true", "data.median_tokens=3000", "method.loss_on=all"]
+"""The training every distributed topology runs once per session (:func:`shared_job`, over
+:data:`FAST`: fp32) and every test that checks it reads (test_distributed.py, test_checkpoints.py):
+long rows cut at max_length with the loss on every token (every row full: the estimate's worst
+case), two tracked steps (an estimate's step 1 after step 0's update), checkpoints at steps 2
+and 4 (a resume from step 2 against the straight run)."""
+LORA_CHUNKED = ["train.steps=2", "train.save_final=true", "measure.memory_steps=0", "peft=lora",
+                "method.loss_impl=chunked", "method.chunk_size=64"]
+"""The LoRA + chunked-loss training that one process, DDP ranks and ZeRO-3 ranks run once per
+session (test_distributed.py, test_checkpoints.py, test_deepspeed.py read the same runs)."""
+
+
 def _session_dir() -> Path:
     """The directory every process of this test session shares (``MEMLAB_TEST_SHARED``, made by
     the process that starts the session, tests/conftest.py, and inherited by xdist's workers)."""

@@ -15,9 +15,13 @@ import torch
 
 from memlab.trainer import checkpoint
 from memlab.trainer.routing import unwrap
-from memlab_testing import FAST, choices_of, compose
+from memlab_testing import FAST, LORA_CHUNKED, RUN, choices_of, compose
 
 pytestmark = pytest.mark.integration
+
+UNTRACKED = "measure.memory_steps=0"
+"""For runs whose memory no test reads: every step timed, none under the tracker (~3x slower a
+step); not a training setting, so not compared on resume (test_resume_refuses_... shows it)."""
 
 
 def validated(tmp_path: Path, overrides: list[str], name: str = "run"):
@@ -131,27 +135,30 @@ def test_reward_model_saves_a_sequence_classifier(tmp_path):
     assert torch.equal(logits(adapter), logits(live))  # the trained score head came back too
 
 
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("dist", [["distributed=ddp", "peft=lora"],
-                                  ["distributed=fsdp2"],
-                                  ["distributed=deepspeed", "distributed.zero_stage=3",
-                                   "peft=lora"]],
-                         ids=["ddp-lora", "fsdp2-full", "zero3-lora"])
-def test_distributed_runs_save_the_same_layout_from_rank_0(job, tmp_path, dist):
+@pytest.mark.parametrize("o, dist", [
+    (LORA_CHUNKED, ["distributed=ddp", "distributed.nproc=2"]),
+    (RUN, ["distributed=fsdp2", "distributed.nproc=2"]),
+    (LORA_CHUNKED, ["distributed=deepspeed", "distributed.nproc=2", "distributed.zero_stage=3"]),
+], ids=["ddp-lora", "fsdp2-full", "zero3-lora"])
+def test_distributed_runs_save_the_same_layout_from_rank_0(tmp_path, o, dist):
     """2 ranks x 2 rows train like 1 process x 4 rows: the Hugging Face directory rank 0
-    writes (FSDP2 / ZeRO-3: gathered first) loads like the single run's, with its logits."""
+    writes (FSDP2 / ZeRO-3: gathered first) loads like the single run's, with its logits. (The
+    runs are only read: :func:`memlab_testing.shared_job`'s, trained once per session for
+    test_distributed.py and test_deepspeed.py too.)"""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     from memlab._guards import has
+    from memlab_testing import shared_job
 
     if "distributed=deepspeed" in dist and not has("deepspeed"):
         pytest.skip("needs the deepspeed extra")
-    peft = [o for o in dist if o.startswith("peft=")]
-    o = ["train.steps=2", "train.save_final=true", "measure.memory_steps=0", *peft]
-    single = job(o + ["train.batch_size=4"])
-    ranks = job(o + [d for d in dist if not d.startswith("peft=")]
-                + ["distributed.nproc=2", "train.batch_size=2"])
+    peft = "peft=lora" in o
+    single, _ = shared_job(o + ["train.batch_size=4"])
+    ranks, _ = shared_job(o + dist + ["train.batch_size=2"])
     for s in (single, ranks):
         assert s["status"] == "ok", s["error"]
     a, b = Path(single["train"]["checkpoint"]), Path(ranks["train"]["checkpoint"])
@@ -202,7 +209,7 @@ def test_a_pickle_that_would_run_code_is_refused(job, tmp_path):
 
 
 def test_a_damaged_or_foreign_file_is_refused_not_unpickled(job, tmp_path):
-    straight = job(["train.steps=2", "train.save_final=true", "peft=lora"])
+    straight = job(["train.steps=2", "train.save_final=true", "peft=lora", UNTRACKED])
     ckpt = Path(straight["train"]["checkpoint"])
     marker = tmp_path / "code_ran"
     torch.save({"x": _Touch(marker)}, ckpt / checkpoint.OPTIMIZER)  # a pickle in disguise
@@ -230,7 +237,7 @@ def test_tensor_tree_round_trip():
 def test_lora_resume_is_exact_and_saving_moves_nothing(job):
     """Saving (adapter, merged model, state) in the middle of a run changes nothing that
     follows; resuming from it gives the straight run's curve."""
-    o = ["peft=lora", "train.steps=4", "train.lr=1e-2", "model.hidden_size=64"]
+    o = ["peft=lora", "train.steps=4", "train.lr=1e-2", "model.hidden_size=64", UNTRACKED]
     plain = job(o)
     saved = job(o + ["train.save_every=2", "train.save_merged=true"])
     assert saved["status"] == "ok", saved["error"]
@@ -267,7 +274,7 @@ def test_resume_refuses_every_training_difference_in_one_message(job):
 
 
 def test_allowed_changes_take_effect_and_are_recorded(job):
-    o = ["train.steps=4", "train.scheduler=constant"]
+    o = ["train.steps=4", "train.scheduler=constant", UNTRACKED]
     straight = job(o + ["train.save_every=2"])
     ckpt = f"{straight['run_dir']}/checkpoints/step_000002"
     s = job(o + ["train.lr=1e-3", "train.weight_decay=0.1", f"train.resume_from={ckpt}",
@@ -281,10 +288,11 @@ def test_allowed_changes_take_effect_and_are_recorded(job):
 
 
 def test_latest_is_the_newest_checkpoint_of_this_config(job):
-    a = job(["train.steps=4", "train.save_every=2"])  # seed 0: steps 2 and 4
-    b = job(["train.steps=4", "train.save_every=2", "train.seed=1"])  # newer, another config
+    a = job(["train.steps=4", "train.save_every=2", UNTRACKED])  # seed 0: steps 2 and 4
+    b = job(["train.steps=4", "train.save_every=2", "train.seed=1", UNTRACKED])  # newer, another
     assert a["status"] == b["status"] == "ok"
-    s = job(["train.steps=6", "train.resume_from=latest", "train.resume_allow=[train.steps]"])
+    s = job(["train.steps=6", "train.resume_from=latest", "train.resume_allow=[train.steps]",
+             UNTRACKED])
     assert s["status"] == "ok", s["error"]
     assert s["resume"]["from"] == f"{a['run_dir']}/checkpoints/step_000004"
     assert s["resume"]["requested"] == "latest"
@@ -297,7 +305,8 @@ def test_latest_is_the_newest_checkpoint_of_this_config(job):
 
 
 def test_keep_last_prunes_old_checkpoints(job):
-    s = job(["train.steps=5", "train.save_every=1", "train.keep_last=2", "train.save_final=true"])
+    s = job(["train.steps=5", "train.save_every=1", "train.keep_last=2", "train.save_final=true",
+             UNTRACKED])
     assert s["status"] == "ok", s["error"]
     kept = sorted(p.name for p in Path(s["run_dir"], "checkpoints").iterdir())
     assert kept == ["step_000004", "step_000005"]
@@ -317,21 +326,24 @@ def test_new_knobs_are_validated_before_any_model_loads(job):
 
 
 def test_resume_from_latest_through_the_cli(tmp_path):
-    """``memlab`` (the Hydra app) run twice from one directory: each run gets a new Hydra run
-    dir under outputs/, and ``resume_from=latest`` finds the first run's checkpoint there."""
+    """``memlab`` (the Hydra app) run from a directory whose outputs/ holds an earlier run of
+    the same configuration (trained in this process, into outputs/first, as the app would):
+    it gets its own Hydra run dir under outputs/, and ``resume_from=latest`` finds the first
+    run's checkpoint there."""
     import os
     import subprocess
     import sys
 
+    from memlab_testing import run_job
+
+    base = ["debug=smoke", *FAST, "measure.memory=false"]
+    first = run_job(tmp_path / "outputs", base + ["train.steps=2", "train.save_final=true"],
+                    fast=False, name="first")
+    assert first["status"] == "ok", first["error"]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")}
-    base = [sys.executable, "-m", "memlab", "debug=smoke", *FAST, "measure.memory=false"]
-    first = subprocess.run(base + ["train.steps=2", "train.save_final=true",
-                                   "hydra.run.dir=outputs/first"],
-                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert first.returncode == 0, first.stderr[-2000:]
-    second = subprocess.run(base + ["train.steps=3", "train.resume_from=latest",
-                                    "train.resume_allow=[train.steps]",
-                                    "hydra.run.dir=outputs/second"],
+    second = subprocess.run([sys.executable, "-m", "memlab", *base, "train.steps=3",
+                             "train.resume_from=latest", "train.resume_allow=[train.steps]",
+                             "hydra.run.dir=outputs/second"],
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert second.returncode == 0, second.stderr[-2000:]
     summary = json.loads((tmp_path / "outputs" / "second" / "summary.json").read_text())

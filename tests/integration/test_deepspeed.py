@@ -11,6 +11,7 @@ import torch
 
 from memlab._guards import has
 from memlab.trainer.checkpoint import read_weights
+from memlab_testing import LORA_CHUNKED
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(not has("deepspeed"), reason="needs the deepspeed extra")]
@@ -41,27 +42,40 @@ def _weights(summary) -> dict[str, torch.Tensor]:
     return read_weights(f"{summary['run_dir']}/checkpoints/step_{step:06d}")
 
 
-STAGE_RUN = ["train.steps=3", "train.save_final=true", "measure.memory_steps=2",
-             "method.loss_on=all"]
-"""One run per ZeRO stage, shared by the two tests below (and the one process it is compared
-with): 2 micro-batches per step (DeepSpeed's accumulation boundary), the first two steps
-tracked. Loss on every token of rows cut at max_length: both micro-batches the same size (the
-head runs at labelled positions only), so the second one's forward is the larger."""
+SHAPE = ["method.max_length=256", "data.median_tokens=3000", "packing=bfd", "method.loss_on=all"]
+"""Long documents cut at max_length, loss on every token: every row is one document of 256
+tokens, the same rows however the ranks split the batch, and the estimate's worst-case rows
+(SFT's head runs at the labelled positions only, so completion-only rows would need less);
+both micro-batches the same size, so the second one's forward is the larger. The model is
+:data:`memlab_testing.FAST`'s (fp32, hidden 64, 2 layers): at hidden 128 the weight that
+straddles the two ranks' partitions is a larger share of all, and stage 2's gradients are
+2.3% over half (the 2% :func:`test_each_stage_shards_what_it_should` allows)."""
+
+STAGE_RUN = SHAPE + ["train.steps=3", "train.save_final=true", "measure.memory_steps=2"]
+"""One run per ZeRO stage, shared by every test that reads one (training like one process,
+each stage's shards, the estimate of each stage, resume): 2 ranks x 1 row x 2 micro-batches
+per step (DeepSpeed's accumulation boundary), the first two steps tracked; stage 2 also saves
+at step 2 (the checkpoint :func:`test_resume_from_a_deepspeed_checkpoint` resumes)."""
+
+
+def stage_overrides(key) -> list[str]:
+    """The single-process run (key "single", 4 rows a step) or ZeRO stage ``key``'s."""
+    if key == "single":
+        return STAGE_RUN + ["train.batch_size=4"]
+    return (STAGE_RUN + DS(key) + ["train.batch_size=1", "train.grad_accum=2"]
+            + (["train.save_every=2"] if key == 2 else []))
 
 
 @pytest.fixture(scope="module")
 def stage_runs(tmp_path_factory):
-    """``runs(key)``: the summary of the single-process run (key "single", 4 rows a step) or of
-    ZeRO stage ``key`` (2 ranks x 1 row x 2 micro-batches), each run once per module."""
+    """``runs(key)``: the summary of :func:`stage_overrides` ``(key)``'s run, once per module."""
     from memlab_testing import run_job
 
     root, done = tmp_path_factory.mktemp("zero_stages"), {}
 
     def runs(key):
         if key not in done:
-            o = STAGE_RUN + (["train.batch_size=4"] if key == "single" else
-                             DS(key) + ["train.batch_size=1", "train.grad_accum=2"])
-            done[key] = run_job(root, o, name=f"stage_{key}")
+            done[key] = run_job(root, stage_overrides(key), name=f"stage_{key}")
         return done[key]
 
     return runs
@@ -107,17 +121,22 @@ def test_each_stage_shards_what_it_should(stage_runs):
     assert peaks[1] < peaks[0] and peaks[2] < peaks[1], peaks
 
 
+
+
 def test_lora_chunked_loss_and_dpo_under_zero3(job):
     """Paths that read a weight outside its module's forward (the chunked loss reads the output
     head) or hold a second model (DPO's reference copy) under ZeRO-3."""
-    for extra in (["peft=lora", "method.loss_impl=chunked", "method.chunk_size=64"],
-                  ["method=dpo", "method.max_length=96"]):
-        o = ["train.steps=2", "measure.memory_steps=0"] + extra
-        single = job(o + ["train.batch_size=4"])
-        ds = job(o + DS(3) + ["train.batch_size=2"])
-        _ok(single, ds)
-        assert ds["train"]["loss_curve"] == pytest.approx(single["train"]["loss_curve"],
-                                                          rel=1e-4)
+    from memlab_testing import shared_job
+
+    single, _ = shared_job(LORA_CHUNKED + ["train.batch_size=4"])
+    ds, _ = shared_job(LORA_CHUNKED + DS(3) + ["train.batch_size=2"])
+    _ok(single, ds)
+    assert ds["train"]["loss_curve"] == pytest.approx(single["train"]["loss_curve"], rel=1e-4)
+    o = ["train.steps=2", "measure.memory_steps=0", "method=dpo", "method.max_length=96"]
+    single = job(o + ["train.batch_size=4"])
+    ds = job(o + DS(3) + ["train.batch_size=2"])
+    _ok(single, ds)
+    assert ds["train"]["loss_curve"] == pytest.approx(single["train"]["loss_curve"], rel=1e-4)
 
 
 def test_bf16_keeps_fp32_master_weights_and_moments(job):
@@ -138,15 +157,16 @@ def test_bf16_keeps_fp32_master_weights_and_moments(job):
         assert curve[-1] < curve[0], curve
 
 
-def test_resume_from_a_deepspeed_checkpoint(job):
-    """Save at step 2 (each rank its shards, DeepSpeed's format), resume to step 4: the same
-    loss curve and final weights as the straight run; a replicated run refuses it."""
-    o = DS(2) + ["train.steps=4", "train.batch_size=2", "measure.memory_steps=0"]
-    straight = job(o + ["train.save_every=2"])
+def test_resume_from_a_deepspeed_checkpoint(job, stage_runs):
+    """Stage 2's run (:func:`stage_runs`) saved at step 2 (each rank its shards, DeepSpeed's
+    format); resumed from there to step 3: the same loss curve and final weights as the
+    straight run; a replicated run refuses it."""
+    straight = stage_runs(2)
     _ok(straight)
     ckpt = f"{straight['run_dir']}/checkpoints/step_000002"
-    resumed = job(o + [f"train.resume_from={ckpt}", "train.save_final=true"])
+    resumed = job(stage_overrides(2) + ["measure.memory_steps=0", f"train.resume_from={ckpt}"])
     _ok(resumed)
+    assert resumed["resume"]["step"] == 2
     assert resumed["train"]["loss_curve"] == pytest.approx(straight["train"]["loss_curve"],
                                                            rel=1e-5)
     w1, w2 = _weights(straight), _weights(resumed)
@@ -167,12 +187,17 @@ def test_invalid_deepspeed_setups_are_rejected_before_loading(job):
     assert ppo["status"] == "invalid" and "method=ppo" in ppo["error"]
 
 
-ESTIMATE_SHAPE = ["model.hidden_size=128", "model.intermediate_size=384", "model.num_layers=2",
-                  "train.batch_size=2", "data.n_examples=32", "data.median_tokens=3000",
-                  "train.device=cpu", "train.progress=false", "packing=bfd",
-                  "method.max_length=256", "method.loss_on=all"]
-# long documents cut at max_length, loss on every token: the estimate's worst-case rows (SFT's
-# head runs at the labelled positions only, so completion-only rows would need less)
+def _estimate(tmp_path, overrides: list[str]) -> dict:
+    """``memlab estimate`` of the run ``overrides`` (on :data:`memlab_testing.FAST`) describe,
+    in this process."""
+    import json
+
+    from memlab.cli.estimate import main as estimate_main
+    from memlab_testing import with_fast
+
+    out = tmp_path / "est"
+    assert estimate_main([*with_fast(overrides), "--out", str(out)]) == 0
+    return json.loads((out / "estimate.json").read_text())
 
 
 def _agrees(est, real, ranks: int) -> None:
@@ -193,20 +218,12 @@ def _agrees(est, real, ranks: int) -> None:
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_estimate_of_each_stage_matches_the_busiest_rank(job, tmp_path, stage):
+def test_estimate_of_each_stage_matches_the_busiest_rank(stage_runs, tmp_path, stage):
     """``memlab estimate distributed=deepspeed`` runs DeepSpeed's engine (master copy, buckets,
     partitions, gathered layers: all its own) on fake tensors as rank 0 of a fake process group,
-    and agrees with the real 2-rank run (:func:`_agrees`)."""
-    import json
-
-    from memlab.cli.estimate import main as estimate_main
-
-    o = ESTIMATE_SHAPE + DS(stage)
-    out = tmp_path / f"est{stage}"
-    assert estimate_main([*o, "--out", str(out)]) == 0
-    est = json.loads((out / "estimate.json").read_text())
-    real = job(o + ["measure.memory_steps=all", "train.steps=2"], fast=False)
-    _agrees(est, real, 2)
+    and agrees with the real 2-rank run of the stage (:func:`stage_runs`, :func:`_agrees`)."""
+    est = _estimate(tmp_path, stage_overrides(stage))
+    _agrees(est, stage_runs(stage), 2)
     assert est["options"]["zero_stage"] == stage
 
 
@@ -214,18 +231,12 @@ def test_one_rank_zero_offload_shape_runs_and_estimates(job, tmp_path):
     """nproc=1 (ZeRO-Offload on one GPU is the real use): the run makes and releases its own
     one-rank process group (and DeepSpeed the groups it cached from it: the estimate's engine
     after it in this process builds on a fresh one), and the estimate agrees with it."""
-    import json
-
     import torch.distributed as dist
 
-    from memlab.cli.estimate import main as estimate_main
-
-    o = ESTIMATE_SHAPE + ["distributed=deepspeed", "distributed.nproc=1",
-                          "distributed.zero_stage=2"]
-    real = job(o + ["measure.memory_steps=all", "train.steps=2"], fast=False)
+    o = SHAPE + ["distributed=deepspeed", "distributed.nproc=1", "distributed.zero_stage=2",
+                 "train.batch_size=2", "train.steps=2", "measure.memory_steps=all"]
+    real = job(o)
     _ok(real)
     assert not dist.is_initialized()
-    out = tmp_path / "est"
-    assert estimate_main([*o, "--out", str(out)]) == 0
-    _agrees(json.loads((out / "estimate.json").read_text()), real, 1)
+    _agrees(_estimate(tmp_path, o), real, 1)
     assert not dist.is_initialized()

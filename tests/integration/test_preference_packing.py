@@ -44,6 +44,8 @@ def test_the_introduction_command_runs(job):
 
 
 def test_packed_shared_runs_train_like_the_padded_run(job):
+    """(Also the check that DPO's reference copy runs inside the wrapper under DDP and FSDP2:
+    test_distributed.py's test_every_model_call_path_syncs leaves DPO to this test.)"""
     padded = job(PAIRS + ["train.batch_size=4", "train.grad_accum=2"])
     packed = job(PACKED + ["train.grad_accum=4"])
     ddp = job(PACKED + ["distributed=ddp", "distributed.nproc=2", "train.grad_accum=2"])
@@ -57,6 +59,8 @@ def test_packed_shared_runs_train_like_the_padded_run(job):
         assert s["train"]["loss_curve"] == pytest.approx(curve, rel=1e-4)
         assert s["train"]["final_metrics"]["rewards/accuracies"] == pytest.approx(
             padded["train"]["final_metrics"]["rewards/accuracies"])
+    for s in (ddp, fsdp):  # the ranks trained the one process's packed tokens between them
+        assert s["data"]["tokens_trained"] == packed["data"]["tokens_trained"]
     # the shared prompt is stored once: fewer tokens per pair, less padding
     assert packed["data"]["tokens_in"] < padded["data"]["tokens_in"]
     assert packed["data"]["padding_fraction"] < padded["data"]["padding_fraction"]
@@ -85,7 +89,7 @@ def long_pairs(tmp_path_factory):
 
 SHAPE = ["model.hidden_size=128", "model.intermediate_size=384", "model.num_layers=2",
          "train.batch_size=2", "train.device=cpu", "train.progress=false",
-         "method.max_length=256"]
+         "method.max_length=256", "precision=fp32"]
 # The rows are full in the estimate and in the real runs, but their prompts differ in length:
 # DPO / KTO's labelled head (the completion positions only) would differ with them, so these
 # cases check the packed layouts' accounting with the head on every position

@@ -11,6 +11,7 @@ loss tokens. Tolerances: fp32 CPU, 1e-5 absolute on logits, 1e-5 relative on los
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -107,6 +108,7 @@ def test_contamination_is_detected(attn):
         assert (mixed - mixed2).abs().max() > 1e-3
 
 
+@functools.cache  # the padded context serves every packing of its attention
 def _ctx(packing: str, padding_free=None, max_length=96, attn="sdpa"):
     from omegaconf import OmegaConf, open_dict
 
