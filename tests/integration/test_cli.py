@@ -1,6 +1,7 @@
 """The real Hydra app in subprocesses: --help, --cfg job, multirun through memlab's isolating
 launcher (failures recorded, the sweep goes on, B in a sweep measures like B alone), W&B
-offline files."""
+offline files. A lone run to compare with, an invalid run and ``memlab report`` go through the
+same entry points in this process (:func:`app`): a subprocess each would add only its start."""
 
 from __future__ import annotations
 
@@ -23,6 +24,18 @@ def memlab(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=timeout)
 
 
+def app(argv: list[str]) -> int:
+    """``memlab ARGV`` through memlab's Hydra app in this process; its exit status."""
+    from memlab.cli.app import run_app
+    from memlab.hydra_task import hydra_task
+
+    try:
+        run_app(hydra_task, argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+    return 0
+
+
 def test_help_lists_groups():
     r = memlab("--help")
     assert r.returncode == 0, r.stderr
@@ -38,8 +51,7 @@ def test_cfg_job_prints_composed_config():
 
 
 def test_invalid_single_run_exits_nonzero_with_summary(tmp_path):
-    r = memlab(*FAST, "precision=fp16_mixed", f"hydra.run.dir={tmp_path}")
-    assert r.returncode == 2
+    assert app([*FAST, "precision=fp16_mixed", f"hydra.run.dir={tmp_path}"]) == 2
     s = json.loads((tmp_path / "summary.json").read_text())
     assert s["status"] == "invalid" and "use precision=fp32" in s["error"]
 
@@ -63,10 +75,11 @@ def test_multirun_records_failure_and_goes_on(tmp_path):
     assert a["job"]["num"] == 0 and b["job"]["num"] == 1
     # memlab report on the real sweep: right rows, statuses, reasons and files
     out = tmp_path / "report"
-    r = subprocess.run([sys.executable, "-m", "memlab.cli.main", "report", str(sweep), "--out",
-                        str(out)], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
     import csv
+
+    from memlab.cli.main import main as memlab_main
+
+    assert memlab_main(["report", str(sweep), "--out", str(out)]) == 0
 
     rows = list(csv.DictReader((out / "report.csv").open()))
     assert [row["status"] for row in sorted(rows, key=lambda x: x["job"])] == ["nan", "ok"]
@@ -100,8 +113,7 @@ def test_sweep_job_measures_like_a_lone_run(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     full, lora = _summaries(sweep)
     alone_dir = tmp_path / "alone"
-    r = memlab(*FAST, "peft=lora", f"hydra.run.dir={alone_dir}")
-    assert r.returncode == 0, r.stderr[-2000:]
+    assert app([*FAST, "peft=lora", f"hydra.run.dir={alone_dir}"]) == 0
     alone = json.loads((alone_dir / "summary.json").read_text())
     assert lora["memory"]["peak_bytes"] == alone["memory"]["peak_bytes"]
     assert lora["memory"]["by_category"] == alone["memory"]["by_category"]

@@ -1,7 +1,9 @@
 """``memlab fit`` on the tiny default: a budget under the default run's peak gives a measured
 configuration under the budget that trains exactly like the default (only exact techniques are
 searched here); the forbidden techniques never appear; a budget nothing fits gets the closest
-candidates and what would make them fit. One search shared by the assertions."""
+candidates and what would make them fit. One search shared by the assertions; the default run
+and the winner's experiment run go through memlab's Hydra app in this process (a fresh process
+each is what fit's own measured runs already are)."""
 
 import json
 import os
@@ -11,26 +13,46 @@ import sys
 import pytest
 
 from memlab.cli.fit import fit, main
-from memlab.cli.fit.search import FitOptions, estimate_candidate, run_once
+from memlab.cli.fit.search import FitOptions, estimate_candidate, read_run
 from memlab.cli.fit.space import Candidate
 
 pytestmark = pytest.mark.integration
 
-# fixed: packing (not exact) and padding-free rows; the default (4 rows a micro-batch, the
-# chunked loss, checkpointing every layer: ~90 MiB) fits only with smaller micro-batches
-BASE = ["packing=none", "method.padding_free=false", "precision=fp32"]
-BUDGET = 64 * 2**20
-N = 18  # checkpointing (3) x micro-batch (4x1, 2x2, 1x4) x loss (2)
+# fixed: packing (not exact), padding-free rows and the loss (chunked, as every candidate that
+# fits computes it; the loss dimension's search: tests/unit/cli/test_fit_space.py). The default
+# (4 rows a micro-batch, checkpointing every layer: 54.4 MiB estimated and measured, every row of
+# its batches cut at max_length 512) fits only with smaller micro-batches (2 x 2 or 1 x 4: 40-50
+# MiB). Rows of 512: 1024, the default, made every step twice as long for the same assertions
+# (the default over the budget, two exact classes under it); 64 examples: the runs train on
+# 6 x 4 of them (2000 cost a tokenization per run).
+BASE = ["packing=none", "method.padding_free=false", "method.loss_impl=chunked", "precision=fp32",
+        "method.max_length=512", "data.n_examples=64"]
+BUDGET = 53 * 2**20
+N = 9  # checkpointing (3) x micro-batch (4x1, 2x2, 1x4)
 STEPS = 6
 
 
 @pytest.fixture(scope="module")
 def searched(tmp_path_factory):
     out = tmp_path_factory.mktemp("fit")
-    record = fit(BASE, FitOptions(budget_bytes=BUDGET, measure=3, steps=STEPS, jobs=2), out,
-                 ["--budget", "64MiB", *BASE])
-    default = run_once(BASE, STEPS, out / "default")
-    return out, record, default
+    # measure=2: three fit (two of one predicted class); one run per class is the check
+    record = fit(BASE, FitOptions(budget_bytes=BUDGET, measure=2, steps=STEPS, jobs=2), out,
+                 ["--budget", "53MiB", *BASE])
+    assert app([*BASE, f"train.steps={STEPS}", "train.progress=false",
+                f"hydra.run.dir={out / 'default'}"]) == 0
+    return out, record, read_run(out / "default")
+
+
+def app(argv: list[str]) -> int:
+    """``memlab ARGV`` through memlab's Hydra app in this process; its exit status."""
+    from memlab.cli.app import run_app
+    from memlab.hydra_task import hydra_task
+
+    try:
+        run_app(hydra_task, argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+    return 0
 
 
 def test_the_winner_is_measured_under_the_budget_and_trains_like_the_default(searched):
@@ -42,7 +64,7 @@ def test_the_winner_is_measured_under_the_budget_and_trains_like_the_default(sea
     assert m["status"] == "ok" and m["peak_bytes"] <= BUDGET
     assert m["loss_curve"] == pytest.approx(default["loss_curve"], rel=1e-4)
     measured = [c for c in record["candidates"] if c["measured"]]
-    # 2: under 64 MiB (the default peaks at 65.9 MiB since the one-temporary step) two fit
+    # 2: the two fastest predicted classes of the three candidates under 53 MiB
     assert len(measured) >= 2 and all(c["estimate"]["fits"] for c in measured)
     for c in measured:  # none that fits is faster beyond the measured spread
         if c["measured"]["fits"] and c["measured"]["tokens_per_s"]:
@@ -57,11 +79,12 @@ def test_the_winner_is_measured_under_the_budget_and_trains_like_the_default(sea
 
 def test_only_the_allowed_space_is_searched(searched):
     _, record, _ = searched
-    assert {d["name"] for d in record["space"]} == {"checkpointing", "micro_batch", "loss"}
+    assert {d["name"] for d in record["space"]} == {"checkpointing", "micro_batch"}
     assert len(record["candidates"]) == N
     for c in record["candidates"]:
         assert not any(o.split("=")[0] in ("peft", "precision", "distributed", "packing",
-                                           "method.padding_free") for o in c["overrides"])
+                                           "method.padding_free", "method.loss_impl")
+                       for o in c["overrides"])
         assert c["estimate"]["status"] == "ok" and c["estimate"]["flops_per_step"] > 0
     assert any("not searched unless allowed" in n for n in record["notes"])
 
@@ -77,14 +100,14 @@ def test_estimates_made_in_worker_processes_are_the_serial_ones(searched):
             k: v for k, v in c["estimate"].items() if k != "seconds"}, c["label"]
 
 
-def test_sigterm_stops_the_search_and_leaves_a_partial_fit_json(tmp_path):
+def test_sigterm_stops_the_search_and_leaves_a_partial_fit_json(tmp_path, capsys):
     """SIGTERM while the workers estimate: fit stops them, writes fit.json (interrupted, the
     candidates estimated so far, no winner) and exits 143 (128 + SIGTERM); no worker outlives
-    it."""
+    it. While the search holds ``--out``, a second search there is refused (exit 2)."""
     import signal
 
     out = tmp_path / "fit"
-    proc = subprocess.Popen([sys.executable, "-m", "memlab", "fit", "--budget", "64MiB",
+    proc = subprocess.Popen([sys.executable, "-m", "memlab", "fit", "--budget", "53MiB",
                              "--estimate-only", "--jobs", "2", "--out", str(out), *BASE],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     seen = []
@@ -92,6 +115,8 @@ def test_sigterm_stops_the_search_and_leaves_a_partial_fit_json(tmp_path):
         seen.append(line)  # worker's first one reported: the workers are estimating the rest
         if line.startswith("[fit] estimate ") and not line.startswith(f"[fit] estimate 1/{N}"):
             break
+    assert main(["--budget", "53MiB", "--out", str(out), *BASE]) == 2  # in use: refused
+    assert "is in use by another memlab job" in capsys.readouterr().err
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, "".join(seen) + err[-2000:]
@@ -114,10 +139,8 @@ def _cmdline(pid: str) -> str:
 
 def test_the_winner_runs_as_an_experiment(searched):
     out, record, _ = searched
-    r = subprocess.run([sys.executable, "-m", "memlab", "--config-dir", str(out),
-                        "experiment=fit", "train.steps=2", "train.progress=false",
-                        f"hydra.run.dir={out}/again"], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-2000:]
+    assert app(["--config-dir", str(out), "experiment=fit", "train.steps=2",
+                "train.progress=false", f"hydra.run.dir={out}/again"]) == 0
     cfg = json.loads((out / "again" / "summary.json").read_text())["config"]
     for o in record["winner"]["overrides"] + BASE:
         key, value = o.split("=", 1)
@@ -127,7 +150,7 @@ def test_the_winner_runs_as_an_experiment(searched):
 
 
 def test_a_budget_nothing_fits_names_the_closest_and_what_would_fit(tmp_path, capsys):
-    code = main(["--budget", "1MiB", "--out", str(tmp_path), "packing=none",
+    code = main(["--budget", "1MiB", "--out", str(tmp_path), "packing=none", "precision=fp32",
                  "train.batch_size=4", "train.gradient_checkpointing=true",
                  "train.checkpoint_every=1"])
     assert code == 1

@@ -6,10 +6,11 @@ The environment's only memlab is the wheel's. Its dependencies (torch, transform
 come from the developer environment through a plain path entry (a ``.pth`` line: that
 environment's own ``.pth`` files, among them the editable memlab, are not processed), so the
 test costs seconds instead of a torch download; the test checks where memlab was imported from.
-From a fresh directory it then runs what a new user runs: a smoke run, a 2-job sweep through
-memlab's isolating launcher, ``memlab report``, ``memlab estimate`` and ``memlab lengths`` (each
-into Hydra-style dirs, nothing else in the directory), a ready sweep and a user's own config
-dir composed by name, ``--version``, and tab completion through the installed console script.
+From a fresh directory it then runs what a new user runs (at the default precision, auto): a
+2-job smoke sweep through memlab's isolating launcher, ``memlab report``, ``memlab estimate``
+and ``memlab lengths`` (each into Hydra-style dirs, nothing else in the directory), a ready
+sweep and a user's own config dir composed by name, ``--version``, and tab completion through
+the installed console script.
 The editable install (same cheap environment) serves the copy's top-level ``conf/`` and
 ``sweeps/``: a sweep added there after the install runs by name, Hydra finds memlab's plugins
 (its launcher, the ``sweep`` group's mount), a user's config dir composes on top.
@@ -99,6 +100,7 @@ def installed(tmp_path_factory) -> dict[str, Path]:
     return {**_venv(root, env, [str(wheel)]), "env": env}
 
 
+@pytest.mark.auto_precision("what a new user runs: the default precision, as installed")
 def test_installed_memlab_runs_without_the_source_tree(installed):
     py, exe, work, env = (installed[k] for k in ("py", "memlab", "work", "env"))
     probe = _run([str(py), "-c", "import sys, memlab, hydra_plugins.memlab_launcher as l; "
@@ -124,16 +126,15 @@ def test_installed_memlab_runs_without_the_source_tree(installed):
     assert "peft: none,lora" in hydra
     shutil.rmtree(work / "mine")
 
-    # a smoke run, then a 2-job sweep through memlab's isolating launcher (fresh processes)
-    _run([str(exe), "debug=smoke", *TINY, "train.steps=2", "hydra.run.dir=smoke"], work, env)
-    smoke = json.loads((work / "smoke" / "summary.json").read_text())
-    assert smoke["status"] == "ok" and smoke["train"]["steps"] == 2
-    assert oct((work / "smoke" / "summary.json").stat().st_mode & 0o777) == "0o644"
+    # smoke runs: a 2-job sweep through memlab's isolating launcher (fresh processes; a lone
+    # run goes through the same app and task as estimate and lengths below)
     _run([str(exe), "-m", "debug=smoke", *TINY, "train.steps=3", "measure.memory_steps=1",
           "train.seed=0,1"], work, env)
     (sweep,) = (work / "multirun").glob("*/*")
     jobs = [json.loads((sweep / str(i) / "summary.json").read_text()) for i in (0, 1)]
     assert [j["status"] for j in jobs] == ["ok", "ok"]
+    assert [j["train"]["steps"] for j in jobs] == [3, 3]
+    assert oct((sweep / "0" / "summary.json").stat().st_mode & 0o777) == "0o644"
     assert jobs[0]["train"]["loss_curve"] != jobs[1]["train"]["loss_curve"]  # seeds 0 and 1
     report = _run([str(exe), "report", str(sweep), "--html"], work, env).stdout
     assert "train.seed" in report and (sweep / "report.html").exists()
@@ -146,7 +147,7 @@ def test_installed_memlab_runs_without_the_source_tree(installed):
     _run([str(exe), "lengths", "data.n_examples=40", "--no-plot", "--num-proc", "1"], work, env)
     (lengths,) = (work / "outputs" / "lengths").glob("*/*/lengths.json")
     assert json.loads(lengths.read_text())["stats"]["count"] == 40
-    assert sorted(p.name for p in work.iterdir()) == ["multirun", "outputs", "smoke"]
+    assert sorted(p.name for p in work.iterdir()) == ["multirun", "outputs"]
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")

@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 CONF = Path(__file__).parent / "conf"
 JOBS = ["ok", "oom", "invalid", "failed", "killed", "timeout", "interrupted", "not_run"]
 SWEEP_SMOKE = ["debug=smoke", "train.steps=2", "data.n_examples=16", "method.max_length=64",
-               "measure.memory_steps=1", "measure.warmup_steps=0"]
+               "measure.memory_steps=1", "measure.warmup_steps=0", "precision=fp32"]
 
 
 def _statuses(sweep: Path, n: int) -> list[dict]:
