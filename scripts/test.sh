@@ -33,7 +33,7 @@ KERNELS=${MEMLAB_TEST_CPU_KERNELS:-1}
 DURATIONS=.test-durations
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TOKENIZERS_PARALLELISM=${TOKENIZERS_PARALLELISM:-false}
 
-echo "== memlab test suite: $(nproc) cores, load average $(cut -d' ' -f1-3 /proc/loadavg)," \
+echo "== memlab test suite: $(getconf _NPROCESSORS_ONLN) cores, load average $(cut -d' ' -f1-3 /proc/loadavg)," \
      "$(date -u '+%Y-%m-%d %H:%M UTC')"
 t0=$(date +%s)
 mkdir -p "$DURATIONS"
