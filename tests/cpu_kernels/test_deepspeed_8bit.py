@@ -13,13 +13,19 @@ import math
 import pytest
 
 from cpu_kernels.kernel_jobs import NEEDS_BNB
-from integration.test_deepspeed import DS, ESTIMATE_SHAPE
+from integration.test_deepspeed import DS
 from integration.test_estimate import REAL, TOLERANCE, _estimate, assert_agrees
 from memlab._guards import has
 
 pytestmark = [pytest.mark.cpu_kernels, NEEDS_BNB,
               pytest.mark.skipif(not has("deepspeed"), reason="needs the deepspeed extra")]
 
+ESTIMATE_SHAPE = ["model.hidden_size=128", "model.intermediate_size=384", "model.num_layers=2",
+                  "train.batch_size=2", "data.n_examples=32", "data.median_tokens=3000",
+                  "train.device=cpu", "train.progress=false", "packing=bfd",
+                  "method.max_length=256", "method.loss_on=all"]
+"""Long documents cut at max_length, the loss on every token: the estimate's worst-case rows
+(the shape DeepSpeed's agreement tests used for AdamW)."""
 ZERO2 = [*ESTIMATE_SHAPE, *DS(2), "precision=fp32"]
 """The DeepSpeed agreement tests' shape at ZeRO-2 (fp32: an fp32 engine, exact numbers)."""
 
