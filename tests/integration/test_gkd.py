@@ -49,7 +49,8 @@ def test_teacher_settings_are_validated(job):
         assert needle in s["error"], (needle, s["error"])
 
 
-def test_estimate_counts_the_teacher_and_its_sampling(tmp_path):
+def test_estimate_counts_the_teacher_and_its_sampling(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEMLAB_CPU_BF16", "0")  # checks no precision: as on any CPU
     import json
 
     from memlab.cli.estimate import main as estimate_main

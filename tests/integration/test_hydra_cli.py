@@ -26,7 +26,8 @@ TINY = ["model.hidden_size=64", "model.intermediate_size=128", "model.num_layers
 
 
 def memlab(*args: str, cwd: Path = REPO, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "memlab", *args], cwd=cwd, env=ENV,
+    env = {**ENV, **{k: v for k, v in os.environ.items() if k == "MEMLAB_CPU_BF16"}}
+    return subprocess.run([sys.executable, "-m", "memlab", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -87,7 +88,8 @@ def test_tab_completion_for_memlab_and_python_m_memlab():
     assert complete(["memlab peft="], str(exe))[0].split() == ["=lora", "=none", "=qlora"]
 
 
-def test_estimate_sweeps_with_hydra_grammar_into_hydra_dirs(tmp_path):
+def test_estimate_sweeps_with_hydra_grammar_into_hydra_dirs(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEMLAB_CPU_BF16", "0")  # checks no precision: as on any CPU
     r = memlab("estimate", "-m", *TINY, "method.max_length=range(32,65,32)", "peft=glob(l*)",
                "--budget", "1GiB", cwd=tmp_path, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -103,7 +105,8 @@ def test_estimate_sweeps_with_hydra_grammar_into_hydra_dirs(tmp_path):
     assert "method.max_length=32" in r.stdout and "fits" in r.stdout
 
 
-def test_lengths_takes_overrides_sweeps_and_hydra_run_dir(tmp_path):
+def test_lengths_takes_overrides_sweeps_and_hydra_run_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEMLAB_CPU_BF16", "0")  # checks no precision: as on any CPU
     args = ["lengths", "data.n_examples=40", "--no-plot", "--candidates", "256,1024",
             "--num-proc", "1"]
     r = memlab(*args, "hydra.run.dir=here", cwd=tmp_path)

@@ -17,7 +17,8 @@ from memlab.measure.memory import CATEGORIES
 pytestmark = pytest.mark.integration
 
 
-def test_default_smoke_run_summary_is_complete(job):
+def test_default_smoke_run_summary_is_complete(job, monkeypatch):
+    monkeypatch.setenv("MEMLAB_CPU_BF16", "0")  # checks no precision: as on any CPU
     s = job(["debug=smoke"], fast=False)
     assert s["status"] == "ok", s["error"]
     assert s["error"] is None

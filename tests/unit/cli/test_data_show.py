@@ -96,7 +96,8 @@ def test_documents_are_traced_with_their_truncation():
 
 
 @pytest.mark.pipeline
-def test_converted_and_skipped_rows_are_reported(tmp_path, capsys):
+def test_converted_and_skipped_rows_are_reported(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("MEMLAB_CPU_BF16", "0")  # checks no precision: as on any CPU
     rows = [{"conversations": [{"from": "human", "value": f"question {i}"},
                                {"from": "gpt", "value": f"answer {i}"}]} for i in range(3)]
     rows.insert(1, {"conversations": [{"from": "gpt", "value": "an answer with no question"}]})
