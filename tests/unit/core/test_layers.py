@@ -86,18 +86,10 @@ def parsed(path: Path) -> ast.Module:
 def imports(path: Path, type_only: bool = False) -> list[tuple[str, int, bool]]:
     """Every memlab module ``path`` imports at run time: (name, line, inside a function); with
     ``type_only``, those it imports for annotations only (under ``if TYPE_CHECKING:``)."""
-    tree = parsed(path)
-    in_function: set[int] = set()
-    for_types: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            in_function |= {id(n) for n in ast.walk(node) if n is not node}
-        if isinstance(node, ast.If) and _type_checking(node.test):
-            for_types |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
     me = module_name(path)
     package = me if path.name == "__init__.py" else me.rpartition(".")[0]
     out = []
-    for node in ast.walk(tree):
+    for node, in_function, for_types in _walk(parsed(path), False, False):
         names: list[str] = []
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
@@ -112,12 +104,25 @@ def imports(path: Path, type_only: bool = False) -> list[tuple[str, int, bool]]:
                 sub = f"{base}.{a.name}"
                 names.append(sub if (SRC.parent / (sub.replace(".", "/") + ".py")).exists()
                              or (SRC.parent / sub.replace(".", "/")).is_dir() else base)
-        if (id(node) in for_types) != type_only:
+        if for_types != type_only:
             continue
         for n in names:
             if n == "memlab" or n.startswith("memlab."):
-                out.append((n, node.lineno, id(node) in in_function))
+                out.append((n, node.lineno, in_function))
     return out
+
+
+def _walk(node: ast.AST, in_function: bool, for_types: bool):
+    """Every statement under ``node`` (itself first) with whether it sits inside a function and
+    inside the body of an ``if TYPE_CHECKING:``: one pass over the tree, through statements only
+    (an import is always a statement)."""
+    yield node, in_function, for_types
+    inner = in_function or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+    typing_if = isinstance(node, ast.If) and _type_checking(node.test)
+    for field, value in ast.iter_fields(node):
+        for child in value if isinstance(value, list) else [value]:
+            if isinstance(child, (ast.stmt, ast.excepthandler, ast.match_case)):
+                yield from _walk(child, inner, for_types or (typing_if and field == "body"))
 
 
 def graph() -> dict[str, list[tuple[str, int, bool]]]:
