@@ -103,6 +103,18 @@ LORA_CHUNKED = ["train.steps=2", "train.save_final=true", "measure.memory_steps=
 session (test_distributed.py, test_checkpoints.py, test_deepspeed.py read the same runs)."""
 
 
+def app(argv: list[str]) -> int:
+    """``memlab ARGV`` through memlab's Hydra app in this process; its exit status."""
+    from memlab.cli.app import run_app
+    from memlab.hydra_task import hydra_task
+
+    try:
+        run_app(hydra_task, argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+    return 0
+
+
 def _session_dir() -> Path:
     """The directory every process of this test session shares (``MEMLAB_TEST_SHARED``, made by
     the process that starts the session, tests/conftest.py, and inherited by xdist's workers)."""

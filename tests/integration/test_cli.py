@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from memlab_testing import FAST, REPO
+from memlab_testing import FAST, REPO, app
 
 pytestmark = pytest.mark.integration
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true", "HF_HUB_OFFLINE": "1"}
@@ -22,18 +22,6 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true", "HF_HUB_OFF
 def memlab(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "memlab", *args], cwd=REPO, env=ENV,
                           capture_output=True, text=True, timeout=timeout)
-
-
-def app(argv: list[str]) -> int:
-    """``memlab ARGV`` through memlab's Hydra app in this process; its exit status."""
-    from memlab.cli.app import run_app
-    from memlab.hydra_task import hydra_task
-
-    try:
-        run_app(hydra_task, argv)
-    except SystemExit as e:
-        return int(e.code or 0)
-    return 0
 
 
 def test_help_lists_groups():

@@ -15,6 +15,7 @@ import pytest
 from memlab.cli.fit import fit, main
 from memlab.cli.fit.search import FitOptions, estimate_candidate, read_run
 from memlab.cli.fit.space import Candidate
+from memlab_testing import app
 
 pytestmark = pytest.mark.integration
 
@@ -41,18 +42,6 @@ def searched(tmp_path_factory):
     assert app([*BASE, f"train.steps={STEPS}", "train.progress=false",
                 f"hydra.run.dir={out / 'default'}"]) == 0
     return out, record, read_run(out / "default")
-
-
-def app(argv: list[str]) -> int:
-    """``memlab ARGV`` through memlab's Hydra app in this process; its exit status."""
-    from memlab.cli.app import run_app
-    from memlab.hydra_task import hydra_task
-
-    try:
-        run_app(hydra_task, argv)
-    except SystemExit as e:
-        return int(e.code or 0)
-    return 0
 
 
 def test_the_winner_is_measured_under_the_budget_and_trains_like_the_default(searched):

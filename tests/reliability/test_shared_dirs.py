@@ -18,7 +18,7 @@ import yaml
 
 from memlab.faults import FAULT_AT
 from memlab.measure.summary import FALLBACK_ENV
-from memlab_testing import CONF, run_job
+from memlab_testing import CONF, app, run_job
 from reliability.helpers import (
     HANG_S,
     SMOKE,
@@ -30,18 +30,6 @@ from reliability.helpers import (
 pytestmark = pytest.mark.integration
 
 QUIET = [*SMOKE, "train.progress=false"]
-
-
-def app(argv: list[str]) -> int:
-    """``memlab ARGV`` through memlab's Hydra app in this process; its exit status."""
-    from memlab.cli.app import run_app
-    from memlab.hydra_task import hydra_task
-
-    try:
-        run_app(hydra_task, argv)
-    except SystemExit as e:
-        return int(e.code or 0)
-    return 0
 
 
 def _summary(run_dir: Path) -> dict:
