@@ -26,6 +26,7 @@ HANG_S = 600.0
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
        "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_SILENT": "true",
+       "MEMLAB_CPU_BF16": "0",  # as in-process (tests/reliability/conftest.py): no precision here
        "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
 for _hook in (PAUSE_AT, PAUSE_DIR, FAULT_AT):
     ENV.pop(_hook, None)
