@@ -1,6 +1,6 @@
 """Fault injection for memlab's reliability tests, and the test suite's guard: explicit,
-documented environment variables read at a few named points of a run. Nothing else in memlab reads them, and unset (always, outside
-tests) a point costs one dictionary lookup.
+documented environment variables read at a few named points of a run. Nothing else in memlab
+reads them, and unset (always, outside tests) a point costs one dictionary lookup.
 
 ``MEMLAB_PAUSE_AT=<point>``
     At ``<point>`` the run writes ``$MEMLAB_PAUSE_DIR/<point>.<pid>.json`` (``{"point", "pid",
