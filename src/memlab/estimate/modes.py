@@ -187,7 +187,7 @@ def estimate_tracker(round_to: int = 0):
                 res = args[0]
             else:
                 res = func(*args, **(kwargs or {}))
-            if active_fake_mode() is self._fake_mode_on_entry:
+            if active_fake_mode() is self.entry_fake_mode:
                 if self._in_opt:
                     reftype = _MemRefType.OPT
                 elif self._mod_tracker.is_bw and not self._in_ac:

@@ -76,19 +76,34 @@ def tracker_class():
             if not self._skips(module):
                 super()._post_bw_hook(module, args)
 
+        entry_fake_mode: object = None
+        """The fake-tensor mode active when the tracker was entered (outermost entry): ops
+        run under another mode (DTensor's propagation in a fake mode) are not tracked. Kept
+        here because torch 2.13's MemTracker records it (``_fake_mode_on_entry``) and earlier
+        ones, which memlab supports, do not (torch 2.11 on a GPU machine: every estimate
+        failed on the missing attribute)."""
+        _entries = 0
+
         def __enter__(self):
+            from torch._guards import active_fake_mode
+
             from memlab.measure.patches import recording_multi_grad_hooks
 
+            if self._entries == 0:
+                self.entry_fake_mode = active_fake_mode()
+            self._entries += 1
             self._hook_recording = contextlib.ExitStack()
             self._grad_hook_handles = self._hook_recording.enter_context(
                 recording_multi_grad_hooks())
             try:
                 return super().__enter__()
             except BaseException:
+                self._entries -= 1
                 self._hook_recording.close()
                 raise
 
         def __exit__(self, *args):
+            self._entries -= 1
             try:
                 super().__exit__(*args)
             finally:
