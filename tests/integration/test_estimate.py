@@ -508,9 +508,11 @@ def test_cuda_model_offload_and_qlora(tmp_path):
     base_o = UNPACKED
     cpu = _estimate(tmp_path, base_o)  # (the exact-masks test's, shared)
     cuda = _estimate(tmp_path, base_o, "--device", "cuda")
-    # 512-byte blocks + cuBLAS workspace: never below the byte-exact CPU number
+    # 512-byte blocks + cuBLAS workspaces: never below the byte-exact CPU number; the two
+    # workspaces (forward's thread, autograd's) of a pre-Hopper card without a GPU here
     assert cuda["peak_bytes"] > cpu["peak_bytes"]
-    assert cuda["by_category"]["other"] >= 8 * 1024**2
+    ws = cuda["by_category"]["other"] - cpu["by_category"]["other"]
+    assert ws >= 2 * (4096 * 1024 * 2 + 16 * 1024 * 8)
     off = _estimate(tmp_path, base_o + ["offload=activations", "offload.min_bytes=0"],
                     "--device", "cuda")
     assert off["by_category"]["activations"] < cuda["by_category"]["activations"]

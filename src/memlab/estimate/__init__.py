@@ -57,6 +57,7 @@ from memlab.estimate.options import (
     MiB,
     cublas_workspace_bytes,
     fmt_bytes,
+    local_sm_major,
     parse_bytes,
     verdict,
     zero_stage,
@@ -230,12 +231,12 @@ def estimate(cfg, opts: EstimateOptions | None = None, choices: dict[str, str] |
                     + ("; optimizer state created by the optimizer's own step 0 update"
                        if ran == [1] else ""))
     unsharded = mem
-    sm = CARDS[opts.card]["sm"] if opts.card else 8
+    sm = CARDS[opts.card]["sm"] if opts.card else local_sm_major()
     if opts.device == "cuda":
         ws = cublas_workspace_bytes(sm)
         mem = _add_other(mem, ws)
         notes.append(f"device=cuda is a model: each allocation rounded up to {CUDA_BLOCK} B, "
-                     f"cuBLAS workspace {fmt_bytes(ws)} in other, AdamW foreach; allocator "
+                     f"cuBLAS workspaces {fmt_bytes(ws)} in other (forward's and backward's threads), AdamW foreach; allocator "
                      "fragmentation (reserved > allocated) is not included")
     else:
         notes.append("device=cpu: byte-exact for a CPU run of the same shapes")

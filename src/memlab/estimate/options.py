@@ -42,9 +42,27 @@ CUDA_CONTEXT_BYTES = 512 * MiB
 architecture and libraries). Counted in the verdict, not in the allocator peak."""
 
 
-def cublas_workspace_bytes(sm_major: int = 8) -> int:
-    """torch's default cuBLAS workspace: ``:4096:8`` (32 MiB) on Hopper, else ``:4096:2:16:8``."""
-    return 4096 * 1024 * 8 if sm_major == 9 else 4096 * 1024 * 2 + 16 * 1024 * 8
+CUBLAS_HANDLES = 2
+"""The cuBLAS workspaces a training step holds. torch gives each thread its own cuBLAS handle
+and each (handle, stream) its own workspace from the caching allocator; the forward's matmuls
+run on the caller's thread, the backward's on autograd's device thread. Measured on an H200
+(torch 2.11, CUDA 13, benchmarks/gpu_acceptance.py's run): +32 MiB at the first matmul, +32
+MiB more at the first backward, nothing after."""
+
+
+def cublas_workspace_bytes(sm_major: int = 8, handles: int = CUBLAS_HANDLES) -> int:
+    """torch's default cuBLAS workspaces: ``:4096:8`` (32 MiB) each on Hopper, else
+    ``:4096:2:16:8`` (8.125 MiB), times ``handles``."""
+    one = 4096 * 1024 * 8 if sm_major >= 9 else 4096 * 1024 * 2 + 16 * 1024 * 8
+    return one * handles
+
+
+def local_sm_major(default: int = 8) -> int:
+    """The major compute capability of this machine's first GPU; ``default`` without one (an
+    estimate for a CUDA machine made elsewhere, without ``--card``)."""
+    import torch
+
+    return torch.cuda.get_device_capability(0)[0] if torch.cuda.is_available() else default
 
 
 class EstimateError(RuntimeError):
