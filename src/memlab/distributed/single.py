@@ -7,10 +7,10 @@ import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-import torch
 from torch import nn
 
-from memlab.distributed.base import NoCapabilities, OptimizerTensors, Sharding, register
+from memlab.distributed._replica import Replica
+from memlab.distributed.base import NoCapabilities, Sharding, register
 from memlab.registry import Option
 
 if TYPE_CHECKING:
@@ -19,8 +19,8 @@ if TYPE_CHECKING:
 
 @register("single")
 @dataclass(kw_only=True)
-class Single(NoCapabilities, Option):
-    """No knobs."""
+class Single(Replica, NoCapabilities, Option):
+    """No knobs; a replica's answers (:class:`memlab.distributed._replica.Replica`)."""
 
     wraps_fake_tensors: ClassVar[bool] = True
     reduces_before_grad_hooks: ClassVar[bool] = True
@@ -46,25 +46,9 @@ class Single(NoCapabilities, Option):
     def all_reduce_sum(self, values: list[float], device: str) -> list[float]:
         return list(values)
 
-    def generation(self, model: nn.Module) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
-
-    def gathered(self, param: torch.Tensor) -> contextlib.AbstractContextManager[torch.Tensor]:
-        return contextlib.nullcontext(param)
-
-    def memory_roles(self, model: nn.Module) -> dict[str, list[torch.Tensor]]:
-        return {}
-
     def describe(self, model: nn.Module) -> dict[str, Any]:
         """Buffers the wrapper itself holds (none here)."""
         return {}
-
-    def on_fake_group(self, ctx: BuildContext) -> contextlib.AbstractContextManager[list[str]]:
-        """No process group: nothing to add."""
-        return contextlib.nullcontext([])
-
-    def optimizer_tensors(self, ctx: BuildContext) -> OptimizerTensors:
-        return "parameters"
 
     def sharding(self) -> Sharding | None:
         """One plain process: nothing to shard."""

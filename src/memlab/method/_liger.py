@@ -1,5 +1,5 @@
 """Liger-Kernel in the methods that have it (``sft``, ``dpo``, ``kto``): the knobs they share
-(:class:`LigerKnobs`), the rules those knobs follow, and the pieces that call Liger (hidden
+(:class:`LigerKnobs`; :class:`NoLiger`: the answers of the methods without it), the rules those knobs follow, and the pieces that call Liger (hidden
 states without logits, the output head, the loss value across Liger releases).
 
 Not an option of its own.
@@ -110,6 +110,19 @@ class LigerKnobs:
                           "imports it): TRITON_INTERPRET=1 memlab ...")
         return errors
 
+
+class NoLiger:
+    """The answers of a method without a Liger path (``reward``, ``gkd``, the online methods):
+    no Liger, no kernel patched into the model, no loss that reads the output head's weight."""
+
+    def uses_liger(self) -> bool:
+        return False
+
+    def liger_model_kernels(self) -> tuple[str, ...]:
+        return ()
+
+    def reads_head_weight(self, ctx: BuildContext) -> str | None:
+        return None
 
 
 class LigerPairs(Protocol):

@@ -32,6 +32,14 @@ from torch import nn
 
 from memlab.generation.base import Engine, GenerationEnv, Samples, SamplingParams
 from memlab.method import _layout, _overrides, _prompts, _reference, _rewards, _rollout, _rows
+from memlab.method._knobs import (
+    CompletionLength,
+    HeadOn,
+    PaddingFree,
+    PromptLength,
+    SharePrompt,
+)
+from memlab.method._liger import NoLiger
 from memlab.method.base import Batch, DataStats, Generating, ModelFactory, drops_padding_mask
 from memlab.model.base import Head
 from memlab.registry import NonNegativeFloat, Option, PositiveFloat, PositiveInt, Range
@@ -43,16 +51,14 @@ if TYPE_CHECKING:
 
 
 @dataclass(kw_only=True)
-class Online(Option):
+class Online(HeadOn, SharePrompt, PaddingFree, CompletionLength, PromptLength, NoLiger,
+             Option):
     """Knobs every online method has, named as in TRL's GRPOConfig / RLOOConfig."""
 
     num_generations: PositiveInt = 4
     """Completions sampled per prompt (the group whose mean reward is the baseline)."""
     max_prompt_length: PositiveInt | None = 256
-    """Prompt tokens kept, cut from the left. None = no limit."""
     max_completion_length: PositiveInt = 64
-    """Longest sampled completion, in tokens (generation stops there or at the end-of-sequence
-    token)."""
     temperature: PositiveFloat = 1.0
     """Sampling temperature of the completions (the loss's log-probs are the model's own, at
     temperature 1)."""
@@ -85,23 +91,7 @@ class Online(Option):
     step on the policy has moved, so the probability ratio to the log-probs recorded at
     generation time differs from 1 and the clip acts. Those log-probs cost one more no-grad
     forward in the generate phase."""
-    head_on: Literal["labelled", "all"] = "labelled"
-    """labelled: the output head (and PPO's value head) runs only at the positions that predict
-    a completion token, as TRL's ``logits_to_keep``; all: at every position, prompt and
-    padding included (the old way). Same loss and gradients."""
-    padding_mask: Literal["auto", "always"] = "auto"
-    """auto: the training rows (right-padded ``prompt + completion``) go without their
-    attention mask where the attention backend computes padded positions anyway (eager, sdpa);
-    always: send it (``method=sft``'s knob)."""
-    share_prompt: bool | None = None
-    """Store each prompt once for its ``num_generations`` completions in the training forward
-    and backward: one row per prompt, every completion seeing the prompt and itself only (as
-    ``method=dpo``'s share_prompt does for a pair). Same log-probs as the unshared rows; needs
-    attention that can show a document a prefix (sdpa / eager with varlen, flex). None: on
-    where the attention option can (``Attention.shares_prefix``), else off."""
-    padding_free: bool = False
-    """Every training sequence (or, with share_prompt, every prompt's group) as documents of
-    one row: restarting position ids, no padding."""
+    share_prompt: bool | None = None  # type: ignore[assignment]  # None: where it can
 
     data_kinds: ClassVar[tuple[str, ...]] = ("chat", "preference")
     head: ClassVar[Head] = "causal_lm"
@@ -240,15 +230,6 @@ class Online(Option):
     def labelled(self) -> bool:
         """Whether the output head runs at the scored positions only (``head_on``)."""
         return self.head_on == "labelled"
-
-    def uses_liger(self) -> bool:
-        return False
-
-    def liger_model_kernels(self) -> tuple[str, ...]:
-        return ()
-
-    def reads_head_weight(self, ctx: BuildContext) -> str | None:
-        return None
 
     # ------------------------------------------------------------------ generation
     def sampling_length(self) -> int:

@@ -6,20 +6,18 @@ Not an option of its own.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
+from memlab.method._knobs import HeadOn
 from memlab.method.base import Batch, drops_padding_mask
 
 if TYPE_CHECKING:
     from memlab.context import BuildContext
 
 
-class PreferenceBatches:
-    """Mixed into the configs of ``dpo`` and ``kto`` (their dataclasses declare the knobs below
-    and implement ``_collate``)."""
+class PreferenceBatches(HeadOn):
+    """Mixed into the configs of ``dpo`` and ``kto`` (they implement ``_collate``)."""
 
-    head_on: Literal["labelled", "all"]
-    padding_mask: Literal["auto", "always"]
     use_liger_kernel: bool
 
     def labelled(self) -> bool:

@@ -26,7 +26,8 @@ Not an option of its own (the registry skips modules whose name starts with ``_`
 * **Datasets.** :func:`map_rows` runs a row function (0, 1 or more output rows per input row) as
   one batched ``datasets.map`` (a row the chat template cannot split is left out there under
   ``data.on_unsplittable=skip``: :class:`memlab.data.chat.SkippedRow`); :func:`keep_rows` drops
-  the rows a method flagged.
+  the rows a method flagged; :func:`kept` also counts what a preference method's row function
+  tallied (:data:`TALLY`) into the dataset's :class:`~memlab.method.base.DataStats`.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from typing import Any
 
 from memlab.data import chat, text
 from memlab.data.base import DataError, check_messages, check_text
+from memlab.method.base import DataStats
 
 
 def length_errors(limits: Mapping[str, int | None]) -> list[str]:
@@ -254,3 +256,24 @@ def keep_rows(ds, keep_column: str = "keep", drop: Sequence[str] = ()):
     if not all(keep):
         ds = ds.select([i for i, k in enumerate(keep) if k], keep_in_memory=True)
     return ds.remove_columns([keep_column, *drop])
+
+
+TALLY = ("n_in", "n_dropped", "n_train", "n_empty")
+"""The columns a preference method's row function tallies per row (``dpo``, ``kto``,
+``reward``): tokens in (a shared prompt once), tokens dropped by truncation (all of them for a
+dropped row), tokens trained on, empty completions."""
+
+
+def kept(ds, drop: Sequence[str] = ()) -> tuple[Any, DataStats]:
+    """The rows flagged ``keep``, without the :data:`TALLY` columns (nor ``drop``), and the
+    counts those columns and flags give: tokens in and dropped, examples dropped, trainable
+    tokens, ``empty_completions``. One example per row; the method adds what else it counts
+    (hollow rows, ...)."""
+    n_in, n_dropped, keep = ds["n_in"], ds["n_dropped"], ds["keep"]
+    n_train, n_empty = ds["n_train"], ds["n_empty"]
+    out = keep_rows(ds, drop=(*TALLY, *drop))
+    return out, DataStats(examples=len(out), rows=len(out), tokens_in=int(sum(n_in)),
+                          tokens_dropped=int(sum(n_dropped)),
+                          examples_dropped=int(len(keep) - sum(keep)),
+                          trainable_tokens=int(sum(n_train)),
+                          extra={"empty_completions": int(sum(n_empty))})

@@ -48,10 +48,11 @@ import torch
 
 from memlab.data.base import DataError
 from memlab.method import _collate, _layout, _liger, _logps, _reference, _rows
+from memlab.method._knobs import PreferenceRows
 from memlab.method._preference import PreferenceBatches
 from memlab.method.base import Batch, DataStats, Offline, batch_key, drops_padding_mask, register
 from memlab.model.base import Head
-from memlab.registry import PositiveFloat, PositiveInt, Range
+from memlab.registry import PositiveFloat, Range
 
 if TYPE_CHECKING:
     from memlab.context import BuildContext
@@ -60,7 +61,7 @@ if TYPE_CHECKING:
 
 @register("dpo")
 @dataclass(kw_only=True)
-class DPO(Offline, _liger.LigerKnobs, PreferenceBatches):
+class DPO(Offline, PreferenceRows, _liger.LigerKnobs, PreferenceBatches):
     """DPO knobs, named as in TRL's DPOConfig where one exists."""
 
     beta: PositiveFloat = 0.1
@@ -75,24 +76,6 @@ class DPO(Offline, _liger.LigerKnobs, PreferenceBatches):
     max_length: Annotated[int, Range(ge=2)] | None = 1024
     """Longest prompt + completion; the completion is cut to fit; with packing also the row
     capacity. None = no limit."""
-    max_prompt_length: PositiveInt | None = 512
-    """Prompt tokens kept (its end). None = no limit."""
-    max_completion_length: PositiveInt | None = None
-    """Completion tokens kept (its start). None = no limit."""
-    padding_free: bool = False
-    """All 2B sequences of a batch in one row, restarting position_ids, no padding."""
-    pad_to_multiple_of: PositiveInt | None = None
-    """Round padded lengths (or the flat row) up to a multiple."""
-    share_prompt: bool = False
-    """Store each pair's prompt once: chosen and rejected attend to it and to themselves only."""
-    head_on: Literal["labelled", "all"] = "labelled"
-    """labelled: the output head runs only at the positions that predict a completion token
-    (the collator lists them; prompt and padding positions get no logits); all: at every
-    position (the old way). Same loss and gradients (``method=sft``'s knob)."""
-    padding_mask: Literal["auto", "always"] = "auto"
-    """auto: padded rows (right-padded, causal) go without their attention mask where the
-    attention backend computes padded positions anyway (eager, sdpa); always: send it
-    (``method=sft``'s knob)."""
 
     data_kinds: ClassVar[tuple[str, ...]] = ("preference",)
     head: ClassVar[Head] = "causal_lm"
@@ -182,17 +165,10 @@ class DPO(Offline, _liger.LigerKnobs, PreferenceBatches):
                      "n_empty": ec + er}]
 
         key = ("dpo", explicit, limits, fit, shared, tokenizer.name_or_path, len(tokenizer))
-        out = _rows.map_rows(ds, fn, ("prompt_ids", "chosen_ids", "rejected_ids", "keep", "n_in",
-                                      "n_dropped", "n_train", "n_empty"), key, "tokenize pairs")
-        n_in, n_dropped, keep = out["n_in"], out["n_dropped"], out["keep"]
-        n_train, n_empty = out["n_train"], out["n_empty"]
-        out = _rows.keep_rows(out, drop=("n_in", "n_dropped", "n_train", "n_empty"))
-        stats = DataStats(examples=len(out), rows=len(out), tokens_in=int(sum(n_in)),
-                          tokens_dropped=int(sum(n_dropped)),
-                          examples_dropped=int(len(keep) - sum(keep)),
-                          trainable_tokens=int(sum(n_train)),
-                          hollow_rows=_rows.same_pairs(out), hollow_what=_rows.SAME_PAIRS,
-                          extra={"empty_completions": int(sum(n_empty))})
+        out, stats = _rows.kept(_rows.map_rows(
+            ds, fn, ("prompt_ids", "chosen_ids", "rejected_ids", "keep", *_rows.TALLY), key,
+            "tokenize pairs"))
+        stats.hollow_rows, stats.hollow_what = _rows.same_pairs(out), _rows.SAME_PAIRS
         return out, stats
 
     def unit_sizes(self, ds, ctx: BuildContext) -> tuple[list[int], list[list[int]]]:

@@ -30,6 +30,8 @@ import torch.nn.functional as F
 from memlab.data.base import DataError
 from memlab.generation.base import GenerationEnv, SamplingParams
 from memlab.method import _overrides, _reference, _rows
+from memlab.method._knobs import PromptLength
+from memlab.method._liger import NoLiger
 from memlab.method._prompts import join, prompt_and_reference
 from memlab.method.base import (
     IGNORE,
@@ -51,7 +53,7 @@ if TYPE_CHECKING:
 
 @register("gkd")
 @dataclass(kw_only=True)
-class GKD(Option):
+class GKD(PromptLength, NoLiger, Option):
     """GKD knobs, named as in TRL's GKDConfig."""
 
     teacher: dict[str, Any] | None = None
@@ -69,8 +71,6 @@ class GKD(Option):
     """Off-policy micro-batches use the teacher's samples instead of the dataset's answers."""
     max_length: Annotated[int, Range(ge=2)] | None = 1024
     """Longest prompt + completion; the completion is cut to fit. None = no limit."""
-    max_prompt_length: PositiveInt | None = 512
-    """Prompt tokens kept (its end). None = no limit."""
 
     data_kinds: ClassVar[tuple[str, ...]] = ("chat",)
     head: ClassVar[Head] = "causal_lm"
@@ -120,15 +120,6 @@ class GKD(Option):
         t = batch.tensors
         comp = torch.full((t["prompt_ids"].shape[0], new_tokens), token, dtype=torch.long)
         return join(t["prompt_ids"], t["prompt_mask"], comp, torch.ones_like(comp))
-
-    def uses_liger(self) -> bool:
-        return False
-
-    def liger_model_kernels(self) -> tuple[str, ...]:
-        return ()
-
-    def reads_head_weight(self, ctx: BuildContext) -> str | None:
-        return None
 
     # ------------------------------------------------------------------ validation
     def validate(self, ctx: BuildContext) -> list[str]:

@@ -40,10 +40,11 @@ import torch
 
 from memlab.data.base import DataError
 from memlab.method import _collate, _layout, _liger, _logps, _reference, _rows
+from memlab.method._knobs import PreferenceRows
 from memlab.method._preference import PreferenceBatches
 from memlab.method.base import Batch, DataStats, Offline, batch_key, drops_padding_mask, register
 from memlab.model.base import Head
-from memlab.registry import NonNegativeFloat, PositiveFloat, PositiveInt, Range
+from memlab.registry import NonNegativeFloat, PositiveFloat, Range
 
 if TYPE_CHECKING:
     from memlab.context import BuildContext
@@ -68,7 +69,7 @@ def mismatched_partners(prompts: list[list[int]]) -> list[int]:
 
 @register("kto")
 @dataclass(kw_only=True)
-class KTO(Offline, _liger.LigerKnobs, PreferenceBatches):
+class KTO(Offline, PreferenceRows, _liger.LigerKnobs, PreferenceBatches):
     """KTO knobs, named as in TRL's KTOConfig where one exists."""
 
     beta: PositiveFloat = 0.1
@@ -81,23 +82,6 @@ class KTO(Offline, _liger.LigerKnobs, PreferenceBatches):
     """As in method=dpo: frozen copy, policy with its LoRA adapter off, or precomputed log-probs."""
     max_length: Annotated[int, Range(ge=2)] | None = 1024
     """Longest prompt + completion; the completion is cut to fit. None = no limit."""
-    max_prompt_length: PositiveInt | None = 512
-    """Prompt tokens kept (its end). None = no limit."""
-    max_completion_length: PositiveInt | None = None
-    """Completion tokens kept (its start). None = no limit."""
-    padding_free: bool = False
-    """All sequences of a batch in one row, restarting position_ids, no padding."""
-    pad_to_multiple_of: PositiveInt | None = None
-    """Round padded lengths (or the flat row) up to a multiple."""
-    share_prompt: bool = False
-    """Paired rows: the pair's prompt stored once for its two examples (and their KL sequences)."""
-    head_on: Literal["labelled", "all"] = "labelled"
-    """labelled: the output head runs only at the positions that predict a completion token
-    (examples and KL sequences); all: at every position. Same loss and gradients
-    (``method=sft``'s knob)."""
-    padding_mask: Literal["auto", "always"] = "auto"
-    """auto: padded rows go without their attention mask where the attention backend computes
-    padded positions anyway (eager, sdpa); always: send it (``method=sft``'s knob)."""
 
     data_kinds: ClassVar[tuple[str, ...]] = ("preference",)
     head: ClassVar[Head] = "causal_lm"
@@ -202,12 +186,9 @@ class KTO(Offline, _liger.LigerKnobs, PreferenceBatches):
             return out
 
         key = ("kto", paired, explicit, limits, tokenizer.name_or_path, len(tokenizer))
-        out = _rows.map_rows(ds, fn, ("prompt_ids", "completion_ids", "label", "keep", "n_in",
-                                      "n_dropped", "n_train", "n_empty"), key,
-                             "tokenize examples")
-        n_in, n_dropped, keep = out["n_in"], out["n_dropped"], out["keep"]
-        n_train, n_empty = out["n_train"], out["n_empty"]
-        out = _rows.keep_rows(out, drop=("n_in", "n_dropped", "n_train", "n_empty"))
+        out, stats = _rows.kept(_rows.map_rows(
+            ds, fn, ("prompt_ids", "completion_ids", "label", "keep", *_rows.TALLY), key,
+            "tokenize examples"))
         prompts, completions = out["prompt_ids"], out["completion_ids"]
         kl = []
         for i, j in enumerate(mismatched_partners(prompts)):
@@ -216,15 +197,21 @@ class KTO(Offline, _liger.LigerKnobs, PreferenceBatches):
         fp = hashlib.sha1(repr((out._fingerprint, "kl")).encode()).hexdigest()
         out = out.add_column("kl_completion_ids", kl, new_fingerprint=fp)
         labels = out["label"]
-        stats = DataStats(examples=len(out), rows=len(out), tokens_in=int(sum(n_in)),
-                          tokens_dropped=int(sum(n_dropped)),
-                          examples_dropped=int(len(keep) - sum(keep)),
-                          trainable_tokens=int(sum(n_train)),
-                          hollow_rows=int(sum(n_empty)), hollow_what=_rows.EMPTY_COMPLETIONS,
-                          extra={"desirable": int(sum(labels)),
-                                 "undesirable": int(len(labels) - sum(labels)),
-                                 "empty_completions": int(sum(n_empty))})
-        return out, stats
+        return out, self._stats(stats, desirable=int(sum(labels)),
+                                undesirable=int(len(labels) - sum(labels)))
+
+    @staticmethod
+    def _stats(stats: DataStats, desirable: int, undesirable: int, per_row: int = 1
+               ) -> DataStats:
+        """``stats`` (:func:`memlab.method._rows.kept`) with KTO's counts: an empty completion
+        is a hollow example; ``per_row`` examples a row (a pair's two with share_prompt)."""
+        empty = stats.extra["empty_completions"]
+        stats.examples *= per_row
+        stats.examples_dropped *= per_row
+        stats.hollow_rows, stats.hollow_what = empty, _rows.EMPTY_COMPLETIONS
+        stats.extra = {"desirable": desirable, "undesirable": undesirable,
+                       "empty_completions": empty}
+        return stats
 
     def _prepare_pairs(self, ds, tokenizer, ctx: BuildContext, explicit: bool, limits: tuple
                        ) -> tuple[Any, DataStats]:
@@ -260,11 +247,9 @@ class KTO(Offline, _liger.LigerKnobs, PreferenceBatches):
                      "n_train": tc + tr, "n_empty": ec + er}]
 
         key = ("kto-pairs", explicit, limits, fit, tokenizer.name_or_path, len(tokenizer))
-        out = _rows.map_rows(ds, fn, ("prompt_ids", "completion_ids", "label", "keep", "n_in",
-                                      "n_dropped", "n_train", "n_empty"), key, "tokenize pairs")
-        n_in, n_dropped, keep = out["n_in"], out["n_dropped"], out["keep"]
-        n_train, n_empty = out["n_train"], out["n_empty"]
-        out = _rows.keep_rows(out, drop=("n_in", "n_dropped", "n_train", "n_empty"))
+        out, stats = _rows.kept(_rows.map_rows(
+            ds, fn, ("prompt_ids", "completion_ids", "label", "keep", *_rows.TALLY), key,
+            "tokenize pairs"))
         prompts = [p for p in out["prompt_ids"] for _ in range(2)]
         completions = [c for cr in out["completion_ids"] for c in cr]
         kl: list[list[list[int]]] = []
@@ -282,14 +267,7 @@ class KTO(Offline, _liger.LigerKnobs, PreferenceBatches):
             kl.append(pair_kl)
         fp = hashlib.sha1(repr((out._fingerprint, "kl")).encode()).hexdigest()
         out = out.add_column("kl_completion_ids", kl, new_fingerprint=fp)
-        stats = DataStats(examples=2 * len(out), rows=len(out), tokens_in=int(sum(n_in)),
-                          tokens_dropped=int(sum(n_dropped)),
-                          examples_dropped=2 * int(len(keep) - sum(keep)),
-                          trainable_tokens=int(sum(n_train)),
-                          hollow_rows=int(sum(n_empty)), hollow_what=_rows.EMPTY_COMPLETIONS,
-                          extra={"desirable": len(out), "undesirable": len(out),
-                                 "empty_completions": int(sum(n_empty))})
-        return out, stats
+        return out, self._stats(stats, desirable=len(out), undesirable=len(out), per_row=2)
 
     def unit_sizes(self, ds, ctx: BuildContext) -> tuple[list[int], list[list[int]]]:
         """A unit's tokens in the larger of its main and KL rows: an example (its sequence,

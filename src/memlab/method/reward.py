@@ -39,9 +39,11 @@ from torch import nn
 
 from memlab.data.base import DataError
 from memlab.method import _collate, _layout, _logps, _rows
+from memlab.method._knobs import PaddingFree, PadMultiple, SharePrompt
+from memlab.method._liger import NoLiger
 from memlab.method.base import Batch, DataStats, Offline, model_inputs, register
 from memlab.model.base import Head
-from memlab.registry import NonNegativeFloat, PositiveInt, Range
+from memlab.registry import NonNegativeFloat, Range
 from memlab.trainer.routing import base_model, call_inside
 
 if TYPE_CHECKING:
@@ -51,7 +53,7 @@ if TYPE_CHECKING:
 
 @register("reward")
 @dataclass(kw_only=True)
-class Reward(Offline):
+class Reward(Offline, SharePrompt, PadMultiple, PaddingFree, NoLiger):
     """Reward-model knobs, named as in TRL's RewardConfig where one exists."""
 
     max_length: Annotated[int, Range(ge=2)] | None = 1024
@@ -62,12 +64,6 @@ class Reward(Offline):
     """Weight of the auxiliary (r_c + r_r)^2 term that keeps rewards centred (null = off)."""
     use_margin: bool = True
     """Subtract the dataset's per-pair 'margin' column (when it has one) from r_c - r_r."""
-    padding_free: bool = False
-    """All 2B sequences of a batch in one row, restarting position_ids, no padding."""
-    pad_to_multiple_of: PositiveInt | None = None
-    """Round padded lengths (or the flat row) up to a multiple."""
-    share_prompt: bool = False
-    """Store a pair's common start once: each sequence's rest sees it and itself only."""
 
     data_kinds: ClassVar[tuple[str, ...]] = ("preference",)
     head: ClassVar[Head] = "seq_cls"
@@ -87,17 +83,8 @@ class Reward(Offline):
     def unit_pieces(self) -> int:
         return 2
 
-    def uses_liger(self) -> bool:
-        return False
-
-    def liger_model_kernels(self) -> tuple[str, ...]:
-        return ()
-
     def keeps_row_end(self) -> bool:
         return self.truncation_mode == "keep_end"
-
-    def reads_head_weight(self, ctx: BuildContext) -> str | None:
-        return None
 
     # ------------------------------------------------------------------ validation
     def validate(self, ctx: BuildContext) -> list[str]:
@@ -167,18 +154,10 @@ class Reward(Offline):
 
         key = ("reward", has_prompt, margin, limit, mode, fit, shared, tokenizer.name_or_path,
                len(tokenizer))
-        out = _rows.map_rows(ds, fn, ("chosen_ids", "rejected_ids", "margin", "keep", "n_in",
-                                      "n_dropped", "n_train", "n_empty"), key, "tokenize pairs")
-        n_in, n_dropped, keep = out["n_in"], out["n_dropped"], out["keep"]
-        n_train, n_empty = out["n_train"], out["n_empty"]
-        out = _rows.keep_rows(out, drop=("n_in", "n_dropped", "n_train", "n_empty")
-                              + (() if margin else ("margin",)))
-        stats = DataStats(examples=len(out), rows=len(out), tokens_in=int(sum(n_in)),
-                          tokens_dropped=int(sum(n_dropped)),
-                          examples_dropped=int(len(keep) - sum(keep)),
-                          trainable_tokens=int(sum(n_train)),
-                          hollow_rows=_rows.same_pairs(out), hollow_what=_rows.SAME_PAIRS,
-                          extra={"empty_completions": int(sum(n_empty))})
+        out, stats = _rows.kept(_rows.map_rows(
+            ds, fn, ("chosen_ids", "rejected_ids", "margin", "keep", *_rows.TALLY), key,
+            "tokenize pairs"), drop=() if margin else ("margin",))
+        stats.hollow_rows, stats.hollow_what = _rows.same_pairs(out), _rows.SAME_PAIRS
         return out, stats
 
     def unit_sizes(self, ds, ctx: BuildContext) -> tuple[list[int], list[list[int]]]:

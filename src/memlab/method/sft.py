@@ -25,6 +25,7 @@ from memlab.data import chat, text
 from memlab.data.base import DataError, check_text
 from memlab.losses import chunked_linear_cross_entropy
 from memlab.method import _rows
+from memlab.method._knobs import HeadOn, PaddingFree, PadMultiple
 from memlab.method._liger import LIGER_LOSS, LigerKnobs
 from memlab.method.base import (
     IGNORE,
@@ -54,7 +55,7 @@ if TYPE_CHECKING:
 
 @register("sft")
 @dataclass(kw_only=True)
-class SFT(Offline, LigerKnobs):
+class SFT(Offline, HeadOn, PadMultiple, PaddingFree, LigerKnobs):
     """SFT knobs, named as in TRL's SFTConfig where one exists."""
 
     max_length: Annotated[int, Range(ge=2)] | None = 1024
@@ -63,11 +64,7 @@ class SFT(Offline, LigerKnobs):
     loss_on: Literal["completion", "all"] = "completion"
     """completion: assistant tokens of conversations / the completion of prompt-completion rows;
     all: every token. Plain text always trains on all tokens."""
-    padding_free: bool | None = None
-    """Flatten each batch into one row with restarting position_ids (no padding at all).
-    None = on when packing is on, off otherwise."""
-    pad_to_multiple_of: PositiveInt | None = None
-    """Round padded lengths up (tensor-core friendly shapes)."""
+    padding_free: bool | None = None  # type: ignore[assignment]  # None: as packing
     loss_impl: Literal["auto", "standard", "chunked"] = "auto"
     """chunked: fused linear + cross-entropy over token chunks; the full [tokens, vocab] logits
     never exist (pure PyTorch, any device), with the same loss and gradients as standard (the
@@ -85,19 +82,6 @@ class SFT(Offline, LigerKnobs):
     vocabulary (151,936), 523 at Llama 3's (vocabularies up to 65,536 keep 1024). A chunk's
     logits and their gradient are the loss's working memory; at Qwen2.5's vocabulary 1024
     tokens cost 593 MiB (measured at real size)."""
-    head_on: Literal["labelled", "all"] = "labelled"
-    """labelled: the output head (and the loss) runs only at the positions that carry a label,
-    which the collator lists; prompt and padding positions get no logits. The same loss and
-    gradients as ``all`` (every position), with less compute and memory where few positions
-    train (completion-only chat, padded rows)."""
-    padding_mask: Literal["auto", "always"] = "auto"
-    """auto: padded rows go to the model without an attention mask where the attention backend
-    computes padded positions either way (eager, sdpa: ``Attention.skips_padding`` false).
-    Rows are right-padded and the model is causal, so no real token ever attends to a padding
-    position: the mask changes nothing a label sees, and without it sdpa takes its causal
-    kernel (about half the attention work, no ``[rows, 1, T, T]`` mask, no key / value heads
-    repeated for it). always: send the mask (TRL's way; what flash / flex attention get under
-    auto too, as they unpad)."""
     data_kinds: ClassVar[tuple[str, ...]] = ("chat", "text")
     head: ClassVar[Head] = "causal_lm"
     supports_packing: ClassVar[bool] = True
