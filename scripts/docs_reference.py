@@ -18,6 +18,8 @@ the code.
 - ``<!-- memlab:groups -->``, ``<!-- memlab:sweeps -->``, ``<!-- memlab:experiments -->``: the
   groups and their options, the ready sweeps and what each varies, the shipped experiments;
   all read through Hydra's config loader, so they follow the configs wherever they live.
+- ``<!-- memlab:summary -->``: summary.json's record, every object and key with its type and
+  docstring, and what each status must hold (:func:`memlab.measure.schema.reference`).
 - ``<!-- memlab:gpu_acceptance -->``: the "verified on" table of the GPU paths: every case of
   ``benchmarks/gpu_acceptance.py`` with its result in ``benchmarks/results/gpu_acceptance.json``
   ("not run" where that file has none) and the machine it ran on.
@@ -461,6 +463,10 @@ def render(kind: str, arg: str | None, configs: Configs) -> str:
         return experiments_reference(configs)
     if kind == "gpu_acceptance" and arg is None:
         return gpu_acceptance_table()
+    if kind == "summary" and arg is None:
+        from memlab.measure.schema import reference
+
+        return reference()
     raise ValueError(f"unknown docs marker memlab:{kind} {arg or ''}".strip())
 
 
@@ -479,7 +485,7 @@ def required_markers() -> set[str]:
     from memlab import registry
 
     return ({f"options:{g}" for g in (*registry.GROUPS, *TOPLEVEL)}
-            | {f"flags:{c}" for c in COMMANDS})
+            | {f"flags:{c}" for c in COMMANDS} | {"summary:None"})
 
 
 # ---------------------------------------------------------------- the mkdocs hook

@@ -21,6 +21,7 @@ from typing import Any
 from memlab.context import BuildContext, plain_config, resolved_options, validate
 from memlab.distributed import launch
 from memlab.logger.base import RunInfo, build_logger
+from memlab.measure.schema import SCHEMA_VERSION
 from memlab.measure.summary import device_info, format_table
 from memlab.record import guarded
 
@@ -61,8 +62,10 @@ def seed_everything(seed: int) -> None:
 def base_summary(run_dir: Path, choices: dict[str, str], overrides: list[str],
                  job: dict[str, Any]) -> dict[str, Any]:
     """The record of a job before it runs (``job["moved"]``: its directory is a fallback for
-    one that could not be written, :mod:`memlab.rundir`: the record says so from the start)."""
+    one that could not be written, :mod:`memlab.rundir`: the record says so from the start);
+    its layout is :class:`memlab.measure.schema.Summary`."""
     summary: dict[str, Any] = {
+        "schema_version": SCHEMA_VERSION,
         "status": "failed",
         "error": None,
         "choices": choices,

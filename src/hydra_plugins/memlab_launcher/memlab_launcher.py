@@ -47,6 +47,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from hydra_plugins.memlab_launcher.joblog import JobLog, console_only
 from memlab.measure.outcome import FAILING, STOP_SIGNALS, OomWatch, count_line, killed_status
+from memlab.measure.schema import SCHEMA_VERSION
 from memlab.measure.summary import read_summary, write_summary
 from memlab.rundir import remove_links
 
@@ -390,7 +391,8 @@ class MemlabLauncher(Launcher):
 
     def _skeleton(self, job: _Job, sweep_dir: Path) -> dict[str, Any]:
         """A record for a job that wrote none: what it was, nothing measured."""
-        return {**dict.fromkeys(("memory", "throughput", "data", "train", "versions", "device",
+        return {"schema_version": SCHEMA_VERSION,
+                **dict.fromkeys(("memory", "throughput", "data", "train", "versions", "device",
                                  "wall_time_s")),
                 "status": None, "error": None, "overrides": list(job.overrides),
                 "choices": _user_choices(job.config), "run_dir": str(job.dir),

@@ -20,7 +20,9 @@ failed, killed, timeout, interrupted, not_run: :mod:`memlab.measure.outcome`), w
 measured before the end; the last line counts the jobs by status. Jobs that died before writing a
 summary (a Hydra job dir with
 ``.hydra/overrides.yaml`` but no ``summary.json``) show up with status ``missing``; unreadable
-summaries with status ``corrupt`` (:mod:`.load`).
+summaries, and those that are not a summary this memlab reads (a key or a type its typed record,
+:mod:`memlab.measure.schema`, does not have; a newer ``schema_version``), with status ``corrupt``
+and the reason (:mod:`.load`); a summary written before ``schema_version`` is read as that layout.
 
 Outputs (in ``--out``, default: the first input dir): ``report.csv``, ``report.md``, the plots
 ``memory_by_category.png``, ``memory_by_phase.png``, ``memory_vs_throughput.png`` (:mod:`.plots`,

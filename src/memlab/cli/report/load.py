@@ -1,6 +1,9 @@
 """``memlab report``, loading: find the ``summary.json`` of every job under the inputs, and a
 record for every Hydra job dir that lacks one, or job of a sweep with no dir (``missing``), or
-whose summary is unreadable (``corrupt``). Reads JSON and YAML only."""
+whose summary is unreadable or not a summary this memlab reads (``corrupt``, with why: not JSON,
+a key or a type that the record's definition, :mod:`memlab.measure.schema`, does not have, a
+``schema_version`` newer than this memlab's). A summary written before ``schema_version`` is
+read as that layout. Reads JSON and YAML only."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from memlab.measure.schema import Unreadable, read
 from memlab.measure.summary import user_choices
 
 SUMMARY_NAME = "summary.json"
@@ -21,6 +25,9 @@ HYDRA_REL = Path(".hydra") / "hydra.yaml"
 
 MULTIRUN_NAME = "multirun.yaml"
 """Hydra's record of a sweep, in its sweep dir."""
+
+PROFILE_DIR = re.compile(r"profile(_rank\d+)?")
+"""A run's profiler output (beside its summary.json), not a job."""
 
 OK = "ok"
 MISSING = "missing"
@@ -35,13 +42,16 @@ def _natural_key(name: str) -> list[Any]:
 def _discover(root: Path) -> Iterator[Path]:
     """Yield every ``summary.json`` under ``root`` and every Hydra job dir that lacks one.
 
-    Hidden dirs (``.hydra``, ``.git`` ...) are not descended into. The order is a natural sort of
-    the paths, so the jobs of a sweep come out as ``0, 1, 2, ..., 10``.
+    Hidden dirs (``.hydra``, ``.git`` ...) are not descended into, nor a run's ``profile/`` and
+    ``profile_rank<r>/`` (the profiler's own ``summary.json``: :mod:`memlab.measure.profile`).
+    The order is a natural sort of the paths, so the jobs of a sweep come out as
+    ``0, 1, 2, ..., 10``.
     """
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted((d for d in dirnames if not d.startswith(".")), key=_natural_key)
         here = Path(dirpath)
         if SUMMARY_NAME in filenames:
+            dirnames[:] = [d for d in dirnames if not PROFILE_DIR.fullmatch(d)]
             yield here / SUMMARY_NAME
         elif (here / OVERRIDES_REL).is_file():
             yield here
@@ -148,13 +158,20 @@ def _unrecorded(sweep_dir: Path, seen: set[Path]) -> list[dict[str, Any]]:
 
 
 def _load_file(path: Path) -> dict[str, Any]:
-    """Load one ``summary.json``; an unreadable one becomes a ``corrupt`` record."""
+    """Load one ``summary.json``, in today's layout (:func:`memlab.measure.schema.read`); one
+    that cannot be read, or is not a summary this memlab reads, becomes a ``corrupt`` record
+    naming why."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
         if not isinstance(data, dict):
             raise ValueError(f"top level is a JSON {type(data).__name__}, not an object")
     except (OSError, UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError is a ValueError
         return _placeholder(path.parent, CORRUPT, f"unreadable {path}: {exc}", path)
+    try:
+        data = read(data)
+    except Unreadable as exc:
+        return _placeholder(path.parent, CORRUPT, f"not a summary this memlab reads: {path}: "
+                                                  f"{exc}", path)
     data["_path"] = str(path)
     data["_dir"] = str(path.parent)
     return data
@@ -168,7 +185,8 @@ def load_summaries(paths: Sequence[Path | str]) -> list[dict[str, Any]]:
     yields a record with status ``"missing"`` and the overrides read from that file, and so does
     every job of a sweep (a dir with Hydra's ``multirun.yaml``) whose dir holds neither or does
     not exist (its overrides from the sweep: :func:`sweep_plan`); a summary
-    that is not valid JSON yields status ``"corrupt"`` with the path in ``error``. Every record
+    that is not valid JSON, or not a summary this memlab reads (:func:`_load_file`), yields
+    status ``"corrupt"`` with the path and why in ``error``. Every record
     gets ``_path`` (the summary file, or the job dir when missing) and ``_dir`` (the job dir).
     The same job reached through two inputs is returned once.
 
