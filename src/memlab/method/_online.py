@@ -1,11 +1,15 @@
-"""What the online methods (``grpo``, ``rloo``, ``online_dpo``, ``ppo``) share: prompts from
-conversations or preference rows, sampling ``num_generations`` completions per prompt with the
-run's generation engine (``generation=``), scoring them with reward functions and reward models,
-and building the training batch.
+"""What the online methods (``grpo``, ``rloo``, ``online_dpo``, ``ppo``) share: the knobs, and
+the steps of a rollout: sampling ``num_generations`` completions per prompt with the run's
+generation engine (``generation=``), scoring them with reward functions and reward models, and
+laying out the training batch.
 
 Not an option of its own (the registry skips modules whose name starts with ``_``). A method
 subclasses :class:`Online` and supplies ``advantages_for`` (rewards -> one advantage per
-completion), ``num_items`` (the loss normaliser of a rollout) and ``loss``.
+completion), ``num_items`` (the loss normaliser of a rollout) and ``loss``; its rollout is
+:meth:`Online.rollout`'s steps (``method=grpo`` writes them out: ``memlab.method.grpo``):
+
+    generate -> score (rewards) -> rows -> advantages_for -> batch_of [-> old log-probs]
+             -> finish (reward groups, sampling correction)
 
 Generation runs in the trainer's ``generate`` phase (measured like forward and backward)
 through the engine the run's ``generation`` option built (``memlab.generation``: transformers'
@@ -14,11 +18,10 @@ copies of the completions' tokens, so scoring and counting read no device tensor
 ``train.batch_size`` counts prompts (each becomes ``num_generations`` sequences); the engine
 prefills each prompt once for its whole group (``SamplingParams.n``). Every method here takes one
 optimisation pass per generation batch (on-policy: the probability ratio is 1 in value and
-carries the policy gradient). The training batch and the per-token values its loss reads are
-:mod:`memlab.method._rollout`'s (padded, padding-free or shared-prompt rows; the output head
-only where a completion token is predicted; completions whose loss term is zero left out); the
-prompt rows and batches are :mod:`memlab.method._prompts`'s, the reward models
-:class:`memlab.method._rewards.RewardModel`.
+carries the policy gradient). The prompts, the reward functions and models, and the training
+batch's tensors with the per-token values its loss reads are :mod:`memlab.method._rollout`'s
+(padded, padding-free or shared-prompt rows; the output head only where a completion token is
+predicted; completions whose loss term is zero left out).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import torch
 from torch import nn
 
 from memlab.generation.base import Engine, GenerationEnv, Samples, SamplingParams
-from memlab.method import _layout, _overrides, _prompts, _reference, _rewards, _rollout, _rows
+from memlab.method import _layout, _reference, _rollout, _rows
 from memlab.method._knobs import (
     CompletionLength,
     HeadOn,
@@ -48,6 +51,23 @@ if TYPE_CHECKING:
     from memlab.context import BuildContext
     from memlab.method.base import Method
     from memlab.packing.groups import GroupPacked
+
+
+@dataclass
+class Rows:
+    """A rollout's completions laid out in training rows, before their advantages
+    (:meth:`Online.rows`)."""
+
+    tensors: dict[str, Any]
+    laid_out: set[str]
+    """The keys of ``tensors`` the layout made (a relayout replaces them)."""
+    keep: list[bool]
+    """Per completion: placed in the rows."""
+    items: int
+    """The rollout's share of the step's loss normaliser."""
+    stored: int
+    slots: int
+    metrics: dict[str, float]
 
 
 @dataclass(kw_only=True)
@@ -121,20 +141,7 @@ class Online(HeadOn, SharePrompt, PaddingFree, CompletionLength, PromptLength, N
             errors.append(f"method.top_p must be in (0, 1] (got {self.top_p})")
         if self.beta < 0:
             errors.append(f"method.beta must be >= 0 (got {self.beta})")
-        if not self.rewards and not self.reward_models:
-            errors.append("method.rewards and method.reward_models are empty; e.g. "
-                          "method.rewards=[length]")
-        for name in self.rewards:
-            try:
-                _rewards.resolve(name, self)
-            except ValueError as e:
-                errors.append(str(e))
-        errors += self._reward_model_errors(ctx)
-        n_rewards = len(self.rewards) + len(self.reward_models)
-        if self.reward_weights is not None and len(self.reward_weights) != n_rewards:
-            errors.append(f"method.reward_weights has {len(self.reward_weights)} values for "
-                          f"{n_rewards} rewards (functions, then models); give one weight per "
-                          "reward or null")
+        errors += _rollout.reward_errors(self, ctx)
         if self.target_length < 1:
             errors.append("method.target_length must be >= 1")
         if self.num_iterations < 1:
@@ -160,28 +167,14 @@ class Online(HeadOn, SharePrompt, PaddingFree, CompletionLength, PromptLength, N
                 "the other completions")
         return errors
 
-    def _reward_model_errors(self, ctx: BuildContext) -> list[str]:
-        errors: list[str] = []
-        for i, entry in enumerate(self.reward_models):
-            where = f"method.reward_models[{i}]"
-            if not isinstance(entry, dict):
-                errors.append(f"{where} must be a mapping of model-group overrides, e.g. "
-                              f"{{name_or_path: my/reward-model}} (got {entry!r})")
-                continue
-            unknown = _overrides.override_key_errors(ctx, entry, where)
-            errors += unknown
-            if not unknown and entry:
-                errors += _overrides.overridden_model_errors(ctx, entry, where)
-        return errors
-
     # ------------------------------------------------------------------ data
     def prepare(self, ds, tokenizer, ctx: BuildContext) -> tuple[Any, DataStats]:
-        """Prompt tokens and reference answers (:func:`memlab.method._prompts.prompt_rows`)."""
-        return _prompts.prompt_rows(ds, tokenizer, self.max_prompt_length)
+        """Prompt tokens and reference answers (:func:`memlab.method._rollout.prompt_rows`)."""
+        return _rollout.prompt_rows(ds, tokenizer, self.max_prompt_length)
 
     def collate(self, rows: list[dict], tokenizer, ctx: BuildContext) -> Batch:
-        """Left-padded prompts (:func:`memlab.method._prompts.prompt_batch`)."""
-        return _prompts.prompt_batch(rows, tokenizer, self.num_generations)
+        """Left-padded prompts (:func:`memlab.method._rollout.prompt_batch`)."""
+        return _rollout.prompt_batch(rows, tokenizer, self.num_generations)
 
     # ------------------------------------------------------------------ models
     def extra_models(self, policy, ctx: BuildContext, build: ModelFactory) -> dict[str, nn.Module]:
@@ -191,7 +184,7 @@ class Online(HeadOn, SharePrompt, PaddingFree, CompletionLength, PromptLength, N
     def reward_model_instances(self, build: ModelFactory) -> dict[str, nn.Module]:
         """``reward_model_<i>``: each entry of ``reward_models`` loaded frozen with a
         one-output sequence-classification head and its own tokenizer."""
-        return {f"reward_model_{i}": _rewards.RewardModel(build(entry or None, head="seq_cls"),
+        return {f"reward_model_{i}": _rollout.RewardModel(build(entry or None, head="seq_cls"),
                                                           build.tokenizer(entry or None))
                 for i, entry in enumerate(self.reward_models)}
 
@@ -249,13 +242,25 @@ class Online(HeadOn, SharePrompt, PaddingFree, CompletionLength, PromptLength, N
         """Sample ``num_generations`` completions per prompt with the run's engine (each prompt
         prefilled once), score them, and return the training batch
         (:meth:`training_batch`)."""
-        samples = env.engine.generate(models["policy"], batch.tensors["prompt_ids"],
-                                      batch.tensors["prompt_mask"], self.sampling(batch))
+        samples = self.generate(models, batch, env)
         rewards, metrics = self.score(batch, samples, models)
         real = not env.engine.placeholder_samples
         out = self.training_batch(models, batch, samples, rewards, metrics, ctx, real=real)
-        if real:  # an estimate's placeholders have no rewards to count (fake tensors)
-            out.meta["counts"] = _rewards.reward_groups(rewards, self.num_generations)
+        return self.finish(models, out, samples, rewards, env, ctx, real)
+
+    def generate(self, models: dict, batch: Batch, env: GenerationEnv) -> Samples:
+        """``num_generations`` completions of each of ``batch``'s prompts from the run's engine
+        (:meth:`sampling`), their tokens copied to the host."""
+        return env.engine.generate(models["policy"], batch.tensors["prompt_ids"],
+                                   batch.tensors["prompt_mask"], self.sampling(batch))
+
+    def finish(self, models: dict, out: Batch, samples: Samples, rewards: torch.Tensor,
+               env: GenerationEnv, ctx: BuildContext, real: bool) -> Batch:
+        """The rollout's reward groups (``real`` samples only: an estimate's placeholders have
+        no rewards to count) and, where the engine corrects its sampling, the importance
+        weights (:meth:`correct_sampling`)."""
+        if real:
+            out.meta["counts"] = _rollout.reward_groups(rewards, self.num_generations)
         if samples.logprobs is not None and env.engine.corrects_sampling():
             self.correct_sampling(models, out, samples, env.engine, ctx)
         return out
@@ -323,7 +328,7 @@ class Online(HeadOn, SharePrompt, PaddingFree, CompletionLength, PromptLength, N
             metrics[f"rewards/model_{i}"] = float(r.mean())
             total += weights[len(self.rewards) + i] * r
         for name, w in zip(self.rewards, weights, strict=False):
-            fn = _rewards.resolve(name, self)
+            fn = _rollout.resolve(name, self)
             r = torch.tensor(fn(texts, prompts=prompts, references=refs, completion_ids=comp_ids,
                                 finished=list(samples.finished_list)), dtype=torch.float32)
             if r.shape != total.shape:
@@ -338,10 +343,18 @@ class Online(HeadOn, SharePrompt, PaddingFree, CompletionLength, PromptLength, N
                        real: bool = True) -> Batch:
         """The training batch (:mod:`memlab.method._rollout`) with the completion mask, the
         method's advantages (``advantages_for``, which may run the reference / value model on
-        it) and, where the method says a completion's loss term is zero, without it. Token
-        counts come from the samples' host copies (no device read). ``real``: the samples are
-        real (an estimate's placeholders: every completion is kept and scored, the worst
-        case)."""
+        the laid-out rows) and, where the method says a completion's loss term is zero, without
+        it (:meth:`rows`, then :meth:`batch_of`)."""
+        rows = self.rows(batch, samples, rewards, metrics, ctx, real)
+        adv = self.advantages_for(models, rewards, rows.tensors, metrics, ctx)
+        return self.batch_of(rows, adv, batch, samples, ctx, real)
+
+    def rows(self, batch: Batch, samples: Samples, rewards: torch.Tensor,
+             metrics: dict[str, float], ctx, real: bool = True) -> Rows:
+        """The completions laid out in training rows (:meth:`layout`), with the rollout's
+        metrics and loss normaliser. Token counts come from the samples' host copies (no device
+        read). ``real``: the samples are real (an estimate's placeholders: every completion is
+        kept and scored, the worst case)."""
         g = self.num_generations
         lengths = samples.lengths
         valid = [True] * len(lengths)
@@ -361,18 +374,26 @@ class Online(HeadOn, SharePrompt, PaddingFree, CompletionLength, PromptLength, N
         laid_out = set(t)
         t.update(seq_valid=torch.tensor(valid, device=device),
                  finished=samples.finished.to(device))
-        adv = self.advantages_for(models, rewards, t, metrics, ctx)
+        return Rows(t, laid_out, keep, items, stored, slots, metrics)
+
+    def batch_of(self, rows: Rows, adv: torch.Tensor, batch: Batch, samples: Samples, ctx,
+                 real: bool = True) -> Batch:
+        """The training batch of ``rows`` with their advantages ``adv``; (``real`` samples)
+        laid out again without the completions whose loss term is zero (``zero_contribution``:
+        the per-completion values stay)."""
+        t, keep, stored, slots = rows.tensors, rows.keep, rows.stored, rows.slots
+        device = batch.tensors["prompt_ids"].device
         t["advantages"] = adv.to(device)
         if real:
             zero = self.zero_contribution(adv)
             dropped = [k and z for k, z in zip(keep, zero, strict=True)]
-            metrics["completions/skipped"] = sum(dropped) / len(keep)
+            rows.metrics["completions/skipped"] = sum(dropped) / len(keep)
             if any(dropped):  # the same batch without them (the per-completion values stay)
                 keep = [k and not z for k, z in zip(keep, zero, strict=True)]
                 new, stored, slots = self.layout(batch, samples, keep, ctx, device)
-                t = {**{k: v for k, v in t.items() if k not in laid_out}, **new}
-        return Batch(t, num_items=items, real_tokens=stored, total_tokens=slots,
-                     size_key=batch.size_key, meta={**batch.meta, "rollout": metrics})
+                t = {**{k: v for k, v in t.items() if k not in rows.laid_out}, **new}
+        return Batch(t, num_items=rows.items, real_tokens=stored, total_tokens=slots,
+                     size_key=batch.size_key, meta={**batch.meta, "rollout": rows.metrics})
 
     def layout(self, batch: Batch, samples: Samples, keep: list[bool], ctx,
                device: torch.device | str = "cpu") -> tuple[dict[str, Any], int, int]:
@@ -440,10 +461,14 @@ class Clipped(Online):
         per-token log-probs at generation time (``old_logps``, no gradient)."""
         out = super().training_batch(models, batch, samples, rewards, metrics, ctx, real)
         if self.num_iterations > 1:
-            with torch.no_grad():
-                out.tensors["old_logps"] = self.completion_logps(models["policy"], out.tensors,
-                                                                 ctx)
+            out.tensors["old_logps"] = self.old_logps(models, out, ctx)
         return out
+
+    def old_logps(self, models: dict, out: Batch, ctx) -> torch.Tensor:
+        """The policy's per-token log-probs of ``out``'s completions at generation time (no
+        gradient): what the probability ratio of the later ``num_iterations`` compares with."""
+        with torch.no_grad():
+            return self.completion_logps(models["policy"], out.tensors, ctx)
 
     def zero_contribution(self, advantages: torch.Tensor) -> list[bool]:
         """A completion whose advantage is exactly 0 adds ``-min(ratio * 0, clip * 0) = 0``

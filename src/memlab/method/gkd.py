@@ -32,7 +32,7 @@ from memlab.generation.base import GenerationEnv, SamplingParams
 from memlab.method import _overrides, _reference, _rows
 from memlab.method._knobs import PromptLength
 from memlab.method._liger import NoLiger
-from memlab.method._prompts import join, prompt_and_reference
+from memlab.method._rollout import join, prompt_and_reference
 from memlab.method.base import (
     IGNORE,
     Batch,

@@ -9,9 +9,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from memlab.data.base import DataError
 from memlab.losses import token_logps
-from memlab.method import _rewards
-from memlab.method._prompts import prompt_and_reference
-from memlab.method._rewards import RewardModel
+from memlab.method import _rollout
+from memlab.method._rollout import RewardModel, prompt_and_reference
 from memlab.method.base import Batch
 from memlab.method.grpo import GRPO, advantages
 
@@ -104,18 +103,18 @@ def test_zero_advantages_give_no_gradient(tiny):
 
 def test_builtin_rewards():
     m = GRPO(target_length=4)
-    length = _rewards.resolve("length", m)
+    length = _rollout.resolve("length", m)
     assert length(["a", "b"], completion_ids=[[1, 2, 3, 4], [1, 2]]) == [0.0, -0.5]
-    fin = _rewards.resolve("finished", m)
+    fin = _rollout.resolve("finished", m)
     assert fin(["x", "y"], finished=[True, False]) == [1.0, 0.0]
-    f1 = _rewards.resolve("reference_f1", m)
+    f1 = _rollout.resolve("reference_f1", m)
     assert f1(["the cat sat", "dog"], references=["The cat", "cat"]) == pytest.approx([0.8, 0.0])
-    custom = _rewards.resolve("memlab_testing:reward_low_ids", m)
+    custom = _rollout.resolve("memlab_testing:reward_low_ids", m)
     assert custom([""], completion_ids=[[1, 4000]]) == [0.5]
     with pytest.raises(ValueError, match="built-in: length, finished, reference_f1"):
-        _rewards.resolve("nope", m)
+        _rollout.resolve("nope", m)
     with pytest.raises(ValueError, match="cannot import"):
-        _rewards.resolve("no_such_module:fn", m)
+        _rollout.resolve("no_such_module:fn", m)
 
 
 def test_prompts_from_conversations_and_preference_rows():
