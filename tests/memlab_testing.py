@@ -69,9 +69,38 @@ def with_fast(overrides: list[str]) -> list[str]:
     return [o for o in FAST if o.split("=")[0].split(".")[0] not in switched] + list(overrides)
 
 
+def check_record(where: Path | dict) -> dict:
+    """A summary.json (a dict, a file, or a run dir: its summary.json, from its fallback path
+    when it went there, and every ``ranks/rank<r>.json``) conforms to the typed record,
+    :mod:`memlab.measure.schema`; returns the summary. Every job the tests run in-process
+    (:func:`run_job`, :func:`shared_job`) and the endings the sweep and process tests leave
+    are checked with it."""
+    import json
+
+    from memlab.measure.schema import check
+    from memlab.measure.summary import read_summary
+
+    if isinstance(where, dict):
+        found = {"the summary": json.loads(json.dumps(where, default=str))}
+    else:
+        where = Path(where)
+        path = where / "summary.json" if where.is_dir() else where
+        record = read_summary(path)  # (a run dir whose record went nowhere: its ranks only)
+        found = {} if record is None and where.is_dir() else {str(path): record}
+        if where.is_dir():
+            found.update({str(p): json.loads(p.read_text())
+                          for p in sorted((where / "ranks").glob("rank*.json"))})
+    for name, record in found.items():
+        assert record is not None, f"no record at {name}"
+        problems = check(record)
+        assert not problems, f"{name} does not conform to memlab.measure.schema: {problems}"
+    return next(iter(found.values()), {})
+
+
 def run_job(tmp_path: Path, overrides: list[str], fast: bool = True, name: str = "run",
             print_table: bool = False) -> dict:
-    """Compose + run one job in this process; returns its summary."""
+    """Compose + run one job in this process; returns its summary (checked:
+    :func:`check_record`)."""
     from omegaconf import OmegaConf, open_dict
 
     from memlab.run import run
@@ -83,6 +112,9 @@ def run_job(tmp_path: Path, overrides: list[str], fast: bool = True, name: str =
     run_dir = Path(tmp_path) / name
     summary = run(OmegaConf.create(OmegaConf.to_container(cfg)), run_dir, choices, overrides,
                   print_table=print_table)
+    check_record(summary)
+    if run_dir.is_dir():
+        check_record(run_dir)
     return summary
 
 
@@ -142,7 +174,7 @@ def shared_job(overrides: list[str], fast: bool = True) -> tuple[dict, Path]:
         fcntl.flock(lock, fcntl.LOCK_EX)  # the other worker waits for the run, then reads it
         done = where / "run" / "summary.json"
         if not done.exists():
-            run_job(where, overrides, fast, name="run")
+            run_job(where, overrides, fast, name="run")  # (checked there)
         return json.loads(done.read_text()), where / "run"
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from memlab_testing import FAST, REPO, app
+from memlab_testing import FAST, REPO, app, check_record
 
 pytestmark = pytest.mark.integration
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_SILENT": "true", "HF_HUB_OFFLINE": "1"}
@@ -40,14 +40,14 @@ def test_cfg_job_prints_composed_config():
 
 def test_invalid_single_run_exits_nonzero_with_summary(tmp_path):
     assert app([*FAST, "precision=fp16_mixed", f"hydra.run.dir={tmp_path}"]) == 2
-    s = json.loads((tmp_path / "summary.json").read_text())
+    s = check_record(tmp_path / "summary.json")
     assert s["status"] == "invalid" and "use precision=fp32" in s["error"]
 
 
 def _summaries(sweep: Path) -> list[dict]:
     jobs = sorted((p for p in sweep.iterdir() if p.is_dir() and p.name.isdigit()),
                   key=lambda p: int(p.name))
-    return [json.loads((j / "summary.json").read_text()) for j in jobs]
+    return [check_record(j / "summary.json") for j in jobs]
 
 
 def test_multirun_records_failure_and_goes_on(tmp_path):

@@ -9,13 +9,14 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from memlab.cli.fit import fit, main
 from memlab.cli.fit.search import FitOptions, estimate_candidate, read_run
 from memlab.cli.fit.space import Candidate
-from memlab_testing import app
+from memlab_testing import app, check_record
 
 pytestmark = pytest.mark.integration
 
@@ -55,6 +56,8 @@ def test_the_winner_is_measured_under_the_budget_and_trains_like_the_default(sea
     measured = [c for c in record["candidates"] if c["measured"]]
     # 2: the two fastest predicted classes of the three candidates under 53 MiB
     assert len(measured) >= 2 and all(c["estimate"]["fits"] for c in measured)
+    for c in measured:  # fit's runs wrote records of the typed layout
+        check_record(Path(c["measured"]["run_dir"]))
     for c in measured:  # none that fits is faster beyond the measured spread
         if c["measured"]["fits"] and c["measured"]["tokens_per_s"]:
             gap = c["measured"]["tokens_per_s"] - m["tokens_per_s"]

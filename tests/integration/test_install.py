@@ -94,7 +94,8 @@ def installed(tmp_path_factory) -> dict[str, Path]:
     for member in ("memlab/conf/config.yaml", "memlab/sweeps/packing.yaml",
                    "memlab/conf/debug/data/smoke_local.yaml",
                    "memlab/conf/hydra/launcher/local_gpus.yaml", "memlab/assets/tokenizer/"
-                   "tokenizer.json", "hydra_plugins/memlab_launcher/worker.py",
+                   "tokenizer.json", "memlab/assets/summary.schema.json",
+                   "hydra_plugins/memlab_launcher/worker.py",
                    "hydra_plugins/memlab_sweeps/memlab_sweeps.py"):
         assert member in names, member
     return {**_venv(root, env, [str(wheel)]), "env": env}

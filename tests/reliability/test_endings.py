@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from memlab.measure.summary import FALLBACK_ENV
-from memlab_testing import REPO
+from memlab_testing import REPO, check_record
 from reliability.helpers import (
     ENV,
     HANG_S,
@@ -37,7 +37,7 @@ PINNED = [*QUIET, "precision=fp32"]
 
 
 def _summary(run_dir: Path) -> dict:
-    return json.loads((run_dir / "summary.json").read_text())
+    return check_record(run_dir / "summary.json")
 
 
 def wait_for_text(log: Path, text: str, proc: subprocess.Popen) -> None:
@@ -215,7 +215,7 @@ def test_fit_stopped_stops_its_measured_run_and_writes_a_partial_fit_json(tmp_pa
     m = cand["measured"]  # the run recorded what it measured when fit stopped it
     assert m["status"] == "interrupted" and len(m["loss_curve"]) == 1 and m["peak_bytes"] > 0
     assert _gone(run["pid"])  # no orphan left measuring
-    s = json.loads((Path(m["run_dir"]) / "summary.json").read_text())
+    s = check_record(Path(m["run_dir"]) / "summary.json")
     assert s["status"] == "interrupted" and s["signal"] == "SIGTERM"  # what fit sent it
     out = capsys.readouterr()
     assert "Traceback" not in out.err + out.out

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from memlab_testing import run_job
+from memlab_testing import check_record, run_job
 from reliability.helpers import (
     HANG_S,
     SMOKE,
@@ -38,7 +38,7 @@ def test_sigterm_to_memlab_writes_summary_and_table_then_exits_143(tmp_path):
             proc.kill()
     out = log.read_text()
     assert code == 143, out[-3000:]
-    s = json.loads((run_dir / "summary.json").read_text())
+    s = check_record(run_dir / "summary.json")
     assert s["status"] == "interrupted" and s["signal"] == "SIGTERM"
     assert "status: interrupted  (interrupted by SIGTERM before training started)" in out
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from memlab.cli.report import main as report
+from memlab_testing import check_record
 from reliability.helpers import limited_python, memlab_popen, wait_for_marker
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -29,7 +30,7 @@ SWEEP_SMOKE = ["debug=smoke", "train.steps=2", "data.n_examples=16", "method.max
 
 
 def _statuses(sweep: Path, n: int) -> list[dict]:
-    return [json.loads((sweep / str(i) / "summary.json").read_text()) for i in range(n)]
+    return [check_record(sweep / str(i) / "summary.json") for i in range(n)]
 
 
 def test_full_sweep_every_job_has_its_true_status(tmp_path, capsys):
