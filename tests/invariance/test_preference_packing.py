@@ -29,7 +29,8 @@ import torch
 
 from memlab import pipeline
 from memlab.context import validate
-from memlab.method import _layout, _logps
+from memlab.method import _layout
+from memlab.method import _layout as _logps
 from memlab.method.base import Segments
 from memlab.packing.groups import PACK_ROWS
 from memlab.run import seed_everything

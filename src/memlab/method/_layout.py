@@ -1,9 +1,17 @@
-"""Rows of documents for packed and shared-prompt preference batches (``dpo``, ``kto``,
-``reward``).
+"""Sequences and documents -> a batch's tensors -> the completion log-probs read back from them
+(``dpo``, ``kto``, ``reward``, and the online methods' training rows).
 
-Not an option of its own. A *unit* (a preference pair, a KTO example) becomes documents
-(:func:`unit_docs`); the collator places them in rows (a packed micro-batch's rows, one row per
-unit, or one flat row) and :func:`collate_rows` turns the rows into tensors.
+Not an option of its own (the registry skips modules whose name starts with ``_``).
+
+**Sequences** (:func:`sequence`, :func:`collate_sequences`): a method turns its rows into a list
+of sequences (``prompt + completion`` with labels on the completion only, shifted per sequence)
+and collates them either padded ``[S, T]`` with an attention mask, or padding-free: one
+``[1, N]`` row, position_ids restarting at every sequence, no attention mask, the row's
+document ``segments``, and ``segment_ids`` naming each token's sequence.
+
+**Documents** (packed and shared-prompt rows): a *unit* (a preference pair, a KTO example)
+becomes documents (:func:`unit_docs`); the collator places them in rows (a packed micro-batch's
+rows, one row per unit, or one flat row) and :func:`collate_rows` turns the rows into tensors.
 
 * **Unshared**: one document per sequence, ``prompt + completion`` (labels shifted inside it, on
   the completion only), position ids from 0: the documents of a padded batch, side by side.
@@ -20,22 +28,93 @@ document; ``IGNORE`` where nothing is scored), ``segment_ids`` (the sequence eac
 to, -1 elsewhere), ``position_ids``, the rows' ``segments``, the fork labels, and
 ``last_index`` (flat index of the token a reward head reads for each sequence) when asked for.
 The pad tail of a row is a plain document of its own.
+
+**Log-probs** (:func:`completion_logps`): the summed completion log-probs of each sequence of
+either layout: padded rows (one sequence per row), padding-free rows (``segment_ids``), rows of
+documents (``segment_ids`` over every row, plus the fork labels of shared prompts: the prompt's
+last token scored once more for each further completion), or the scored positions a batch
+lists (``head_on=labelled``).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+from torch import nn
 
-from memlab.method.base import IGNORE, Segments, round_up, scored_tensors, shifted_labels
+from memlab.losses import forked_token_logps, segment_logps, sequence_logps, token_logps
+from memlab.method.base import (
+    IGNORE,
+    LOSS_INDEX,
+    LOSS_LABELS,
+    LOSS_SEQS,
+    Segments,
+    flatten_batch,
+    head_logits,
+    model_inputs,
+    pad_batch,
+    round_up,
+    scored_tensors,
+    sequence_scored,
+    shifted_labels,
+)
 from memlab.packing.groups import PACK_ROWS
+from memlab.trainer.routing import unwrap
 
 if TYPE_CHECKING:
     from memlab.context import BuildContext
 
+
+# ---------------------------------------------------------------------------------------- sequences
+
+def sequence(prompt: list[int], completion: list[int]) -> tuple[list[int], list[int]]:
+    """``prompt + completion`` and its labels: shifted, on the completion tokens only."""
+    ids = list(prompt) + list(completion)
+    return ids, shifted_labels(ids, [0] * len(prompt) + [1] * len(completion))
+
+
+def collate_sequences(seqs: list[tuple[list[int], list[int]]], pad_id: int,
+                      multiple: int | None, flat: bool, scored: bool = False,
+                      seq_ids: list[int] | None = None
+                      ) -> tuple[dict[str, torch.Tensor], int, int]:
+    """Padded ``[S, T]`` (attention_mask) or padding-free ``[1, N]`` (position_ids restarting per
+    sequence, ``segment_ids`` = sequence index, -1 on the pad tail). Also returns
+    ``last_index``: the position of each sequence's last token (reward pooling), and with
+    ``scored`` the labelled positions (:func:`memlab.method.base.scored_tensors`; ``seq_ids``
+    names the sequences there, default their index).
+    Returns (tensors, real tokens, total slots)."""
+    rows = [{"input_ids": ids, "labels": labels} for ids, labels in seqs]
+    lengths = [len(r["input_ids"]) for r in rows]
+    if flat:
+        for i, r in enumerate(rows):
+            r["segment_ids"] = [i] * len(r["input_ids"])
+        t, real, total = flatten_batch(rows, pad_id, multiple,
+                                       {"input_ids": pad_id, "labels": IGNORE, "segment_ids": -1})
+        starts = [0, *itertools.accumulate(lengths)][:-1]
+        ends = [s + n - 1 for s, n in zip(starts, lengths, strict=True)]
+    else:
+        t, real, total = pad_batch(rows, pad_id, multiple,
+                                   {"input_ids": pad_id, "labels": IGNORE})
+        width = t["input_ids"].shape[1]
+        starts = [i * width for i in range(len(rows))]
+        ends = [n - 1 for n in lengths]
+    t["last_index"] = torch.tensor(ends, dtype=torch.long)
+    if scored:
+        t.update(scored_tensors(sequence_scored([r["labels"] for r in rows], starts, seq_ids)))
+    return t, real, total
+
+
+def pad_id_of(models: dict[str, nn.Module]) -> int:
+    """The pad id the loader wrote into the model config (any value works under a mask)."""
+    cfg = getattr(unwrap(models["policy"]), "config", None)
+    pad = getattr(cfg, "pad_token_id", None)
+    return int(pad) if pad is not None else 0
+
+# ---------------------------------------------------------------------------------------- documents
 
 @dataclass
 class Doc:
@@ -243,3 +322,59 @@ def attention_of(ctx: BuildContext | None) -> Any:
     """The run's attention option (it builds the document masks some backends need), or None
     without a run context."""
     return None if ctx is None else ctx.attention
+
+# ---------------------------------------------------------------------------------------- log-probs
+
+def document_inputs(t: dict[str, Any], prefix: str = "", attention: Any = None
+                    ) -> dict[str, Any]:
+    """The model's keyword arguments for batch ``t``, with the attention mask the run's
+    ``attention`` option needs to see the rows' documents as their segments describe (a
+    flex_attention block mask for shared prompts; None for backends that read the segments or
+    the position ids themselves)."""
+    inputs = model_inputs(t, prefix)
+    segments = t.get(prefix + "segments")
+    if attention is not None and segments is not None:
+        mask = attention.document_mask(segments, t[prefix + "input_ids"].shape[1],
+                                       t[prefix + "input_ids"].device)
+        if mask is not None:
+            inputs["attention_mask"] = mask
+    return inputs
+
+
+def completion_logps(model: nn.Module, t: dict[str, torch.Tensor], n: int, prefix: str = "",
+                     attention: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed completion log-probs and scored-token counts of the ``n`` sequences in ``t``
+    (padded, padding-free, or packed / shared-prompt rows). A batch that lists its scored
+    tokens (``head_on=labelled``: :data:`memlab.method.base.LOSS_INDEX` with their labels and
+    sequences) runs the output head at those positions only."""
+    inputs = document_inputs(t, prefix, attention)
+    if prefix + LOSS_INDEX in t:
+        logits = head_logits(model, inputs, t[prefix + LOSS_INDEX], labelled=True)
+        per_token = token_logps(logits, t[prefix + LOSS_LABELS])
+        seqs = t[prefix + LOSS_SEQS]
+        sums = per_token.new_zeros(n).index_add(0, seqs, per_token)
+        counts = torch.zeros(n, dtype=torch.long, device=seqs.device).index_add_(
+            0, seqs, torch.ones_like(seqs))
+        return sums, counts
+    logits = model(**inputs, use_cache=False).logits
+    labels = t[prefix + "labels"]
+    if prefix + "fork_index" in t:
+        return layout_logps(logits, t, n, prefix)
+    if prefix + "segment_ids" in t:
+        return segment_logps(logits[0], labels[0], t[prefix + "segment_ids"][0], n)
+    return sequence_logps(logits, labels)
+
+
+def layout_logps(logits: torch.Tensor, t: dict[str, torch.Tensor], n: int, prefix: str = ""
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sequence sums over rows of documents (:func:`collate_rows`): every scored
+    token by its ``segment_ids``, then each fork label (a shared prompt's last token predicting
+    the first token of a further completion) added to its sequence."""
+    labels, index = t[prefix + "labels"], t[prefix + "fork_index"]
+    per_token, fork = forked_token_logps(logits, labels, index, t[prefix + "fork_labels"])
+    sums, counts = segment_logps(per_token, labels, t[prefix + "segment_ids"], n)
+    if index.numel():
+        seg = t[prefix + "fork_segments"]
+        sums = sums.index_add(0, seg, fork.to(sums.dtype))
+        counts = counts.index_add(0, seg, torch.ones_like(seg))
+    return sums, counts

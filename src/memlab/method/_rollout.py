@@ -65,7 +65,7 @@ from torch import nn
 
 from memlab.data.base import DataError, check_messages, check_text
 from memlab.losses import token_logps
-from memlab.method import _collate, _layout, _logps, _overrides, _rows
+from memlab.method import _layout, _overrides, _rows
 from memlab.method.base import IGNORE, LOSS_INDEX, LOSS_LABELS, Batch, DataStats, head_logits
 from memlab.trainer.routing import base_model, call_inside
 
@@ -332,8 +332,8 @@ def training_tensors(prompts: list[list[int]], completions: list[list[int]], kee
                                                shared=True))
         t, real, total = _layout.collate_rows(units, pad_id, None, flat, scored=True)
     else:
-        seqs = [_collate.sequence(prompts[i // group], completions[i]) for i in placed]
-        t, real, total = _collate.collate_sequences(seqs, pad_id, None, flat, scored=True,
+        seqs = [_layout.sequence(prompts[i // group], completions[i]) for i in placed]
+        t, real, total = _layout.collate_sequences(seqs, pad_id, None, flat, scored=True,
                                                     seq_ids=placed)
         if not mask:
             t.pop("attention_mask", None)
@@ -363,7 +363,7 @@ def completion_logps(model, t: dict[str, Any], labelled: bool, attention: Any = 
                      ) -> torch.Tensor:
     """``[N, L]`` fp32 log-probs of the completion tokens under ``model`` (0 where nothing is
     scored); ``labelled``: the output head runs at the scored positions only."""
-    inputs = _logps.document_inputs(t, "", attention)
+    inputs = _layout.document_inputs(t, "", attention)
     logits = head_logits(model, inputs, t[LOSS_INDEX], labelled)
     return grid(token_logps(logits, t[LOSS_LABELS]), t)
 
@@ -383,5 +383,5 @@ def completion_values(model, t: dict[str, Any], labelled: bool, attention: Any =
     """``[N, L]`` a value model's output at the positions that predict the completion tokens
     (its one-output head on each hidden state, not pooled at the last token as the
     classification forward does); ``labelled``: the head runs there only."""
-    inputs = _logps.document_inputs(t, "", attention)
+    inputs = _layout.document_inputs(t, "", attention)
     return grid(call_inside(model, _values, t[LOSS_INDEX], labelled, **inputs), t)

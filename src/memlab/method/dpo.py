@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 import torch
 
 from memlab.data.base import DataError
-from memlab.method import _collate, _layout, _liger, _logps, _reference, _rows
+from memlab.method import _layout, _liger, _reference, _rows
 from memlab.method._knobs import PreferenceRows
 from memlab.method._preference import PreferenceBatches
 from memlab.method.base import Batch, DataStats, Offline, batch_key, drops_padding_mask, register
@@ -185,9 +185,9 @@ class DPO(Offline, PreferenceRows, _liger.LigerKnobs, PreferenceBatches):
         units, rows_of = _layout.units_of(rows)
         if rows_of is not None or self.share_prompt:
             return self._collate_layout(units, rows_of, pad_id)
-        seqs = [_collate.sequence(r["prompt_ids"], r["chosen_ids"]) for r in rows]
-        seqs += [_collate.sequence(r["prompt_ids"], r["rejected_ids"]) for r in rows]
-        t, real, total = _collate.collate_sequences(seqs, pad_id, self.pad_to_multiple_of,
+        seqs = [_layout.sequence(r["prompt_ids"], r["chosen_ids"]) for r in rows]
+        seqs += [_layout.sequence(r["prompt_ids"], r["rejected_ids"]) for r in rows]
+        t, real, total = _layout.collate_sequences(seqs, pad_id, self.pad_to_multiple_of,
                                                     self.padding_free, scored=self.labelled())
         if not mask:
             t.pop("attention_mask", None)
@@ -228,11 +228,11 @@ class DPO(Offline, PreferenceRows, _liger.LigerKnobs, PreferenceBatches):
         """reference=precomputed: reference log-probs of every pair, as dataset columns."""
         if self.reference != "precomputed":
             return None
-        pad = _collate.pad_id_of(models)
+        pad = _layout.pad_id_of(models)
 
         def run(model, batch: Batch, items: list[dict]) -> dict[str, list]:
             b = batch.num_items
-            logps = _logps.completion_logps(model, batch.tensors, 2 * b,
+            logps = _layout.completion_logps(model, batch.tensors, 2 * b,
                                             attention=ctx.attention)[0].float().tolist()
             return {"ref_chosen_logps": _layout.per_item(logps[:b], items),
                     "ref_rejected_logps": _layout.per_item(logps[b:], items)}
@@ -248,7 +248,7 @@ class DPO(Offline, PreferenceRows, _liger.LigerKnobs, PreferenceBatches):
         if "ref_logps" in t:
             return t["ref_logps"]
         with _reference.reference_forward(self, models) as ref:
-            return _logps.completion_logps(ref, t, n, attention=attention)[0]
+            return _layout.completion_logps(ref, t, n, attention=attention)[0]
 
     def loss(self, models: dict, batch: Batch, ctx: BuildContext
              ) -> tuple[torch.Tensor, dict[str, float]]:
@@ -260,7 +260,7 @@ class DPO(Offline, PreferenceRows, _liger.LigerKnobs, PreferenceBatches):
         # reference first: its logits are freed before the policy's graph exists (lower peak)
         attention = _layout.attention_of(ctx)
         ref = self.reference_logps(models, t, 2 * b, attention)
-        logps, counts = _logps.completion_logps(models["policy"], t, 2 * b, attention=attention)
+        logps, counts = _layout.completion_logps(models["policy"], t, 2 * b, attention=attention)
         pol_in, ref_in = logps, ref
         if self.loss_type == "ipo":  # IPO is defined on length-averaged log-probs
             n = counts.clamp(min=1).to(logps.dtype)

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 import torch
 
 from memlab.data.base import DataError
-from memlab.method import _collate, _layout, _liger, _logps, _reference, _rows
+from memlab.method import _layout, _liger, _reference, _rows
 from memlab.method._knobs import PreferenceRows
 from memlab.method._preference import PreferenceBatches
 from memlab.method.base import Batch, DataStats, Offline, batch_key, drops_padding_mask, register
@@ -289,11 +289,11 @@ class KTO(Offline, PreferenceRows, _liger.LigerKnobs, PreferenceBatches):
         units, rows_of = _layout.units_of(rows)
         if rows_of is not None or self.share_prompt:
             return self._collate_layout(units, rows_of, pad_id)
-        main = [_collate.sequence(r["prompt_ids"], r["completion_ids"]) for r in rows]
-        kl = [_collate.sequence(r["prompt_ids"], r["kl_completion_ids"]) for r in rows]
+        main = [_layout.sequence(r["prompt_ids"], r["completion_ids"]) for r in rows]
+        kl = [_layout.sequence(r["prompt_ids"], r["kl_completion_ids"]) for r in rows]
         multiple, flat, scored = self.pad_to_multiple_of, self.padding_free, self.labelled()
-        t, real, total = _collate.collate_sequences(main, pad_id, multiple, flat, scored)
-        tk, real_kl, total_kl = _collate.collate_sequences(kl, pad_id, multiple, flat, scored)
+        t, real, total = _layout.collate_sequences(main, pad_id, multiple, flat, scored)
+        tk, real_kl, total_kl = _layout.collate_sequences(kl, pad_id, multiple, flat, scored)
         if not mask:
             t.pop("attention_mask", None)
             tk.pop("attention_mask", None)
@@ -352,13 +352,13 @@ class KTO(Offline, PreferenceRows, _liger.LigerKnobs, PreferenceBatches):
         (KL) sequence, as dataset columns."""
         if self.reference != "precomputed":
             return None
-        pad = _collate.pad_id_of(models)
+        pad = _layout.pad_id_of(models)
 
         def run(model, batch: Batch, items: list[dict]) -> dict[str, list]:
             n, t = batch.num_items, batch.tensors
             out = {}
             for name, prefix in (("ref_logps", ""), ("ref_kl_logps", "kl_")):
-                values = _logps.completion_logps(model, t, n, prefix,
+                values = _layout.completion_logps(model, t, n, prefix,
                                                  attention=ctx.attention)[0].float().tolist()
                 if self.share_prompt:  # per unit: the pair's two examples
                     values = [values[i: i + 2] for i in range(0, n, 2)]
@@ -376,8 +376,8 @@ class KTO(Offline, PreferenceRows, _liger.LigerKnobs, PreferenceBatches):
         if "ref_logps" in t:
             return t["ref_logps"], t["ref_kl_logps"]
         with _reference.reference_forward(self, models) as ref:
-            return (_logps.completion_logps(ref, t, n, attention=attention)[0],
-                    _logps.completion_logps(ref, t, n, "kl_", attention=attention)[0])
+            return (_layout.completion_logps(ref, t, n, attention=attention)[0],
+                    _layout.completion_logps(ref, t, n, "kl_", attention=attention)[0])
 
     def kl_estimate(self, models, t: dict[str, torch.Tensor], n: int,
                     ref_kl: torch.Tensor, attention: Any = None) -> torch.Tensor:
@@ -385,7 +385,7 @@ class KTO(Offline, PreferenceRows, _liger.LigerKnobs, PreferenceBatches):
         from memlab.losses import kto_kl_estimate
 
         with torch.no_grad():
-            policy_kl = _logps.completion_logps(models["policy"], t, n, "kl_",
+            policy_kl = _layout.completion_logps(models["policy"], t, n, "kl_",
                                                 attention=attention)[0]
         return kto_kl_estimate(policy_kl, ref_kl)
 
@@ -399,7 +399,7 @@ class KTO(Offline, PreferenceRows, _liger.LigerKnobs, PreferenceBatches):
         attention = _layout.attention_of(ctx)
         ref, ref_kl = self.reference_logps(models, t, n, attention)
         kl = self.kl_estimate(models, t, n, ref_kl, attention)
-        logps, _ = _logps.completion_logps(models["policy"], t, n, attention=attention)
+        logps, _ = _layout.completion_logps(models["policy"], t, n, attention=attention)
         desirable = t["label"]
         losses, rewards = kto_loss(logps, ref, desirable, kl, beta=self.beta,
                                    desirable_weight=self.desirable_weight,
@@ -427,7 +427,7 @@ class KTO(Offline, PreferenceRows, _liger.LigerKnobs, PreferenceBatches):
         mean over examples, scaled back to a sum."""
         t, n = batch.tensors, batch.num_items
         with _reference.reference_forward(self, models) as ref:
-            ref_kl = _logps.completion_logps(ref, t, n, "kl_")[0]
+            ref_kl = _layout.completion_logps(ref, t, n, "kl_")[0]
             ref_hidden, ref_head = _liger.hidden_and_head(ref, t)
         kl = self.kl_estimate(models, t, n, ref_kl)
         hidden, head = _liger.hidden_and_head(models["policy"], t)

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from memlab.data.base import DataError
-from memlab.method import _collate, _layout, _logps, _rows
+from memlab.method import _layout, _rows
 from memlab.method._knobs import PaddingFree, PadMultiple, SharePrompt
 from memlab.method._liger import NoLiger
 from memlab.method.base import Batch, DataStats, Offline, model_inputs, register
@@ -177,7 +177,7 @@ class Reward(Offline, SharePrompt, PadMultiple, PaddingFree, NoLiger):
             return self._collate_layout(units, rows_of, pad)
         seqs = [(r["chosen_ids"], [0] * len(r["chosen_ids"])) for r in rows]
         seqs += [(r["rejected_ids"], [0] * len(r["rejected_ids"])) for r in rows]
-        t, real, total = _collate.collate_sequences(seqs, pad, self.pad_to_multiple_of,
+        t, real, total = _layout.collate_sequences(seqs, pad, self.pad_to_multiple_of,
                                                     self.padding_free)
         del t["labels"]
         if self.padding_free:
@@ -243,7 +243,7 @@ class Reward(Offline, SharePrompt, PadMultiple, PaddingFree, NoLiger):
             out = model(**model_inputs(t), use_cache=False).logits
             return out.reshape(-1).float()
         scores = call_inside(model, _packed_scores, t["last_index"],
-                             **_logps.document_inputs(t, "", attention))
+                             **_layout.document_inputs(t, "", attention))
         return scores.reshape(-1).float()
 
     def loss(self, models: dict, batch: Batch, ctx: BuildContext

@@ -16,7 +16,7 @@ from memlab.context import validate
 from memlab.data.assets import load_tokenizer
 from memlab.data.base import DataError
 from memlab.losses import sequence_logps
-from memlab.method import _logps, _reference, _rows
+from memlab.method import _layout, _reference, _rows
 from memlab.method.base import IGNORE, Batch
 from memlab.method.dpo import DPO
 from memlab.registry import ConfigErrors
@@ -208,7 +208,7 @@ def _fake_logps(monkeypatch, values=POLICY):
         assert n == 4
         return torch.tensor(values, requires_grad=True), torch.tensor(COUNTS)
 
-    monkeypatch.setattr(_logps, "completion_logps", fake)
+    monkeypatch.setattr(_layout, "completion_logps", fake)
 
 
 def _logsig(x: float) -> float:
@@ -262,7 +262,7 @@ def test_on_the_fly_reference_runs_without_grad_in_eval_mode(monkeypatch):
             return torch.tensor(REF), torch.tensor(COUNTS)
         return torch.tensor(POLICY, requires_grad=True), torch.tensor(COUNTS)
 
-    monkeypatch.setattr(_logps, "completion_logps", fake)
+    monkeypatch.setattr(_layout, "completion_logps", fake)
     with_ref, _ = DPO().loss({"policy": object(), "reference": ref}, _batch({}), None)
     pre, _ = DPO().loss({"policy": object()}, _batch(), None)
     assert seen == {"grad": False, "training": False}

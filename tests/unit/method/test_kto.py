@@ -14,7 +14,7 @@ import torch
 from memlab.data.assets import load_tokenizer
 from memlab.data.base import DataError
 from memlab.losses import sequence_logps
-from memlab.method import _logps
+from memlab.method import _layout
 from memlab.method.base import IGNORE, Batch
 from memlab.method.kto import KTO, mismatched_partners
 
@@ -111,7 +111,7 @@ def test_loss_is_the_closed_form_sum_with_detached_kl(monkeypatch):
         vals = POLICY_KL if prefix == "kl_" else POLICY
         return torch.tensor(vals, requires_grad=torch.is_grad_enabled()), torch.ones(3)
 
-    monkeypatch.setattr(_logps, "completion_logps", fake)
+    monkeypatch.setattr(_layout, "completion_logps", fake)
     beta, wd, wu = 0.5, 1.5, 0.75
     t = {"label": torch.tensor(LABELS), "ref_logps": torch.tensor(REF),
          "ref_kl_logps": torch.tensor(REF_KL)}
