@@ -17,15 +17,23 @@ and packing (:func:`memlab.pipeline.prepare_eval`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, cast
+from collections.abc import Callable
+from typing import Any, Protocol, cast
 
-from memlab.data.base import DataError
-
-if TYPE_CHECKING:
-    from memlab.data.local import Local
+from memlab.data.base import DataError, DataSource
 
 EVAL_SEED = 20_240_601
 """The seed of the permutation that picks a fraction's held-out rows."""
+
+
+class Files(DataSource, Protocol):
+    """A ``data=local`` option (:class:`memlab.data.local.Local`, which builds on
+    :mod:`memlab.data.formats`, which checks ``data.eval`` with this module: named here by what
+    is read)."""
+
+    def file_errors(self) -> list[str]:
+        """Problems of its files found before anything is read."""
+        ...
 
 
 def path_errors(path: str) -> list[str]:
@@ -36,12 +44,12 @@ def path_errors(path: str) -> list[str]:
             for e in local.file_errors()]
 
 
-def _local(path: str, columns: dict[str, str] | None) -> Local:
+def _local(path: str, columns: dict[str, str] | None) -> Files:
     """A ``data=local`` option reading ``path`` (looked up in the registry: ``data.local``
     builds on :mod:`memlab.data.formats`, which checks ``data.eval`` with this module)."""
     from memlab.registry import lookup
 
-    local = cast("type[Local]", lookup("data", "local"))
+    local = cast("Callable[..., Files]", lookup("data", "local"))
     return local(path=path, columns=columns)
 
 

@@ -55,6 +55,7 @@ from memlab.estimate.batch import (
     worst_case_rollout_tensors,
 )
 from memlab.estimate.decode import ShortDecode
+from memlab.estimate.measured import Measured
 from memlab.estimate.modes import FlopCount, estimate_fake_mode, estimate_tracker, exact_value_hooks
 from memlab.estimate.options import CUDA_BLOCK, EstimateError, EstimateOptions
 from memlab.estimate.sharding import shard_units
@@ -67,7 +68,6 @@ from memlab.estimate.standins import (
     round_trip_token,
 )
 from memlab.measure.data import DataStats
-from memlab.measure.memory import MemoryProbe
 from memlab.method.base import LOSS_INDEX
 from memlab.pipeline import HeldOut, Seams, build, eval_context
 from memlab.trainer.batch import Batch
@@ -121,37 +121,6 @@ def _fake_micro_batches(batch: Batch, micro: int, mode) -> list[Batch]:
     return [dataclasses.replace(batch, tensors={
         n: mode.from_tensor(v.clone()) if isinstance(v, torch.Tensor) else v
         for n, v in batch.tensors.items()}) for _ in range(micro)]
-
-
-@dataclasses.dataclass
-class Measured:
-    """What one fake build and its tracked steps measured (:func:`measure`), before it is
-    summarised (:func:`summarize`): the probe with its phases, the batches and their
-    descriptions, the model's sizes. :mod:`memlab.estimate.layers` makes one for the run's
-    full depth from two shallower ones."""
-
-    ctx: BuildContext
-    notes: list[str]
-    probe: MemoryProbe
-    ran: list[tuple[int, int]]
-    """(candidate, run step) of each tracked step, in order."""
-    run_steps: list[int]
-    cands: list[Candidate]
-    eval_cands: list[Candidate]
-    eval_phase: list[int]
-    """Each held-out candidate's eval phase: its index in the tracker's phase log."""
-    trained: list[dict]
-    length: int | None
-    micro: int
-    model: dict[str, Any]
-    """The policy's parameter sizes as placed, its config, the models in training."""
-    flops: int | None
-    assumed: dict[str, int]
-    decode_skipped: bool
-    offload: dict[str, Any] | None
-    timing: dict[str, float]
-    layers: Any = None
-    """:class:`memlab.estimate.layers.LayerRecord` of a run measured for extrapolation."""
 
 
 def run_fake_step(ctx: BuildContext, opts: EstimateOptions, notes: list[str], *,

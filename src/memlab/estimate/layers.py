@@ -58,7 +58,7 @@ from memlab.trainer.routing import base_model
 if TYPE_CHECKING:
     from memlab.context import BuildContext
     from memlab.estimate.decode import ShortDecode
-    from memlab.estimate.fake import Measured
+    from memlab.estimate.measured import Measured
     from memlab.estimate.options import EstimateOptions
 
 MEASURED = (3, 4)

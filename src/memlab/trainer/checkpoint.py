@@ -35,7 +35,7 @@ import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 import torch
@@ -52,8 +52,37 @@ from memlab.trainer.state_files import (
 )
 
 if TYPE_CHECKING:
+    from memlab.context import BuildContext
     from memlab.distributed.base import Distributed
-    from memlab.trainer.loop import Trainer
+    from memlab.trainer.batch import BatchStream
+    from memlab.trainer.evaluate import Evaluator
+
+class _Record(Protocol):
+    losses: list[float]
+    curves: dict[str, list[float]]
+    counts: dict[str, int]
+    checkpoints: list[str]
+
+
+class Checkpointed(Protocol):
+    """What :func:`save` writes of a trainer and :func:`load` restores into it: a
+    :class:`memlab.trainer.loop.Trainer` (which imports this module: named by what is read)."""
+
+    ctx: BuildContext
+    dist: Distributed
+    policy: nn.Module
+    models: dict[str, nn.Module]
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LambdaLR
+    scaler: torch.amp.GradScaler | None
+    stream: BatchStream
+    evaluator: Evaluator | None
+    step_idx: int
+
+    @property
+    def result(self) -> _Record: ...  # a TrainResult
+    def best_checkpoint(self) -> Path | None: ...
+
 
 KINDS = {"torch": "a replicated run (single or ddp)", "by_name": "a sharded run (distributed=fsdp2)",
          "native": "distributed=deepspeed"}
@@ -232,7 +261,7 @@ def read_weights(path: Path | str) -> dict[str, torch.Tensor]:
 
 
 # ------------------------------------------------------------------------------- saving
-def save(trainer: Trainer) -> Path:
+def save(trainer: Checkpointed) -> Path:
     """Write ``run_dir/checkpoints/step_<n>`` (atomically: a temp dir renamed); every rank calls
     it (gathering may be a collective), rank 0 writes the files. Whatever stops the write (a
     full disk, a stop signal), the partial temp dir is removed. The checkpoint joins
@@ -267,7 +296,7 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _write(trainer: Trainer, tmp: Path, final: Path) -> None:
+def _write(trainer: Checkpointed, tmp: Path, final: Path) -> None:
     """The files of one checkpoint, into ``tmp``, renamed to ``final`` when complete."""
     ctx, dist = trainer.ctx, trainer.dist
     fmt = state_format(dist)
@@ -414,7 +443,7 @@ def _apply_hyperparameters(trainer: Any) -> None:
     sched._last_lr = [g["lr"] for g in opt.param_groups]
 
 
-def load(trainer: Trainer, path: Path) -> None:
+def load(trainer: Checkpointed, path: Path) -> None:
     """Restore ``trainer`` from checkpoint dir ``path`` (written by :func:`save`). Reads JSON
     and safetensors only (DeepSpeed's shards after :func:`check_pickles`)."""
     path = Path(path)
