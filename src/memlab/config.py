@@ -3,11 +3,9 @@ for (:class:`Platform`). The context every builder reads is :mod:`memlab.context
 
 from __future__ import annotations
 
-import difflib
 import os
-from dataclasses import dataclass, field, fields
-from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, Literal
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
 
 from memlab import _guards
 from memlab import resolvers as _resolvers  # noqa: F401 - registers ${memlab.asset:...}
@@ -18,11 +16,6 @@ from memlab.registry import (
     PositiveInt,
     Seed,
 )
-from memlab.trainer.inputs import NAMES as INPUT_NAMES
-
-if TYPE_CHECKING:
-    from memlab.context import BuildContext
-
 
 TRL_NAMES: dict[str, str] = {
     "max_steps": "train.steps",
@@ -161,62 +154,6 @@ class TrainConfig:
     """Keys that moved out of ``train:``, with their new spelling (reported by
     :func:`memlab.registry.from_mapping` and, for command-line overrides, before Hydra
     composes: :func:`moved_overrides`)."""
-
-    def checkpoint_errors(self, ctx: BuildContext) -> list[str]:
-        """Problems of the saving / resuming knobs (``ctx``: the run's other choices)."""
-        errors = []
-        if self.save_merged:
-            if not ctx.peft.has_adapter():
-                errors.append(f"train.save_merged=true merges a PEFT adapter into its base, and "
-                              f"peft={ctx.peft.name} trains the whole model (its checkpoint is "
-                              "the model already); drop train.save_merged")
-            if not (self.save_final or self.save_every):
-                errors.append("train.save_merged=true but nothing is saved; set "
-                              "train.save_final=true or train.save_every=N")
-        if self.resume_allow and not self.resume_from:
-            errors.append("train.resume_allow names settings a resumed run may change, but "
-                          "train.resume_from is null; set train.resume_from=<dir> or latest")
-        known = {"train": [f.name for f in fields(TrainConfig)],
-                 "measure": [f.name for f in fields(MeasureConfig)]}
-        for group, opt in ctx.groups().items():
-            known[group] = ["name", *(f.name for f in fields(opt))]
-        known["inputs"] = list(INPUT_NAMES)  # files read in: data, model, tokenizer, template
-        for key in self.resume_allow:
-            head, _, rest = key.partition(".")
-            sub = rest.partition(".")[0]
-            if head not in known or (sub and sub not in known[head]):
-                pool = list(known) if head not in known else [f"{head}.{k}" for k in known[head]]
-                close = difflib.get_close_matches(key, pool, n=1)
-                errors.append(f"train.resume_allow: {key!r} is not a setting of this run"
-                              + (f"; did you mean {close[0]!r}?" if close else "")
-                              + " (a group such as 'peft', 'group.key' such as 'train.lr', or "
-                              "an input read in such as 'inputs.data')")
-        if self.resume_root is not None and not Path(self.resume_root).is_dir():
-            errors.append(f"train.resume_root={self.resume_root}: no such directory")
-        return errors
-
-    def eval_errors(self, ctx) -> list[str]:
-        """Problems of the evaluation knobs (``ctx``: the run's other choices): evaluation
-        needs held-out data, and ``best_metric`` must be one the method's evaluation reports."""
-        errors = []
-        if ctx.data.eval is None:
-            asked = [f"train.{k}" for k, on in (
-                ("eval_every", self.eval_every), ("eval_samples", self.eval_samples),
-                ("save_best", self.save_best), ("early_stop", self.early_stop is not None),
-                ("best_metric", self.best_metric is not None),
-                ("eval_batch_size", self.eval_batch_size is not None)) if on]
-            if asked:
-                errors.append(f"{', '.join(asked)} evaluate on held-out data, and data.eval is "
-                              "null; hold some out: data.eval=0.05 (a fraction of the rows), "
-                              "data.eval=<file> or, for data=hub, data.eval=<split>")
-            return errors
-        metrics = ctx.method.eval_metrics
-        if self.best_metric is not None and self.best_metric not in metrics:
-            close = difflib.get_close_matches(self.best_metric, metrics, n=1)
-            errors.append(f"train.best_metric={self.best_metric}: method={ctx.method.name}'s "
-                          f"evaluation reports {', '.join(metrics)}"
-                          + (f"; did you mean {close[0]!r}?" if close else ""))
-        return errors
 
     def best(self, method) -> tuple[str, bool]:
         """``(best_metric, greater_is_better)`` with their defaults resolved for ``method``."""

@@ -1,87 +1,42 @@
-"""The typed spine of a run: :class:`BuildContext` (every group's choice, typed by that group's
-Protocol, plus the device, the world size and the machine) and :func:`validate`, which turns a
-composed Hydra config into one, reporting every problem at once.
+"""The typed spine of a run: :func:`validate` turns a composed Hydra config into a
+:class:`BuildContext` (every group's choice, typed by that group's Protocol, plus the device,
+the world size and the machine), reporting every problem at once.
 
-Every builder reads the context, never the raw config, and only through the group Protocols
-(``memlab/<group>/base.py``): ``ctx.method`` is a :class:`~memlab.method.base.Method`, whatever
-option the run chose. A capability that only some options have is its own small Protocol, asked
-for through the group's ``as_<capability>()`` (None: the option does not have it), so no code
-tests an option's class or attributes. mypy checks every registered option against its group's
-Protocol (the group's typed ``register``) and every use of the context against the Protocols.
+The context's type and the group Protocols are the contracts of :mod:`memlab.protocols`
+(``memlab.context.BuildContext`` is :class:`memlab.protocols.BuildContext`): every builder reads
+the context, never the raw config, and only through them. ``ctx.method`` is a
+:class:`~memlab.protocols.Method`, whatever option the run chose. A capability that only some
+options have is its own small Protocol, asked for through the group's ``as_<capability>()``
+(None: the option does not have it), so no code tests an option's class or attributes. mypy
+checks every registered option against its group's Protocol (the group's typed ``register``)
+and every use of the context against the Protocols.
 
-The group modules import this module for their annotations only (under ``TYPE_CHECKING``); at
-run time it needs nothing but the registry and the top-level configs (importing it imports no
-torch: the command line starts fast).
+It needs nothing but the registry, the top-level configs and the contracts, none of which
+imports it (importing it imports no torch: the command line starts fast).
 """
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from memlab import faults
-from memlab.config import MeasureConfig, Platform, TrainConfig, cpu_bf16_env_problems, trl_hint
-from memlab.registry import GROUPS, ConfigErrors, Option, build, from_mapping
-
-if TYPE_CHECKING:
-    from memlab.attention.base import Attention
-    from memlab.data.base import DataSource
-    from memlab.distributed.base import Distributed
-    from memlab.generation.base import Generation
-    from memlab.logger.base import Logger
-    from memlab.method.base import Method
-    from memlab.model.base import Model
-    from memlab.offload.base import Offload
-    from memlab.optimizer.base import Optimizer
-    from memlab.packing.base import PackingOption
-    from memlab.peft.base import Peft
-    from memlab.precision.base import Precision
+from memlab.config import (
+    MeasureConfig,
+    Platform,
+    TrainConfig,
+    cpu_bf16_env_problems,
+    trl_hint,
+)
+from memlab.protocols import BuildContext
+from memlab.registry import GROUPS, ConfigErrors, build, from_mapping
+from memlab.trainer.inputs import NAMES as INPUT_NAMES
 
 TOP_LEVEL = frozenset(GROUPS) | {"train", "measure"}
 """The keys a composed config may hold: the groups, ``train`` and ``measure``."""
-
-
-@dataclass(frozen=True)
-class BuildContext:
-    """Everything a builder may know besides its own config: the other groups' choices, the
-    device and the world size. Frozen: builders read it, never change it."""
-
-    method: Method
-    generation: Generation
-    packing: PackingOption
-    attention: Attention
-    precision: Precision
-    offload: Offload
-    peft: Peft
-    optimizer: Optimizer
-    distributed: Distributed
-    model: Model
-    data: DataSource
-    logger: Logger
-    train: TrainConfig
-    measure: MeasureConfig
-    device: str = "cpu"
-    world_size: int = 1
-    rank: int = 0
-    choices: dict[str, str] = field(default_factory=dict)
-    run_dir: Path = Path(".")
-    platform: Platform = field(default_factory=Platform)
-    """The machine the run is validated for (:meth:`Platform.detect` in a run)."""
-
-    @property
-    def is_cuda(self) -> bool:
-        return self.device.startswith("cuda")
-
-    def groups(self) -> dict[str, Option]:
-        """The typed config of every group, by group name (for code that treats every group
-        alike: recording a configuration, listing its settings)."""
-        return {"method": self.method, "generation": self.generation, "packing": self.packing,
-                "attention": self.attention, "precision": self.precision,
-                "offload": self.offload, "peft": self.peft, "optimizer": self.optimizer,
-                "distributed": self.distributed,
-                "model": self.model, "data": self.data, "logger": self.logger}
 
 
 def plain_config(cfg: Any) -> dict[str, Any]:
@@ -156,11 +111,69 @@ def validate(cfg: Any, run_dir: Path | str = ".", choices: Mapping[str, str] | N
     )
     for opt in ctx.groups().values():
         errors += opt.validate(ctx)
-    errors += train.checkpoint_errors(ctx)
-    errors += train.eval_errors(ctx)
+    errors += checkpoint_errors(train, ctx)
+    errors += eval_errors(train, ctx)
     errors += measure.errors(train)
     errors += faults.problems()  # a test hook left in the environment would hang the run
     errors += cpu_bf16_env_problems()
     if errors:
         raise ConfigErrors(errors)
     return ctx
+
+
+def checkpoint_errors(train: TrainConfig, ctx: BuildContext) -> list[str]:
+    """Problems of ``train``'s saving / resuming knobs (``ctx``: the run's other choices)."""
+    errors = []
+    if train.save_merged:
+        if not ctx.peft.has_adapter():
+            errors.append(f"train.save_merged=true merges a PEFT adapter into its base, and "
+                          f"peft={ctx.peft.name} trains the whole model (its checkpoint is "
+                          "the model already); drop train.save_merged")
+        if not (train.save_final or train.save_every):
+            errors.append("train.save_merged=true but nothing is saved; set "
+                          "train.save_final=true or train.save_every=N")
+    if train.resume_allow and not train.resume_from:
+        errors.append("train.resume_allow names settings a resumed run may change, but "
+                      "train.resume_from is null; set train.resume_from=<dir> or latest")
+    known = {"train": [f.name for f in fields(TrainConfig)],
+             "measure": [f.name for f in fields(MeasureConfig)]}
+    for group, opt in ctx.groups().items():
+        known[group] = ["name", *(f.name for f in fields(opt))]
+    known["inputs"] = list(INPUT_NAMES)  # files read in: data, model, tokenizer, template
+    for key in train.resume_allow:
+        head, _, rest = key.partition(".")
+        sub = rest.partition(".")[0]
+        if head not in known or (sub and sub not in known[head]):
+            pool = list(known) if head not in known else [f"{head}.{k}" for k in known[head]]
+            close = difflib.get_close_matches(key, pool, n=1)
+            errors.append(f"train.resume_allow: {key!r} is not a setting of this run"
+                          + (f"; did you mean {close[0]!r}?" if close else "")
+                          + " (a group such as 'peft', 'group.key' such as 'train.lr', or "
+                          "an input read in such as 'inputs.data')")
+    if train.resume_root is not None and not Path(train.resume_root).is_dir():
+        errors.append(f"train.resume_root={train.resume_root}: no such directory")
+    return errors
+
+
+def eval_errors(train: TrainConfig, ctx: BuildContext) -> list[str]:
+    """Problems of ``train``'s evaluation knobs (``ctx``: the run's other choices): evaluation
+    needs held-out data, and ``best_metric`` must be one the method's evaluation reports."""
+    errors = []
+    if ctx.data.eval is None:
+        asked = [f"train.{k}" for k, on in (
+            ("eval_every", train.eval_every), ("eval_samples", train.eval_samples),
+            ("save_best", train.save_best), ("early_stop", train.early_stop is not None),
+            ("best_metric", train.best_metric is not None),
+            ("eval_batch_size", train.eval_batch_size is not None)) if on]
+        if asked:
+            errors.append(f"{', '.join(asked)} evaluate on held-out data, and data.eval is "
+                          "null; hold some out: data.eval=0.05 (a fraction of the rows), "
+                          "data.eval=<file> or, for data=hub, data.eval=<split>")
+        return errors
+    metrics = ctx.method.eval_metrics
+    if train.best_metric is not None and train.best_metric not in metrics:
+        close = difflib.get_close_matches(train.best_metric, metrics, n=1)
+        errors.append(f"train.best_metric={train.best_metric}: method={ctx.method.name}'s "
+                      f"evaluation reports {', '.join(metrics)}"
+                      + (f"; did you mean {close[0]!r}?" if close else ""))
+    return errors

@@ -6,7 +6,7 @@ registers through its group's typed ``register`` (``memlab/<group>/base.py``), w
 checks: a class that does not conform to the group's Protocol is a type error where it is
 registered (``Value of type variable "MethodClass" of function cannot be "SFT"``; passing an
 instance to a function typed with the Protocol makes mypy list the conflicting members). Every
-group Protocol extends :class:`Option`.
+group Protocol (:mod:`memlab.protocols`) extends :class:`Option`.
 ``build(group, node)`` turns a plain mapping from Hydra into that dataclass, reporting *every*
 problem (unknown option, unknown key, wrong type, a number out of its range) instead of stopping
 at the first.
@@ -40,8 +40,6 @@ from typing import (
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
-    from memlab.context import BuildContext
-
 GROUPS = (
     "method",
     "generation",
@@ -70,9 +68,11 @@ class Option(Protocol):
     by :func:`register`)."""
     __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
 
-    def validate(self, ctx: BuildContext) -> list[str]:
+    def validate(self, ctx: Any) -> list[str]:
         """Every problem of this choice in the run ``ctx`` (each naming its fix); loads
-        nothing."""
+        nothing. ``ctx`` is the run's :class:`memlab.protocols.BuildContext`, typed as such by
+        :class:`memlab.protocols.GroupOption`, which every group's Protocol extends (named
+        here it would make a loop: the context names the options)."""
         ...
 
 

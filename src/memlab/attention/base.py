@@ -1,47 +1,21 @@
-"""What an attention backend declares (:class:`Attention`), and the checks every backend shares
-(:class:`Backend`)."""
+"""What an attention backend declares (:class:`Attention`, in :mod:`memlab.protocols` and
+re-exported here), and the checks every backend shares (:class:`Backend`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from memlab import registry
+from memlab.protocols import Attention
 from memlab.registry import Option
 
 if TYPE_CHECKING:
     import torch
 
-    from memlab.context import BuildContext
+    from memlab.protocols import BuildContext
     from memlab.trainer.batch import Segments
-
-
-class Attention(Option, Protocol):
-    """An ``attention=`` option: a transformers ``attn_implementation`` and what it can do."""
-
-    isolates_packed: ClassVar[bool]
-    """Keeps documents apart in a packed / padding-free row (restarting position_ids)."""
-    skips_padding: ClassVar[bool]
-    """Given a padding mask, the backend leaves padded positions out of its work; False:
-    padded positions cost as much with the mask as without (``method.padding_mask``)."""
-    devices: ClassVar[tuple[str, ...]]
-    """The devices it runs on (``cpu``, ``cuda``)."""
-    trains_on_cpu: ClassVar[bool]
-    """It has a backward pass on the CPU."""
-
-    def implementation(self) -> str:
-        """The string passed to transformers as ``attn_implementation``."""
-        ...
-
-    def shares_prefix(self) -> bool:
-        """Whether a document can also see a prefix stored before it in its row."""
-        ...
-
-    def document_mask(self, segments: Segments, width: int, device: torch.device | str
-                      ) -> Any:
-        """The ``attention_mask`` to pass for rows described by ``segments``, or None."""
-        ...
 
 
 AttentionClass = TypeVar("AttentionClass", bound=Attention)

@@ -1,19 +1,17 @@
-"""Shared helpers of the data sources: the source protocol, row validation (and normalization,
-:func:`normalize_messages`) with row/field names, limits."""
+"""Shared helpers of the data sources: the source protocol (:class:`DataSource` and
+:class:`SplitSource`, in :mod:`memlab.protocols` and re-exported here), row validation (and
+normalization, :func:`normalize_messages`) with row/field names, limits."""
 
 from __future__ import annotations
 
 import json
 import re
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 from memlab import registry
-from memlab.registry import Option
-
-if TYPE_CHECKING:
-    from memlab.context import BuildContext
-    from memlab.trainer.inputs import Inputs
+from memlab.protocols import DataSource
+from memlab.protocols import SplitSource as SplitSource
 
 
 class DataError(ValueError):
@@ -27,63 +25,6 @@ class DataError(ValueError):
             m = re.match(r"row (\d+):", message)
             row = int(m.group(1)) if m else None
         self.row = row
-
-
-class DataSource(Option, Protocol):
-    """What every ``data=`` option provides (the fields of
-    :class:`memlab.data.formats.RowOptions` included; its ``validate`` reads nothing)."""
-
-    @property
-    def columns(self) -> dict[str, str] | None: ...
-    @property
-    def chat_template_kwargs(self) -> dict[str, Any] | None: ...
-    @property
-    def training_template(self) -> Literal["auto", "off"]: ...
-    @property
-    def on_unsplittable(self) -> Literal["error", "skip"]: ...
-    @property
-    def eval(self) -> float | str | None: ...
-    @property
-    def max_hollow_fraction(self) -> float: ...
-
-    def eval_kind(self) -> Literal["fraction", "path", "split"] | None:
-        """What ``eval`` names (:meth:`memlab.data.formats.RowOptions.eval_kind`)."""
-        ...
-
-    def as_split_source(self) -> SplitSource | None:
-        """This source, when it has named splits (``data.eval=<split>`` reads one)."""
-        ...
-
-    def load(self, ctx: BuildContext) -> Any:
-        """The rows as read, a ``datasets.Dataset``."""
-        ...
-
-    def convert(self, ds: Any) -> tuple[Any, dict[str, int]]:
-        """``ds`` (what :meth:`load` returned) in memlab's row formats, row for row, and what
-        was converted (:func:`memlab.data.formats.convert`)."""
-        ...
-
-    def locate(self, ds: Any, row: int) -> str:
-        """Where row ``row`` of ``ds`` (what :meth:`load` returned) comes from, in words: a
-        file and line, a hub dataset's row."""
-        ...
-
-    def place(self, index: int) -> str:
-        """Where row ``index`` of the data as read (before any sample or shuffle) comes
-        from."""
-        ...
-
-    def summary(self, ds: Any) -> dict[str, Any]:
-        """Entries for the summary's ``data`` section about the rows ``ds`` (what :meth:`load`
-        returned) holds (a mixture's rows per source); empty for most sources."""
-        ...
-
-    def inputs(self) -> dict[str, Inputs]:
-        """What the rows are read from (files, a hub repository), by input name (``data``;
-        ``data.<label>`` per mixture source), fingerprinted by checkpoints so that a resumed
-        run refuses data changed in place (:mod:`memlab.trainer.inputs`); empty for data
-        generated from the config."""
-        ...
 
 
 DataSourceClass = TypeVar("DataSourceClass", bound=DataSource)
@@ -100,14 +41,6 @@ def build_source(node: Mapping[str, Any], where: str) -> tuple[DataSource | None
     obj, errors = registry.build("data", node, where=where)
     # the data group holds only the classes its typed register admitted: DataSources
     return cast("DataSource | None", obj), errors
-
-
-class SplitSource(DataSource, Protocol):
-    """A source with named splits: ``data.eval=<split>`` reads one."""
-
-    def load_split(self, ctx: BuildContext, split: str) -> Any:
-        """The rows of ``split``, as :meth:`load` reads its own."""
-        ...
 
 
 def original_row(ds: Any, row: int) -> int:

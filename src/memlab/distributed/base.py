@@ -1,6 +1,7 @@
 """What every distributed option provides (:class:`Distributed`), what only some provide (their
-own small Protocols, asked for through ``as_<capability>()``), and the process-group plumbing
-of the multi-process ones (:class:`Ranks`).
+own small Protocols, asked for through ``as_<capability>()``; all in :mod:`memlab.protocols`
+and re-exported here), and the process-group plumbing of the multi-process ones
+(:class:`Ranks`).
 
 An option (``distributed=<name>``) is a registered dataclass with:
 
@@ -62,110 +63,18 @@ import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, ClassVar, Literal, TypeVar
 
 import torch
 from torch import nn
 
 from memlab import registry
+from memlab.protocols import Distributed, GatheredStates, NativeStates, OptimizerTensors, StepOwner
+from memlab.protocols import Sharding as Sharding
 from memlab.registry import Option, Port, PositiveInt
 
 if TYPE_CHECKING:
-    from memlab.context import BuildContext
-
-
-class StepOwner(Protocol):
-    """A wrapper that owns backward and the optimizer step (DeepSpeed's engine)."""
-
-    def optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
-        """The torch optimizer inside the wrapper (memlab's LR schedule sets its groups)."""
-        ...
-
-    def backward(self, model: nn.Module, loss: torch.Tensor) -> None: ...
-
-    def step(self, model: nn.Module) -> float | None:
-        """Clip, step, zero the gradients; the gradient norm before clipping."""
-        ...
-
-
-class GatheredStates(Protocol):
-    """Checkpoints gathered from the shards by parameter name (``by_name``: FSDP2). Both calls
-    are collectives: every rank makes them."""
-
-    def full_state(self, model: nn.Module, optimizer: torch.optim.Optimizer
-                   ) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The unsharded trainable weights, by name, and the optimizer state, on the CPU."""
-        ...
-
-    def load_full_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                        weights: dict[str, Any], optim: dict[str, Any]) -> None:
-        """Shard a :meth:`full_state` back onto this rank's model and optimizer."""
-        ...
-
-
-class NativeStates(Protocol):
-    """Checkpoints in the wrapper's own sharded format (``native``: DeepSpeed)."""
-
-    def save_states(self, model: nn.Module, path: Path) -> None:
-        """Every rank writes its shards of weights and optimizer state under ``path``."""
-        ...
-
-    def load_states(self, model: nn.Module, path: Path) -> None: ...
-
-    def full_weights(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """The trainable weights, whole, by name, on the CPU (a collective when sharded)."""
-        ...
-
-
-@dataclass(frozen=True)
-class Sharding:
-    """What one rank of a distributed option holds, declared for ``memlab estimate`` (the ZeRO
-    stage it reports; the model of :mod:`memlab.estimate.sharding` for a wrapper it cannot run
-    on fake tensors)."""
-
-    zero_stage: int = 0
-    """What is split over the ranks: 0 nothing (every rank a replica), 1 optimizer state,
-    2 + gradients, 3 + parameters."""
-    gradient_as_bucket_view: bool = False
-    """Replicas (stage 0) reduce gradients in resident buckets (DDP); True: the gradients live
-    inside them instead of beside them."""
-
-
-OptimizerTensors = Literal["parameters", "dtensors", "flat_partitions"]
-"""What a distributed option hands the optimizer (:meth:`Distributed.optimizer_tensors`)."""
-
-
-class Distributed(Option, Protocol):
-    """What every ``distributed=`` option provides (module docstring)."""
-
-    wraps_fake_tensors: ClassVar[bool]
-    reduces_before_grad_hooks: ClassVar[bool]
-
-    def processes(self, device: str, gpus: int = 0) -> int:
-        """The processes the run needs on ``device`` with ``gpus`` visible GPUs (0: unknown)."""
-        ...
-
-    def setup(self, ctx: BuildContext) -> None: ...
-    def teardown(self) -> None: ...
-    def wrap(self, model: nn.Module, ctx: BuildContext) -> nn.Module: ...
-    def sync(self, model: nn.Module, last: bool) -> contextlib.AbstractContextManager: ...
-    def all_reduce_sum(self, values: list[float], device: str) -> list[float]: ...
-    def generation(self, model: nn.Module) -> contextlib.AbstractContextManager: ...
-    def gathered(self, param: torch.Tensor
-                 ) -> contextlib.AbstractContextManager[torch.Tensor]: ...
-    def memory_roles(self, model: nn.Module) -> dict[str, list[torch.Tensor]]: ...
-    def describe(self, model: nn.Module) -> dict[str, Any]: ...
-    def sharding(self) -> Sharding | None: ...
-    def optimizer_tensors(self, ctx: BuildContext) -> OptimizerTensors:
-        """What the optimizer steps in this run (module docstring)."""
-        ...
-    def on_fake_group(self, ctx: BuildContext) -> contextlib.AbstractContextManager[list[str]]:
-        ...
-    def as_ranks(self) -> Ranks | None: ...
-    def as_step_owner(self) -> StepOwner | None: ...
-    def as_gathered_states(self) -> GatheredStates | None: ...
-    def as_native_states(self) -> NativeStates | None: ...
+    from memlab.protocols import BuildContext
 
 
 DistributedClass = TypeVar("DistributedClass", bound=Distributed)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from memlab.estimate.batch import Candidate
     from memlab.measure.memory import MemoryProbe
-    from memlab.context import BuildContext
+    from memlab.protocols import BuildContext
 
 
 @dataclasses.dataclass

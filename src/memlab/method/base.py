@@ -1,4 +1,6 @@
-"""The shape of a method (:class:`Method`) and the batch helpers methods share.
+"""The shape of a method (:class:`Method`: its Protocol, with :class:`Generating` and
+:class:`ModelFactory`, is in :mod:`memlab.protocols` and re-exported here) and the batch helpers
+methods share.
 
 A method is a registered dataclass (configuration only: no run-time state) with:
 
@@ -28,14 +30,14 @@ Declared capabilities (None: the method does not have it):
 - ``as_generating() -> Generating | None``: it samples its training batches (online methods):
   ``rollout(models, batch, ctx, env)``, ``num_iterations``... (:class:`Generating`);
 - ``as_group_packed() -> GroupPacked | None``: its rows pack as units of several sequences
-  (preference pairs; :class:`memlab.packing.groups.GroupPacked`).
+  (preference pairs; :class:`memlab.protocols.GroupPacked`, :mod:`memlab.packing.groups`).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
 from torch import nn
@@ -43,103 +45,17 @@ from torch import nn
 from memlab import registry
 from memlab.losses import IGNORE, TiedWeightGrad
 from memlab.measure.data import DataStats
-from memlab.model.base import Head
+from memlab.protocols import Generating, GroupPacked, Method, ModelFactory
 from memlab.registry import Option
 from memlab.trainer.batch import Batch, Segments
 from memlab.trainer.routing import unwrap
 
 if TYPE_CHECKING:
-    from memlab.context import BuildContext
-    from memlab.generation.base import GenerationEnv
-    from memlab.packing.groups import GroupPacked
+    from memlab.protocols import BuildContext
 
 __all__ = ["IGNORE", "Batch", "DataStats", "Generating", "Method", "ModelFactory", "Segments",
            "decoder_hidden", "flatten_batch", "head_logits", "loss_sums", "model_inputs",
            "pad_batch", "register", "round_up", "scored_tensors", "shifted_labels"]
-
-
-class ModelFactory(Protocol):
-    """Builds the extra models a method needs (the pipeline's loader, same attention / dtype /
-    device as the policy). ``overrides``: model-group overrides (a teacher of another size);
-    ``head``: 'causal_lm' | 'seq_cls'; ``trainable``: a trained extra model (PPO's value model)
-    instead of a frozen one."""
-
-    exact_weights: bool
-    """Whether the models hold real weight values (False while estimating on fake tensors):
-    checks that compare weights run only when True."""
-
-    def __call__(self, overrides: dict[str, Any] | None = None, *, head: Head | None = None,
-                 trainable: bool = False) -> nn.Module: ...
-
-    def tokenizer(self, overrides: dict[str, Any] | None = None) -> Any:
-        """The tokenizer of the model group with ``overrides`` (a reward model's own)."""
-        ...
-
-
-class Method(Option, Protocol):
-    """What every ``method=`` option provides (module docstring)."""
-
-    data_kinds: ClassVar[tuple[str, ...]]
-    head: ClassVar[Head]
-    items_name: ClassVar[str]
-    supports_packing: ClassVar[bool]
-    supports_padding_free: ClassVar[bool]
-    trains_extra_models: ClassVar[bool]
-    """It trains a model besides the policy (PPO's value model)."""
-    supports_sampling_correction: ClassVar[bool]
-    """Its loss can weight tokens by the sampler/trainer mismatch (generation=vllm)."""
-
-    def prepare(self, ds: Any, tokenizer: Any, ctx: BuildContext) -> tuple[Any, DataStats]: ...
-    def collate(self, rows: list[dict], tokenizer: Any, ctx: BuildContext) -> Batch: ...
-    def extra_models(self, policy: nn.Module, ctx: BuildContext, build: ModelFactory
-                     ) -> dict[str, nn.Module]: ...
-    def before_training(self, models: dict[str, nn.Module], ds: Any, ctx: BuildContext
-                        ) -> Any: ...
-    def loss(self, models: dict[str, nn.Module], batch: Batch, ctx: BuildContext
-             ) -> tuple[torch.Tensor, dict[str, Any]]: ...
-    def packs_rows(self, ctx: BuildContext) -> bool: ...
-    def uses_liger(self) -> bool:
-        """Liger's fused kernels (they read the output head's weight directly)."""
-        ...
-    def liger_model_kernels(self) -> tuple[str, ...]:
-        """Liger's kernels that replace modules of the method's models (empty: none)."""
-        ...
-    def reads_head_weight(self, ctx: BuildContext) -> str | None:
-        """The setting whose loss reads the output head's weight directly in the run ``ctx``
-        (a chunked or fused loss, e.g. ``method.loss_impl=chunked``), or None."""
-        ...
-    def row_length(self) -> int | None:
-        """The longest prepared row it keeps (an online method: its prompts), or None."""
-        ...
-    def pad_multiple(self) -> int | None:
-        """Padded widths are rounded up to this multiple (None: not rounded)."""
-        ...
-    def keeps_row_end(self) -> bool:
-        """Truncation keeps a row's last tokens (cuts its start); False: its first."""
-        ...
-    def as_generating(self) -> Generating | None:
-        """The method as an online one (it samples its training batches), or None."""
-        ...
-    def pinned(self, ctx: BuildContext) -> Method:
-        """The method with every choice that depends on the rest of the run ``ctx`` (an
-        ``auto``) made explicit: what an estimate keeps where it measures the run in another
-        context (DDP as one plain process), so that it measures the run's own choices."""
-        ...
-    def as_group_packed(self) -> GroupPacked | None:
-        """The method whose rows pack as units of several sequences, or None."""
-        ...
-
-    eval_metrics: ClassVar[tuple[str, ...]]
-    """The metrics :meth:`evaluate` reports (``train.best_metric`` picks one; the first is
-    the default)."""
-
-    def evaluate(self, models: dict, batch: Batch, ctx: BuildContext, env: Any
-                 ) -> tuple[dict[str, float], int]:
-        """Each eval metric summed over the held-out micro-batch ``batch``, and the number of
-        items summed over (loss tokens, pairs, prompts); runs under ``torch.no_grad`` with the
-        policy in eval mode. ``env``: the run's generation environment (online methods) or
-        None."""
-        ...
 
 
 def loss_sums(method: Method, models: dict, batch: Batch, ctx: BuildContext
@@ -151,36 +67,6 @@ def loss_sums(method: Method, models: dict, batch: Batch, ctx: BuildContext
     sums = {"loss": float(loss_sum)}
     sums.update({k: float(v) * n for k, v in metrics.items() if k in method.eval_metrics})
     return sums, n
-
-
-class Generating(Protocol):
-    """An online method: its training batches are sampled in the trainer's generate phase."""
-
-    @property
-    def num_iterations(self) -> int:
-        """Optimizer steps per generation batch."""
-        ...
-
-    def sampling_length(self) -> int:
-        """New tokens per completion (at most)."""
-        ...
-
-    def rows_per_prompt(self) -> int:
-        """Completions sampled per prompt."""
-        ...
-
-    def rollout(self, models: dict[str, nn.Module], batch: Batch, ctx: BuildContext,
-                env: GenerationEnv) -> Batch:
-        """The training batch generated from the prompt batch ``batch``; ``env`` is the run's
-        :class:`memlab.generation.base.GenerationEnv` (engine, random draws)."""
-        ...
-
-    def worst_case_tensors(self, batch: Batch, new_tokens: int, token: int, ctx
-                           ) -> dict[str, torch.Tensor]:
-        """The training tensors ``rollout`` makes of ``batch`` when every completion runs to
-        ``new_tokens`` tokens (``token`` repeated), with real values (an estimate evaluates
-        the training forward's value-dependent decisions on them)."""
-        ...
 
 
 MethodClass = TypeVar("MethodClass", bound=Method)

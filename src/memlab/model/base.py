@@ -1,48 +1,21 @@
-"""What a model option provides (:class:`Model`) and the loading steps every option shares:
-attention + dtype at load time, the right head, use_cache off."""
+"""What a model option provides (:class:`Model`, in :mod:`memlab.protocols` and re-exported
+here with :data:`Head`) and the loading steps every option shares: attention + dtype at load
+time, the right head, use_cache off."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from memlab import registry
-from memlab.registry import Option
+from memlab.protocols import Head, Model
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from memlab.context import BuildContext
-    from memlab.trainer.inputs import Inputs
-
-Head = Literal["causal_lm", "seq_cls"]
-
-
-class Model(Option, Protocol):
-    """A ``model=`` option: where the tokenizer, the architecture and the weights come from."""
-
-    def load_tokenizer(self, ctx: BuildContext) -> Any: ...
-
-    def hf_config(self, tokenizer: Any) -> Any:
-        """The transformers config of the architecture (no weights read)."""
-        ...
-
-    def load(self, ctx: BuildContext, tokenizer: Any, head: Head, extra: dict[str, Any]
-             ) -> PreTrainedModel:
-        """The model with the run's attention backend and dtype (``load_kwargs``), on the
-        run's device; ``extra``: the PEFT option's load arguments (a quantization config)."""
-        ...
-
-    def inputs(self) -> dict[str, Inputs]:
-        """What the weights, the tokenizer and the chat template are read from (``model``,
-        ``tokenizer``, ``chat_template``: files, or a hub repository), fingerprinted by
-        checkpoints so that a resumed run refuses them changed in place
-        (:mod:`memlab.trainer.inputs`)."""
-        ...
-
-
+    from memlab.protocols import BuildContext
 
 ModelClass = TypeVar("ModelClass", bound=Model)
 

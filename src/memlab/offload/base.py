@@ -6,56 +6,19 @@
 after every micro-batch's backward and records ``handle.stats()`` in the summary.
 :class:`Placement` says where offloaded tensors go and which tensors are handled: a run keeps
 the defaults (host memory, plain tensors); ``memlab estimate`` passes its own (fake tensors,
-host copies on another fake device).
+host copies on another fake device). The three are in :mod:`memlab.protocols`, re-exported
+here.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
-
-from torch import nn
+from typing import TypeVar
 
 from memlab import registry
-from memlab.registry import Option
-
-if TYPE_CHECKING:
-    from memlab.context import BuildContext
-
-
-class OffloadHandle(Protocol):
-    def __enter__(self) -> Any: ...
-    def __exit__(self, *exc: Any) -> None: ...
-    def reset(self) -> None: ...
-    def stats(self) -> dict[str, int]: ...
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where offloaded activations go and which tensors the offloader handles (None: the
-    offloader's defaults)."""
-
-    storage: Any = None
-    """An :class:`memlab.offload.hooks.OffloadStorage`."""
-    key: Any = None
-    """``tensor -> hashable``: which storage a tensor views."""
-    tensor_types: tuple[type, ...] | None = None
-
-
-class Offload(Option, Protocol):
-    """An ``offload=`` option."""
-
-    def build(self, model: nn.Module, ctx: BuildContext, placement: Placement | None = None
-              ) -> OffloadHandle | None:
-        """The run's handle on ``model`` (None: nothing is offloaded)."""
-        ...
-
-    def forward_context(self, handle: OffloadHandle | None) -> contextlib.AbstractContextManager:
-        """Around each forward + loss."""
-        ...
-
+from memlab.protocols import Offload
+from memlab.protocols import OffloadHandle as OffloadHandle
+from memlab.protocols import Placement as Placement
 
 OffloadClass = TypeVar("OffloadClass", bound=Offload)
 

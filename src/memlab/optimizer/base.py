@@ -1,4 +1,5 @@
-"""What an optimizer option provides (:class:`Optimizer`), the knobs every option shares
+"""What an optimizer option provides (:class:`Optimizer`, in :mod:`memlab.protocols` and
+re-exported here), the knobs every option shares
 (:class:`OptimizerKnobs`: ``in_backward``), and the rules of stepping inside backward.
 
 An option (``optimizer=<name>``) is a registered dataclass of its hyperparameters (the learning
@@ -30,38 +31,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 from memlab import registry
+from memlab.protocols import Optimizer
 from memlab.registry import Option
 
 if TYPE_CHECKING:
-    from memlab.context import BuildContext
-
-
-class Optimizer(Option, Protocol):
-    """What every ``optimizer=`` option provides (module docstring)."""
-
-    in_backward: bool
-    """Step each parameter inside backward, as its gradient is ready (module docstring)."""
-    takes_dtensors: ClassVar[bool]
-    """It can step FSDP2's DTensor shards."""
-    takes_flat_partitions: ClassVar[bool]
-    """It can step ZeRO's flat 1-D partitions (several parameters in one tensor)."""
-
-    def build(self, params: list[nn.Parameter], ctx: BuildContext,
-              model: nn.Module | None = None, foreach: bool | None = None
-              ) -> torch.optim.Optimizer:
-        """The optimizer over ``params`` with ``train.lr`` / ``train.weight_decay``; ``foreach``:
-        torch's multi-tensor implementation where the option has one (None: torch's default)."""
-        ...
-
-    def group_settings(self) -> dict[str, Any]:
-        """The param-group values this configuration sets (resume applies them)."""
-        ...
+    from memlab.protocols import BuildContext
 
 
 OptimizerClass = TypeVar("OptimizerClass", bound=Optimizer)

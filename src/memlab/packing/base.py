@@ -1,9 +1,10 @@
-"""What a packing option does in the pipeline (:class:`PackingOption`), and what the
-strategies share (:class:`Packing`).
+"""What a packing option does in the pipeline (:class:`PackingOption`, in
+:mod:`memlab.protocols` and re-exported here), and what the strategies share
+(:class:`Packing`).
 
 Rules owned here: packing applies only to methods that declare ``supports_packing``; methods
 whose rows pack as units of several sequences (``Method.as_group_packed()``, a
-:class:`memlab.packing.groups.GroupPacked`: preference pairs, KTO examples with their KL
+:class:`memlab.protocols.GroupPacked`: preference pairs, KTO examples with their KL
 partner) take only the strategies that keep every
 sequence whole, and ``bfd_split`` needs room in a micro-batch for a unit split into its
 sequences. Whether the attention backend can keep packed sequences apart is the attention
@@ -14,37 +15,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from memlab import registry
 from memlab.measure.data import DataStats
 from memlab.packing.plan import Strategy
+from memlab.protocols import PackingOption
 from memlab.registry import Option
 
 if TYPE_CHECKING:
-    from memlab.context import BuildContext
-    from memlab.packing.groups import GroupPacked
-
-
-class PackingOption(Option, Protocol):
-    """A ``packing=`` option."""
-
-    packs: ClassVar[bool]
-    """Whether rows hold several sequences (every strategy but ``none``)."""
-    keeps_overflow: ClassVar[bool]
-    """The strategy itself handles sequences longer than the row capacity (bfd_split splits
-    them, wrapped streams them), so the method must not truncate first."""
-    cuts_sequences: ClassVar[bool]
-    """A sequence may be cut across rows (wrapped)."""
-
-    def apply(self, ds: Any, stats: DataStats, ctx: BuildContext) -> tuple[Any, DataStats]:
-        """The prepared dataset packed into rows (and its stats updated)."""
-        ...
-
-    def batch_items(self, ctx: BuildContext) -> int:
-        """Items of the prepared (packed) dataset per micro-batch: ``train.batch_size`` rows,
-        or 1 where each item is a whole micro-batch (units packed in groups)."""
-        ...
+    from memlab.protocols import BuildContext, GroupPacked
 
 
 PackingClass = TypeVar("PackingClass", bound=PackingOption)

@@ -40,31 +40,12 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
-if TYPE_CHECKING:
-    from memlab.context import BuildContext
+from memlab.protocols import GroupPacked as GroupPacked  # the capability (re-exported here)
 
 PACK_ROWS = "pack_rows"
 """The column of a packed dataset that holds, per unit, the row of each of its pieces."""
-
-
-class GroupPacked(Protocol):
-    """What a method whose rows pack as units of several sequences provides, declared through
-    ``Method.as_group_packed()`` (dpo, kto, reward).
-
-    The packing options read this capability: such a method's prepared dataset holds one unit
-    per row, its packed dataset one micro-batch per item, and strategies that cut sequences
-    (``wrapped``) do not apply to it."""
-
-    def unit_sizes(self, ds: Any, ctx: BuildContext) -> tuple[list[int], list[list[int]]]:
-        """``(whole, pieces)`` of every prepared row (module docstring)."""
-        ...
-
-    def unit_pieces(self) -> int:
-        """Pieces (sequences) of the largest unit: a split unit needs that many rows in a
-        pack."""
-        ...
 
 
 @dataclass(frozen=True)

@@ -1,53 +1,25 @@
-"""What a precision option provides to the model loader and the trainer (:class:`Precision`), and
-the one shape every option shares (:class:`Dtypes`)."""
+"""What a precision option provides to the model loader and the trainer (:class:`Precision`, in
+:mod:`memlab.protocols` and re-exported here), and the one shape every option shares
+(:class:`Dtypes`)."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Protocol, TypeVar
+from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 import torch
 
 from memlab import registry
+from memlab.protocols import Precision
 from memlab.registry import Option
 
 if TYPE_CHECKING:
     from memlab.config import Platform
-    from memlab.context import BuildContext
+    from memlab.protocols import BuildContext
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class Precision(Option, Protocol):
-    """A ``precision=`` option: the dtype weights load in and the dtype of the compute."""
-
-    param_dtype: ClassVar[str]
-    """Weights are loaded in this dtype (``float32``, ``bfloat16``, ``float16``)."""
-    autocast_dtype: ClassVar[str | None]
-    """The compute dtype under torch.autocast (None: no autocast)."""
-    needs_scaler: ClassVar[bool]
-    """fp16 loss scaling."""
-
-    def torch_param_dtype(self) -> torch.dtype: ...
-
-    def compute_dtype_name(self) -> str:
-        """The dtype the matmuls run in."""
-        ...
-
-    def autocast(self, device: str) -> contextlib.AbstractContextManager:
-        """Context manager for the forward pass and loss."""
-        ...
-
-    def grad_scaler(self, device: str) -> torch.amp.GradScaler | None:
-        """A GradScaler for fp16 mixed precision, else None."""
-        ...
-
-    def resolved(self, device: str, platform: Platform) -> Precision:
-        """The option a run on ``device`` of ``platform`` trains with: itself, or for
-        ``precision=auto`` the option it stands for there (chosen before any rule reads it)."""
-        ...
 
 
 PrecisionClass = TypeVar("PrecisionClass", bound=Precision)

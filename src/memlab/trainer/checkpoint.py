@@ -52,8 +52,7 @@ from memlab.trainer.state_files import (
 )
 
 if TYPE_CHECKING:
-    from memlab.context import BuildContext
-    from memlab.distributed.base import Distributed
+    from memlab.protocols import BuildContext, Distributed
     from memlab.trainer.batch import BatchStream
     from memlab.trainer.evaluate import Evaluator
 

@@ -17,10 +17,7 @@ import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from memlab.context import BuildContext
+from typing import Any, Literal, Protocol
 
 NAMES = ("data", "model", "tokenizer", "chat_template")
 """The inputs a checkpoint fingerprints (``train.resume_allow=[inputs.data]`` accepts a change)."""
@@ -183,7 +180,27 @@ def changed(old: dict[str, Any] | None, inp: Inputs) -> tuple[bool, dict[str, An
     return files_differ or revision_differs, now
 
 
-def of_run(ctx: BuildContext) -> dict[str, Inputs]:
+class _Source(Protocol):
+    def inputs(self) -> dict[str, Inputs]: ...
+
+
+class _DataSource(_Source, Protocol):
+    @property
+    def eval(self) -> float | str | None: ...
+    def eval_kind(self) -> Literal["fraction", "path", "split"] | None: ...
+
+
+class RunSources(Protocol):
+    """What :func:`of_run` reads of a run's context (a :class:`memlab.protocols.BuildContext`;
+    named by what it reads, since the context's data and model options name :class:`Inputs`)."""
+
+    @property
+    def data(self) -> _DataSource: ...
+    @property
+    def model(self) -> _Source: ...
+
+
+def of_run(ctx: RunSources) -> dict[str, Inputs]:
     """Every input of the run ``ctx``: its data's and its model's, and a held-out file
     (``data.eval=<file>``: ``data.eval``; the best evaluation and early stopping compare
     evaluations made before and after a resume)."""

@@ -38,11 +38,7 @@ from memlab.trainer.evaluate import Evaluator
 from memlab.trainer.optim import build_scheduler, step_in_backward
 
 if TYPE_CHECKING:
-    from memlab.context import BuildContext
-    from memlab.generation.base import GenerationEnv
-    from memlab.logger.base import LoggerRun
-    from memlab.method.base import Method
-    from memlab.offload.base import OffloadHandle
+    from memlab.protocols import BuildContext, GenerationEnv, LoggerRun, Method, OffloadHandle
 
 
 def _scalar(x: Any) -> float:

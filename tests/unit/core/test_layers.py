@@ -7,20 +7,23 @@ Layers, top to bottom (docs/architecture.md, "Dependencies point one way"; issue
     1  memlab.run, memlab.record, memlab.rundir, memlab.estimate.*   (one job, its record and
        its directory / one estimate)
     2  memlab.pipeline                      (the one assembly)
-    3  memlab.context                       (the typed context and validate)
+    3  memlab.context                       (validate, which makes the typed context)
     4  technique packages: method, generation, packing, attention, precision, offload, peft,
        optimizer, distributed, model, data, logger
-    5  trainer, losses, measure, registry, config, resolvers, _guards, faults, memlab (the
-       package)
+    5  protocols (the contracts: the context's type and the group Protocols), trainer, losses,
+       measure, registry, config, resolvers, _guards, faults, memlab (the package)
 
 Every import of every module is read with ``ast`` (module level and inside functions); an import
-of a higher layer fails the test, and so does any import cycle (between modules, and between the
-technique packages of layer 4, which may import each other only one way).
+of a higher layer fails the test.
 
-Imports under ``if TYPE_CHECKING:`` are for annotations only and never run: the group modules
-name :class:`memlab.context.BuildContext` in their signatures, and the context names the groups'
-Protocols, so the types point both ways while the code points one way. They are left out here
-(mypy checks them).
+The import graph has no cycle (issue 42), counting every edge: the imports that run, those
+under ``if TYPE_CHECKING:`` (for annotations only), and a memlab module named in a string
+annotation or a ``cast`` (``"memlab.x.Y"``). Between the technique packages of layer 4 it points
+one way too. The types are what made the old circle (the context named every group's Protocol
+and every group named the context): they now live in :mod:`memlab.protocols`, which names
+neither. The layer rule reads the imports that run only: a group module may name
+``memlab.context.BuildContext`` (which is :class:`memlab.protocols.BuildContext`) for its
+annotations.
 
 The layers are the static import graph: a module imported by its name at run time is not seen
 here (``registry.load_all`` imports every option with ``importlib``; the trainer reaches the
@@ -31,6 +34,9 @@ from __future__ import annotations
 
 import ast
 import functools
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -39,7 +45,8 @@ SRC = Path(__file__).resolve().parents[3] / "src" / "memlab"
 
 TECHNIQUES = ("method", "generation", "packing", "attention", "precision", "offload", "peft",
               "optimizer", "distributed", "model", "data", "logger")
-BOTTOM = ("trainer", "losses", "measure", "registry", "config", "_guards", "resolvers", "faults")
+BOTTOM = ("protocols", "trainer", "losses", "measure", "registry", "config", "_guards", "resolvers",
+          "faults")
 
 
 def layer(module: str) -> int:
@@ -129,6 +136,48 @@ def graph() -> dict[str, list[tuple[str, int, bool]]]:
     return {module_name(p): imports(p) for p in sorted(SRC.rglob("*.py"))}
 
 
+_DOTTED = re.compile(r"\bmemlab(?:\.\w+)+")
+
+
+@functools.cache
+def string_refs(path: Path) -> list[tuple[str, int]]:
+    """Every memlab module named in a string annotation of ``path`` (an argument's, a return's,
+    an annotated assignment's) or in the type of a ``cast("...", x)``: (name, line). mypy
+    resolves such a name, so it is an edge of the import graph even without a statement."""
+    out = []
+    for node in ast.walk(parsed(path)):
+        types: list[ast.expr | None] = []
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            args = node.args
+            types = [a.annotation for a in (*args.posonlyargs, *args.args, *args.kwonlyargs,
+                                            args.vararg, args.kwarg) if a is not None]
+            types.append(node.returns)
+        elif isinstance(node, ast.AnnAssign):
+            types = [node.annotation]
+        elif isinstance(node, ast.Call) and node.args and (
+                (isinstance(node.func, ast.Name) and node.func.id == "cast")
+                or (isinstance(node.func, ast.Attribute) and node.func.attr == "cast")):
+            types = [node.args[0]]
+        for t in types:
+            for sub in ast.walk(t) if t is not None else ():
+                if isinstance(sub, ast.Constant) and isinstance(sub.value, str):
+                    out += [(m.group(0), sub.lineno) for m in _DOTTED.finditer(sub.value)]
+    return out
+
+
+def full_graph() -> dict[str, list[tuple[str, int, str]]]:
+    """Every edge of every module: (imported module, line, how: ``runs`` (an import statement
+    that runs, at module level or in a function), ``annotations`` (under ``if TYPE_CHECKING:``)
+    or ``string`` (named in a string annotation))."""
+    out = {}
+    for p in sorted(SRC.rglob("*.py")):
+        out[module_name(p)] = ([(d, line, "runs") for d, line, _ in imports(p)]
+                               + [(d, line, "annotations") for d, line, _ in
+                                  imports(p, type_only=True)]
+                               + [(d, line, "string") for d, line in string_refs(p)])
+    return out
+
+
 def test_no_module_imports_a_higher_layer():
     bad = []
     for mod, deps in graph().items():
@@ -182,17 +231,52 @@ def _resolve(dep: str, modules: set[str]) -> str:
     return dep
 
 
+def _cycle_path(comp: list[str], edges: dict[str, set[str]]) -> list[str]:
+    """One cycle through the strongly connected ``comp``: its first module, the shortest way
+    back to it (breadth first), inside ``comp``."""
+    inside, start = set(comp), comp[0]
+    parent: dict[str, str] = {}
+    queue = [start]
+    for v in queue:
+        for w in sorted(edges.get(v, ())):
+            if w not in inside:
+                continue
+            if w == start:
+                path = [v]
+                while path[-1] != start:
+                    path.append(parent[path[-1]])
+                return [start, *reversed(path[:-1]), start]
+            if w not in parent:
+                parent[w] = v
+                queue.append(w)
+    raise AssertionError(f"no cycle through {start}")  # a component of one node has none
+
+
 def test_no_import_cycle_between_modules():
-    g = graph()
+    """No module reaches itself through the import graph, the imports made for annotations
+    only and the modules named in string annotations included (module docstring); a cycle is
+    printed module by module, each step with its line and how it imports."""
+    g = full_graph()
     modules = set(g)
-    edges = {m: {_resolve(d, modules) for d, _, _ in deps} - {m} for m, deps in g.items()}
-    cycles = _cycles(edges)
-    assert not cycles, "import cycles:\n  " + "\n  ".join(" <-> ".join(c) for c in cycles)
+    how: dict[tuple[str, str], str] = {}
+    edges: dict[str, set[str]] = {}
+    for m, deps in g.items():
+        for d, line, kind in deps:
+            r = _resolve(d, modules)
+            if r != m:
+                edges.setdefault(m, set()).add(r)
+                how.setdefault((m, r), f"line {line}, {kind}")
+    found = []
+    for comp in _cycles(edges):
+        path = _cycle_path(comp, edges)
+        steps = [f"{a} -> {b} ({how[a, b]})" for a, b in zip(path, path[1:])]
+        found.append(f"{', '.join(comp)}; one way round:\n    " + "\n    ".join(steps))
+    assert not found, "import cycles:\n  " + "\n  ".join(found)
 
 
 def test_technique_packages_import_each_other_one_way():
     edges: dict[str, set[str]] = {}
-    for mod, deps in graph().items():
+    for mod, deps in full_graph().items():
         src = mod.split(".")[1] if "." in mod else ""
         if src not in TECHNIQUES:
             continue
@@ -213,10 +297,37 @@ def test_the_layer_test_sees_what_it_checks():
     assert layer("memlab.trainer.loop") > layer("memlab.method") > layer("memlab.context") \
         > layer("memlab.pipeline") > layer("memlab.run")
     # an annotation-only import is seen as one, and only as one
-    assert "memlab.context" in {d for d, _, _ in imports(SRC / "config.py", type_only=True)}
-    assert "memlab.context" not in {d for d, _, _ in imports(SRC / "config.py")}
+    loop = SRC / "trainer" / "loop.py"
+    assert "memlab.protocols" in {d for d, _, _ in imports(loop, type_only=True)}
+    assert "memlab.protocols" not in {d for d, _, _ in imports(loop)}
+    # and it makes an edge of the graph the cycle test reads, as a string annotation does
+    assert ("memlab.protocols", "annotations") in {(d, k) for d, _, k in
+                                                   full_graph()["memlab.trainer.loop"]}
     with pytest.raises(AssertionError, match="no layer assigned"):
         layer("memlab.somethingnew")
+
+
+def test_the_cycle_test_sees_a_cycle(tmp_path):
+    """Negative control of the cycle test: a memlab module named in a string annotation or a
+    cast is an edge, and a circle is found and printed step by step."""
+    b = tmp_path / "b.py"
+    b.write_text("from typing import cast\n\n\ndef f(x: 'memlab.a.A') -> None:\n"
+                 "    cast('list[memlab.c.C]', x)\n")
+    assert string_refs(b) == [("memlab.a.A", 4), ("memlab.c.C", 5)]
+    edges = {"memlab.a": {"memlab.b"}, "memlab.b": {"memlab.a", "memlab.c"}}
+    (comp,) = _cycles(edges)
+    assert _cycle_path(comp, edges) == ["memlab.a", "memlab.b", "memlab.a"]
+
+
+def test_the_contracts_and_the_context_import_no_torch():
+    """``memlab.context`` and ``memlab.protocols`` name torch's types for annotations only:
+    importing them (a fresh interpreter) loads neither torch nor transformers, so the command
+    line starts fast and the contracts can be read anywhere."""
+    code = ("import sys, memlab.context, memlab.protocols; "
+            "print(','.join(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=60)
+    assert out.stdout.strip() == "", f"importing memlab.context loads {out.stdout.strip()}"
 
 
 def test_no_memlab_module_is_patched():
