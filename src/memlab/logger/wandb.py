@@ -65,7 +65,7 @@ ENV = {"project": "WANDB_PROJECT", "entity": "WANDB_ENTITY", "mode": "WANDB_MODE
        "job_type": "WANDB_JOB_TYPE", "dir": "WANDB_DIR", "tags": "WANDB_TAGS"}
 """W&B's environment variable of each setting."""
 
-NOT_MEASURED = ("config", "choices", "overrides", "job", "run_dir", "versions")
+NOT_MEASURED = ("config", "choices", "overrides", "job", "run_dir", "versions", "schema_version")
 """summary.json's entries that describe the job rather than measure it: the W&B config (and
 W&B's own run fields: tags, group, name) holds them, not the run summary."""
 

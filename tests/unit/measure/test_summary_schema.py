@@ -277,6 +277,8 @@ def test_an_unknown_key_or_a_wrong_type_fails(tmp_path):
     fine = {**good, "memory": {**good["memory"], "by_phase": {"rollout": 1}},
             "train": {**good["train"], "curves": {"kl": [0.1, None]}}}
     assert problems(fine) == []
+    # a rank's own record holds no config (the launcher's process has it; memlab.rank)
+    assert problems({**{k: v for k, v in good.items() if k != "config"}, "rank": 1}) == []
 
 
 def test_read_takes_the_layout_before_schema_version_and_names_a_newer_one(tmp_path):
