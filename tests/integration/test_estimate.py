@@ -171,6 +171,9 @@ CASES = {
     "packed bfd, no checkpointing": (["packing=bfd", *NO_GC, *ALL_LABELLED, *LEN],
                                       "unpadded"),
     "packed bfd bf16": (["packing=bfd", "precision=bf16", *ALL_LABELLED, *LEN], "unpadded"),
+    # checkpointed layers under autocast without its weight cache (precision.autocast_cache)
+    "packed bfd bf16_mixed": (["packing=bfd", "precision=bf16_mixed", *ALL_LABELLED, *LEN],
+                              "unpadded"),
     "packed bfd chunked loss": (["packing=bfd", "method.loss_impl=chunked",
                                  "method.chunk_size=128", *ALL_LABELLED, *LEN], "unpadded"),
     "padding-free, no checkpointing": (["method.padding_free=true", *NO_GC, *ALL_LABELLED,

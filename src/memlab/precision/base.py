@@ -73,3 +73,23 @@ class Dtypes(Option):
             if not ctx.platform.bf16:
                 return [f"precision={name}: this GPU has no bf16 support; use fp16_mixed"]
         return []
+
+
+@dataclass(kw_only=True)
+class Mixed(Dtypes):
+    """A mixed precision (``bf16_mixed``, ``fp16_mixed``): fp32 weights, the forward under
+    ``torch.autocast``."""
+
+    autocast_cache: bool = False
+    """Keep autocast's low-precision copy of each trained weight until the forward ends (torch's
+    ``cache_enabled``, true in torch and TRL). false casts a weight again at each use: the same
+    numbers bit for bit. Under gradient checkpointing the cached copies (2 bytes per trained
+    parameter) are the only thing a checkpointed layer leaves alive through the forward; without
+    checkpointing each copy is saved for the backward either way, so the peak is the same. true
+    saves one cast per reuse of a weight inside one forward (none in memlab's methods)."""
+
+    def autocast(self, device: str) -> contextlib.AbstractContextManager:
+        assert self.autocast_dtype is not None
+        return torch.autocast(device_type=device.split(":")[0],
+                              dtype=_DTYPES[self.autocast_dtype],
+                              cache_enabled=self.autocast_cache)

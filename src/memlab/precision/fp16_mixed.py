@@ -5,13 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from memlab.precision.base import Dtypes, register
+from memlab.precision.base import Mixed, register
 
 
 @register("fp16_mixed")
 @dataclass(kw_only=True)
-class Fp16Mixed(Dtypes):
-    """No knobs."""
+class Fp16Mixed(Mixed):
+    """The knob is :class:`Mixed`'s."""
 
     param_dtype: ClassVar[str] = "float32"
     autocast_dtype: ClassVar[str | None] = "float16"
