@@ -21,6 +21,7 @@ from typing import Any
 from memlab.context import BuildContext, plain_config, resolved_options, validate
 from memlab.distributed import launch
 from memlab.logger.base import RunInfo, build_logger
+from memlab.measure.console import printable
 from memlab.measure.schema import SCHEMA_VERSION
 from memlab.measure.summary import device_info, format_table
 from memlab.record import guarded
@@ -111,7 +112,7 @@ def run(cfg: Any, run_dir: Path | str, choices: dict[str, str] | None = None,
                                                   s, box))
     finally:  # also when a stop signal held while the record was written is raised now
         if print_table:
-            print(format_table(summary), flush=True)
+            print(printable(format_table(summary), keep_newlines=True), flush=True)
     return summary
 
 

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from memlab.cli.compose import app_argv, compose, parse_command
+from memlab.measure.console import printable
 
 if TYPE_CHECKING:
     from memlab.estimate import EstimateOptions
@@ -186,7 +187,8 @@ def _job(cfg, opts, as_json: bool, done: list[tuple[Path, dict[str, Any], str]])
         print(f"[memlab estimate] #{hc.job.num} {' '.join(overrides)}: {est['status']}"
               + (f", peak {peak / 2**20:.1f} MiB" if peak is not None else ""), flush=True)
         return
-    print(json.dumps(est, indent=2, default=str) if as_json else format_table(est))
+    print(json.dumps(est, indent=2, default=str) if as_json
+          else printable(format_table(est), keep_newlines=True))
     print(f"\nwrote {out / 'estimate.json'}", file=sys.stderr)
 
 
@@ -243,7 +245,7 @@ def _finish_sweep(done: list[tuple[Path, dict[str, Any], str]], as_json: bool) -
     if as_json:
         print(json.dumps(summary, indent=2, default=str))
     else:
-        print(format_sweep(rows))
+        print(printable(format_sweep(rows), keep_newlines=True))
     print(f"\nwrote {sweep_dir}/<n>/estimate.json and {sweep_dir / 'sweep.json'}",
           file=sys.stderr)
     return 0 if any(r["status"] == "ok" for r in rows) else 1

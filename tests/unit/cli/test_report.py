@@ -653,3 +653,39 @@ def test_eval_loss_column_and_zero_floored_error_bars(tmp_path: Path) -> None:
     bars = [seg for c in ax.collections for seg in c.get_segments()]
     assert bars and min(y for seg in bars for _, y in seg) == 0.0
     assert ax.get_ylim()[0] >= 0.0
+
+
+HOSTILE = "<script>alert(1)</script><img src=x onerror=alert(2)>`x`\x1b]0;owned\x07\x1b[2J"
+
+
+def test_hostile_strings_are_shown_not_obeyed(tmp_path: Path, capsys) -> None:
+    """A data file's name, an override, an error quoting data and a run dir with a backtick
+    reach report.md as text (no HTML, no code span or fence they can close), report.csv
+    without a cell a spreadsheet evaluates, and the console without a control character."""
+    root = tmp_path / "multi`run`"  # a run dir with backticks
+    root.mkdir()
+    ok = make_summary(num=0, peft="none", gc="false", peak_mib=100, tps=1000.0)
+    ok["overrides"] += [f"data.path={HOSTILE}.jsonl", "logger.tags==HYPERLINK(\"x\")"]
+    bad = make_summary(num=1, peft="lora", gc="false", status="failed",
+                       error=f"bad row in {HOSTILE}.jsonl\n``` </pre> ```\nline 2")
+    for s in (ok, bad):
+        write_job(root, s["job"]["num"], s, s["overrides"])
+    assert main([str(root), "--no-plots"]) == 0
+    console = capsys.readouterr()
+    for text in (console.out, console.err):
+        assert "\x1b" not in text and "\x07" not in text
+    assert "\\x1b]0;owned\\x07" in console.out  # shown, escaped
+    md = (root / "report.md").read_text()
+    assert "\x1b" not in md
+    assert f"run dir: `` {root / '1'} ``" in md  # a code span no backtick inside closes
+    fence = "````"  # the error holds a run of three backticks: its block takes four
+    assert f"{fence}text\n" in md and md.count(f"\n{fence}\n") == 1
+    before, block = md.split(f"{fence}text\n")
+    rendered = before + block.split(f"\n{fence}\n")[1]  # (a code block shows its text as is)
+    assert "<script" not in rendered and "<img" not in rendered
+    assert "&lt;script&gt;" in rendered  # the file name in the table, as text
+    import csv
+
+    cells = [c for row in csv.reader((root / "report.csv").open()) for c in row]
+    assert not any(c.startswith(("=", "+", "@")) for c in cells)
+    assert "'=HYPERLINK(\"x\")" in cells  # the tag, kept as text

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memlab.losses import IGNORE
+from memlab.measure.console import printable
 
 TRACE_TOKENS = 16
 """Tokens of a document's start (or end) used to find its example."""
@@ -172,7 +173,7 @@ def _trace(ctx, tokenizer, raw, prepared, tally, rows: list[Row]) -> None:
     rows_in, _ = ctx.data.convert(raw)
     with chat.rendering(tokenizer, ctx.data):
         whole, _ = ctx_full.method.prepare(rows_in, tokenizer, ctx_full)
-    keep_end = ctx.method.keeps_row_end()
+    keep_end = ctx.method.row_layout(ctx).keeps_row_end
     wanted: dict[tuple[int, ...], list[Document]] = {}
     pieces: dict[int, list[int]] = {}
     for row in rows:
@@ -227,7 +228,7 @@ def format_report(report: Report, tokenizer, color: bool, max_chars: int | None)
     """The report as text: marked tokens in colour, or between ``[[`` and ``]]``."""
     open_, close = ("\x1b[1;32m", "\x1b[0m") if color else ("[[", "]]")
     legend = "green" if color else "[[...]]"
-    out = [*report.header, f"marked ({legend}): {report.marks}", ""]
+    out = [*map(printable, report.header), f"marked ({legend}): {report.marks}", ""]
     for row in report.rows:
         n_docs = len(row.documents)
         out.append(f"--- micro-batch {row.batch}, row {row.row}: {len(row.ids)} tokens, "
@@ -237,8 +238,9 @@ def format_report(report: Report, tokenizer, color: bool, max_chars: int | None)
             n_marked = sum(1 for p in row.marked if doc.start <= p < doc.end)
             where = f": {doc.origin}" if doc.origin else ""
             notes = f" ({'; '.join(doc.notes)})" if doc.notes else ""
-            out.append(f"document {k + 1}, tokens {doc.start}-{doc.end - 1} "
-                       f"({doc.end - doc.start} tokens, {n_marked} marked){where}{notes}")
+            out.append(printable(f"document {k + 1}, tokens {doc.start}-{doc.end - 1} "
+                                 f"({doc.end - doc.start} tokens, {n_marked} marked){where}"
+                                 f"{notes}"))
             out.append(marked_text(tokenizer, row.ids[doc.start:doc.end],
                                    {p - doc.start for p in row.marked}, open_, close,
                                    max_chars))
@@ -255,7 +257,9 @@ def marked_text(tokenizer, ids: list[int], marked: set[int], open_: str, close: 
         j = i
         while j < len(ids) and (j in marked) == (i in marked):
             j += 1
-        piece = tokenizer.decode(ids[i:j], skip_special_tokens=False)
+        # the data's own control characters shown as escapes (never sent to the terminal)
+        piece = printable(tokenizer.decode(ids[i:j], skip_special_tokens=False),
+                          keep_newlines=True)
         parts.append(f"{open_}{piece}{close}" if i in marked else piece)
         i = j
     text = "".join(parts)

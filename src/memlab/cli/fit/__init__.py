@@ -53,6 +53,7 @@ from typing import Any
 
 from memlab.cli.fit.search import FitOptions
 from memlab.cli.fit.space import ALLOWABLE, Candidate
+from memlab.measure.console import printable
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -348,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     finally:
         rundir.release("fit")
-    print(json.dumps(record, indent=1, default=str) if args.json else format_table(record))
+    print(json.dumps(record, indent=1, default=str) if args.json
+          else printable(format_table(record), keep_newlines=True))
     print(f"\nwrote {out / 'fit.json'}", file=sys.stderr)
     if record["status"] == "interrupted":
         return 128 + int(signal.Signals[record["signal"]])

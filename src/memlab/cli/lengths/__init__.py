@@ -64,6 +64,7 @@ from memlab.cli.lengths.stats import (
     recommend,
     summarize,
 )
+from memlab.measure.console import printable
 from memlab.measure.summary import write_text_atomic
 
 __all__ = ["DEFAULT_EPOCHS", "DEFAULT_MAX_TRUNCATED", "MAX_CANDIDATE", "MIN_CANDIDATE", "PARTS",
@@ -194,7 +195,8 @@ def _job(cfg, args: argparse.Namespace) -> int:
         return 2
 
     batch_size = args.batch_size or ctx.train.batch_size
-    multiple = ctx.method.pad_multiple()
+    layout = ctx.method.row_layout(ctx)
+    multiple = layout.pad_to_multiple_of
     result = profile(lengths, batch_size=batch_size, candidates=args.candidates,
                      max_truncated=args.max_truncated, seed=ctx.train.seed, epochs=args.epochs,
                      pad_to_multiple_of=multiple)
@@ -202,7 +204,7 @@ def _job(cfg, args: argparse.Namespace) -> int:
     if ctx.packing.packs and ctx.packing.keeps_overflow:
         notes.append(f"packing={ctx.packing.name} keeps overflow tokens: nothing is truncated in "
                      "training; max_length is the row capacity there")
-    if ctx.method.packs_rows(ctx):
+    if layout.packs_rows:
         notes.append("this config puts several sequences in a row (padding-free or packed: no "
                      "padding at all); the padding column is what padded batches would carry")
     result = {
@@ -210,7 +212,7 @@ def _job(cfg, args: argparse.Namespace) -> int:
         "overrides": overrides,
         "method": ctx.method.name,
         "data": choices.get("data"),
-        "configured_max_length": ctx.method.row_length(),
+        "configured_max_length": layout.row_length,
         "notes": notes,
         **result,
     }
@@ -226,7 +228,7 @@ def _job(cfg, args: argparse.Namespace) -> int:
     path = out_dir / "lengths.json"
     write_text_atomic(path, json.dumps(result, indent=2) + "\n")
     written.insert(0, path)
-    print(format_table(result))
+    print(printable(format_table(result), keep_newlines=True))
     print(f"\nwrote {', '.join(str(p) for p in written)} ({timings['total_s']:.1f} s)")
     return 0
 

@@ -65,12 +65,13 @@ def write_report(df: pd.DataFrame, out_dir: Path, plots: bool = True,
     """Write ``report.csv``, ``report.md``, (unless ``plots`` is false) the PNGs and (with
     ``html``) ``report.html`` to ``out_dir``. Returns the paths written (a plot with nothing to
     show is skipped)."""
+    from memlab.measure.console import csv_cell
     from memlab.measure.summary import write_text_atomic
 
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     csv_path = out_dir / "report.csv"  # (every file replaces a link there, never follows it)
-    write_text_atomic(csv_path, df.to_csv(index=False))
+    write_text_atomic(csv_path, df.map(csv_cell).to_csv(index=False))  # no cell is a formula
     written.append(csv_path)
     images: list[Path] = []
     if plots:
@@ -138,6 +139,8 @@ def _missing_extra(plots: bool) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``memlab report``; returns 0, or 2 when nothing can be reported."""
+    from memlab.measure.console import printable
+
     args = build_parser().parse_args(argv)
     err = _missing_extra(not args.no_plots)
     if err:
@@ -154,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     absent = [str(p) for p in args.paths if not p.exists()]
     if absent:
-        print(f"memlab report: no such file or directory: {', '.join(absent)}", file=sys.stderr)
+        print(printable(f"memlab report: no such file or directory: {', '.join(absent)}"), file=sys.stderr)
         return 2
     summaries = load_summaries(args.paths)
     where = ", ".join(str(p) for p in args.paths)
@@ -163,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         if summaries:
             dirs = ", ".join(str(s["_dir"]) for s in summaries)
             msg += f" (only Hydra job dirs without a summary: {dirs})"
-        print(msg, file=sys.stderr)
+        print(printable(msg), file=sys.stderr)
         return 2
     try:
         df = build_table(summaries, sort=args.sort, desc=args.desc,
@@ -175,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             df = add_baseline(df, args.baseline)
         except BaselineError as exc:
-            print(f"memlab report: {exc}", file=sys.stderr)
+            print(printable(f"memlab report: {exc}"), file=sys.stderr)
             return 2
     print(format_text(df))
     first = args.paths[0]
@@ -184,5 +187,5 @@ def main(argv: list[str] | None = None) -> int:
                            html=args.html)
     print(f"\n{count_line(df['status'])}; wrote:")
     for path in written:
-        print(f"  {path}")
+        print(f"  {printable(str(path))}")
     return 0

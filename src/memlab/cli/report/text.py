@@ -17,6 +17,7 @@ from memlab.cli.report.table import (
     NUMERIC_COLUMNS,
     PHASES,
 )
+from memlab.measure.console import markdown_code, markdown_fence, markdown_text, printable
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -47,7 +48,7 @@ def format_cell(column: str, value: Any) -> str:
     fmt = _FORMATS.get(column)
     if fmt is not None and isinstance(value, (int, float)):
         return fmt.format(value)
-    return str(value)
+    return printable(str(value).replace("\n", " "))  # a file name, a tag, an error: shown, not obeyed
 
 
 def _text_rows(df: pd.DataFrame) -> tuple[list[str], list[list[str]], list[bool]]:
@@ -62,7 +63,7 @@ def _text_rows(df: pd.DataFrame) -> tuple[list[str], list[list[str]], list[bool]
 def fixed_line(df: pd.DataFrame) -> str:
     """``fixed: key=value, ...`` for the parameters shared by all jobs."""
     fixed = df.attrs.get("fixed") or {}
-    return "fixed: " + (", ".join(f"{k}={v}" for k, v in fixed.items()) or "(none)")
+    return "fixed: " + printable(", ".join(f"{k}={v}" for k, v in fixed.items()) or "(none)")
 
 
 def notes(df: pd.DataFrame) -> list[str]:
@@ -95,27 +96,29 @@ def format_text(df: pd.DataFrame) -> str:
 
 
 def _md_escape(text: str) -> str:
-    return text.replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
+    return markdown_text(text.replace("\n", " "))
 
 
 def format_markdown(df: pd.DataFrame, images: Sequence[str] = ()) -> str:
     """The report as markdown: ``fixed:`` line, table, notes, the plots (``images``: file names
     beside the report) and the full reason of every failed job."""
     cols, rows, numeric = _text_rows(df)
-    out = ["# memlab report", "", fixed_line(df), ""]
+    out = ["# memlab report", "", markdown_text(fixed_line(df)), ""]
     out.append("| " + " | ".join(_md_escape(c) for c in cols) + " |")
     out.append("|" + "|".join("---:" if num else "---" for num in numeric) + "|")
     out.extend("| " + " | ".join(_md_escape(c) for c in r) + " |" for r in rows)
-    out += ["", *(f"{n}  " for n in notes(df))]
+    out += ["", *(f"{markdown_text(n)}  " for n in notes(df))]
     if images:
         out += ["", *(f"![{name}]({name})" for name in images)]
     failures = df.attrs.get("failures") or []
     if failures:
         out += ["", "## Jobs that did not end ok", ""]
         for f in failures:
-            out.append(f"### job {f['job']}: `{f['status']}`")
+            out.append(f"### job {markdown_text(str(f['job']))}: {markdown_code(f['status'])}")
             out.append("")
-            out.append(f"run dir: `{f['run_dir']}`")
+            out.append(f"run dir: {markdown_code(str(f['run_dir']))}")
             out.append("")
-            out += ["```text", f["error"].rstrip() or "(no reason recorded)", "```", ""]
+            error = printable(f["error"].rstrip(), keep_newlines=True) or "(no reason recorded)"
+            fence = markdown_fence(error)
+            out += [fence + "text", error, fence, ""]
     return "\n".join(out).rstrip() + "\n"
