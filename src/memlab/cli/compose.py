@@ -100,6 +100,12 @@ def parse_command(argv: Sequence[str] | None, parser: argparse.ArgumentParser, p
     if moved:
         print("\n".join(f"{prog}: {m}" for m in moved), file=sys.stderr)
         return None
+    from memlab.cli.overrides import too_deep
+
+    deep = too_deep(rest)
+    if deep is not None:
+        print(f"{prog}: {deep}", file=sys.stderr)
+        return None
     return hydra_args, args, rest
 
 

@@ -61,10 +61,31 @@ def command_line_error(argv: Sequence[str]) -> str | None:
         return None
     from memlab.registry import ConfigErrors
 
+    deep = too_deep(argv)
+    if deep is not None:
+        return deep
     found = problems(argv)
     if not found:
         return None
     return str(ConfigErrors(found)).replace("configuration", "command line", 1)
+
+
+def too_deep(args: Sequence[str]) -> str | None:
+    """One line naming an override nested too deeply for Hydra's parser (a list of lists
+    hundreds deep: its grammar recurses once per level), or None."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    for override in _split(args)[1]:
+        try:
+            parser.parse_overrides([override])
+        except RecursionError:
+            shown = override if len(override) <= 60 else override[:57] + "..."
+            return (f"{shown}: nested too deeply to parse ({len(override)} characters); give "
+                    "the value with fewer levels of brackets or braces")
+        except Exception:  # noqa: BLE001 - malformed otherwise: Hydra's own message says where
+            continue
+    return None
 
 
 def _split(args: Sequence[str]) -> tuple[list[str], list[str]]:

@@ -8,7 +8,10 @@ file is reported before anything loads; a row that a method rejects is named by 
 
 from __future__ import annotations
 
+import glob
 import json
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -43,9 +46,9 @@ class Local(RowOptions):
         p = Path(self.path).expanduser()
         if p.is_dir():
             return sorted(str(f) for f in p.iterdir() if f.suffix in _BY_SUFFIX)
-        if any(c in self.path for c in "*?["):
-            return sorted(str(f) for f in Path().glob(self.path))
-        return [str(p)] if p.exists() else []
+        if any(c in self.path for c in "*?["):  # relative or absolute, ~ expanded
+            return sorted(f for f in glob.glob(str(p)) if not os.path.isdir(f))
+        return [str(p)] if p.exists() or p.is_symlink() else []
 
     def _format(self, files: list[str]) -> str:
         if self.format != "auto":
@@ -65,6 +68,9 @@ class Local(RowOptions):
         if not files:
             return [*errors, f"data.path={self.path!r}: no such file (or no "
                     "jsonl/json/parquet/csv in it)"]
+        special = [(f, _not_a_file(Path(f))) for f in files]
+        if any(why for _, why in special):
+            return errors + [f"data.path={self.path!r}: {f} {why}" for f, why in special if why]
         if self.format == "auto" and Path(files[0]).suffix not in _BY_SUFFIX:
             return [*errors, f"data.path={self.path!r}: unknown format; set "
                     "data.format=json|parquet|csv"]
@@ -106,6 +112,34 @@ class Local(RowOptions):
                 return f"{f} {places[rest]}"
             rest -= len(places)
         return f"{', '.join(files)} row {index}"
+
+
+def _not_a_file(path: Path) -> str | None:
+    """Why ``path`` is not a regular file memlab can read (several times: to check it, to
+    tokenize it, to name a bad row), or None."""
+    try:
+        mode = path.stat().st_mode
+    except OSError as e:
+        if path.is_symlink():
+            try:
+                path.resolve(strict=True)
+            except RuntimeError:
+                return "is a symbolic link loop (it never reaches a file)"
+            except OSError:
+                pass
+            return f"is a symbolic link to {os.readlink(path)!r}, which does not exist"
+        return f"cannot be read: {e.strerror or e}"
+    if stat.S_ISFIFO(mode):
+        return ("is a pipe (a process substitution such as <(cat rows.jsonl)?): memlab reads "
+                "its data more than once (to check it, to tokenize it, to name a bad row); "
+                "write it to a file and give that file")
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "is a device, not a regular file; give a file of rows"
+    if stat.S_ISSOCK(mode):
+        return "is a socket, not a regular file; give a file of rows"
+    if not stat.S_ISREG(mode):
+        return "is not a regular file; give a file of rows"
+    return None
 
 
 def _is_empty(path: Path) -> bool:

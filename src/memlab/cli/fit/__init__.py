@@ -318,6 +318,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_usage(sys.stderr)
         print(f"memlab fit: unknown option(s) {' '.join(flags)}", file=sys.stderr)
         return 2
+    from memlab.cli.overrides import too_deep
+
+    deep = too_deep(rest)
+    if deep is not None:
+        print(f"memlab fit: {deep}", file=sys.stderr)
+        return 2
     try:
         opts = options(args)
     except ValueError as e:
