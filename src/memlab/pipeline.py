@@ -353,9 +353,10 @@ class Loader:
             model = self.seams.load_model(ctx, self.tok, head, extra)
         else:
             model = ctx.model.load(ctx, self.tok, head, extra)
-        liger = ctx.method.liger_model_kernels()
-        if liger:
-            apply_liger(model, liger)
+        liger = ctx.method.as_liger()
+        kernels = () if liger is None else liger.liger_model_kernels()
+        if kernels:
+            apply_liger(model, kernels)
         if not trainable:
             model.requires_grad_(False)
             return model.eval()
@@ -399,11 +400,12 @@ def build(ctx: BuildContext, seams: Seams | None = None, logger: Any = None,
     offload = ctx.offload.build(policy, ctx, seams.offload)
     policy = ctx.distributed.wrap(policy, ctx)
     # no local name keeps the extra models alive: before_training may drop one (and free it)
-    models = {"policy": policy, **ctx.method.extra_models(policy, ctx, loader)}
+    extra = ctx.method.as_extra_models()
+    models = {"policy": policy, **({} if extra is None else extra.extra_models(policy, ctx, loader))}
     held = (seams.prepare_eval or prepare_eval)(ctx, tokenizer)
     both = ds if held is None else _concatenate(ds, held.ds)
     with seams.model_context():  # the first pass that runs the models
-        prepared = ctx.method.before_training(models, both, ctx)
+        prepared = None if extra is None else extra.before_training(models, both, ctx)
     if prepared is not None:  # the dataset with columns the method added (e.g. reference logps)
         if held is not None:  # the held-out rows follow the training rows
             held.ds = prepared.select(range(len(ds), len(prepared)))

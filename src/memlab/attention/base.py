@@ -83,7 +83,7 @@ class Backend(Option):
             err = ctx.platform.missing(self.package, f"attention={name}")
             if err:
                 errors.append(err)
-        if ctx.method.packs_rows(ctx) and not self.isolates_packed:
+        if ctx.method.row_layout(ctx).packs_rows and not self.isolates_packed:
             why = (f"packing={ctx.packing.name}" if ctx.packing.packs
                    else "method.padding_free=true")
             errors.append(

@@ -163,7 +163,8 @@ class Ranks(NoCapabilities, Option):
                           "distributed.backend=gloo (or auto) on CPU")
         if not torch.distributed.is_available():
             errors.append("this torch build has no torch.distributed; use distributed=single")
-        if ctx.method.trains_extra_models:
+        extra = ctx.method.as_extra_models()
+        if extra is not None and extra.trains_extra_models:
             errors.append(f"distributed={self.name} wraps the policy only, and method="
                           f"{ctx.method.name} also trains another model (PPO's value model); "
                           "use distributed=single")

@@ -155,7 +155,8 @@ class DeepSpeed(Ranks):
             errors.append(f"distributed=deepspeed with precision={ctx.precision.name} is not "
                           "supported (memlab's GradScaler and DeepSpeed's loss scaler would both "
                           "scale); use precision=bf16_mixed or precision=bf16")
-        if ctx.method.uses_liger() and self.zero_stage == 3:
+        liger = ctx.method.as_liger()
+        if liger is not None and liger.uses_liger() and self.zero_stage == 3:
             errors.append("distributed=deepspeed zero_stage=3 with method.use_liger_kernel=true "
                           "is not supported (Liger reads the partitioned output head); use "
                           "method.loss_impl=chunked or zero_stage<=2")
@@ -287,7 +288,9 @@ class DeepSpeed(Ranks):
             model=root, model_parameters=params, config=self.ds_config(ctx, hidden),
             optimizer=lambda ps: ctx.optimizer.build(list(ps), ctx),
             dist_init_required=False)
-        if self.zero_stage == 3 and ctx.method.reads_head_weight(ctx) is not None:
+        liger = ctx.method.as_liger()
+        if (self.zero_stage == 3 and liger is not None
+                and liger.reads_head_weight(ctx) is not None):
             # a chunked / fused loss reads the output head's weight directly, inside the root's
             # forward (call_inside): gather it (and the tied input embedding) for that forward.
             # The cost: the head stays gathered for the whole forward and backward.

@@ -60,7 +60,8 @@ class FSDP2(Ranks):
 
     def validate(self, ctx: BuildContext) -> list[str]:
         errors = super().validate(ctx)
-        if ctx.method.uses_liger():
+        liger = ctx.method.as_liger()
+        if liger is not None and liger.uses_liger():
             errors.append("distributed=fsdp2 with method.use_liger_kernel=true is not supported "
                           "yet (Liger reads the sharded output head outside the forward); use "
                           "method.loss_impl=chunked or distributed=ddp")

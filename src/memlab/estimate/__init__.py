@@ -171,7 +171,9 @@ def _distributed_plan(ctx: BuildContext, opts: EstimateOptions, notes: list[str]
                  f"process (its wrapper needs real storage) and sharded by the model below; "
                  "train.batch_size rows per rank")
     # (the method's choices that depend on the distributed option stay the run's: pinned)
-    return (dataclasses.replace(ctx, method=ctx.method.pinned(ctx), distributed=Single(),
+    pinnable = ctx.method.as_pinnable()
+    method = ctx.method if pinnable is None else pinnable.pinned(ctx)
+    return (dataclasses.replace(ctx, method=method, distributed=Single(),
                                 world_size=1, rank=0), opts,
             declared, 0)
 

@@ -124,7 +124,7 @@ def candidates(ctx: BuildContext, tokenizer, length: int, docs_per_row: int | No
                           f"the fullest of the micro-batches packing={packing.name} makes of "
                           f"the longest generated {method.data_kinds[0]} rows "
                           f"({ctx.train.batch_size} rows of up to {length} tokens)")]
-    if not method.supports_packing or grouped:
+    if not method.row_layout(ctx).supports_packing or grouped:
         return _generic_candidates(ctx, tokenizer, length)
     if packing.packs:
         counts = [docs_per_row] if docs_per_row else sorted({1, min(2, length)})
@@ -137,7 +137,7 @@ def _sft_candidates(ctx: BuildContext, tokenizer, length: int) -> list[Candidate
     token = min(100, len(tokenizer) - 1)
     out = [Candidate("full", _token_rows([length] * bs, token),
                      f"{bs} rows of {length} tokens")]
-    if bs > 1 and length > 1 and not ctx.method.packs_rows(ctx):
+    if bs > 1 and length > 1 and not ctx.method.row_layout(ctx).packs_rows:
         out.append(Candidate("padded", _token_rows([length] * (bs - 1) + [length - 1], token),
                              f"{bs - 1} rows of {length} tokens + 1 of {length - 1} (padded)"))
     return out
@@ -358,7 +358,8 @@ def describe_batch(trained: dict[str, Any], ctx: BuildContext, rows_desc: str, l
         "padded": is_padded,
         "length": None if length is None else int(length),
         "batch_size": int(ctx.train.batch_size),
-        "collate": "padding-free (one flat row)" if ctx.method.packs_rows(ctx) else "padded",
+        "collate": ("padding-free (one flat row)" if ctx.method.row_layout(ctx).packs_rows
+                    else "padded"),
     }
 
 

@@ -160,7 +160,8 @@ def measure(ctx: BuildContext, opts: EstimateOptions, notes: list[str], *,
     built with that many decoder layers, the memory after every op recorded by the part of
     the model running as ``plan`` labels it (:mod:`memlab.estimate.layers`)."""
     cuda = opts.device == "cuda"
-    if ctx.method.uses_liger():
+    liger = ctx.method.as_liger()
+    if liger is not None and liger.uses_liger():
         raise EstimateError(
             "memlab estimate runs the training step on fake tensors, which Liger's Triton "
             "kernels cannot launch on (they need real device memory); estimate the "
@@ -193,7 +194,8 @@ def measure(ctx: BuildContext, opts: EstimateOptions, notes: list[str], *,
             raise EstimateError("--length and --from-data exclude each other: --from-data "
                                 "measures the run's own batches, whatever their length")
     else:
-        length = opts.length or ctx.method.row_length()  # online: the prompts (then generation)
+        # online: the prompts (then generation)
+        length = opts.length or ctx.method.row_layout(ctx).row_length
         if length is None:
             raise EstimateError("method.max_length is null: give the row length with --length "
                                 "N (or set method.max_length), or measure the real batches "

@@ -95,12 +95,13 @@ class Vllm(Option):
     def validate(self, ctx: BuildContext) -> list[str]:
         """Every problem with its fix; on CPU, sleep mode is refused with vLLM's reason."""
         errors: list[str] = []
-        if ctx.method.as_generating() is None:
+        online = ctx.method.as_generating()
+        if online is None:
             errors.append(f"generation=vllm samples the completions of online methods; method="
                           f"{ctx.method.name} trains on its dataset as configured: use "
                           "generation=hf (the default)")
         elif (self.importance_sampling_correction
-              and not ctx.method.supports_sampling_correction):
+              and not online.supports_sampling_correction):
             errors.append(f"generation.importance_sampling_correction=true reweights the "
                           f"clipped surrogate of grpo / rloo; method={ctx.method.name} has none: "
                           "set it false")

@@ -1,6 +1,8 @@
-"""Liger-Kernel in the methods that have it (``sft``, ``dpo``, ``kto``): the knobs they share
-(:class:`LigerKnobs`; :class:`NoLiger`: the answers of the methods without it), the rules those knobs follow, and the pieces that call Liger (hidden
-states without logits, the output head, the loss value across Liger releases).
+"""Liger-Kernel in the methods that have it (``sft``, ``dpo``, ``kto``; their
+``as_liger()``: :class:`memlab.protocols.LigerUser`): the knobs they share (:class:`LigerKnobs`),
+the rules those knobs follow, and the pieces that call Liger (hidden states without logits, the
+output head, the loss value across Liger releases). The other methods answer ``as_liger()``
+with None (:class:`memlab.method.base.NoCapabilities`).
 
 Not an option of its own.
 """
@@ -26,7 +28,7 @@ LigerKernel = Literal["rope", "rms_norm", "swiglu", "geglu", "layer_norm",
 LOSS_KERNEL: LigerKernel = "fused_linear_cross_entropy"
 LIGER_LOSS = "method.liger_kernels=[..., fused_linear_cross_entropy]"
 """The setting of a method whose loss is Liger's fused linear one (it reads the output head's
-weight directly: ``Method.reads_head_weight``)."""
+weight directly: ``LigerUser.reads_head_weight``)."""
 INTERPRETED = ("rope", LOSS_KERNEL)
 """The kernels that run in Triton's interpreter (measured with triton 3.9.0, liger-kernel 0.8.5:
 the same loss and gradients as without Liger); RMSNorm, SwiGLU (and the layer norm / GeGLU of
@@ -70,7 +72,7 @@ class LigerKnobs:
 
     def liger_errors(self, ctx: BuildContext) -> list[str]:
         """Where Liger can run, and the kernels it can run there (a LoRA adapter on the head
-        its fused loss reads is ``peft=lora``'s rule: ``Method.reads_head_weight``)."""
+        its fused loss reads is ``peft=lora``'s rule: ``LigerUser.reads_head_weight``)."""
         if not self.use_liger_kernel:
             return []
         if not self.liger_kernels:
@@ -109,20 +111,6 @@ class LigerKnobs:
                           "TRITON_INTERPRET=1 in its environment (Triton reads it when torch "
                           "imports it): TRITON_INTERPRET=1 memlab ...")
         return errors
-
-
-class NoLiger:
-    """The answers of a method without a Liger path (``reward``, ``gkd``, the online methods):
-    no Liger, no kernel patched into the model, no loss that reads the output head's weight."""
-
-    def uses_liger(self) -> bool:
-        return False
-
-    def liger_model_kernels(self) -> tuple[str, ...]:
-        return ()
-
-    def reads_head_weight(self, ctx: BuildContext) -> str | None:
-        return None
 
 
 class LigerPairs(Protocol):

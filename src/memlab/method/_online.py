@@ -42,15 +42,21 @@ from memlab.method._knobs import (
     PromptLength,
     SharePrompt,
 )
-from memlab.method._liger import NoLiger
-from memlab.method.base import Batch, DataStats, Generating, ModelFactory, drops_padding_mask
+from memlab.method.base import (
+    Batch,
+    DataStats,
+    ExtraModels,
+    Generating,
+    ModelFactory,
+    NoCapabilities,
+    RowLayout,
+    drops_padding_mask,
+)
 from memlab.model.base import Head
-from memlab.registry import NonNegativeFloat, Option, PositiveFloat, PositiveInt, Range
+from memlab.registry import NonNegativeFloat, PositiveFloat, PositiveInt, Range
 
 if TYPE_CHECKING:
     from memlab.context import BuildContext
-    from memlab.method.base import Method
-    from memlab.packing.groups import GroupPacked
 
 
 @dataclass
@@ -71,8 +77,8 @@ class Rows:
 
 
 @dataclass(kw_only=True)
-class Online(HeadOn, SharePrompt, PaddingFree, CompletionLength, PromptLength, NoLiger,
-             Option):
+class Online(HeadOn, SharePrompt, PaddingFree, CompletionLength, PromptLength,
+             NoCapabilities):
     """Knobs every online method has, named as in TRL's GRPOConfig / RLOOConfig."""
 
     num_generations: PositiveInt = 4
@@ -115,8 +121,6 @@ class Online(HeadOn, SharePrompt, PaddingFree, CompletionLength, PromptLength, N
 
     data_kinds: ClassVar[tuple[str, ...]] = ("chat", "preference")
     head: ClassVar[Head] = "causal_lm"
-    supports_packing: ClassVar[bool] = False
-    supports_padding_free: ClassVar[bool] = True
     trains_extra_models: ClassVar[bool] = False
     supports_sampling_correction: ClassVar[bool] = False
     items_name: ClassVar[str] = "completion tokens"
@@ -195,23 +199,14 @@ class Online(HeadOn, SharePrompt, PaddingFree, CompletionLength, PromptLength, N
     def as_generating(self) -> Generating | None:
         return self
 
-    def as_group_packed(self) -> GroupPacked | None:
-        return None
+    def as_extra_models(self) -> ExtraModels | None:
+        return self
 
-    def pinned(self, ctx: BuildContext) -> Method:
-        return self  # type: ignore[return-value]
-
-    def row_length(self) -> int | None:
-        return self.max_prompt_length
-
-    def pad_multiple(self) -> int | None:
-        return None
-
-    def keeps_row_end(self) -> bool:
-        return False
-
-    def packs_rows(self, ctx: BuildContext) -> bool:
-        return self.padding_free or self.shares_prompt(ctx)
+    def row_layout(self, ctx: BuildContext) -> RowLayout:
+        return RowLayout(supports_packing=False, supports_padding_free=True,
+                         packs_rows=self.padding_free or self.shares_prompt(ctx),
+                         row_length=self.max_prompt_length, pad_to_multiple_of=None,
+                         keeps_row_end=False)
 
     def shares_prompt(self, ctx: BuildContext | None) -> bool:
         """Whether a group's prompt is stored once (``share_prompt``; None: where the attention

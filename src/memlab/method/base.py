@@ -10,27 +10,38 @@ A method is a registered dataclass (configuration only: no run-time state) with:
 - ``prepare(ds, tokenizer, ctx) -> (ds, DataStats)``: format -> tokenize -> truncate -> labels
   (packing is applied after this by the pipeline, when the method allows it);
 - ``collate(rows, tokenizer, ctx) -> Batch``;
-- ``extra_models(policy, ctx, build) -> dict``: other models it needs (e.g. a DPO reference),
-  built by ``build`` (:class:`ModelFactory`);
-- ``before_training(models, ds, ctx) -> ds | None``: optional one-off pass (e.g. cache reference
-  log-probs); returns the dataset with the columns it added, or None to keep ``ds``;
 - ``loss(models, batch, ctx) -> (loss_sum, metrics)``: the loss *summed* over the batch's
   ``num_items`` (tokens for SFT, pairs for DPO); the trainer divides by the items of the whole
   optimizer step, so gradient accumulation does not change the gradient;
-- ``packs_rows(ctx) -> bool``: whether its collated rows hold several sequences (packing,
-  padding-free); the attention option checks that it can keep them apart;
+- ``row_layout(ctx) -> RowLayout``: how its rows are laid out in the run (whether packing and
+  padding-free apply, whether its collated rows hold several sequences, which the attention
+  option must keep apart, the longest row, the padded width's multiple, which end truncation
+  keeps);
 - ``evaluate(models, batch, ctx, env) -> (sums, items)`` and ``eval_metrics``: its metrics on
   a held-out micro-batch (no gradients), summed over the batch's items, so that the trainer's
   evaluation adds them up over the whole held-out set and every rank before dividing
   (:mod:`memlab.trainer.evaluate`): the loss and the loss's metrics for methods that train on
   a dataset (:func:`loss_sums`), the reward of greedy completions for online methods.
 
-Declared capabilities (None: the method does not have it):
+Declared capabilities (None: the method does not have it; :class:`NoCapabilities` holds the
+None answers, every method extends it):
 
 - ``as_generating() -> Generating | None``: it samples its training batches (online methods):
-  ``rollout(models, batch, ctx, env)``, ``num_iterations``... (:class:`Generating`);
+  ``rollout(models, batch, ctx, env)``, ``num_iterations``, ``supports_sampling_correction``...
+  (:class:`Generating`);
 - ``as_group_packed() -> GroupPacked | None``: its rows pack as units of several sequences
-  (preference pairs; :class:`memlab.protocols.GroupPacked`, :mod:`memlab.packing.groups`).
+  (preference pairs; :class:`memlab.protocols.GroupPacked`, :mod:`memlab.packing.groups`);
+- ``as_liger() -> LigerUser | None``: it has a Liger path (sft, dpo, kto): ``uses_liger()``,
+  ``liger_model_kernels()``, and ``reads_head_weight(ctx)``, the setting whose loss reads the
+  output head's weight directly (Liger's fused losses, sft's chunked one);
+- ``as_extra_models() -> ExtraModels | None``: it needs models besides the policy:
+  ``extra_models(policy, ctx, build) -> dict`` (e.g. a DPO reference), built by ``build``
+  (:class:`ModelFactory`); ``trains_extra_models`` (PPO's value model); and
+  ``before_training(models, ds, ctx) -> ds | None``, a one-off pass (e.g. cache reference
+  log-probs) that returns the dataset with the columns it added, or None to keep ``ds``;
+- ``as_pinnable() -> Pinnable | None``: it has choices that depend on the rest of the run (an
+  ``auto``): ``pinned(ctx)`` makes them explicit, for an estimate that measures the run in
+  another context (sft's ``loss_impl``).
 """
 
 from __future__ import annotations
@@ -45,7 +56,16 @@ from torch import nn
 from memlab import registry
 from memlab.losses import IGNORE, TiedWeightGrad
 from memlab.measure.data import DataStats
-from memlab.protocols import Generating, GroupPacked, Method, ModelFactory
+from memlab.protocols import (
+    ExtraModels,
+    Generating,
+    GroupPacked,
+    LigerUser,
+    Method,
+    ModelFactory,
+    Pinnable,
+    RowLayout,
+)
 from memlab.registry import Option
 from memlab.trainer.batch import Batch, Segments
 from memlab.trainer.routing import unwrap
@@ -53,7 +73,8 @@ from memlab.trainer.routing import unwrap
 if TYPE_CHECKING:
     from memlab.protocols import BuildContext
 
-__all__ = ["IGNORE", "Batch", "DataStats", "Generating", "Method", "ModelFactory", "Segments",
+__all__ = ["IGNORE", "Batch", "DataStats", "ExtraModels", "Generating", "LigerUser", "Method",
+           "ModelFactory", "NoCapabilities", "Offline", "Pinnable", "RowLayout", "Segments",
            "decoder_hidden", "flatten_batch", "head_logits", "loss_sums", "model_inputs",
            "pad_batch", "register", "round_up", "scored_tensors", "shifted_labels"]
 
@@ -77,14 +98,10 @@ def register(name: str) -> Callable[[type[MethodClass]], type[MethodClass]]:
     return registry.register("method", name)
 
 
-class Offline(Option):
-    """Defaults of the methods that train on a fixed dataset (mixed into their dataclasses)."""
-
-    trains_extra_models: ClassVar[bool] = False
-    supports_sampling_correction: ClassVar[bool] = False
-    max_length: int | None
-    pad_to_multiple_of: int | None
-    eval_metrics: ClassVar[tuple[str, ...]] = ("loss",)
+class NoCapabilities(Option):
+    """The neutral answers: none of the optional capabilities (each ``as_<capability>()``
+    answers None). Every method extends it and overrides the capabilities it has, returning
+    itself (so mypy checks it against that capability's Protocol)."""
 
     def as_generating(self) -> Generating | None:
         return None
@@ -92,28 +109,23 @@ class Offline(Option):
     def as_group_packed(self) -> GroupPacked | None:
         return None
 
-    def pinned(self, ctx: BuildContext) -> Method:
-        return self  # type: ignore[return-value]
+    def as_liger(self) -> LigerUser | None:
+        return None
+
+    def as_extra_models(self) -> ExtraModels | None:
+        return None
+
+    def as_pinnable(self) -> Pinnable | None:
+        return None
+
+
+class Offline(NoCapabilities):
+    """Defaults of the methods that train on a fixed dataset (mixed into their dataclasses)."""
+
+    eval_metrics: ClassVar[tuple[str, ...]] = ("loss",)
 
     def evaluate(self, models, batch, ctx, env) -> tuple[dict[str, float], int]:
         return loss_sums(self, models, batch, ctx)  # type: ignore[arg-type]
-
-    def row_length(self) -> int | None:
-        return self.max_length
-
-    def pad_multiple(self) -> int | None:
-        return self.pad_to_multiple_of
-
-    def keeps_row_end(self) -> bool:
-        return False
-
-    def extra_models(self, policy: nn.Module, ctx: BuildContext, build: ModelFactory
-                     ) -> dict[str, nn.Module]:
-        return {}
-
-    def before_training(self, models: dict[str, nn.Module], ds: Any, ctx: BuildContext
-                        ) -> Any:
-        return None
 
 
 def decoder_hidden(model, **inputs: Any) -> torch.Tensor:

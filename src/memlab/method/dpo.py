@@ -50,7 +50,17 @@ from memlab.data.base import DataError
 from memlab.method import _layout, _liger, _reference, _rows
 from memlab.method._knobs import PreferenceRows
 from memlab.method._preference import PreferenceBatches
-from memlab.method.base import Batch, DataStats, Offline, batch_key, drops_padding_mask, register
+from memlab.method.base import (
+    Batch,
+    DataStats,
+    ExtraModels,
+    LigerUser,
+    Offline,
+    RowLayout,
+    batch_key,
+    drops_padding_mask,
+    register,
+)
 from memlab.model.base import Head
 from memlab.registry import PositiveFloat, Range
 
@@ -79,16 +89,24 @@ class DPO(Offline, PreferenceRows, _liger.LigerKnobs, PreferenceBatches):
 
     data_kinds: ClassVar[tuple[str, ...]] = ("preference",)
     head: ClassVar[Head] = "causal_lm"
-    supports_packing: ClassVar[bool] = True
-    supports_padding_free: ClassVar[bool] = True
+    trains_extra_models: ClassVar[bool] = False
     items_name: ClassVar[str] = "pairs"
     eval_metrics: ClassVar[tuple[str, ...]] = (
         "loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
         "logps/chosen", "logps/rejected")
 
     # ------------------------------------------------------------------ capabilities
-    def packs_rows(self, ctx: BuildContext) -> bool:
-        return self.padding_free or self.share_prompt or ctx.packing.packs
+    def row_layout(self, ctx: BuildContext) -> RowLayout:
+        return RowLayout(supports_packing=True, supports_padding_free=True,
+                         packs_rows=self.padding_free or self.share_prompt or ctx.packing.packs,
+                         row_length=self.max_length, pad_to_multiple_of=self.pad_to_multiple_of,
+                         keeps_row_end=False)
+
+    def as_liger(self) -> LigerUser | None:
+        return self
+
+    def as_extra_models(self) -> ExtraModels | None:
+        return self
 
     def as_group_packed(self) -> GroupPacked | None:
         return self

@@ -31,29 +31,29 @@ from memlab.data.base import DataError
 from memlab.generation.base import GenerationEnv, SamplingParams
 from memlab.method import _overrides, _reference, _rows
 from memlab.method._knobs import PromptLength
-from memlab.method._liger import NoLiger
 from memlab.method._rollout import join, prompt_and_reference
 from memlab.method.base import (
     IGNORE,
     Batch,
     DataStats,
+    ExtraModels,
     Generating,
+    NoCapabilities,
+    RowLayout,
     loss_sums,
     model_inputs,
     register,
 )
 from memlab.model.base import Head
-from memlab.registry import Fraction, Option, PositiveFloat, PositiveInt, Range
+from memlab.registry import Fraction, PositiveFloat, PositiveInt, Range
 
 if TYPE_CHECKING:
     from memlab.context import BuildContext
-    from memlab.method.base import Method
-    from memlab.packing.groups import GroupPacked
 
 
 @register("gkd")
 @dataclass(kw_only=True)
-class GKD(PromptLength, NoLiger, Option):
+class GKD(PromptLength, NoCapabilities):
     """GKD knobs, named as in TRL's GKDConfig."""
 
     teacher: dict[str, Any] | None = None
@@ -74,8 +74,6 @@ class GKD(PromptLength, NoLiger, Option):
 
     data_kinds: ClassVar[tuple[str, ...]] = ("chat",)
     head: ClassVar[Head] = "causal_lm"
-    supports_packing: ClassVar[bool] = False
-    supports_padding_free: ClassVar[bool] = False
     trains_extra_models: ClassVar[bool] = False
     supports_sampling_correction: ClassVar[bool] = False
     items_name: ClassVar[str] = "completion tokens"
@@ -90,23 +88,14 @@ class GKD(PromptLength, NoLiger, Option):
         teacher's (``lmbda > 0`` or ``seq_kd``)."""
         return self if self.lmbda > 0 or self.seq_kd else None
 
-    def as_group_packed(self) -> GroupPacked | None:
-        return None
-
-    def pinned(self, ctx: BuildContext) -> Method:
+    def as_extra_models(self) -> ExtraModels | None:
         return self
 
-    def packs_rows(self, ctx: BuildContext) -> bool:
-        return False
-
-    def pad_multiple(self) -> int | None:
-        return None
-
-    def keeps_row_end(self) -> bool:
-        return False
-
-    def row_length(self) -> int | None:
-        return self.max_prompt_length if self.as_generating() is not None else self.max_length
+    def row_layout(self, ctx: BuildContext) -> RowLayout:
+        online = self.as_generating() is not None
+        return RowLayout(supports_packing=False, supports_padding_free=False, packs_rows=False,
+                         row_length=self.max_prompt_length if online else self.max_length,
+                         pad_to_multiple_of=None, keeps_row_end=False)
 
     def sampling_length(self) -> int:
         return self.max_new_tokens

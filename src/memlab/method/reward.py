@@ -40,8 +40,7 @@ from torch import nn
 from memlab.data.base import DataError
 from memlab.method import _layout, _rows
 from memlab.method._knobs import PaddingFree, PadMultiple, SharePrompt
-from memlab.method._liger import NoLiger
-from memlab.method.base import Batch, DataStats, Offline, model_inputs, register
+from memlab.method.base import Batch, DataStats, Offline, RowLayout, model_inputs, register
 from memlab.model.base import Head
 from memlab.registry import NonNegativeFloat, Range
 from memlab.trainer.routing import base_model, call_inside
@@ -53,7 +52,7 @@ if TYPE_CHECKING:
 
 @register("reward")
 @dataclass(kw_only=True)
-class Reward(Offline, SharePrompt, PadMultiple, PaddingFree, NoLiger):
+class Reward(Offline, SharePrompt, PadMultiple, PaddingFree):
     """Reward-model knobs, named as in TRL's RewardConfig where one exists."""
 
     max_length: Annotated[int, Range(ge=2)] | None = 1024
@@ -67,24 +66,22 @@ class Reward(Offline, SharePrompt, PadMultiple, PaddingFree, NoLiger):
 
     data_kinds: ClassVar[tuple[str, ...]] = ("preference",)
     head: ClassVar[Head] = "seq_cls"
-    supports_packing: ClassVar[bool] = True
-    supports_padding_free: ClassVar[bool] = True
     items_name: ClassVar[str] = "pairs"
     eval_metrics: ClassVar[tuple[str, ...]] = (
         "loss", "accuracy", "rewards/margins", "rewards/chosen", "rewards/rejected")
 
     # ------------------------------------------------------------------ capabilities
-    def packs_rows(self, ctx: BuildContext) -> bool:
-        return self.padding_free or self.share_prompt or ctx.packing.packs
+    def row_layout(self, ctx: BuildContext) -> RowLayout:
+        return RowLayout(supports_packing=True, supports_padding_free=True,
+                         packs_rows=self.padding_free or self.share_prompt or ctx.packing.packs,
+                         row_length=self.max_length, pad_to_multiple_of=self.pad_to_multiple_of,
+                         keeps_row_end=self.truncation_mode == "keep_end")
 
     def as_group_packed(self) -> GroupPacked | None:
         return self
 
     def unit_pieces(self) -> int:
         return 2
-
-    def keeps_row_end(self) -> bool:
-        return self.truncation_mode == "keep_end"
 
     # ------------------------------------------------------------------ validation
     def validate(self, ctx: BuildContext) -> list[str]:
@@ -227,13 +224,6 @@ class Reward(Offline, SharePrompt, PadMultiple, PaddingFree, NoLiger):
             out.append(start + last)
             start += len(ids)
         return torch.tensor(out)
-
-    # ------------------------------------------------------------------ models
-    def extra_models(self, policy, ctx: BuildContext, build) -> dict[str, Any]:
-        return {}
-
-    def before_training(self, models, ds, ctx: BuildContext):
-        return None
 
     # ------------------------------------------------------------------ loss
     def rewards(self, model: nn.Module, t: dict[str, torch.Tensor], attention: Any = None

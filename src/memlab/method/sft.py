@@ -32,7 +32,10 @@ from memlab.method.base import (
     LOSS_INDEX,
     Batch,
     DataStats,
+    LigerUser,
     Offline,
+    Pinnable,
+    RowLayout,
     batch_key,
     decoder_hidden,
     drops_padding_mask,
@@ -84,9 +87,6 @@ class SFT(Offline, HeadOn, PadMultiple, PaddingFree, LigerKnobs):
     tokens cost 593 MiB (measured at real size)."""
     data_kinds: ClassVar[tuple[str, ...]] = ("chat", "text")
     head: ClassVar[Head] = "causal_lm"
-    supports_packing: ClassVar[bool] = True
-    supports_padding_free: ClassVar[bool] = True
-    trains_extra_models: ClassVar[bool] = False
     items_name: ClassVar[str] = "loss tokens"
 
     # ------------------------------------------------------------------ capabilities
@@ -96,11 +96,17 @@ class SFT(Offline, HeadOn, PadMultiple, PaddingFree, LigerKnobs):
             return ctx.packing.packs
         return self.padding_free
 
-    def packs_rows(self, ctx: BuildContext) -> bool:
-        return self.flat(ctx) or ctx.packing.packs
+    def row_layout(self, ctx: BuildContext) -> RowLayout:
+        return RowLayout(supports_packing=True, supports_padding_free=True,
+                         packs_rows=self.flat(ctx) or ctx.packing.packs,
+                         row_length=self.max_length, pad_to_multiple_of=self.pad_to_multiple_of,
+                         keeps_row_end=self.truncation_mode == "keep_end")
 
-    def keeps_row_end(self) -> bool:
-        return self.truncation_mode == "keep_end"
+    def as_liger(self) -> LigerUser | None:
+        return self
+
+    def as_pinnable(self) -> Pinnable | None:
+        return self
 
     def reads_head_weight(self, ctx: BuildContext) -> str | None:
         if self.liger_loss():

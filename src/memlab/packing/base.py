@@ -40,14 +40,15 @@ def packing_errors(packing: PackingOption, ctx: BuildContext) -> list[str]:
     if not packing.packs:
         return []
     method = ctx.method
-    if not method.supports_packing:
+    layout = method.row_layout(ctx)
+    if not layout.supports_packing:
         if method.as_generating() is not None:
             why = "its batches are completions it generates during training"
             fix = "use packing=none"
         else:
             why = "its rows are pairs or scored sequences"
             fix = "use packing=none" + (" and method.padding_free=true to drop the padding"
-                                        if method.supports_padding_free else "")
+                                        if layout.supports_padding_free else "")
         return [f"packing={packing.name} does not apply to method={method.name} ({why}); {fix}"]
     units = method.as_group_packed()
     if units is None:
@@ -116,7 +117,7 @@ class Packing(Option):
 def row_capacity(ctx: BuildContext) -> int:
     """The tokens of a packed row: the method's longest row (``method.max_length``, which the
     method requires when packing is on)."""
-    capacity = ctx.method.row_length()
+    capacity = ctx.method.row_layout(ctx).row_length
     if capacity is None:
         raise ValueError(f"packing={ctx.packing.name} needs a row capacity: set "
                          "method.max_length")

@@ -43,7 +43,8 @@ class Lora(Option):
             errors.append(f"peft.r must be positive (got {self.r})")
         if not 0.0 <= self.dropout < 1.0:
             errors.append(f"peft.dropout must be in [0, 1) (got {self.dropout})")
-        reader = ctx.method.reads_head_weight(ctx) if self.adapts_head() else None
+        liger = ctx.method.as_liger() if self.adapts_head() else None
+        reader = None if liger is None else liger.reads_head_weight(ctx)
         if reader is not None:
             errors.append(
                 f"{reader}: method={ctx.method.name}'s loss reads the output head's weight "

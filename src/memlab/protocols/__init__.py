@@ -6,7 +6,9 @@ they are built in (as torchtitan keeps its interfaces in one ``protocols/`` fold
   :class:`Precision`, :class:`Offload`, :class:`Peft`, :class:`Optimizer`,
   :class:`Distributed`, :class:`Model`, :class:`DataSource`, :class:`Logger`), with the
   capabilities that read the context (:class:`Generating`, :class:`GroupPacked`,
-  :class:`SplitSource`) and the logger's :class:`RunInfo`. One module: they name each other.
+  :class:`LigerUser`, :class:`ExtraModels`, :class:`Pinnable`, :class:`SplitSource`) and the
+  logger's :class:`RunInfo`. One module: they name each other.
+- :mod:`memlab.protocols.method`: a method's :class:`RowLayout` (names no context).
 - :mod:`memlab.protocols.parts`: what they are made of that names no context (a generation
   engine, the offload handle, a logging run, a distributed option's checkpoint states...).
 
@@ -23,10 +25,12 @@ from memlab.protocols.groups import (
     BuildContext,
     DataSource,
     Distributed,
+    ExtraModels,
     Generating,
     Generation,
     GroupOption,
     GroupPacked,
+    LigerUser,
     Logger,
     Method,
     Model,
@@ -34,10 +38,12 @@ from memlab.protocols.groups import (
     Optimizer,
     PackingOption,
     Peft,
+    Pinnable,
     Precision,
     RunInfo,
     SplitSource,
 )
+from memlab.protocols.method import RowLayout
 from memlab.protocols.parts import (
     Engine,
     EngineMemory,
@@ -60,9 +66,10 @@ from memlab.protocols.parts import (
 
 __all__ = [
     "Attention", "BuildContext", "DataSource", "Distributed", "Engine", "EngineMemory",
-    "GatheredStates", "Generating", "Generation", "GenerationEnv", "GroupOption", "GroupPacked",
-    "Head", "Logger", "LoggerRun", "Method", "Model", "ModelFactory", "MultiProcess",
-    "NativeStates", "Offload", "OffloadHandle", "Optimizer", "OptimizerTensors",
-    "PackingOption", "Peft", "Placement", "Precision", "QuantizedBase", "RunInfo", "Samples",
-    "SamplingParams", "Sharding", "SplitSource", "StepOwner",
+    "ExtraModels", "GatheredStates", "Generating", "Generation", "GenerationEnv", "GroupOption",
+    "GroupPacked", "Head", "LigerUser", "Logger", "LoggerRun", "Method", "Model",
+    "ModelFactory", "MultiProcess", "NativeStates", "Offload", "OffloadHandle", "Optimizer",
+    "OptimizerTensors", "PackingOption", "Peft", "Pinnable", "Placement", "Precision",
+    "QuantizedBase", "RowLayout", "RunInfo", "Samples", "SamplingParams", "Sharding",
+    "SplitSource", "StepOwner",
 ]

@@ -1,11 +1,12 @@
 """The run's context (:class:`BuildContext`) and each group's Protocol (:class:`Method`,
 :class:`Generation`, ... :class:`Logger`), with the capabilities that read the context
-(:class:`Generating`, :class:`GroupPacked`, :class:`SplitSource`) and the logger's
+(a method's :class:`Generating`, :class:`GroupPacked`, :class:`LigerUser`,
+:class:`ExtraModels`, :class:`Pinnable`; a source's :class:`SplitSource`) and the logger's
 :class:`RunInfo`: one module, because they name each other (a group's hooks take the context;
 the context's fields are the groups' choices, each typed by its group's Protocol).
 
-Below it, naming neither: :mod:`memlab.protocols.parts` (what they are made of that names no
-context), :class:`memlab.registry.Option`, :mod:`memlab.config` and the batch and data types.
+Below it, naming neither: :mod:`memlab.protocols.parts` and :mod:`memlab.protocols.method`
+(what they are made of that names no context), :class:`memlab.registry.Option`, :mod:`memlab.config` and the batch and data types.
 :func:`memlab.context.validate` builds the context; each group's ``base.py`` (whose docstring
 says what its hooks do) re-exports its Protocol and registers its options through a
 ``register`` typed by it, so mypy checks every option against it. Imports no torch.
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 from memlab.config import Platform
+from memlab.protocols.method import RowLayout
 from memlab.protocols.parts import (
     Engine,
     EngineMemory,
@@ -98,99 +100,102 @@ class GroupOption(Option, Protocol):
     def validate(self, ctx: BuildContext) -> list[str]:
         """Every problem of this choice in the run ``ctx`` (each naming its fix); loads
         nothing."""
-        ...
 
 
 class Method(GroupOption, Protocol):
-    """What every ``method=`` option provides (:mod:`memlab.method.base`)."""
+    """What every ``method=`` option provides (:mod:`memlab.method.base`); what only some have
+    is a capability asked for with ``as_<capability>()`` (None: the method does not have it)."""
 
     data_kinds: ClassVar[tuple[str, ...]]
     head: ClassVar[Head]
     items_name: ClassVar[str]
-    supports_packing: ClassVar[bool]
-    supports_padding_free: ClassVar[bool]
-    trains_extra_models: ClassVar[bool]
-    """It trains a model besides the policy (PPO's value model)."""
-    supports_sampling_correction: ClassVar[bool]
-    """Its loss can weight tokens by the sampler/trainer mismatch (generation=vllm)."""
-
-    def prepare(self, ds: Any, tokenizer: Any, ctx: BuildContext) -> tuple[Any, DataStats]: ...
-    def collate(self, rows: list[dict], tokenizer: Any, ctx: BuildContext) -> Batch: ...
-    def extra_models(self, policy: nn.Module, ctx: BuildContext, build: ModelFactory
-                     ) -> dict[str, nn.Module]: ...
-    def before_training(self, models: dict[str, nn.Module], ds: Any, ctx: BuildContext
-                        ) -> Any: ...
-    def loss(self, models: dict[str, nn.Module], batch: Batch, ctx: BuildContext
-             ) -> tuple[torch.Tensor, dict[str, Any]]: ...
-    def packs_rows(self, ctx: BuildContext) -> bool: ...
-    def uses_liger(self) -> bool:
-        """Liger's fused kernels (they read the output head's weight directly)."""
-        ...
-    def liger_model_kernels(self) -> tuple[str, ...]:
-        """Liger's kernels that replace modules of the method's models (empty: none)."""
-        ...
-    def reads_head_weight(self, ctx: BuildContext) -> str | None:
-        """The setting whose loss reads the output head's weight directly in the run ``ctx``
-        (a chunked or fused loss, e.g. ``method.loss_impl=chunked``), or None."""
-        ...
-    def row_length(self) -> int | None:
-        """The longest prepared row it keeps (an online method: its prompts), or None."""
-        ...
-    def pad_multiple(self) -> int | None:
-        """Padded widths are rounded up to this multiple (None: not rounded)."""
-        ...
-    def keeps_row_end(self) -> bool:
-        """Truncation keeps a row's last tokens (cuts its start); False: its first."""
-        ...
-    def as_generating(self) -> Generating | None:
-        """The method as an online one (it samples its training batches), or None."""
-        ...
-    def pinned(self, ctx: BuildContext) -> Method:
-        """The method with every choice that depends on the rest of the run ``ctx`` (an
-        ``auto``) made explicit: what an estimate keeps where it measures the run in another
-        context (DDP as one plain process), so that it measures the run's own choices."""
-        ...
-    def as_group_packed(self) -> GroupPacked | None:
-        """The method whose rows pack as units of several sequences, or None."""
-        ...
-
     eval_metrics: ClassVar[tuple[str, ...]]
     """The metrics :meth:`evaluate` reports (``train.best_metric`` picks one; the first is
     the default)."""
 
+    def prepare(self, ds: Any, tokenizer: Any, ctx: BuildContext) -> tuple[Any, DataStats]: ...
+    def collate(self, rows: list[dict], tokenizer: Any, ctx: BuildContext) -> Batch: ...
+    def loss(self, models: dict[str, nn.Module], batch: Batch, ctx: BuildContext
+             ) -> tuple[torch.Tensor, dict[str, Any]]: ...
     def evaluate(self, models: dict, batch: Batch, ctx: BuildContext, env: Any
                  ) -> tuple[dict[str, float], int]:
         """Each eval metric summed over the held-out micro-batch ``batch``, and the number of
         items summed over (loss tokens, pairs, prompts); runs under ``torch.no_grad`` with the
         policy in eval mode. ``env``: the run's generation environment (online methods) or
         None."""
-        ...
+    def row_layout(self, ctx: BuildContext) -> RowLayout:
+        """How its rows are laid out in the run ``ctx``."""
+    def as_generating(self) -> Generating | None:
+        """The method as an online one (it samples its training batches), or None."""
+    def as_group_packed(self) -> GroupPacked | None:
+        """The method whose rows pack as units of several sequences, or None."""
+    def as_liger(self) -> LigerUser | None:
+        """The method with a Liger path (its fused losses, its kernels), or None."""
+    def as_extra_models(self) -> ExtraModels | None:
+        """The method that needs models besides the policy, or None."""
+    def as_pinnable(self) -> Pinnable | None:
+        """The method with choices that depend on the rest of the run (an ``auto``), or
+        None."""
+
+
+class LigerUser(Protocol):
+    """A method with a Liger path (sft, dpo, kto): Liger's kernels in its model, Liger's fused
+    linear loss, and memlab's own chunked one (sft): the losses that read the output head's
+    weight directly rather than its output."""
+
+    def uses_liger(self) -> bool:
+        """Liger's kernels are on (``method.use_liger_kernel``)."""
+    def liger_model_kernels(self) -> tuple[str, ...]:
+        """Liger's kernels that replace modules of the method's models (empty: none)."""
+    def reads_head_weight(self, ctx: BuildContext) -> str | None:
+        """The setting whose loss reads the output head's weight directly in the run ``ctx``
+        (a chunked or fused loss, e.g. ``method.loss_impl=chunked``), or None."""
+
+
+class ExtraModels(Protocol):
+    """A method that needs models besides the policy (a reference, a teacher, reward and value
+    models), and its one-off pass over them before training."""
+
+    trains_extra_models: ClassVar[bool]
+    """It trains a model besides the policy (PPO's value model)."""
+
+    def extra_models(self, policy: nn.Module, ctx: BuildContext, build: ModelFactory
+                     ) -> dict[str, nn.Module]: ...
+    def before_training(self, models: dict[str, nn.Module], ds: Any, ctx: BuildContext
+                        ) -> Any: ...
+
+
+class Pinnable(Protocol):
+    """A method with choices that depend on the rest of the run (an ``auto``)."""
+
+    def pinned(self, ctx: BuildContext) -> Method:
+        """The method with every such choice made explicit for the run ``ctx``: what an
+        estimate keeps where it measures the run in another context (DDP as one plain
+        process), so that it measures the run's own choices."""
 
 
 class Generating(Protocol):
     """An online method: its training batches are sampled in the trainer's generate phase."""
 
+    supports_sampling_correction: ClassVar[bool]
+    """Its loss can weight tokens by the sampler/trainer mismatch (generation=vllm)."""
+
     @property
     def num_iterations(self) -> int:
         """Optimizer steps per generation batch."""
-        ...
     def sampling_length(self) -> int:
         """New tokens per completion (at most)."""
-        ...
     def rows_per_prompt(self) -> int:
         """Completions sampled per prompt."""
-        ...
     def rollout(self, models: dict[str, nn.Module], batch: Batch, ctx: BuildContext,
                 env: GenerationEnv) -> Batch:
         """The training batch generated from the prompt batch ``batch``; ``env`` is the run's
         :class:`~memlab.protocols.parts.GenerationEnv` (engine, random draws)."""
-        ...
     def worst_case_tensors(self, batch: Batch, new_tokens: int, token: int, ctx
                            ) -> dict[str, torch.Tensor]:
         """The training tensors ``rollout`` makes of ``batch`` when every completion runs to
         ``new_tokens`` tokens (``token`` repeated), with real values (an estimate evaluates
         the training forward's value-dependent decisions on them)."""
-        ...
 
 
 class Generation(GroupOption, Protocol):
@@ -198,14 +203,12 @@ class Generation(GroupOption, Protocol):
 
     def build(self, ctx: BuildContext, tokenizer: Any, policy: torch.nn.Module) -> Engine:
         """The engine that samples from ``policy`` (the wrapped training model)."""
-        ...
     def engine_memory(self, ctx: BuildContext, weight_elements: int, dtype: torch.dtype,
                       device_bytes: int | None) -> EngineMemory | None:
         """What this option's engine will hold on the training device, for an estimate:
         ``weight_elements`` the engine's copy of the weights holds (LoRA: the merged base),
         ``dtype`` the policy's, ``device_bytes`` the device's memory where known. None: the
         engine holds nothing there beyond the trainer's tensors."""
-        ...
 
 
 class PackingOption(GroupOption, Protocol):
@@ -221,11 +224,9 @@ class PackingOption(GroupOption, Protocol):
 
     def apply(self, ds: Any, stats: DataStats, ctx: BuildContext) -> tuple[Any, DataStats]:
         """The prepared dataset packed into rows (and its stats updated)."""
-        ...
     def batch_items(self, ctx: BuildContext) -> int:
         """Items of the prepared (packed) dataset per micro-batch: ``train.batch_size`` rows,
         or 1 where each item is a whole micro-batch (units packed in groups)."""
-        ...
 
 
 class GroupPacked(Protocol):
@@ -239,11 +240,9 @@ class GroupPacked(Protocol):
 
     def unit_sizes(self, ds: Any, ctx: BuildContext) -> tuple[list[int], list[list[int]]]:
         """``(whole, pieces)`` of every prepared row (:mod:`memlab.packing.groups`)."""
-        ...
     def unit_pieces(self) -> int:
         """Pieces (sequences) of the largest unit: a split unit needs that many rows in a
         pack."""
-        ...
 
 
 class Attention(GroupOption, Protocol):
@@ -262,14 +261,11 @@ class Attention(GroupOption, Protocol):
 
     def implementation(self) -> str:
         """The string passed to transformers as ``attn_implementation``."""
-        ...
     def shares_prefix(self) -> bool:
         """Whether a document can also see a prefix stored before it in its row."""
-        ...
     def document_mask(self, segments: Segments, width: int, device: torch.device | str
                       ) -> Any:
         """The ``attention_mask`` to pass for rows described by ``segments``, or None."""
-        ...
 
 
 class Precision(GroupOption, Protocol):
@@ -286,17 +282,13 @@ class Precision(GroupOption, Protocol):
     def torch_param_dtype(self) -> torch.dtype: ...
     def compute_dtype_name(self) -> str:
         """The dtype the matmuls run in."""
-        ...
     def autocast(self, device: str) -> contextlib.AbstractContextManager:
         """Context manager for the forward pass and loss."""
-        ...
     def grad_scaler(self, device: str) -> torch.amp.GradScaler | None:
         """A GradScaler for fp16 mixed precision, else None."""
-        ...
     def resolved(self, device: str, platform: Platform) -> Precision:
         """The option a run on ``device`` of ``platform`` trains with: itself, or for
         ``precision=auto`` the option it stands for there (chosen before any rule reads it)."""
-        ...
 
 
 class Offload(GroupOption, Protocol):
@@ -305,10 +297,8 @@ class Offload(GroupOption, Protocol):
     def build(self, model: nn.Module, ctx: BuildContext, placement: Placement | None = None
               ) -> OffloadHandle | None:
         """The run's handle on ``model`` (None: nothing is offloaded)."""
-        ...
     def forward_context(self, handle: OffloadHandle | None) -> contextlib.AbstractContextManager:
         """Around each forward + loss."""
-        ...
 
 
 class Peft(GroupOption, Protocol):
@@ -316,20 +306,15 @@ class Peft(GroupOption, Protocol):
 
     def load_kwargs(self, ctx: BuildContext) -> dict[str, Any]:
         """Extra ``from_pretrained`` arguments (qlora: the bitsandbytes config)."""
-        ...
     def apply(self, model: nn.Module, ctx: BuildContext, task: Head) -> nn.Module:
         """The model with adapters (the model itself for full fine-tuning)."""
-        ...
     def has_adapter(self) -> bool:
         """Whether the trained parameters are adapters (the base can be switched off)."""
-        ...
     def adapts_head(self) -> bool:
         """Whether an adapter sits on the output head (``lm_head``): a loss that reads the
         head's weight directly would leave it out."""
-        ...
     def as_quantized_base(self) -> QuantizedBase | None:
         """The option as one whose frozen base is stored quantized, or None."""
-        ...
 
 
 class Optimizer(GroupOption, Protocol):
@@ -348,10 +333,8 @@ class Optimizer(GroupOption, Protocol):
               ) -> torch.optim.Optimizer:
         """The optimizer over ``params`` with ``train.lr`` / ``train.weight_decay``; ``foreach``:
         torch's multi-tensor implementation where the option has one (None: torch's default)."""
-        ...
     def group_settings(self) -> dict[str, Any]:
         """The param-group values this configuration sets (resume applies them)."""
-        ...
 
 
 class Distributed(GroupOption, Protocol):
@@ -362,7 +345,6 @@ class Distributed(GroupOption, Protocol):
 
     def processes(self, device: str, gpus: int = 0) -> int:
         """The processes the run needs on ``device`` with ``gpus`` visible GPUs (0: unknown)."""
-        ...
     def setup(self, ctx: BuildContext) -> None: ...
     def teardown(self) -> None: ...
     def wrap(self, model: nn.Module, ctx: BuildContext) -> nn.Module: ...
@@ -376,7 +358,6 @@ class Distributed(GroupOption, Protocol):
     def sharding(self) -> Sharding | None: ...
     def optimizer_tensors(self, ctx: BuildContext) -> OptimizerTensors:
         """What the optimizer steps in this run (:mod:`memlab.distributed.base`)."""
-        ...
     def on_fake_group(self, ctx: BuildContext) -> contextlib.AbstractContextManager[list[str]]:
         ...
     def as_ranks(self) -> MultiProcess | None: ...
@@ -392,18 +373,15 @@ class Model(GroupOption, Protocol):
     def load_tokenizer(self, ctx: BuildContext) -> Any: ...
     def hf_config(self, tokenizer: Any) -> Any:
         """The transformers config of the architecture (no weights read)."""
-        ...
     def load(self, ctx: BuildContext, tokenizer: Any, head: Head, extra: dict[str, Any]
              ) -> PreTrainedModel:
         """The model with the run's attention backend and dtype (``load_kwargs``), on the
         run's device; ``extra``: the PEFT option's load arguments (a quantization config)."""
-        ...
     def inputs(self) -> dict[str, Inputs]:
         """What the weights, the tokenizer and the chat template are read from (``model``,
         ``tokenizer``, ``chat_template``: files, or a hub repository), fingerprinted by
         checkpoints so that a resumed run refuses them changed in place
         (:mod:`memlab.trainer.inputs`)."""
-        ...
 
 
 class DataSource(GroupOption, Protocol):
@@ -425,35 +403,27 @@ class DataSource(GroupOption, Protocol):
     def max_hollow_fraction(self) -> float: ...
     def eval_kind(self) -> Literal["fraction", "path", "split"] | None:
         """What ``eval`` names (:meth:`memlab.data.formats.RowOptions.eval_kind`)."""
-        ...
     def as_split_source(self) -> SplitSource | None:
         """This source, when it has named splits (``data.eval=<split>`` reads one)."""
-        ...
     def load(self, ctx: BuildContext) -> Any:
         """The rows as read, a ``datasets.Dataset``."""
-        ...
     def convert(self, ds: Any) -> tuple[Any, dict[str, int]]:
         """``ds`` (what :meth:`load` returned) in memlab's row formats, row for row, and what
         was converted (:func:`memlab.data.formats.convert`)."""
-        ...
     def locate(self, ds: Any, row: int) -> str:
         """Where row ``row`` of ``ds`` (what :meth:`load` returned) comes from, in words: a
         file and line, a hub dataset's row."""
-        ...
     def place(self, index: int) -> str:
         """Where row ``index`` of the data as read (before any sample or shuffle) comes
         from."""
-        ...
     def summary(self, ds: Any) -> dict[str, Any]:
         """Entries for the summary's ``data`` section about the rows ``ds`` (what :meth:`load`
         returned) holds (a mixture's rows per source); empty for most sources."""
-        ...
     def inputs(self) -> dict[str, Inputs]:
         """What the rows are read from (files, a hub repository), by input name (``data``;
         ``data.<label>`` per mixture source), fingerprinted by checkpoints so that a resumed
         run refuses data changed in place (:mod:`memlab.trainer.inputs`); empty for data
         generated from the config."""
-        ...
 
 
 class SplitSource(DataSource, Protocol):
@@ -461,7 +431,6 @@ class SplitSource(DataSource, Protocol):
 
     def load_split(self, ctx: BuildContext, split: str) -> Any:
         """The rows of ``split``, as :meth:`load` reads its own."""
-        ...
 
 
 class Logger(GroupOption, Protocol):
@@ -469,7 +438,6 @@ class Logger(GroupOption, Protocol):
 
     def start(self, info: RunInfo, config: dict[str, Any]) -> LoggerRun:
         """Start logging the job (rank 0); ``config`` is the run's resolved config."""
-        ...
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,7 @@ def test_bfd_split_needs_room_for_a_split_pair_in_a_micro_batch():
 
 def test_a_second_trained_model_is_refused_by_every_multi_rank_wrapper():
     """PPO's value model: the rule belongs to the distributed options (they wrap the policy
-    only) and reads the method's declared ``trains_extra_models``."""
+    only) and reads the method's declared ``as_extra_models().trains_extra_models``."""
     for dist in ("ddp", "fsdp2", "deepspeed"):
         errors = _errors(["method=ppo", f"distributed={dist}", "distributed.nproc=2"])
         assert len([e for e in errors if "value model" in e]) == 1, (dist, errors)
@@ -62,7 +62,8 @@ def test_a_second_trained_model_is_refused_by_every_multi_rank_wrapper():
 
 
 def test_rules_read_capabilities_not_names():
-    """A method that declares ``trains_extra_models`` is refused by ddp whatever its name."""
+    """A method that declares ``trains_extra_models`` (its ``as_extra_models()``) is refused by
+    ddp whatever its name."""
     from memlab.distributed.ddp import DDP
 
     cfg = compose(FAST + ["distributed=ddp", "distributed.nproc=2"])
@@ -73,6 +74,9 @@ def test_rules_read_capabilities_not_names():
     @dataclasses.dataclass
     class Renamed(type(ctx.method)):
         trains_extra_models = True
+
+        def as_extra_models(self):
+            return self
 
     renamed = dataclasses.replace(ctx, method=Renamed())
     assert any("also trains another model" in e for e in DDP(nproc=2).validate(renamed))
@@ -86,17 +90,28 @@ def test_every_method_declares_every_capability():
 
     for name in options("method"):
         cls = lookup("method", name)
-        for attr in ("data_kinds", "head", "items_name", "supports_packing",
-                     "supports_padding_free", "trains_extra_models"):
+        for attr in ("data_kinds", "head", "items_name", "eval_metrics"):
             assert attr in dir(cls), (name, attr)
-        for fn in ("as_generating", "as_group_packed", "packs_rows", "keeps_row_end",
-                   "uses_liger", "liger_model_kernels",
-                   "reads_head_weight", "row_length", "prepare", "collate", "extra_models",
-                   "before_training", "loss", "validate"):
+        for fn in ("as_generating", "as_group_packed", "as_liger", "as_extra_models",
+                   "as_pinnable", "row_layout", "prepare", "collate", "loss", "evaluate",
+                   "validate"):
             assert callable(getattr(cls, fn, None)), (name, fn)
         online = cls().as_generating()
         if online is not None:
             assert callable(getattr(online, "rollout", None)) and online.num_iterations >= 1
+            assert isinstance(online.supports_sampling_correction, bool)
+        liger = cls().as_liger()
+        if liger is not None:
+            for fn in ("uses_liger", "liger_model_kernels", "reads_head_weight"):
+                assert callable(getattr(liger, fn, None)), (name, fn)
+        extra = cls().as_extra_models()
+        if extra is not None:
+            assert isinstance(extra.trains_extra_models, bool), name
+            for fn in ("extra_models", "before_training"):
+                assert callable(getattr(extra, fn, None)), (name, fn)
+        pinnable = cls().as_pinnable()
+        if pinnable is not None:
+            assert callable(getattr(pinnable, "pinned", None)), name
     for group in ("distributed",):
         for name in options(group):
             cls = lookup(group, name)
