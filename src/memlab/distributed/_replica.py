@@ -1,7 +1,8 @@
 """The answers of an option whose every process holds the whole model (``single``, and the
-replicated ranks of ``ddp``: :class:`memlab.distributed.base.Ranks` answers the same): nothing
-to gather, nothing of the wrapper's own to categorise, the optimizer steps the model's own
-parameters, nothing to add on a fake process group.
+replicated ranks of ``ddp``, through :class:`memlab.distributed.base.Ranks`, which ``fsdp2``
+and ``deepspeed`` extend and override where they shard): nothing to gather, nothing of the
+wrapper's own to categorise, the optimizer steps the model's own parameters, nothing to add
+on a fake process group.
 
 Not an option of its own (the registry skips modules whose name starts with ``_``).
 """
@@ -15,8 +16,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from memlab.context import BuildContext
-    from memlab.distributed.base import OptimizerTensors
+    from memlab.protocols import BuildContext, OptimizerTensors
 
 
 class Replica:

@@ -58,18 +58,18 @@ only part of it, so the part still runs inside the wrapper's forward.
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, ClassVar, Literal, TypeVar
 
 import torch
-from torch import nn
 
 from memlab import registry
-from memlab.protocols import Distributed, GatheredStates, NativeStates, OptimizerTensors, StepOwner
+from memlab.distributed._replica import Replica
+from memlab.protocols import Distributed, GatheredStates, NativeStates, StepOwner
+from memlab.protocols import OptimizerTensors as OptimizerTensors
 from memlab.protocols import Sharding as Sharding
 from memlab.registry import Option, Port, PositiveInt
 
@@ -120,8 +120,10 @@ class NoCapabilities:
 
 
 @dataclass(kw_only=True)
-class Ranks(NoCapabilities, Option):
-    """What every multi-process option shares: how many ranks, the process group, sums."""
+class Ranks(Replica, NoCapabilities, Option):
+    """What every multi-process option shares: how many ranks, the process group, sums; and a
+    replica's answers (:class:`memlab.distributed._replica.Replica`: ddp's), which the
+    sharding options (fsdp2, deepspeed) override."""
 
     nproc: PositiveInt | None = None
     """Ranks on this machine. None: one per visible GPU on CUDA, 2 on CPU."""
@@ -195,27 +197,6 @@ class Ranks(NoCapabilities, Option):
                          device=device if self.backend_for(device) == "nccl" else "cpu")
         dist.all_reduce(t)
         return t.tolist()
-
-    def generation(self, model: nn.Module) -> contextlib.AbstractContextManager:
-        """Nothing to gather for a replicated model."""
-        return contextlib.nullcontext()
-
-    def gathered(self, param: torch.Tensor) -> contextlib.AbstractContextManager[torch.Tensor]:
-        """A replica's parameter is whole already."""
-        return contextlib.nullcontext(param)
-
-    def memory_roles(self, model: nn.Module) -> dict[str, list[torch.Tensor]]:
-        """No buffers of the wrapper's own to categorise."""
-        return {}
-
-    def optimizer_tensors(self, ctx: BuildContext) -> OptimizerTensors:
-        """A replica's optimizer steps the model's own parameters."""
-        return "parameters"
-
-    @contextlib.contextmanager
-    def on_fake_group(self, ctx: BuildContext) -> Iterator[list[str]]:
-        """Nothing to add: the wrap runs on the fake process group as it is."""
-        yield []
 
     def as_ranks(self) -> Ranks | None:
         return self
