@@ -2,7 +2,8 @@
 :mod:`memlab.protocols` and re-exported here), and what the strategies share
 (:class:`Packing`).
 
-Rules owned here: packing applies only to methods that declare ``supports_packing``; methods
+Rules owned here: packing applies only to methods that declare ``supports_packing`` (their
+``row_layout(ctx)``); methods
 whose rows pack as units of several sequences (``Method.as_group_packed()``, a
 :class:`memlab.protocols.GroupPacked`: preference pairs, KTO examples with their KL
 partner) take only the strategies that keep every
