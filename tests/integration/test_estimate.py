@@ -174,6 +174,9 @@ CASES = {
     # checkpointed layers under autocast without its weight cache (precision.autocast_cache)
     "packed bfd bf16_mixed": (["packing=bfd", "precision=bf16_mixed", *ALL_LABELLED, *LEN],
                               "unpadded"),
+    # LoRA's frozen linear layers kept in bf16 (peft.frozen_dtype=auto)
+    "packed bfd lora bf16_mixed": (["packing=bfd", "peft=lora", "precision=bf16_mixed",
+                                    *ALL_LABELLED, *LEN], "unpadded"),
     "packed bfd chunked loss": (["packing=bfd", "method.loss_impl=chunked",
                                  "method.chunk_size=128", *ALL_LABELLED, *LEN], "unpadded"),
     "padding-free, no checkpointing": (["method.padding_free=true", *NO_GC, *ALL_LABELLED,

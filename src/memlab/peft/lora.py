@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal, cast
 
 from torch import nn
 
@@ -11,6 +11,8 @@ from memlab.peft.base import QuantizedBase, register
 from memlab.registry import Option, PositiveInt, Range
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
     from memlab.context import BuildContext
 
 
@@ -34,6 +36,11 @@ class Lora(Option):
     larger than full fine-tuning. false keeps adapters in the base dtype."""
     use_rslora: bool = False
     """Rank-stabilised LoRA: scale by alpha / sqrt(r)."""
+    frozen_dtype: Literal["auto", "float32"] = "auto"
+    """The dtype the frozen base's linear layers are kept in. auto: under mixed precision
+    (bf16_mixed, fp16_mixed) the compute dtype, since autocast casts them to it at every use
+    anyway (bit for bit the same numbers, half the bytes of those weights); otherwise as
+    loaded. float32: as loaded (the embeddings, norms and output head always are)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Any other LoraConfig keyword (e.g. use_dora: true)."""
 
@@ -86,6 +93,36 @@ class Lora(Option):
     def apply(self, model: nn.Module, ctx: BuildContext, task: str) -> nn.Module:
         from peft import get_peft_model
 
-        return get_peft_model(
+        model = get_peft_model(
             model, self.lora_config(task), autocast_adapter_dtype=self.autocast_adapter_dtype
         )
+        if self.frozen_dtype == "auto" and ctx.precision.autocast_dtype is not None:
+            frozen_linears_to(model, ctx.precision.autocast_dtype)
+        return model
+
+
+def frozen_linears_to(model: nn.Module, dtype_name: str) -> int:
+    """Keep the frozen fp32 weights (and biases) of ``model``'s linear layers in ``dtype_name``
+    (autocast's compute dtype): what autocast would cast them to at each use. Left alone: a
+    trained parameter, a quantized layer's (not fp32), the output head and any weight shared
+    with an embedding (read outside autocast). Returns the bytes saved."""
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    # (a PeftModel answers for its base model, a transformers PreTrainedModel)
+    head = cast("PreTrainedModel", model).get_output_embeddings()
+    keep = {id(p) for m in model.modules() if isinstance(m, nn.Embedding)
+            for p in m.parameters(recurse=False)}
+    if head is not None:
+        keep |= {id(p) for p in head.parameters()}
+    saved = 0
+    for module in model.modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        for name, p in module.named_parameters(recurse=False):
+            if p.requires_grad or p.dtype != torch.float32 or id(p) in keep:
+                continue
+            with torch.no_grad():
+                setattr(module, name, nn.Parameter(p.to(dtype), requires_grad=False))
+            saved += p.numel() * (p.element_size() - torch.finfo(dtype).bits // 8)
+    return saved
