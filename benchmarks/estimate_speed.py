@@ -41,13 +41,13 @@ REPO = Path(__file__).resolve().parents[1]
 BEFORE = REPO / "benchmarks" / "results" / "estimate_before"
 CARD = ["--card", "rtx4090"]
 TINY = ["model.hidden_size=128", "model.num_layers=2", "train.batch_size=2",
-        "method.max_length=256"]
+        "method.max_length=256", "precision=fp32"]  # (auto depends on the CPU)
 CASES: dict[str, tuple[list[str], list[str]]] = {
     # name -> (overrides, estimate flags)
     "qwen2.5-0.5b sft (experiment)": (["experiment=qwen2.5_0.5b_sft"], CARD),
     "llama3.1-8b lora sft 4096 (experiment)": (["experiment=llama3.1_8b_lora_sft"], CARD),
     "qwen2.5-1.5b grpo lora (experiment)": (["experiment=qwen2.5_1.5b_grpo_lora"], CARD),
-    "tiny default": ([], []),
+    "tiny default": (["precision=fp32"], []),
     "tiny packed bfd lora": ([*TINY, "packing=bfd", "peft=lora"], []),
     "tiny dpo padded": ([*TINY, "method=dpo", "method.max_prompt_length=128"], []),
     "tiny fsdp2 x2": ([*TINY, "distributed=fsdp2", "distributed.nproc=2"], []),

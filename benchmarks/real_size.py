@@ -82,35 +82,42 @@ class Case:
 
 NOCLIP = ["train.max_grad_norm=null"]
 EXACT = ["optimizer.in_backward=true", *NOCLIP]
+BF16 = "precision=bf16_mixed"
+"""What both defaults are on a GPU and on a CPU with bf16 kernels (memlab's ``auto``, TRL's
+``bf16=True``), pinned so that the rows do not depend on the machine; the ``*_fp32_both``
+rows pin fp32 on both sides."""
 CASES = [
-    Case("default", "Qwen2.5-0.5B", [], {}, "both defaults (AdamW, clipping at 1.0)"),
-    Case("lora", "Qwen2.5-0.5B", ["peft=lora"], {"lora": True},
+    Case("default", "Qwen2.5-0.5B", [BF16], {}, "both defaults (AdamW, clipping at 1.0)"),
+    Case("lora", "Qwen2.5-0.5B", [BF16, "peft=lora"], {"lora": True},
          "LoRA r 16, all linear layers; both defaults otherwise", need_gib=6),
     Case("fp32_both", "Qwen2.5-0.5B", ["precision=fp32"], {"bf16": False},
          "both in fp32 (memlab precision=fp32, TRL bf16=False; both defaults are bf16 mixed)"),
     Case("lora_fp32_both", "Qwen2.5-0.5B", ["peft=lora", "precision=fp32"],
          {"lora": True, "bf16": False}, "LoRA, both in fp32 (memlab's default on a CPU without "
          "bf16 kernels; TRL's bf16 default is emulated there)", need_gib=6),
-    Case("no_clip", "Qwen2.5-0.5B", NOCLIP, {"max_grad_norm": None},
+    Case("no_clip", "Qwen2.5-0.5B", [BF16, *NOCLIP], {"max_grad_norm": None},
          "no clipping (the reference of the in-backward rows)"),
-    Case("in_backward", "Qwen2.5-0.5B", EXACT, {"max_grad_norm": None},
+    Case("in_backward", "Qwen2.5-0.5B", [BF16, *EXACT], {"max_grad_norm": None},
          "exact options: in-backward step, chunked loss, labelled head; no clipping",
          reference="no_clip"),
-    Case("in_backward_fused", "Qwen2.5-0.5B", [*EXACT, "optimizer.fused=true"],
+    Case("in_backward_fused", "Qwen2.5-0.5B", [BF16, *EXACT, "optimizer.fused=true"],
          {"max_grad_norm": None, "optim": "adamw_torch_fused"},
          "exact options + torch's fused AdamW kernel, no temporaries in a parameter's step "
          "(TRL: adamw_torch_fused)", reference="no_clip"),
-    Case("8bit_in_backward", "Qwen2.5-0.5B", ["optimizer=adamw_8bit", *EXACT],
+    Case("default_fused", "Qwen2.5-0.5B", [BF16, "optimizer.fused=true"], {},
+         "memlab's defaults with the fused AdamW kernel (TRL's own default optimizer with "
+         "torch >= 2.8)"),
+    Case("8bit_in_backward", "Qwen2.5-0.5B", [BF16, "optimizer=adamw_8bit", *EXACT],
          {"max_grad_norm": None, "optim": "adamw_bnb_8bit"},
          "+ 8-bit AdamW (TRL: adamw_bnb_8bit, embeddings' states fp32 as transformers keeps "
          "them)", kernels=True),
-    Case("1.5b_lora", "Qwen2.5-1.5B", ["peft=lora"], {"lora": True},
+    Case("1.5b_lora", "Qwen2.5-1.5B", [BF16, "peft=lora"], {"lora": True},
          "Qwen2.5-1.5B, LoRA, both defaults otherwise", need_gib=10),
     Case("1.5b_lora_fp32_both", "Qwen2.5-1.5B", ["peft=lora", "precision=fp32"],
          {"lora": True, "bf16": False}, "Qwen2.5-1.5B, LoRA, both in fp32 (memlab's default "
          "on a CPU without bf16 kernels, where TRL's bf16 default is emulated)", need_gib=10,
          speed=False),
-    Case("1.5b_8bit_in_backward", "Qwen2.5-1.5B", ["optimizer=adamw_8bit", *EXACT], None,
+    Case("1.5b_8bit_in_backward", "Qwen2.5-1.5B", [BF16, "optimizer=adamw_8bit", *EXACT], None,
          "Qwen2.5-1.5B, 8-bit AdamW in backward (memlab only: TRL's 8-bit run holds every "
          "gradient, ~17 GiB with the model)", need_gib=13, kernels=True, speed=False),
 ]

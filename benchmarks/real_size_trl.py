@@ -88,7 +88,8 @@ def trl_job(req: dict[str, Any]) -> dict[str, Any]:
         gradient_accumulation_steps=1, learning_rate=s.lr, lr_scheduler_type="cosine",
         warmup_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
         max_grad_norm=spec.get("max_grad_norm", 1.0) or 0.0,
-        optim=spec.get("optim", "adamw_torch"), seed=s.seed, data_seed=s.seed, use_cpu=True,
+        **({"optim": spec["optim"]} if "optim" in spec else {}),  # else TRL's default
+        seed=s.seed, data_seed=s.seed, use_cpu=True,
         bf16=spec.get("bf16"),  # None: TRL's default, True (bf16 autocast, on a CPU too)
         gradient_checkpointing=True, max_length=s.length, truncation_mode="keep_start",
         packing=False, dataset_text_field="text", logging_steps=1, report_to="none",

@@ -342,7 +342,11 @@ ONLINE_CASES = {
                       "data.n_examples=2", "method.max_prompt_length=64",
                       "method.max_length=80", "method.max_new_tokens=16"],
 }
-FROM_DATA_ONLINE = {"gkd on-policy", "grpo shared prompt, padding-free"}
+# GRPO shares each prompt across its group by default: the training rows hold the real prompt
+# tokens (64 + 39 here) where the padded candidate holds the most a padded batch can have
+# (64 + 63): an upper bound (by 78 KB of activations in backward), compared exactly --from-data
+FROM_DATA_ONLINE = {"gkd on-policy", "grpo shared prompt, padding-free", "grpo",
+                    "grpo reward model"}
 
 
 @pytest.mark.parametrize("case", list(ONLINE_CASES))
