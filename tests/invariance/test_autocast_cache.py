@@ -32,7 +32,8 @@ def test_autocast_cache_changes_memory_not_numbers(tmp_path, checkpointing):
     fwd_on, fwd_off = on["memory"]["by_phase"]["forward"], off["memory"]["by_phase"]["forward"]
     if checkpointing:
         saved = fwd_on - fwd_off
-        assert saved >= LINEARS, (saved, LINEARS)  # (the head's copy may add to it)
+        assert saved >= LINEARS, (saved, LINEARS, on["config"]["precision"],  # (the head's
+                                  on["memory"]["peak_at"], off["memory"]["peak_at"])  # copy too)
         assert on["memory"]["by_phase"]["backward"] == off["memory"]["by_phase"]["backward"]
     else:
         assert on["memory"]["by_phase"] == off["memory"]["by_phase"]
