@@ -135,7 +135,8 @@ def global_state() -> dict:
         "grad mode": torch.is_grad_enabled(),
         "inference mode": torch.is_inference_mode_enabled(),
         "autocast": {d: (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
-                     for d in ("cpu", "cuda")} | {"cache": torch.is_autocast_cache_enabled()},
+                     for d in ("cpu", "cuda")} | {"cache": torch.is_autocast_cache_enabled(),
+                                                  "nesting": _autocast_nesting()},
         "deterministic algorithms": (torch.are_deterministic_algorithms_enabled(),
                                      torch.is_deterministic_algorithms_warn_only_enabled(),
                                      torch.backends.cudnn.deterministic,
@@ -150,6 +151,16 @@ def global_state() -> dict:
                         if k.startswith(ENV_PREFIXES) or k in ENV_NAMES},
         "cwd": os.getcwd(),
     }
+
+
+def _autocast_nesting() -> int:
+    """How many autocast contexts are open (autocast clears its weight cache when the last one
+    closes: one left open keeps stale casts for the rest of the process)."""
+    import torch
+
+    level = torch.autocast_increment_nesting() - 1
+    torch.autocast_decrement_nesting()
+    return level
 
 
 def _changed(before: dict, after: dict) -> list[str]:
@@ -186,6 +197,11 @@ def _restore(before: dict) -> None:
         torch.set_autocast_enabled(d, on)
         torch.set_autocast_dtype(d, dtype)
     torch.set_autocast_cache_enabled(before["autocast"]["cache"])
+    while _autocast_nesting() > before["autocast"]["nesting"]:
+        if torch.autocast_decrement_nesting() == 0:
+            torch.clear_autocast_cache()
+    while _autocast_nesting() < before["autocast"]["nesting"]:
+        torch.autocast_increment_nesting()
     det, warn_only, cudnn_det, cudnn_bench = before["deterministic algorithms"]
     torch.use_deterministic_algorithms(det, warn_only=warn_only)
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = cudnn_det, cudnn_bench
