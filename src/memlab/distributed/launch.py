@@ -91,7 +91,6 @@ def launch(ctx: BuildContext, summary: dict[str, Any], worker: str) -> None:
     a stop is recorded, the ranks record ``interrupted``) are put back at once."""
     import signal as signals
 
-    from torch.distributed import TCPStore
     from torch.distributed.elastic.multiprocessing import start_processes
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
@@ -110,8 +109,7 @@ def launch(ctx: BuildContext, summary: dict[str, Any], worker: str) -> None:
         old.unlink()
     write_atomic(ranks / "job.json", {k: summary[k] for k in
                                       ("config", "choices", "overrides", "job", "run_dir")})
-    store = TCPStore("127.0.0.1", multi.master_port or 0,
-                     is_master=True, wait_for_workers=False)
+    store = _store(multi.master_port)
     # the ranks import what this process can (a reward function in the user's module, say)
     path = [p for p in sys.path if p and os.path.isdir(p)]
     if os.environ.get("PYTHONPATH"):
@@ -154,6 +152,23 @@ def launch(ctx: BuildContext, summary: dict[str, Any], worker: str) -> None:
     finally:
         del store
     merge(summary, ranks, n, codes, watches)
+
+
+def _store(port: int):
+    """The rendezvous store on 127.0.0.1:``port`` (0: a port the OS gives). A port another
+    program holds is the configuration's problem (``invalid``), named with its fix."""
+    from torch.distributed import DistNetworkError, TCPStore
+
+    from memlab.registry import ConfigErrors
+
+    try:
+        return TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    except DistNetworkError as e:
+        if not port:
+            raise
+        raise ConfigErrors([f"distributed.master_port={port}: the port is in use on 127.0.0.1 "
+                            "(another program, or another run); choose another port, or 0 "
+                            "(the default: one the OS gives)"]) from e
 
 
 def _codes(pc, n: int) -> list[int | None]:
