@@ -183,3 +183,22 @@ def test_report_lists_a_sweep_job_without_a_record_as_missing(tmp_path, capsys):
     assert "no summary.json and no Hydra record" in by_num[1]["error"]
     assert by_num[2]["overrides"] == ["train.lr=0.001", "train.steps=2", "peft=qlora"]
     assert by_num[2]["error"].startswith("no job dir")
+
+
+def test_a_config_that_disagrees_with_its_weights_is_invalid_and_names_the_tensors(
+        model_dir, tmp_path):
+    """config.json edited after the weights were saved (a larger MLP): ``invalid`` naming the
+    tensors whose shapes differ, not ``failed`` with transformers' "see the report above" (a
+    report on the console only)."""
+    import json
+
+    def widen(d: Path) -> None:
+        cfg = json.loads((d / "config.json").read_text())
+        cfg["intermediate_size"] *= 2
+        (d / "config.json").write_text(json.dumps(cfg))
+
+    s = _model_run(model_dir, tmp_path, widen)
+    assert s["status"] == "invalid" and exit_code(s) == 2, s["error"]
+    assert "config.json does not describe the weights saved beside it (3 tensor(s)" in s["error"]
+    assert "model.layers.0.mlp.down_proj.weight: [32, 64] in the weights, [32, 128] from " \
+        "config.json" in s["error"]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 from memlab.trainer.inputs import Inputs
 
@@ -274,3 +275,30 @@ def _endpoint() -> str:
     from huggingface_hub import constants
 
     return constants.ENDPOINT
+
+
+def shape_mismatches(key: str, name: str, model_class: Any, config: Any) -> str:
+    """Why a model directory's weights do not load into the model its config.json describes:
+    each weight whose shape in the files differs from the config's (from the safetensors
+    headers and the model built on the meta device: nothing is read or allocated)."""
+    import json
+    import struct
+
+    import torch
+
+    path = Path(os.path.expanduser(name))
+    stored: dict[str, list[int]] = {}
+    for f in sorted(path.glob("*.safetensors")) if path.is_dir() else []:
+        with f.open("rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        stored.update({k: v["shape"] for k, v in header.items() if k != "__metadata__"})
+    with torch.device("meta"):
+        expected = {k: list(t.shape) for k, t in model_class.from_config(config).state_dict().items()}
+    bad = [f"{k}: {stored[k]} in the weights, {expected[k]} from config.json"
+           for k in sorted(set(stored) & set(expected)) if stored[k] != expected[k]]
+    what = "; ".join(bad[:4]) + (f"; and {len(bad) - 4} more" if len(bad) > 4 else "")
+    return (f"{key}={name}: config.json does not describe the weights saved beside it"
+            + (f" ({len(bad)} tensor(s): {what})" if bad else "")
+            + "; save the config and the weights of one model together (save_pretrained), or "
+              "fix config.json")

@@ -104,13 +104,22 @@ class HubModel(Option):
         kw = load_kwargs(ctx, extra)
         if head == "seq_cls":
             kw.setdefault("num_labels", 1)
-        model = auto_class(head).from_pretrained(
-            self.name_or_path,
-            revision=self.revision,
-            trust_remote_code=self.trust_remote_code,
-            local_files_only=local_only,
-            **kw,
-        )
+        try:
+            model = auto_class(head).from_pretrained(
+                self.name_or_path,
+                revision=self.revision,
+                trust_remote_code=self.trust_remote_code,
+                local_files_only=local_only,
+                **kw,
+            )
+        except RuntimeError as e:  # transformers: "look at the above report" (console only)
+            if "ignore_mismatched_sizes" not in str(e):
+                raise
+            config = self.hf_config(tokenizer)
+            if head == "seq_cls":
+                config.num_labels = kw["num_labels"]
+            raise _files.ModelFilesError(_files.shape_mismatches(
+                "model.name_or_path", self.name_or_path, auto_class(head), config)) from e
         if "quantization_config" not in extra:
             model = model.to(ctx.device)
         return finish_load(model, tokenizer, head)
