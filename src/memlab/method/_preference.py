@@ -1,5 +1,6 @@
-"""What the offline preference methods (``dpo``, ``kto``) share in their batches: whether the head
-runs at the scored positions only, and the collator's entry point (:class:`PreferenceBatches`).
+"""What the offline preference methods (``dpo``, ``kto``) share (:class:`PreferenceBatches`): their
+row-layout and Liger knobs, the capabilities they answer alike, whether the head runs at the
+scored positions only, and the collator's entry point.
 
 Not an option of its own.
 """
@@ -8,17 +9,37 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from memlab.method._knobs import HeadOn
-from memlab.method.base import Batch, drops_padding_mask
+from memlab.method._knobs import PreferenceRows
+from memlab.method._liger import LIGER_LOSS, LigerKnobs
+from memlab.method.base import (
+    Batch,
+    LigerUser,
+    RowLayout,
+    drops_padding_mask,
+)
 
 if TYPE_CHECKING:
     from memlab.context import BuildContext
 
 
-class PreferenceBatches(HeadOn):
-    """Mixed into the configs of ``dpo`` and ``kto`` (they implement ``_collate``)."""
+class PreferenceBatches(LigerKnobs, PreferenceRows):
+    """Mixed into the configs of ``dpo`` and ``kto`` (each answers ``as_extra_models`` and
+    ``as_group_packed`` itself, so that mypy checks its own reference model and units, and
+    implements ``_collate``)."""
 
-    use_liger_kernel: bool
+    max_length: int | None
+
+    def row_layout(self, ctx: BuildContext) -> RowLayout:
+        return RowLayout(supports_packing=True, supports_padding_free=True,
+                         packs_rows=self.padding_free or self.share_prompt or ctx.packing.packs,
+                         row_length=self.max_length, pad_to_multiple_of=self.pad_to_multiple_of,
+                         keeps_row_end=False)
+
+    def as_liger(self) -> LigerUser | None:
+        return self
+
+    def reads_head_weight(self, ctx: BuildContext) -> str | None:
+        return LIGER_LOSS if self.liger_loss() else None
 
     def labelled(self) -> bool:
         """Whether batches list their scored tokens (``head_on=labelled``; Liger's fused loss

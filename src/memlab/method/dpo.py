@@ -48,15 +48,12 @@ import torch
 
 from memlab.data.base import DataError
 from memlab.method import _layout, _liger, _reference, _rows
-from memlab.method._knobs import PreferenceRows
 from memlab.method._preference import PreferenceBatches
 from memlab.method.base import (
     Batch,
     DataStats,
     ExtraModels,
-    LigerUser,
     Offline,
-    RowLayout,
     batch_key,
     drops_padding_mask,
     register,
@@ -71,7 +68,7 @@ if TYPE_CHECKING:
 
 @register("dpo")
 @dataclass(kw_only=True)
-class DPO(Offline, PreferenceRows, _liger.LigerKnobs, PreferenceBatches):
+class DPO(Offline, PreferenceBatches):
     """DPO knobs, named as in TRL's DPOConfig where one exists."""
 
     beta: PositiveFloat = 0.1
@@ -96,15 +93,6 @@ class DPO(Offline, PreferenceRows, _liger.LigerKnobs, PreferenceBatches):
         "logps/chosen", "logps/rejected")
 
     # ------------------------------------------------------------------ capabilities
-    def row_layout(self, ctx: BuildContext) -> RowLayout:
-        return RowLayout(supports_packing=True, supports_padding_free=True,
-                         packs_rows=self.padding_free or self.share_prompt or ctx.packing.packs,
-                         row_length=self.max_length, pad_to_multiple_of=self.pad_to_multiple_of,
-                         keeps_row_end=False)
-
-    def as_liger(self) -> LigerUser | None:
-        return self
-
     def as_extra_models(self) -> ExtraModels | None:
         return self
 
@@ -113,9 +101,6 @@ class DPO(Offline, PreferenceRows, _liger.LigerKnobs, PreferenceBatches):
 
     def unit_pieces(self) -> int:
         return 2
-
-    def reads_head_weight(self, ctx: BuildContext) -> str | None:
-        return _liger.LIGER_LOSS if self.liger_loss() else None
 
     # ------------------------------------------------------------------ validation
     def validate(self, ctx: BuildContext) -> list[str]:

@@ -40,15 +40,12 @@ import torch
 
 from memlab.data.base import DataError
 from memlab.method import _layout, _liger, _reference, _rows
-from memlab.method._knobs import PreferenceRows
 from memlab.method._preference import PreferenceBatches
 from memlab.method.base import (
     Batch,
     DataStats,
     ExtraModels,
-    LigerUser,
     Offline,
-    RowLayout,
     batch_key,
     drops_padding_mask,
     register,
@@ -79,7 +76,7 @@ def mismatched_partners(prompts: list[list[int]]) -> list[int]:
 
 @register("kto")
 @dataclass(kw_only=True)
-class KTO(Offline, PreferenceRows, _liger.LigerKnobs, PreferenceBatches):
+class KTO(Offline, PreferenceBatches):
     """KTO knobs, named as in TRL's KTOConfig where one exists."""
 
     beta: PositiveFloat = 0.1
@@ -102,15 +99,6 @@ class KTO(Offline, PreferenceRows, _liger.LigerKnobs, PreferenceBatches):
         "logps/rejected")
 
     # ------------------------------------------------------------------ capabilities
-    def row_layout(self, ctx: BuildContext) -> RowLayout:
-        return RowLayout(supports_packing=True, supports_padding_free=True,
-                         packs_rows=self.padding_free or self.share_prompt or ctx.packing.packs,
-                         row_length=self.max_length, pad_to_multiple_of=self.pad_to_multiple_of,
-                         keeps_row_end=False)
-
-    def as_liger(self) -> LigerUser | None:
-        return self
-
     def as_extra_models(self) -> ExtraModels | None:
         return self
 
@@ -119,9 +107,6 @@ class KTO(Offline, PreferenceRows, _liger.LigerKnobs, PreferenceBatches):
 
     def unit_pieces(self) -> int:
         return 2 if self.share_prompt else 1
-
-    def reads_head_weight(self, ctx: BuildContext) -> str | None:
-        return _liger.LIGER_LOSS if self.liger_loss() else None
 
     # ------------------------------------------------------------------ validation
     def validate(self, ctx: BuildContext) -> list[str]:
