@@ -76,7 +76,13 @@ def too_deep(args: Sequence[str]) -> str | None:
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     parser = OverridesParser.create()
-    for override in _split(args)[1]:
+    overrides = _split(args)[1]
+    try:  # one parse when every override parses; otherwise, one at a time, which is too deep
+        parser.parse_overrides(overrides)
+        return None
+    except Exception:  # noqa: BLE001 - RecursionError, or malformed: told apart below
+        pass
+    for override in overrides:
         try:
             parser.parse_overrides([override])
         except RecursionError:

@@ -101,11 +101,11 @@ class Lora(Option):
         return model
 
 
-def frozen_linears_to(model: nn.Module, dtype_name: str) -> int:
+def frozen_linears_to(model: nn.Module, dtype_name: str) -> None:
     """Keep the frozen fp32 weights (and biases) of ``model``'s linear layers in ``dtype_name``
     (autocast's compute dtype): what autocast would cast them to at each use. Left alone: a
     trained parameter, a quantized layer's (not fp32), the output head and any weight shared
-    with an embedding (read outside autocast). Returns the bytes saved."""
+    with an embedding (read outside autocast)."""
     import torch
 
     dtype = getattr(torch, dtype_name)
@@ -115,7 +115,6 @@ def frozen_linears_to(model: nn.Module, dtype_name: str) -> int:
             for p in m.parameters(recurse=False)}
     if head is not None:
         keep |= {id(p) for p in head.parameters()}
-    saved = 0
     for module in model.modules():
         if not isinstance(module, nn.Linear):
             continue
@@ -124,5 +123,3 @@ def frozen_linears_to(model: nn.Module, dtype_name: str) -> int:
                 continue
             with torch.no_grad():
                 setattr(module, name, nn.Parameter(p.to(dtype), requires_grad=False))
-            saved += p.numel() * (p.element_size() - torch.finfo(dtype).bits // 8)
-    return saved
