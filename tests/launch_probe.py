@@ -1,11 +1,15 @@
 """A rank for tests/integration/test_launch.py (``python -m launch_probe RUN_DIR``): joins the
 process group through the environment the launcher gave it (``env://``), sums the ranks with
 an all-reduce, and records what it saw as ``ranks/rank<r>.json``. ``PROBE_FAIL=<r>``: rank r
-raises instead (an exception that escapes, for the error file) and the others only record."""
+raises instead (an exception that escapes, for the error file) and the others only record.
+``PROBE_HANG=<r>``: rank r ignores SIGTERM and sleeps (a rank that stopped responding) and
+the others record ``failed``."""
 
 import json
 import os
+import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -19,6 +23,14 @@ def main(run_dir: Path) -> int:
     total = torch.tensor([float(rank)])
     if os.environ.get("PROBE_FAIL") == str(rank):
         raise ValueError(f"probe rank {rank} fails on purpose")
+    if os.environ.get("PROBE_HANG") == str(rank):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        while True:
+            time.sleep(1)
+    if os.environ.get("PROBE_HANG"):
+        out = run_dir / "ranks" / f"rank{rank}.json"
+        out.write_text(json.dumps({"status": "failed", "error": "waited for the hung rank"}))
+        return 1
     if not os.environ.get("PROBE_FAIL"):  # with a failing rank, the others skip the group
         dist.init_process_group("gloo")
         dist.all_reduce(total)
@@ -28,7 +40,9 @@ def main(run_dir: Path) -> int:
     seen = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT",
                                            "MEMLAB_RANK", "TORCHELASTIC_ERROR_FILE")}
     out = run_dir / "ranks" / f"rank{rank}.json"
-    out.write_text(json.dumps({"status": "ok", "error": None, "env": seen,
+    out.write_text(json.dumps({"status": "ok", "error": None, "env": seen, "cwd": os.getcwd(),
+                               "extra": os.environ.get("PROBE_EXTRA"),
+                               "tokenizers": os.environ.get("TOKENIZERS_PARALLELISM"),
                                "sum": total.item(), "data": {"tokens_trained": 1}}))
     return 0
 

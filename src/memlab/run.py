@@ -25,6 +25,7 @@ from memlab.measure.console import printable
 from memlab.measure.schema import SCHEMA_VERSION
 from memlab.measure.summary import device_info, format_table
 from memlab.record import guarded
+from memlab.rundir import held_descriptors
 
 # torch-heavy modules (memlab.pipeline, memlab.distributed.base, memlab.measure.memory) are
 # imported where they are used, so that `memlab --help` and tab completion start fast.
@@ -102,7 +103,7 @@ def run(cfg: Any, run_dir: Path | str, choices: dict[str, str] | None = None,
         summary["resolved"] = resolved_options(summary["config"], ctx)
         ctx = plan_resume(ctx, summary)
         if ctx.world_size > 1:  # one worker process per rank; their summaries merged here
-            launch.launch(ctx, summary, worker="memlab.rank")
+            launch.launch(ctx, summary, worker="memlab.rank", keep=held_descriptors())
         else:
             execute(ctx, summary, logger_box)
 

@@ -120,6 +120,12 @@ def _fallback(wanted: Path, error: OSError) -> Claim:
     raise error
 
 
+def held_descriptors() -> list[int]:
+    """The lock descriptors of this process's claims: a run's ranks hold them too, so a
+    directory stays locked until the last process working in it is gone."""
+    return [c.fd for c in _HELD.values() if c.fd is not None]
+
+
 def release(kind: str) -> None:
     """Release this process's claim of ``kind`` (if any)."""
     old = _HELD.pop(kind, None)

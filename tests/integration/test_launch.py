@@ -57,3 +57,35 @@ def test_an_escaping_exception_lands_in_the_ranks_error_file(tmp_path, monkeypat
     err = json.loads((tmp_path / "ranks" / "rank1.error.json").read_text())
     assert "probe rank 1 fails on purpose" in json.dumps(err)
     assert "ValueError" in (tmp_path / "ranks" / "rank1.log").read_text()
+
+
+def test_a_rank_that_stops_responding_is_named_and_not_taken_for_the_cause(tmp_path,
+                                                                             monkeypatch):
+    """Rank 1 hangs (ignoring SIGTERM), rank 0 ends with its error: after the grace memlab
+    stops rank 1 (SIGKILL in the end), and the run's error is rank 0's, with rank 1 named as
+    the one that stopped responding (not "killed by someone", which would rank first)."""
+    import memlab.distributed.launch as launch_mod
+
+    monkeypatch.setattr(launch_mod, "GRACE_S", 0.5)
+    monkeypatch.setattr(launch_mod, "STOP_S", 0.5)
+    monkeypatch.setenv("PROBE_HANG", "1")
+    with pytest.raises(RankFailed) as e:
+        launch(_ctx(tmp_path), _summary(tmp_path), worker="launch_probe")
+    assert e.value.status == "failed"
+    assert str(e.value).startswith("rank 1 stopped responding (memlab stopped it")
+    assert "after rank 0 ended); rank 0 failed: waited for the hung rank" in str(e.value)
+
+
+def test_ranks_see_the_runs_environment_and_directory_at_each_launch(tmp_path, monkeypatch):
+    """The ranks fork from a server started at the first launch: each launch still gives them
+    the run's environment and working directory as they are then (a variable set, another
+    removed since the server started), and rank 0 writes to the run's own stdout."""
+    launch(_ctx(tmp_path / "a"), _summary(tmp_path / "a"), worker="launch_probe")
+    monkeypatch.setenv("PROBE_EXTRA", "seen")
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+    monkeypatch.chdir(tmp_path)
+    launch(_ctx(tmp_path / "b"), _summary(tmp_path / "b"), worker="launch_probe")
+    for r in range(2):
+        rec = json.loads((tmp_path / "b" / "ranks" / f"rank{r}.json").read_text())
+        assert rec["extra"] == "seen" and rec["tokenizers"] is None
+        assert rec["cwd"] == str(tmp_path)

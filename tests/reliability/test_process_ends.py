@@ -68,3 +68,54 @@ def test_a_rank_killed_by_sigkill_makes_the_run_killed(tmp_path, monkeypatch):
     assert ranks[1] is None and s["distributed"]["exit_codes"][1] == -signal.SIGKILL
     assert ranks[0]["status"] in ("failed", "interrupted")  # a consequence, not the cause
     assert s["train"]["steps"] >= 1 and s["memory"]["peak_bytes"] > 0  # rank 0's record
+
+
+def _running(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_ranks_hold_the_lock_and_end_with_a_launcher_killed_by_sigkill(tmp_path):
+    """``kill -9`` of the process that started two DDP ranks: the ranks hold the run dir's
+    lock while they live (the same open lock file), stop within their grace (recording
+    ``interrupted``) instead of training on as orphans, and the lock is free once they are
+    gone."""
+    import fcntl
+
+    pause, log, run_dir = tmp_path / "pause", tmp_path / "run.log", tmp_path / "run"
+    proc = memlab_popen([*SMOKE, "distributed=ddp", "distributed.nproc=2",
+                         f"hydra.run.dir={run_dir}"], log,
+                        env={"MEMLAB_PAUSE_AT": "step:1", "MEMLAB_PAUSE_DIR": str(pause)})
+    pids: list[int] = []
+    try:
+        wait_for_marker(pause, "step:1", proc, log)
+        deadline = time.monotonic() + HANG_S
+        while len(list(pause.glob("step:1.*.json"))) < 2:
+            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.05)
+        pids = [json.loads(p.read_text())["pid"] for p in pause.glob("step:1.*.json")]
+        lock = str((run_dir / ".memlab.lock").resolve())
+        for pid in pids:  # each rank holds the lock file open (the launcher's locked file)
+            fds = os.listdir(f"/proc/{pid}/fd")
+            assert lock in {os.path.realpath(f"/proc/{pid}/fd/{fd}") for fd in fds}, pid
+        proc.kill()
+        proc.wait(timeout=HANG_S)
+        while any(_running(p) for p in pids):
+            assert time.monotonic() < deadline, "hang guard: the ranks outlived the launcher"
+            time.sleep(0.05)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in pids:
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+        release(pause, "step:1")
+    for r in range(2):
+        rec = json.loads((run_dir / "ranks" / f"rank{r}.json").read_text())
+        assert rec["status"] == "interrupted" and rec["signal"] == "SIGTERM"
+    with open(run_dir / ".memlab.lock") as f:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free: raises BlockingIOError if not

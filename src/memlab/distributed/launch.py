@@ -30,6 +30,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +38,9 @@ if TYPE_CHECKING:
     from memlab.context import BuildContext
 
 GRACE_S = 20.0
+"""How long the other ranks have to finish once one rank failed."""
+STOP_S = 10.0
+"""How long a rank has to record ``interrupted`` after SIGTERM before it gets SIGKILL."""
 
 CAUSES = ("oom", "killed", "nan", "invalid", "failed", "timeout", "interrupted")
 """Rank statuses from the most to the least likely root cause of a run's end."""
@@ -51,50 +55,35 @@ class RankFailed(RuntimeError):
         self.status, self.signal = status, signal
 
 
-def rank_logs(ranks: Path, n: int):
-    """Where each rank's output goes (a torch ``LogsSpecs``): rank 0 prints to the terminal;
-    rank ``r >= 1`` writes ``rank<r>.log`` (stderr: logs, tracebacks) and ``rank<r>.out``
-    (stdout) in the run's ``ranks/`` dir; every rank's error file is ``rank<r>.error.json``
-    (``TORCHELASTIC_ERROR_FILE``: torch's ``record`` writes it on an uncaught exception)."""
-    from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
-
-    class RankLogs(LogsSpecs):
-        def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
-            out = {r: "" if r == 0 else str(ranks / f"rank{r}.out") for r in range(n)}
-            err = {r: "" if r == 0 else str(ranks / f"rank{r}.log") for r in range(n)}
-            return LogsDest(out, err, {}, {}, error_files(ranks, n))
-
-        @property
-        def root_log_dir(self) -> str:
-            return str(ranks)
-
-    return RankLogs(log_dir=str(ranks))
+def rank_logs(ranks: Path, n: int) -> dict[int, tuple[str, str] | None]:
+    """Where each rank's output goes: rank 0 prints to the run's terminal (None); rank
+    ``r >= 1`` writes ``rank<r>.out`` (stdout) and ``rank<r>.log`` (stderr: logs, tracebacks)
+    in the run's ``ranks/`` dir. Every rank's error file is ``rank<r>.error.json``
+    (:func:`error_files`: torch's ``record`` writes it on an uncaught exception)."""
+    return {r: None if r == 0 else (str(ranks / f"rank{r}.out"), str(ranks / f"rank{r}.log"))
+            for r in range(n)}
 
 
 def error_files(ranks: Path, n: int) -> dict[int, str]:
     return {r: str(ranks / f"rank{r}.error.json") for r in range(n)}
 
 
-def launch(ctx: BuildContext, summary: dict[str, Any], worker: str) -> None:
-    """Start ``ctx.world_size`` ranks of the job in ``summary`` (each ``python -m <worker>
-    RUN_DIR``) through torch's launcher API and merge their results into it. Raises RankFailed
-    when a rank failed.
+def launch(ctx: BuildContext, summary: dict[str, Any], worker: str,
+           keep: Sequence[int] = ()) -> None:
+    """Start ``ctx.world_size`` ranks of the job in ``summary`` (each what ``python -m <worker>
+    RUN_DIR`` would be) and merge their results into it. Raises RankFailed when a rank failed.
 
-    The ranks are torch's ``elastic.multiprocessing.start_processes`` (what torchrun's agent
-    runs): standard ``RANK`` / ``LOCAL_RANK`` / ``WORLD_SIZE`` (plus ``MEMLAB_RANK`` & co., which
-    mark memlab's own launch), per-rank log and error files (:func:`rank_logs`), each rank in
-    its own session, stopped with SIGTERM then SIGKILL. The rendezvous store is this process's
-    (``TCPStore`` on port 0, or ``distributed.master_port``; the ranks connect to it as
-    torchrun's agent store: ``TORCHELASTIC_USE_AGENT_STORE``), so no free port is guessed and
-    lost to another program between the choice and the bind. torch registers its own stop
-    handlers when it starts the ranks; memlab's (:class:`memlab.measure.outcome.StopSignals`:
-    a stop is recorded, the ranks record ``interrupted``) are put back at once."""
-    import signal as signals
-
-    from torch.distributed.elastic.multiprocessing import start_processes
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-
-    from memlab.measure.outcome import STOP_SIGNALS, Interrupted, OomWatch
+    The ranks are forks of a server that imported memlab ahead (:mod:`memlab.distributed.
+    starter`: the run's environment, working directory and ``sys.path``, each rank in its own
+    session, stopped with SIGTERM then SIGKILL), with torchrun's variables (``RANK`` /
+    ``LOCAL_RANK`` / ``WORLD_SIZE``, plus ``MEMLAB_RANK`` & co., which mark memlab's own
+    launch), per-rank log and error files (:func:`rank_logs`). The rendezvous store is this
+    process's (``TCPStore`` on port 0, or ``distributed.master_port``; the ranks connect to it
+    as torchrun's agent store: ``TORCHELASTIC_USE_AGENT_STORE``), so no free port is guessed and
+    lost to another program between the choice and the bind. ``keep``: descriptors every rank
+    holds until it ends (the run dir's lock: held until the last rank is gone)."""
+    from memlab.distributed import starter
+    from memlab.measure.outcome import Interrupted, OomWatch
     from memlab.measure.summary import write_atomic
 
     multi = ctx.distributed.as_ranks()
@@ -121,37 +110,27 @@ def launch(ctx: BuildContext, summary: dict[str, Any], worker: str) -> None:
                 "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True",
                 "TORCHELASTIC_ERROR_FILE": errors[r], "PYTHONPATH": os.pathsep.join(path)}
             for r in range(n)}
-    # start_processes installs its own handlers for SIGTERM, SIGINT, SIGHUP and SIGQUIT: the run
-    # keeps its own (a stop signal is the run's to record; SIGQUIT stays what it was)
-    ours = {sig: signals.getsignal(sig) for sig in (*STOP_SIGNALS, signals.SIGQUIT)}
     pc, watches = None, None
     try:
-        try:
-            pc = start_processes(name="memlab", entrypoint=sys.executable,
-                                 args={r: ("-m", worker, str(run_dir)) for r in range(n)},
-                                 envs=envs, logs_specs=rank_logs(ranks, n))
-        finally:
-            for sig, handler in ours.items():
-                signals.signal(sig, handler)
+        pc = starter.start(worker, str(run_dir), envs, rank_logs(ranks, n),
+                           preload=not _cuda_present(), keep=keep)
         pids = pc.pids()
         watches = [OomWatch(pids[r]) for r in range(n)]
-        codes = _wait(pc, n)
-    except (Interrupted, SignalException) as e:  # the run is stopped: so are its ranks,
-        codes = _stop(pc, n) if pc else [None] * n  # which record what they measured
+        codes = _wait(pc)
+    except Interrupted:  # the run is stopped: so are its ranks,
+        codes = pc.stop(timeout=STOP_S) if pc else [None] * n  # which record what they measured
         try:
             merge(summary, ranks, n, codes, watches)
         except RankFailed:
             pass
-        if isinstance(e, SignalException):
-            raise Interrupted(e.sigval) from None
         raise
     except BaseException:
         if pc:
-            _stop(pc, n)
+            pc.stop(timeout=STOP_S)
         raise
     finally:
         del store
-    merge(summary, ranks, n, codes, watches)
+    merge(summary, ranks, n, codes, watches, pc.stopped)
 
 
 def _store(port: int):
@@ -171,37 +150,33 @@ def _store(port: int):
                             "(the default: one the OS gives)"]) from e
 
 
-def _codes(pc, n: int) -> list[int | None]:
-    return [pc.subprocess_handlers[r].proc.poll() for r in range(n)]
+def _cuda_present() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
-def _wait(pc, n: int) -> list[int | None]:
+def _wait(pc) -> list[int | None]:
     """Every exit code; once one rank fails, the others get GRACE_S to finish, then stop."""
     failed_at = None
     while True:
-        codes = _codes(pc, n)
+        codes = pc.codes()
         if all(c is not None for c in codes):
-            pc.close()  # nothing left to stop: closes the log files
             return codes
         if failed_at is None and any(c not in (None, 0) for c in codes):
             failed_at = time.monotonic()
         if failed_at is not None and time.monotonic() - failed_at > GRACE_S:
-            return _stop(pc, n)
+            return pc.stop(timeout=STOP_S)
         time.sleep(0.1)
 
 
-def _stop(pc, n: int) -> list[int | None]:
-    """SIGTERM to every rank still running (each records ``interrupted``), SIGKILL after 10 s
-    (torch's ``close``); every exit code."""
-    pc.close(signal.SIGTERM, timeout=10)
-    return _codes(pc, n)
-
-
 def merge(summary: dict[str, Any], ranks: Path, n: int, codes: list[int | None],
-          watches: list[Any] | None = None) -> None:
+          watches: list[Any] | None = None, stopped: Collection[int] = ()) -> None:
     """Rank 0's record, plus what differs per rank; throughput summed over ranks. Raises
     :class:`RankFailed` with the run's status when a rank did not finish (``watches``: each
-    rank's :class:`memlab.measure.outcome.OomWatch`, to tell the OOM killer from a kill)."""
+    rank's :class:`memlab.measure.outcome.OomWatch`, to tell the OOM killer from a kill;
+    ``stopped``: the ranks this process stopped after another one ended, which had stopped
+    responding)."""
     recs: list[dict[str, Any] | None] = []
     for r in range(n):
         f = ranks / f"rank{r}.json"
@@ -240,14 +215,20 @@ def merge(summary: dict[str, Any], ranks: Path, n: int, codes: list[int | None],
         summary["throughput"] = thr
         summary["data"]["tokens_trained"] = sum(x["data"]["tokens_trained"] for x in ok)
     if bad:
-        raise _first_cause(bad, codes, ranks, watches)
+        raise _first_cause(bad, codes, ranks, watches, stopped)
 
 
 def _first_cause(bad: list[tuple[int, dict[str, Any] | None]], codes: list[int | None],
-                 ranks: Path, watches: list[Any] | None) -> RankFailed:
-    """The error of the rank whose end most likely caused the others' (:data:`CAUSES`)."""
+                 ranks: Path, watches: list[Any] | None,
+                 stopped: Collection[int] = ()) -> RankFailed:
+    """The error of the rank whose end most likely caused the others' (:data:`CAUSES`). A rank
+    this process had to stop (``stopped``: still running GRACE_S after another rank ended) is
+    named as one that stopped responding, never as the cause when another rank has one."""
     from memlab.measure.outcome import killed_status
 
+    hung = sorted(r for r, _ in bad if r in stopped)
+    if hung and len(hung) < len(bad):
+        bad = [(r, rec) for r, rec in bad if r not in stopped]
     found = []
     for r, rec in bad:
         code = codes[r] if r < len(codes) else None
@@ -265,4 +246,10 @@ def _first_cause(bad: list[tuple[int, dict[str, Any] | None]], codes: list[int |
         rank_of = CAUSES.index(status) if status in CAUSES else len(CAUSES)
         found.append((rank_of, r, status, why, sig))
     _, r, status, why, sig = min(found)
+    if hung and r not in hung:
+        names = ", ".join(map(str, hung))
+        return RankFailed(f"rank{'s' if len(hung) > 1 else ''} {names} stopped responding "
+                          f"(memlab stopped {'them' if len(hung) > 1 else 'it'} {GRACE_S:.0f} s "
+                          f"after rank {r} ended); rank {r} {status}: {why}",
+                          status=status, signal=sig)
     return RankFailed(f"rank {r} {status}: {why}", status=status, signal=sig)

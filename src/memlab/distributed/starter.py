@@ -1,0 +1,230 @@
+"""How the ranks' processes start: forked from a fork server that imported memlab, torch,
+transformers and datasets once, instead of each rank importing them again (~3.5 s of CPU a rank
+on a 2-core machine, about half of a short rank's life).
+
+The server is multiprocessing's ``forkserver``: a fresh interpreter (never a fork of the run's
+own process, whose threads and state a fork would copy) that the run's process starts on its
+first launch and keeps for the next ones (a sweep's jobs, a test session's runs). Each rank is a
+fork of it that then becomes what ``python -m <worker> RUN_DIR`` would be:
+
+- the run's environment *as it is at the launch* (the server's is the one it started with; the
+  rank's ``os.environ`` is replaced with the run's, plus its own rank variables), the run's
+  working directory and ``sys.path`` (multiprocessing's preparation data), ``sys.argv``;
+- its own session (``os.setsid``: a terminal's Ctrl-C reaches the run, which stops its ranks);
+- bound to the run's process: when that process ends without stopping its ranks (``kill -9``,
+  a sweep's stop that runs out of grace), each rank gets SIGTERM (it records ``interrupted``)
+  instead of training on as an orphan (a thread waits on the run's pidfd; a rank that starts
+  after the run is gone stops at once);
+- holding the descriptors the run passes (its run dir's lock: the lock stays held until the
+  last rank is gone);
+- stdout / stderr: rank 0 the run's own (its file descriptors, passed to the rank), the others
+  their log files;
+- the worker module run as ``__main__`` (``runpy``), its ``sys.exit`` code the process's exit
+  code; ``atexit`` handlers run as at a normal interpreter's end.
+
+Where a CUDA device is present nothing is imported ahead: a fork of a process that touched the
+CUDA driver (some imports ask for the device count) cannot use CUDA, so each rank imports for
+itself there, as before (not run on a GPU yet: the GPU tier's distributed tests check it).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+PRELOAD = ("memlab.rank", "memlab.pipeline", "transformers", "datasets")
+"""What the fork server imports before it forks (CPU machines only)."""
+
+_configured: list[bool] = []
+
+
+class _Fd:
+    """A file descriptor of the run's process, handed to the rank (multiprocessing passes it
+    through the fork server's socket when the rank's arguments are pickled)."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        from multiprocessing.reduction import DupFd
+
+        return (_Received, (DupFd(self.fd),))
+
+
+class _Received:
+    def __init__(self, dup: Any):
+        self.fd = dup.detach()
+
+
+def _redirect(target: _Received | str, fd: int) -> None:
+    if isinstance(target, str):
+        new = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    else:
+        new = target.fd
+    os.dup2(new, fd)
+    os.close(new)
+
+
+ORPHAN_GRACE_S = 10.0
+"""How long a rank whose run ended has to record ``interrupted`` before it kills itself (a rank
+stuck in a collective does not run Python's signal handlers)."""
+
+
+def _stop_with(pid: int) -> None:
+    """SIGTERM to this process when process ``pid`` (the run's) ends, or at once if it has;
+    SIGKILL ``ORPHAN_GRACE_S`` later if it is still there."""
+    import select
+    import threading
+
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        fd = -1
+    except (AttributeError, OSError):  # no pidfd (not Linux, or an old kernel): ask every second
+        fd = None
+
+    def wait() -> None:
+        if fd is not None and fd >= 0:
+            poll = select.poll()
+            poll.register(fd, select.POLLIN)
+            poll.poll()
+        elif fd is None:
+            while _alive(pid):
+                time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(ORPHAN_GRACE_S)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=wait, name="memlab-run-watch", daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _rank(worker: str, run_dir: str, env: dict[str, str], out: _Received | str,
+          err: _Received | str, run_pid: int, keep: list[_Received]) -> None:
+    """The rank's process: becomes ``python -m <worker> <run_dir>`` (the module docstring);
+    ``keep``: descriptors it holds until it ends."""
+    import atexit
+    import runpy
+
+    os.setsid()
+    _stop_with(run_pid)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    _redirect(out, 1)
+    _redirect(err, 2)
+    os.environ.clear()
+    os.environ.update(env)
+    if env.get("OMP_NUM_THREADS", "").isdigit():  # the server read its own when torch loaded
+        import torch
+
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    sys.argv = [worker, run_dir]
+    code: Any = 0
+    try:
+        runpy.run_module(worker, run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        code = e.code
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finally:
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    sys.exit(code)
+
+
+def _context(preload: bool):
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("forkserver")
+    if not _configured:  # (the server takes its preload list once, when it starts)
+        ctx.set_forkserver_preload(list(PRELOAD) if preload else [])
+        _configured.append(preload)
+    return ctx
+
+
+@dataclass
+class Started:
+    """The ranks' processes (rank r at index r)."""
+
+    procs: list[Any]
+    stopped: set[int] = field(default_factory=set)
+    """The ranks this process stopped (signalled while they still ran)."""
+
+    def pids(self) -> dict[int, int]:
+        return {r: p.pid for r, p in enumerate(self.procs)}
+
+    def codes(self) -> list[int | None]:
+        """Each rank's exit code (a negative number: killed by that signal), None: running."""
+        return [p.exitcode for p in self.procs]
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> list[int | None]:
+        """``sig`` to every rank still running, SIGKILL to those left after ``timeout`` s;
+        every exit code."""
+        for r, p in enumerate(self.procs):
+            if p.exitcode is None:
+                self.stopped.add(r)
+                _kill(p.pid, sig)
+        end = time.monotonic() + timeout
+        while time.monotonic() < end and any(p.exitcode is None for p in self.procs):
+            time.sleep(0.05)
+        for p in self.procs:
+            if p.exitcode is None:
+                _kill(p.pid, signal.SIGKILL)
+                p.join(5)
+        return self.codes()
+
+
+def _kill(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def start(worker: str, run_dir: str, envs: dict[int, dict[str, str]],
+          logs: dict[int, tuple[str, str] | None], preload: bool,
+          keep: Sequence[int] = ()) -> Started:
+    """One process per rank in ``envs`` (each the run's environment plus that rank's variables)
+    running ``python -m <worker> <run_dir>``; ``logs[r]``: (stdout, stderr) files of rank r,
+    None for the run's own; ``keep``: this process's descriptors every rank holds while it
+    lives. ``preload``: import :data:`PRELOAD` in the server first (CPU only)."""
+    ctx = _context(preload)
+    procs = []
+    try:
+        for r, env in envs.items():
+            files = logs.get(r)
+            out, err = files if files else (_Fd(1), _Fd(2))
+            p = ctx.Process(target=_rank, name=f"rank{r}",
+                            args=(worker, run_dir, {**os.environ, **env}, out, err,
+                                  os.getpid(), [_Fd(fd) for fd in keep]))
+            sys.stdout.flush()
+            sys.stderr.flush()
+            p.start()
+            procs.append(p)
+    except BaseException:
+        Started(procs).stop(signal.SIGKILL, 0)
+        raise
+    return Started(procs)
