@@ -14,7 +14,7 @@ from memlab import torchrun
 from memlab.measure.outcome import Interrupted
 from memlab.measure.summary import user_choices
 from memlab.record import exit_code, read_back
-from memlab.run import run
+from memlab.run import run, with_record_id
 from memlab.rundir import moved_note
 
 
@@ -34,12 +34,13 @@ def hydra_task(cfg: Any) -> dict[str, Any]:
     moved = moved_note(hc.runtime.output_dir, hc.sweep.dir if multirun else None)
     if moved:
         job["moved"] = moved
+    job = with_record_id(job)
     start = torchrun.run_rank if external_launch() else run
     try:
         summary = start(cfg, Path(hc.runtime.output_dir), choices, list(hc.overrides.task), job)
     except Interrupted as e:  # held while the record was written; the record is complete
         if multirun:
-            return read_back(Path(hc.runtime.output_dir) / "summary.json")
+            return read_back(Path(hc.runtime.output_dir) / "summary.json", str(job["record_id"]))
         raise SystemExit(e.exit_code) from None
     if not multirun and summary["status"] != "ok":
         raise SystemExit(exit_code(summary))

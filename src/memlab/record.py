@@ -142,8 +142,9 @@ def exit_code(summary: dict[str, Any]) -> int:
     return 1
 
 
-def read_back(path: Path) -> dict[str, Any]:
-    """The record written for ``path`` (there or at its fallback path)."""
+def read_back(path: Path, record_id: str) -> dict[str, Any]:
+    """The record this run (``record_id``) wrote for ``path`` (there or at a fallback path)."""
     from memlab.measure.summary import read_summary
 
-    return read_summary(path) or {"status": "failed", "error": f"no record at {path}"}
+    return read_summary(path, record_id) or {"status": "failed",
+                                             "error": f"no record of this run at {path}"}

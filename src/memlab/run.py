@@ -36,16 +36,24 @@ def plan_resume(ctx: BuildContext, summary: dict[str, Any]) -> BuildContext:
     loads (:func:`memlab.trainer.resume.plan_resume`; ConfigErrors listing every refused
     difference), recorded in ``summary["resume"]``; ``latest`` becomes the directory found, in
     the context and in the config the ranks train from."""
+    from memlab import rundir
     from memlab.trainer import resume
 
+    def live(run_dir: Path) -> str | None:
+        holder = rundir.in_use(run_dir)
+        return None if holder is None else rundir.holder_words(holder)
+
     roots = [Path(r) for r in (summary.get("job") or {}).get("outputs") or []]
-    plan = resume.plan_resume(ctx, roots)
+    plan = resume.plan_resume(ctx, roots, live=live)
     if plan is None:
         return ctx
     summary["resume"] = plan.as_dict()
-    for skipped in plan.skipped:  # resume_from=latest passed over a damaged newer checkpoint
-        print(f"[memlab] train.resume_from=latest: skipped {skipped['checkpoint']}: "
-              f"{skipped['why']}", file=sys.stderr, flush=True)
+    for skipped in plan.skipped:  # resume_from=latest passed over a newer damaged checkpoint,
+        print(f"[memlab] train.resume_from=latest: skipped {skipped['checkpoint']}: "  # or a
+              f"{skipped['why']}", file=sys.stderr, flush=True)  # live run's
+    if plan.requested == "latest" and ctx.rank == 0:
+        print(f"[memlab] train.resume_from=latest: resuming {plan.path} (step {plan.step})",
+              file=sys.stderr, flush=True)
     if isinstance(summary.get("config"), dict):
         summary["config"].setdefault("train", {})["resume_from"] = str(plan.path)
     return dataclasses.replace(ctx, train=dataclasses.replace(ctx.train,
@@ -74,7 +82,7 @@ def base_summary(run_dir: Path, choices: dict[str, str], overrides: list[str],
         "resolved": {},
         "overrides": overrides,
         "run_dir": str(run_dir),
-        "job": job,
+        "job": with_record_id(job),
         "memory": None,
         "throughput": None,
         "data": None,
@@ -86,6 +94,19 @@ def base_summary(run_dir: Path, choices: dict[str, str], overrides: list[str],
     if (job or {}).get("moved"):
         summary["write_error"] = job["moved"]
     return summary
+
+
+def with_record_id(job: dict[str, Any] | None) -> dict[str, Any]:
+    """``job`` with its ``record_id``: the one it has, the launcher's (``$MEMLAB_RECORD_ID``), or
+    a new random one (:data:`memlab.measure.summary.RECORD_ID_ENV`)."""
+    import os
+    import uuid
+
+    from memlab.measure.summary import RECORD_ID_ENV
+
+    job = dict(job or {})
+    job.setdefault("record_id", os.environ.get(RECORD_ID_ENV) or uuid.uuid4().hex)
+    return job
 
 
 def run(cfg: Any, run_dir: Path | str, choices: dict[str, str] | None = None,

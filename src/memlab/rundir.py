@@ -61,9 +61,9 @@ class DirInUse(RuntimeError):
 
     def __init__(self, path: Path, holder: dict[str, Any]):
         self.path, self.holder = path, holder
-        who = ", ".join(f"{k} {holder[k]}" for k in ("pid", "host", "since") if holder.get(k))
+        who = holder_words(holder)
         cmd = holder.get("command")
-        super().__init__(f"in use by another memlab job ({who or 'holder unknown'}"
+        super().__init__(f"in use by another memlab job ({who}"
                          + (f": {cmd}" if cmd else "") + ")")
 
 
@@ -86,7 +86,7 @@ class Claim:
 
 
 _HELD: dict[str, Claim] = {}
-"""The claims of this process, by kind (``run``, ``sweep``, ``fit``): a new claim of a kind
+"""The claims of this process, by kind (``run``, ``sweep``, ``job``, ``fit``): a new claim of a kind
 releases the previous one (one Hydra run at a time per process; a test may run many)."""
 
 
@@ -110,7 +110,7 @@ def claim(path: Path | str, *, fresh: bool, kind: str = "run") -> Claim:
 
 def _fallback(wanted: Path, error: OSError) -> Claim:
     """A new directory in the first fallback place that works, for ``wanted``."""
-    for alt in fallback_paths(wanted):
+    for alt in fallback_paths(wanted, create=True):
         try:
             got = _claim_at(alt, fresh=True)
         except OSError:
@@ -174,6 +174,36 @@ def _lock(directory: Path) -> int | None:
               "stops another run from using this directory at the same time", file=sys.stderr,
               flush=True)
     return fd
+
+
+def in_use(directory: Path | str) -> dict[str, Any] | None:
+    """Who holds ``directory``'s lock (its lock file's content; ``{}`` when it says nothing) when
+    another process holds it: a live run, sweep job or fit works there. None when nobody does,
+    when this process holds it itself, or when there is no lock file (or no locks)."""
+    import fcntl
+
+    directory = Path(directory)
+    if any(c.path.resolve() == directory.resolve() for c in _HELD.values()):
+        return None
+    try:
+        fd = os.open(directory / LOCK, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return _holder(directory / LOCK)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)  # (releases the shared lock taken, if it was)
+    return None
+
+
+def holder_words(holder: dict[str, Any]) -> str:
+    """``pid 12, since 2026-01-01 10:00:00`` (what a lock file says of its holder)."""
+    return ", ".join(f"{k} {holder[k]}" for k in ("pid", "host", "since") if holder.get(k)) or (
+        "holder unknown")
 
 
 def _describe(c: Claim) -> None:
@@ -309,3 +339,26 @@ class RunDirs(Callback):
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
         release("sweep")
+
+    def on_job_start(self, config: Any, **kwargs: Any) -> None:
+        """A sweep job holds its own dir too (a single run's was claimed at its start), so
+        ``memlab report`` and ``train.resume_from=latest`` tell a running job from a dead one."""
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        if HydraConfig.get().mode != RunMode.MULTIRUN or _torchrun_rank() != 0:
+            return
+        release("job")
+        out = Path(os.path.abspath(HydraConfig.get().runtime.output_dir))
+        try:
+            got = _claim_at(out, fresh=False)
+        except DirInUse as e:
+            print(f"memlab: {out} is {e}; this job was not started", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
+        except OSError:
+            return  # an unwritable job dir: the job's record goes to its fallback path
+        _describe(got)
+        _HELD["job"] = got
+
+    def on_job_end(self, config: Any, job_return: Any = None, **kwargs: Any) -> None:
+        release("job")

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from memlab.cli.report import main as report
+from memlab.measure.summary import fallback_name
 from memlab_testing import check_record
 from reliability.helpers import limited_python, memlab_popen, wait_for_marker
 
@@ -37,6 +38,13 @@ def test_full_sweep_every_job_has_its_true_status(tmp_path, capsys):
     sweep, rel, tmp = tmp_path / "sweep", tmp_path / "rel", tmp_path / "tmp"
     tmp.mkdir()
     log = tmp_path / "sweep.log"
+    # a record planted (or left by an earlier run) where the killed job's fallback record would
+    # go: the launcher must not take it for that job's (it lacks the job's record id)
+    planted = tmp / "memlab-unsaved"
+    planted.mkdir(mode=0o700)
+    (planted / fallback_name(sweep / str(JOBS.index("killed")) / "summary.json")).write_text(
+        json.dumps({"status": "ok", "error": None, "throughput": {"tokens_per_s": 999999},
+                    "job": {"record_id": "planted"}}))
     proc = memlab_popen(
         ["-m", "--config-dir", str(CONF),
          "experiment=" + ",".join(f"rel_{j}" for j in JOBS), *SWEEP_SMOKE,
@@ -68,6 +76,8 @@ def test_full_sweep_every_job_has_its_true_status(tmp_path, capsys):
     assert s["failed"]["train"]["steps"] == 1 and s["failed"]["memory"]["peak_bytes"] > 0
     assert s["killed"]["signal"] == "SIGKILL" and "no sign of the out-of-memory killer" in (
         s["killed"]["error"])
+    assert "recorded_status" not in s["killed"] and s["killed"]["throughput"] != {
+        "tokens_per_s": 999999}  # the planted record was not merged
     assert s["timeout"]["error"].startswith("stopped by the launcher after timeout_min=0.02")
     assert s["interrupted"]["signal"] == "SIGTERM"
     assert s["interrupted"]["error"] == "interrupted by SIGTERM after 1 step(s)"

@@ -33,6 +33,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,7 +49,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from hydra_plugins.memlab_launcher.joblog import JobLog, console_only
 from memlab.measure.outcome import FAILING, STOP_SIGNALS, OomWatch, count_line, killed_status
 from memlab.measure.schema import SCHEMA_VERSION
-from memlab.measure.summary import read_summary, write_summary
+from memlab.measure.summary import RECORD_ID_ENV, read_summary, write_summary
 from memlab.rundir import remove_links
 
 log = logging.getLogger(__name__)
@@ -109,6 +110,9 @@ class _Job:
     """Why SIGKILL followed (a second stop signal to the sweep, or the grace period was over);
     None: it did not."""
     log: JobLog | None = None
+    record_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    """The id the job's record carries (``$MEMLAB_RECORD_ID``): a record without it, at the
+    job's path or a fallback path, is not this job's."""
 
     def process(self) -> subprocess.Popen:
         """The job's process (it has been started)."""
@@ -286,7 +290,7 @@ class MemlabLauncher(Launcher):
             pickle.dump({"config": job.config, "module": module, "qualname": qualname,
                          "result": str(job.result), "parent": os.getpid()}, f)
         # the job's console is copied as it comes (memlab.log; the console when one at a time)
-        env = {**os.environ, **job.env, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, **job.env, "PYTHONUNBUFFERED": "1", RECORD_ID_ENV: job.record_id}
         if job.device is not None:
             env["CUDA_VISIBLE_DEVICES"] = job.device
         job.dir.mkdir(parents=True, exist_ok=True)
@@ -345,7 +349,7 @@ class MemlabLauncher(Launcher):
                 ret._return_value, dict):
             own = ret._return_value
         if own is None:
-            own = read_summary(job.dir / "summary.json")
+            own = read_summary(job.dir / "summary.json", job.record_id)
         why: str | None
         if job.stopped_by == "timeout" and job.timeout_s is not None:
             status = "timeout"
@@ -396,7 +400,8 @@ class MemlabLauncher(Launcher):
                                  "wall_time_s")),
                 "status": None, "error": None, "overrides": list(job.overrides),
                 "choices": _user_choices(job.config), "run_dir": str(job.dir),
-                "job": {"name": str(OmegaConf.select(job.config, "hydra.job.name")),
+                "job": {"record_id": job.record_id,
+                        "name": str(OmegaConf.select(job.config, "hydra.job.name")),
                         "num": job.idx, "sweep_dir": str(sweep_dir.resolve())}}
 
     def _return(self, job: _Job, record: dict[str, Any], write: bool) -> JobReturn:

@@ -60,19 +60,61 @@ FALLBACK_ENV = "MEMLAB_FALLBACK_DIR"
 """Where summaries go first when their own directory cannot be written (default: the temp dir's
 ``memlab-unsaved/``, then ``~/.memlab/unsaved/``)."""
 
+RECORD_ID_ENV = "MEMLAB_RECORD_ID"
+"""The id a sweep's launcher gives a job (its record carries it as ``job.record_id``): the only
+way a record at a fallback path is taken for that job's."""
 
-def fallback_paths(path: Path | str) -> list[Path]:
-    """The places, in order, for a record meant for ``path`` that cannot be written there; the
-    file is named after the whole path it was meant for, so records of different runs never
-    collide and a launcher finds its job's record again."""
+
+def _private(d: str, create: bool) -> bool:
+    """Directory ``d`` is this user's alone (created so when ``create``): owned by this user,
+    no access for group or others, not a link. The shared temp dir's fallback place must be,
+    or anyone could plant a record there for a job that wrote none (or read what a job wrote);
+    one that is not is skipped."""
+    if create:
+        try:
+            os.makedirs(d, mode=0o700, exist_ok=True)
+        except OSError:
+            return False
+    try:
+        st = os.lstat(d)
+    except OSError:
+        return False
+    import stat
+
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        return False
+    if st.st_mode & 0o077:
+        try:
+            os.chmod(d, 0o700)  # ours, made with a looser umask by an older memlab
+        except OSError:
+            return False
+    return True
+
+
+def fallback_name(path: Path | str) -> str:
+    """The file name, in a fallback place, of a record meant for ``path``."""
     full = os.path.abspath(str(path))
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", full.strip("/"))
     if len(name) > 200:  # file names have a limit; keep the end (the run's own dirs) + a hash
         import hashlib
 
         name = hashlib.sha1(full.encode()).hexdigest()[:12] + "_" + name[-180:]
-    dirs = [os.environ.get(FALLBACK_ENV), os.path.join(tempfile.gettempdir(), "memlab-unsaved"),
-            os.path.join(os.path.expanduser("~"), ".memlab", "unsaved")]
+    return name
+
+
+def fallback_paths(path: Path | str, create: bool = False) -> list[Path]:
+    """The places, in order, for a record meant for ``path`` that cannot be written there; the
+    file is named after the whole path it was meant for, so records of different runs never
+    collide and a launcher finds its job's record again. ``$MEMLAB_FALLBACK_DIR`` is the user's
+    choice, taken as it is; the temp dir's ``memlab-unsaved/`` and ``~/.memlab/unsaved/`` are
+    used only where they are private to this user (:func:`_private`; ``create``: make them so).
+    Records written there keep the run dir's umask-given mode; only their directory is
+    private."""
+    name = fallback_name(path)
+    dirs = [os.environ.get(FALLBACK_ENV)] + [
+        d for d in (os.path.join(tempfile.gettempdir(), "memlab-unsaved"),
+                    os.path.join(os.path.expanduser("~"), ".memlab", "unsaved"))
+        if _private(d, create)]
     return [Path(d) / name for d in dirs if d]
 
 
@@ -87,7 +129,7 @@ def write_summary(path: Path | str, obj: dict[str, Any]) -> tuple[Path, str | No
         return path, None
     except OSError as first:
         error = first
-    for alt in fallback_paths(path):
+    for alt in fallback_paths(path, create=True):
         obj["write_error"] = (f"could not write {path} ({type(error).__name__}: {error}); "
                               f"this record was written to {alt} instead")
         try:
@@ -99,15 +141,24 @@ def write_summary(path: Path | str, obj: dict[str, Any]) -> tuple[Path, str | No
     raise error
 
 
-def read_summary(path: Path | str) -> dict[str, Any] | None:
-    """The record written for ``path`` (there, or at a fallback path); None when there is none
-    or it cannot be read."""
-    for p in (Path(path), *fallback_paths(path)):
+def record_id_of(record: Any) -> str | None:
+    job = record.get("job") if isinstance(record, dict) else None
+    return job.get("record_id") if isinstance(job, dict) else None
+
+
+def read_summary(path: Path | str, record_id: str | None = None) -> dict[str, Any] | None:
+    """The record written for ``path``; None when there is none or it cannot be read. With
+    ``record_id`` (the id the job was given, ``job.record_id`` in its record), a record at
+    ``path`` or at one of its fallback paths, and only one that carries that id: a stale record
+    of an earlier run, or one planted there, is never taken for this job's. Without it, the
+    record at ``path`` only."""
+    places = [Path(path)] + (fallback_paths(path) if record_id else [])
+    for p in places:
         try:
             data = json.loads(p.read_text())
         except (OSError, ValueError):
             continue
-        if isinstance(data, dict):
+        if isinstance(data, dict) and (record_id is None or record_id_of(data) == record_id):
             return data
     return None
 

@@ -62,6 +62,9 @@ class Job(TypedDict):
     record the sweep launcher wrote for a job that wrote none)."""
     moved: NotRequired[str]
     """Why the run's directory is a fallback directory, when it could not use its own."""
+    record_id: NotRequired[str]
+    """A random id of this run (a sweep job's is its launcher's, ``$MEMLAB_RECORD_ID``): a record
+    found at a fallback path is taken for this job's only when it carries this id."""
 
 
 class Device(TypedDict):

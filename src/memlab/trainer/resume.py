@@ -7,6 +7,7 @@ kind of state (:func:`memlab.trainer.checkpoint.state_format`). Loading it is
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -91,13 +92,16 @@ def input_differences(state: dict[str, Any], ctx: BuildContext) -> list[config_r
     return out
 
 
-def plan_resume(ctx: BuildContext, roots: list[Path] | None = None) -> ResumePlan | None:
+def plan_resume(ctx: BuildContext, roots: list[Path] | None = None,
+                live: Callable[[Path], str | None] | None = None) -> ResumePlan | None:
     """Check ``train.resume_from`` against the checkpoint before anything loads: the
     checkpoint exists, is memlab's and whole (:func:`memlab.trainer.checkpoint.file_problems`),
     its kind of state suits this run, its configuration and its inputs (data, model, tokenizer,
     chat template: :mod:`memlab.trainer.inputs`) differ from this run's only in what
     ``train.resume_allow`` names, and it is short of ``train.steps``. ``latest``: the newest
-    such checkpoint under :func:`search_roots` (newer damaged ones are skipped and named).
+    such checkpoint under :func:`search_roots` (newer damaged ones are skipped and named, and
+    so are those of a run that is still running: ``live(run dir)`` says who runs there, or
+    None; that run would prune the checkpoint it is still writing beside).
     Raises ConfigErrors (one message listing every difference) otherwise."""
     where = ctx.train.resume_from
     if not where:
@@ -121,6 +125,11 @@ def plan_resume(ctx: BuildContext, roots: list[Path] | None = None) -> ResumePla
         match = None
         for p, s in found:
             if refused(s) or format_problem(p, s, want) is not None:
+                continue
+            running = live(p.parent.parent) if live is not None else None
+            if running:
+                skipped.append({"checkpoint": str(p), "why": f"its run is still running "
+                                                             f"({running})"})
                 continue
             damaged = file_problems(p, s)
             if damaged:

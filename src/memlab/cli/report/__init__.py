@@ -19,7 +19,9 @@ different). Every status a run or its launcher records is shown as it is (ok, in
 failed, killed, timeout, interrupted, not_run: :mod:`memlab.measure.outcome`), with the steps
 measured before the end; the last line counts the jobs by status. Jobs that died before writing a
 summary (a Hydra job dir with
-``.hydra/overrides.yaml`` but no ``summary.json``) show up with status ``missing``; unreadable
+``.hydra/overrides.yaml`` but no ``summary.json``) show up with status ``missing``, or
+``running`` when a live process still holds the job dir's lock (:func:`memlab.rundir.in_use`);
+unreadable
 summaries, and those that are not a summary this memlab reads (a key or a type its typed record,
 :mod:`memlab.measure.schema`, does not have; a newer ``schema_version``), with status ``corrupt``
 and the reason (:mod:`.load`); a summary written before ``schema_version`` is read as that layout.

@@ -31,6 +31,9 @@ PROFILE_DIR = re.compile(r"profile(_rank\d+)?")
 
 OK = "ok"
 MISSING = "missing"
+RUNNING = "running"
+"""A job without a summary whose dir a live process holds (:func:`memlab.rundir.in_use`): not
+dead, still running."""
 CORRUPT = "corrupt"
 
 
@@ -108,6 +111,18 @@ def _placeholder(job_dir: Path, status: str, error: str, source: Path) -> dict[s
     }
 
 
+def _no_summary(job_dir: Path, why: str) -> dict[str, Any]:
+    """The record of a job dir without a summary: ``running`` when a live process holds the
+    dir's lock (the job runs still), else ``missing`` for ``why``."""
+    from memlab.rundir import holder_words, in_use
+
+    holder = in_use(job_dir) if job_dir.is_dir() else None
+    if holder is not None:
+        return _placeholder(job_dir, RUNNING, f"running ({holder_words(holder)}); no "
+                                              f"{SUMMARY_NAME} yet", job_dir)
+    return _placeholder(job_dir, MISSING, why, job_dir)
+
+
 def sweep_plan(sweep_dir: Path) -> dict[int, list[str]] | None:
     """Job number -> overrides of every job of the sweep whose ``multirun.yaml`` is in
     ``sweep_dir``, expanded as Hydra's basic sweeper expands it (the sweeper's ``params``, then
@@ -150,7 +165,7 @@ def _unrecorded(sweep_dir: Path, seen: set[Path]) -> list[dict[str, Any]]:
                if not job_dir.is_dir() else
                f"no {SUMMARY_NAME} and no Hydra record (.hydra/) in the job dir (the job died "
                "before writing them; see its log)")
-        record = _placeholder(job_dir, MISSING, why, job_dir)
+        record = _no_summary(job_dir, why)
         record["overrides"] = overrides
         record["job"]["sweep_dir"] = str(sweep_dir)
         out.append(record)
@@ -216,7 +231,7 @@ def load_summaries(paths: Sequence[Path | str]) -> list[dict[str, Any]]:
             job_dirs.add(key if item.is_dir() else key.parent)
             if item.is_dir():
                 msg = f"no {SUMMARY_NAME} (the job died before writing it; see its log)"
-                records.append(_placeholder(item, MISSING, msg, item))
+                records.append(_no_summary(item, msg))
             else:
                 records.append(_load_file(item))
     for sweep in dict.fromkeys(s.resolve() for s in sweeps):
