@@ -35,7 +35,7 @@ from typing import Annotated, Any, Literal
 
 from memlab.data.base import DataError, SplitSource, original_row
 from memlab.registry import Fraction, Option, Range
-from memlab.trainer.inputs import Inputs
+from memlab.trainer.inputs import Inputs, of_data, summary_files
 
 _VERSION = "1"
 """Part of the cache key of converted datasets: bump when a conversion changes."""
@@ -154,7 +154,10 @@ class RowOptions(Option):
         return self.place(original_row(ds, row))
 
     def summary(self, ds: Any) -> dict[str, Any]:
-        return {}
+        """``files``: every file the rows and the held-out rows are read from, with its
+        SHA-256 (:func:`memlab.trainer.inputs.summary_files`; none for generated data)."""
+        files = summary_files(of_data(self))
+        return {"files": files} if files else {}
 
     def inputs(self) -> dict[str, Inputs]:
         """Nothing read from outside (data generated from the config); file and hub sources

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from memlab.data.base import limit, register
 from memlab.data.formats import RowOptions
 from memlab.registry import PositiveInt, Seed
-from memlab.trainer.inputs import Inputs
+from memlab.trainer.inputs import Inputs, content_key
 
 if TYPE_CHECKING:
     from memlab.context import BuildContext
@@ -33,7 +33,8 @@ class Hub(RowOptions):
     """Sub-directory of the dataset repository to read."""
     cache_dir: str | None = None
     """Where ``datasets`` caches hub datasets (None: its default, ``HF_DATASETS_CACHE``); with
-    ``HF_DATASETS_OFFLINE=1`` a dataset is read from there without the network."""
+    ``HF_DATASETS_OFFLINE=1`` a dataset is read from there without the network. A local dataset
+    directory is cached under ``memlab-by-content/sha256-<its files' hash>`` there."""
     max_examples: PositiveInt | None = None
     """Keep only this many rows (a seeded sample when shuffle_seed is set)."""
     shuffle_seed: Seed | None = None
@@ -61,6 +62,18 @@ class Hub(RowOptions):
             return {"data": Inputs.of_paths([local])}
         return {"data": Inputs(repo=f"datasets/{self.path}", revision=self.revision)}
 
+    def _cache_for_content(self) -> str | None:
+        """``cache_dir``; for a local dataset directory, a directory under it named by the
+        SHA-256 of the directory's files (``datasets`` keys a local file by its path and
+        modification time, which ``rsync -a`` or ``cp -p`` keep across a change)."""
+        files = self.inputs()["data"].files
+        if not files:
+            return self.cache_dir
+        import datasets
+
+        base = Path(self.cache_dir or datasets.config.HF_DATASETS_CACHE).expanduser()
+        return str(base / "memlab-by-content" / f"sha256-{content_key(files)}")
+
     def load(self, ctx: BuildContext):
         return self.load_split(ctx, self.split)
 
@@ -71,6 +84,6 @@ class Hub(RowOptions):
 
         ds = datasets.load_dataset(
             self.path, self.config_name, split=split, revision=self.revision,
-            data_dir=self.data_dir, cache_dir=self.cache_dir,
+            data_dir=self.data_dir, cache_dir=self._cache_for_content(),
         )
         return limit(ds, self.max_examples, self.shuffle_seed)

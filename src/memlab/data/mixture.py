@@ -183,7 +183,7 @@ class Mixture(RowOptions):
         out = {}
         for label, (_, key, value) in configs.items():
             out[label] = {"rows": int(rows.get(label, 0)), key: value}
-        return {"sources": out}
+        return {"sources": out, **super().summary(ds)}
 
 
 def source_rows(ds, picked: list[int]):

@@ -237,6 +237,21 @@ class MixtureSource(TypedDict):
     """Its asked count of rows, when the mixture counts."""
 
 
+class DataFile(TypedDict):
+    """A file the rows or the held-out rows were read from."""
+
+    input: str
+    """The input it belongs to: ``data``, ``data.<label>`` (a mixture's source) or
+    ``data.eval`` (a held-out file), as a checkpoint's fingerprints and ``train.resume_allow``
+    name it."""
+    path: str
+    """Its absolute path."""
+    bytes: int
+    """Its size."""
+    sha256: str
+    """The SHA-256 of its contents (what keys its cached rows and what a resume compares)."""
+
+
 class Data(TypedDict):
     """What preparing the data did to the tokens."""
 
@@ -274,6 +289,9 @@ class Data(TypedDict):
     """Rows skipped as unsplittable."""
     sources: NotRequired[dict[str, MixtureSource]]
     """``data=mixture``: each source by its label."""
+    files: NotRequired[list[DataFile]]
+    """Every file the data and the held-out data were read from, with its SHA-256 (none for
+    generated data or a hub repository)."""
     hollow_warning: NotRequired[str]
     """The share of hollow examples is above ``data.max_hollow_fraction``."""
     groups: NotRequired[int]

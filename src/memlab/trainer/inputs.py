@@ -5,15 +5,23 @@ template (:class:`Inputs`, one per name; the data and model options say which fi
 A checkpoint records each input's fingerprint (:func:`record`): its files with their size and
 modification time, and a SHA-256 of their contents; for a hub dataset or model, the repository
 and the commit its revision resolved to in the local Hugging Face cache. Resuming compares them
-(:func:`differences`): the same files with the same size and time are the same (no hashing);
-otherwise the content hash decides, so a file copied (or touched) without a change still
-resumes, and one changed in place is a difference under the key ``inputs.<name>``, refused like
-a changed setting unless ``train.resume_allow`` names it.
+(:func:`changed`) by content alone: a file copied (or touched) without a change still resumes,
+and one changed in place is a difference under the key ``inputs.<name>``, refused like a
+changed setting unless ``train.resume_allow`` names it, even when its size and modification
+time are the old ones (``rsync -a``, ``cp -p`` and ``tar x`` restore the time of a file they
+rewrite). Model directories are hashed whole, weights included: a same-shape weight saved over
+the old one leaves every safetensors header as it was, and a resume reads the weights anyway
+(``benchmarks/data_hashing.py`` measures the cost).
+
+:func:`file_sha256` is also what keys a local file's ``datasets`` cache
+(:func:`content_key`; ``datasets`` itself keys it by path and modification time) and what
+summary.json records for every data file (:func:`summary_files`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,8 +30,14 @@ from typing import Any, Literal, Protocol
 NAMES = ("data", "model", "tokenizer", "chat_template")
 """The inputs a checkpoint fingerprints (``train.resume_allow=[inputs.data]`` accepts a change)."""
 
-_HASHES: dict[tuple[str, int, int], str] = {}
-"""SHA-256 of files already hashed in this process, by (path, size, mtime_ns)."""
+_HASHES: dict[tuple[str, int, int, int, int, int], str] = {}
+"""SHA-256 of files already hashed in this process, by (path, device, inode, size, mtime_ns,
+ctime_ns): a write or a ``utime`` sets the change time to now and nothing sets it back, so a file
+rewritten with its modification time restored is hashed again (on a kernel whose change times
+are coarse, a few milliseconds, only a rewrite within the same tick as the hash would not be)."""
+
+_CHUNK = 1 << 20
+"""Bytes read at a time while hashing (memory stays this small for any file size)."""
 
 
 @dataclass(frozen=True)
@@ -68,16 +82,29 @@ def _stat(files: tuple[Path, ...]) -> list[dict[str, Any]]:
     return out
 
 
-def _file_sha256(f: Path) -> str:
-    st = f.stat()
-    key = (str(f), st.st_size, st.st_mtime_ns)
+def file_sha256(f: str | Path) -> str:
+    """The SHA-256 of ``f``'s contents, read in chunks of :data:`_CHUNK` bytes (once per
+    process while the file is not written: :data:`_HASHES`)."""
+    st = os.stat(f)
+    key = (str(f), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
     if key not in _HASHES:
         h = hashlib.sha256()
-        with open(f, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                h.update(chunk)
+        buf = bytearray(_CHUNK)
+        view = memoryview(buf)
+        with open(f, "rb", buffering=0) as fh:
+            while n := fh.readinto(buf):
+                h.update(view[:n])
         _HASHES[key] = h.hexdigest()
     return _HASHES[key]
+
+
+def content_key(files: Sequence[str | Path]) -> str:
+    """One SHA-256 over the contents of ``files`` in their order (not their names): the
+    ``datasets`` cache key of rows read from them."""
+    total = hashlib.sha256()
+    for f in files:
+        total.update(f"{file_sha256(f)}\n".encode())
+    return total.hexdigest()
 
 
 def _hashed(files: tuple[Path, ...]) -> dict[str, Any]:
@@ -86,13 +113,9 @@ def _hashed(files: tuple[Path, ...]) -> dict[str, Any]:
     entries = _stat(files)
     total = hashlib.sha256()
     for entry, f in zip(entries, files, strict=True):
-        entry["sha256"] = _file_sha256(f)
+        entry["sha256"] = file_sha256(f)
         total.update(f"{f.name}\0{entry['sha256']}\n".encode())
     return {"files": entries, "sha256": total.hexdigest()}
-
-
-def _quick(entries: list[dict[str, Any]] | None) -> list[tuple[Any, ...]]:
-    return [(e.get("path"), e.get("size"), e.get("mtime_ns")) for e in entries or []]
 
 
 def resolved_revision(inputs: Inputs) -> str | None:
@@ -158,17 +181,15 @@ def describe(old: dict[str, Any] | None, now: dict[str, Any] | None) -> tuple[st
 
 def changed(old: dict[str, Any] | None, inp: Inputs) -> tuple[bool, dict[str, Any] | None]:
     """``(whether the input differs from its recorded fingerprint old, its current
-    fingerprint)``: the same files with the same size and time are the same without hashing;
-    otherwise the content hash decides. An input the checkpoint did not record (an older
-    memlab, or one this run reads and that run did not) is not compared, nor is a hub revision
-    that either side cannot resolve."""
+    fingerprint)``: the content hashes decide (never the size and modification time, which a
+    copy may keep across a change). An input the checkpoint did not record (an older memlab,
+    or one this run reads and that run did not) is not compared, nor is a hub revision that
+    either side cannot resolve."""
     if old is None:
         return False, None
     now: dict[str, Any] = {}
     files_differ = False
     if inp.files or old.get("files") is not None:
-        if _quick(old.get("files")) == _quick(_stat(inp.files)):
-            return False, old
         now.update(_hashed(inp.files))
         files_differ = now["sha256"] != old.get("sha256")
     revision_differs = False
@@ -200,10 +221,22 @@ class RunSources(Protocol):
     def model(self) -> _Source: ...
 
 
+def of_data(data: _DataSource) -> dict[str, Inputs]:
+    """The inputs of a data option: its sources' (``data``, or ``data.<label>`` per mixture
+    source) and a held-out file (``data.eval=<file>``: ``data.eval``; the best evaluation and
+    early stopping compare evaluations made before and after a resume)."""
+    held = ({"data.eval": Inputs.of_paths([str(data.eval)])}
+            if data.eval_kind() == "path" else {})
+    return {**data.inputs(), **held}
+
+
 def of_run(ctx: RunSources) -> dict[str, Inputs]:
-    """Every input of the run ``ctx``: its data's and its model's, and a held-out file
-    (``data.eval=<file>``: ``data.eval``; the best evaluation and early stopping compare
-    evaluations made before and after a resume)."""
-    held = ({"data.eval": Inputs.of_paths([str(ctx.data.eval)])}
-            if ctx.data.eval_kind() == "path" else {})
-    return {**ctx.data.inputs(), **held, **ctx.model.inputs()}
+    """Every input of the run ``ctx``: its data's (:func:`of_data`) and its model's."""
+    return {**of_data(ctx.data), **ctx.model.inputs()}
+
+
+def summary_files(inputs: dict[str, Inputs]) -> list[dict[str, Any]]:
+    """summary.json's ``data.files``: every file of ``inputs`` with the input it belongs to,
+    its size and the SHA-256 of its contents."""
+    return [{"input": name, "path": str(f), "bytes": f.stat().st_size, "sha256": file_sha256(f)}
+            for name, inp in inputs.items() for f in inp.files]
