@@ -106,8 +106,8 @@ _memlab_completion()
     local word="${args[n-1]}"
     local sub="" extra=""
     if (( n == 1 )); then
-        extra="report estimate lengths data fit"
-    elif [[ " report estimate lengths data fit " == *" ${args[0]} "* ]]; then
+        extra="@SUBCOMMANDS@"
+    elif [[ " @SUBCOMMANDS@ " == *" ${args[0]} "* ]]; then
         sub="${args[0]}"; args=("${args[@]:1}")
     fi
     if [[ "$sub" == "report" || "$word" == -* ]]; then
@@ -135,7 +135,7 @@ def completion_script(action: str, shell: str) -> str:
         return ("complete -r memlab 2>/dev/null; complete -r python python3 2>/dev/null; "
                 "unset -f _memlab_completion")
     head = "autoload -Uz bashcompinit && bashcompinit\n" if shell == "zsh" else ""
-    return head + COMPLETION_SCRIPT
+    return head + COMPLETION_SCRIPT.replace("@SUBCOMMANDS@", " ".join(SUBCOMMANDS))
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "memlab") -> int:
