@@ -628,3 +628,75 @@ def test_1b_model_estimates_with_under_1gib_of_real_memory(tmp_path):
     # 477 MiB measured alone; one loaded two-worker CI run saw 1.01 GiB (not understood yet):
     # the bound is what an estimate of a 1B model must stay under, with that margin
     assert est["estimator"]["max_rss_bytes"] < 1.5 * 2**30
+
+
+HUB_7B = ["model=hf", "model.name_or_path=Qwen/Qwen2.5-7B-Instruct", "method.max_length=32",
+          "train.batch_size=1", "packing=none", "precision=fp32"]
+FIT_ONE = ["train.gradient_checkpointing=true", "train.checkpoint_every=1",
+           "method.padding_free=false", "method.loss_impl=standard"]  # one candidate: all fixed
+
+
+@pytest.fixture
+def said(monkeypatch):
+    """Each test sees the shipped-config line afresh (it is printed once a process)."""
+    import memlab.cli.estimate as cli
+
+    monkeypatch.setattr(cli, "_SAID", set())
+
+
+def test_an_unreachable_hub_model_is_estimated_and_fitted_from_its_shipped_config(
+        tmp_path, capsys, said):
+    """Issue 45 item 5: offline (the tests run with HF_HUB_OFFLINE=1, nothing cached), the
+    cookbook's hub id is estimated from memlab's shipped Qwen2.5-7B-Instruct config, saying so
+    on one console line and in the assumptions; ``fit --estimate-only`` too (one candidate),
+    and its winner still names the hub id (a run with weights needs the hub)."""
+    from memlab.cli.fit import main as fit_main
+
+    assert estimate_main([*HUB_7B, "--out", str(tmp_path / "est")]) == 0
+    err = capsys.readouterr().err
+    said = [line for line in err.splitlines() if "shipped config" in line]
+    assert len(said) == 1 and said[0].startswith(
+        "memlab: model.name_or_path=Qwen/Qwen2.5-7B-Instruct: not in the local Hugging Face "
+        "cache, and HF_HUB_OFFLINE=1 forbids downloading it; estimating memlab's shipped config "
+        "of Qwen2.5-7B-Instruct"), err
+    est = json.loads((tmp_path / "est" / "estimate.json").read_text())
+    assert est["status"] == "ok" and round(est["model"]["total"] / 1e6, 1) == 7615.6
+    assert "model.name_or_path=Qwen/Qwen2.5-7B-Instruct" in est["overrides"]
+    assert "shipped config of Qwen2.5-7B-Instruct" in est["assumptions"][0]
+
+    import memlab.cli.estimate as cli
+
+    cli._SAID.clear()
+    out = tmp_path / "fit"
+    assert fit_main(["--budget", "200GiB", "--estimate-only", "--out", str(out), *HUB_7B,
+                     *FIT_ONE]) == 0
+    err = capsys.readouterr().err
+    assert err.count("shipped config of Qwen2.5-7B-Instruct") == 1 and "Traceback" not in err
+    record = json.loads((out / "fit.json").read_text())
+    assert [c["estimate"]["status"] for c in record["candidates"]] == ["ok"]
+    assert record["candidates"][0]["estimate"]["peak_bytes"] == est["peak_bytes"]
+    assert "model.name_or_path=Qwen/Qwen2.5-7B-Instruct" in record["winner"]["command"]
+
+
+def test_an_unreachable_hub_model_memlab_does_not_ship_is_one_invalid_line(tmp_path, capsys):
+    """... and a hub id memlab ships no config of: ``invalid`` naming the fix, exit 2, no
+    traceback, from ``memlab estimate`` and from ``memlab fit`` (before its search)."""
+    from memlab.cli.fit import main as fit_main
+
+    unknown = ["model=hf", "model.name_or_path=someone/NoSuchModel-3B"]
+    assert estimate_main([*unknown, "--out", str(tmp_path / "est")]) == 2
+    out, err = capsys.readouterr()
+    line = next(x for x in out.splitlines() if x.startswith("status:"))
+    assert line.startswith("status: invalid  model.name_or_path=someone/NoSuchModel-3B: not in "
+                           "the local Hugging Face cache"), out
+    assert "${memlab.asset:model_configs/NAME}" in line and "Traceback" not in out + err
+    est = json.loads((tmp_path / "est" / "estimate.json").read_text())
+    assert est["status"] == "invalid" and "model.name_or_path=DIR" in est["error"]
+
+    assert fit_main(["--card", "rtx4090", "--allow", "peft,precision", "--estimate-only",
+                     "--out", str(tmp_path / "fit"), *unknown, "method.max_length=4096"]) == 2
+    err = capsys.readouterr().err
+    said = [x for x in err.splitlines() if x.startswith("memlab fit:")]
+    assert len(said) == 1 and said[0].startswith(
+        "memlab fit: invalid: model.name_or_path=someone/NoSuchModel-3B: "), err
+    assert "Traceback" not in err and "${memlab.asset:model_configs/NAME}" in said[0]

@@ -25,6 +25,12 @@ after another in this process and writes ``<n>/estimate.json`` per point under `
 ``hydra.sweep.dir`` / ``multirun/estimate/<date>/<time>/``, then ``sweep.json`` and one line per
 point.
 
+An estimate reads no weights: a hub model (``model=hf model.name_or_path=Qwen/...``) that cannot
+be reached (offline, ``HF_HUB_OFFLINE=1``, the hub down, a gated repo) and is not in the local
+cache is estimated from memlab's shipped config of that model where there is one (one console
+line says so, and the assumptions); otherwise the estimate is invalid, naming the fix
+(:func:`model_source`).
+
 Exit status: 0 estimated (whatever the verdict), 1 the estimate failed, 2 invalid command line or
 configuration (for a sweep: 0 unless every point failed).
 """
@@ -32,6 +38,7 @@ configuration (for a sweep: 0 unless every point failed).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -40,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 from memlab.cli.compose import app_argv, compose, parse_command
 from memlab.measure.console import printable
+from memlab.registry import ConfigErrors
 
 if TYPE_CHECKING:
     from memlab.estimate import EstimateOptions
@@ -147,11 +155,70 @@ def _cards_table() -> str:
     return "\n".join(lines)
 
 
+class NoModelConfig(ConfigErrors):
+    """The model's config cannot be read from anywhere (:func:`model_source`): no point of an
+    estimate or a search can be estimated. Its text is one line, ``invalid: ...``."""
+
+    def __str__(self) -> str:
+        return f"invalid: {self.errors[0]}"
+
+
+_SAID: set[str] = set()
+"""The shipped-config lines this process has printed (a search says it once)."""
+
+
+def model_source(cfg) -> tuple[Any, str | None]:
+    """``cfg`` (a composed config) as an estimate reads it, and a line to print, or None.
+
+    An estimate needs the model's config.json and no weights: a hub model (``model.name_or_path``
+    of ``model=hf``) that cannot be reached and is not cached is read from memlab's shipped
+    config of the same model (:func:`memlab.model._files.config_source`); its tokenizer stays
+    the hub's (the estimate builds its batch with memlab's own when that cannot load either).
+    This is the estimate's difference from a run, passed explicitly: the config it gets names
+    the shipped directory; the overrides it records keep the hub name. Raises
+    :class:`NoModelConfig` when there is no config to read."""
+    from omegaconf import OmegaConf, open_dict
+
+    from memlab.model import _files
+
+    model = cfg.get("model")
+    if model is None or model.get("name") != "hf":
+        return cfg, None
+    name = model.get("name_or_path")
+    if not isinstance(name, str) or not name or _files.looks_like_path(name):
+        return cfg, None
+    try:
+        where, note = _files.config_source("model.name_or_path", name, model.get("revision"),
+                                           bool(model.get("local_files_only")))
+    except _files.ModelFilesError as e:
+        raise NoModelConfig([str(e)]) from None
+    if note is None:
+        return cfg, None
+    cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    with open_dict(cfg):
+        cfg.model.tokenizer = cfg.model.tokenizer or name
+        cfg.model.name_or_path = where
+    return cfg, note
+
+
+def _say_once(note: str) -> None:
+    if note not in _SAID:
+        _SAID.add(note)
+        print(printable(f"memlab: {note}"), file=sys.stderr, flush=True)
+
+
+def _with_note(est: dict[str, Any], note: str | None) -> dict[str, Any]:
+    if note is not None and est.get("status") == "ok":
+        est["assumptions"] = [note, *est.get("assumptions", [])]
+    return est
+
+
 def estimate_one(overrides: list[str], opts) -> dict[str, Any]:
-    """Compose + estimate one point outside a Hydra app (for library use); never raises for a
-    bad configuration."""
+    """Compose + estimate one point outside a Hydra app (for library use); a bad configuration
+    is an ``invalid`` estimate, but a model whose config cannot be read from anywhere raises
+    :class:`NoModelConfig` (no point can be estimated: a search stops there). A hub model
+    estimated from memlab's shipped config says so on stderr, once a process."""
     from memlab.estimate import estimate
-    from memlab.registry import ConfigErrors
 
     try:
         cfg, choices = compose(overrides)
@@ -161,7 +228,10 @@ def estimate_one(overrides: list[str], opts) -> dict[str, Any]:
             raise
         return {"kind": "estimate", "status": "invalid", "error": str(e),
                 "choices": {}, "overrides": list(overrides)}
-    return estimate(cfg, opts, choices, list(overrides))
+    cfg, note = model_source(cfg)
+    if note is not None:
+        _say_once(note)
+    return _with_note(estimate(cfg, opts, choices, list(overrides)), note)
 
 
 def _job(cfg, opts, as_json: bool, done: list[tuple[Path, dict[str, Any], str]]) -> None:
@@ -178,8 +248,19 @@ def _job(cfg, opts, as_json: bool, done: list[tuple[Path, dict[str, Any], str]])
     out = Path(hc.runtime.output_dir)
     overrides = list(hc.overrides.task)
     plain = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
-    est = estimate(plain, opts, user_choices(hc.runtime.choices), overrides,
-                   parallel_builds=(os.cpu_count() or 1) > 1)
+    choices = user_choices(hc.runtime.choices)
+    est: dict[str, Any]
+    try:
+        plain, note = model_source(plain)
+    except NoModelConfig as e:
+        est = {"kind": "estimate", "status": "invalid", "error": e.errors[0],
+               "choices": choices, "overrides": overrides,
+               "options": dataclasses.asdict(opts)}
+    else:
+        if note is not None:
+            _say_once(note)
+        est = _with_note(estimate(plain, opts, choices, overrides,
+                                  parallel_builds=(os.cpu_count() or 1) > 1), note)
     write_atomic(out / "estimate.json", est)
     done.append((out, est, str(hc.sweep.dir)))
     if hc.mode == RunMode.MULTIRUN:

@@ -11,6 +11,10 @@ Not an option of its own (the registry skips modules whose name starts with ``_`
   copy is loaded offline if there is one, else an error within seconds (huggingface_hub's own
   retries take ~25 s per file, ~55 s for a tokenizer and its model); not found, gated or private
   -> an error saying so. The answer is remembered for the process.
+* **An estimate** reads only a model's config.json (:func:`config_source`): a hub name that
+  cannot be reached (offline, the hub down, a gated repo) and is not cached is estimated from
+  memlab's shipped config of that model (``assets/model_configs/<name>``) where there is one,
+  saying so; a run with weights still needs the hub or the cache.
 """
 
 from __future__ import annotations
@@ -64,6 +68,15 @@ _PROBED: dict[tuple[str, str | None, str], bool] = {}
 
 class ModelFilesError(OSError):
     """Model or tokenizer files cannot be found; the message names where and the fix."""
+
+
+class HubUnreachable(ModelFilesError):
+    """A hub model's files cannot be fetched although the name may be right: offline or the hub
+    unreachable (and not cached), or a gated repo without access. ``why``: that reason alone."""
+
+    def __init__(self, message: str, why: str):
+        super().__init__(message)
+        self.why = why
 
 
 def looks_like_path(name: str) -> bool:
@@ -201,19 +214,62 @@ def hub_local_only(key: str, repo: str, revision: str | None, local_files_only: 
     if offline(local_files_only):
         if not cached:
             why = ("model.local_files_only=true" if local_files_only else "HF_HUB_OFFLINE=1")
-            raise ModelFilesError(
+            raise HubUnreachable(
                 f"{key}={repo}: not in the local Hugging Face cache ({_cache_dir()}), and {why} "
                 "forbids downloading it; download it where the hub can be reached "
-                f"(`hf download {repo}`) and pass that directory, or unset {why}")
+                f"(`hf download {repo}`) and pass that directory, or unset {why}",
+                f"not in the local Hugging Face cache, and {why} forbids downloading it")
         return True
     reachable = _probe(key, repo, revision, filename)
     if not reachable and not cached:
-        raise ModelFilesError(
+        raise HubUnreachable(
             f"{key}={repo}: the Hugging Face hub ({_endpoint()}) cannot be reached and the model "
             f"is not in the local cache ({_cache_dir()}); download it where the hub can be "
             f"reached (`hf download {repo} --local-dir DIR`) and set {key}=DIR, or check the "
-            "network / HF_ENDPOINT")
+            "network / HF_ENDPOINT",
+            f"the Hugging Face hub ({_endpoint()}) cannot be reached and the model is not cached")
     return not reachable
+
+
+def shipped_config(repo: str) -> Path | None:
+    """memlab's shipped config directory of hub model ``repo`` (``assets/model_configs/<name>``,
+    ``<name>`` the part after the owner, matched regardless of case), or None."""
+    from memlab.resolvers import ASSETS
+
+    name = repo.rsplit("/", 1)[-1].lower()
+    return next((d for d in sorted((ASSETS / "model_configs").iterdir())
+                 if d.name.lower() == name and (d / "config.json").is_file()), None)
+
+
+def shipped_configs() -> list[str]:
+    """The names of the models whose config memlab ships."""
+    from memlab.resolvers import ASSETS
+
+    return sorted(d.name for d in (ASSETS / "model_configs").iterdir()
+                  if (d / "config.json").is_file())
+
+
+def config_source(key: str, repo: str, revision: str | None, local_files_only: bool
+                  ) -> tuple[str, str | None]:
+    """Where an estimate, which reads no weights, takes hub model ``repo``'s config.json from:
+    ``(repo, None)`` when the hub or the local cache has it (:func:`hub_local_only`); when it
+    cannot be reached nor is cached (:class:`HubUnreachable`), memlab's shipped config of that
+    model and one line saying so. Raises :class:`ModelFilesError` (one line naming the fix)
+    when there is none, or when the hub answers that there is no such model."""
+    try:
+        hub_local_only(key, repo, revision, local_files_only)
+        return repo, None
+    except HubUnreachable as e:
+        shipped = shipped_config(repo)
+        if shipped is None:
+            raise ModelFilesError(
+                f"{e}; an estimate needs only the model's config.json: give a directory holding "
+                f"it ({key}=DIR), or estimate one of the architectures memlab ships "
+                f"({key}=${{memlab.asset:model_configs/NAME}}, NAME one of "
+                f"{', '.join(shipped_configs())})") from None
+        return str(shipped), (
+            f"{key}={repo}: {e.why}; estimating memlab's shipped config of {shipped.name} "
+            f"({shipped / 'config.json'}): the same architecture, no weights needed")
 
 
 def _probe(key: str, repo: str, revision: str | None, filename: str) -> bool:
@@ -236,8 +292,9 @@ def _probe(key: str, repo: str, revision: str | None, filename: str) -> bool:
         get_hf_file_metadata(url, timeout=timeout)
         ok = True
     except GatedRepoError as e:
-        raise ModelFilesError(f"{key}={repo}: a gated model; accept its license on the hub and "
-                              f"log in (`hf auth login` or HF_TOKEN) ({e})") from e
+        raise HubUnreachable(f"{key}={repo}: a gated model; accept its license on the hub and "
+                             f"log in (`hf auth login` or HF_TOKEN) ({e})",
+                             "a gated model, and this login has no access") from e
     except RepositoryNotFoundError as e:
         raise ModelFilesError(f"{key}={repo}: no such model on the hub (or it is private: log "
                               "in with `hf auth login` or HF_TOKEN); check the name, or give a "
