@@ -44,6 +44,7 @@ from memlab.config import Platform
 from memlab.context import BuildContext
 from memlab.distributed.base import Sharding
 from memlab.distributed.single import Single
+from memlab.estimate import bounds
 from memlab.estimate.fake import run_fake_step
 from memlab.estimate.forked import frozen_heap
 from memlab.estimate.options import (
@@ -218,6 +219,12 @@ def estimate(cfg, opts: EstimateOptions | None = None, choices: dict[str, str] |
     try:
         with (frozen_heap(),
               _fake_rank(ctx, fake_world, notes) if fake_world else contextlib.nullcontext()):
+            why = bounds.refusal(ctx, opts, lambda c, o: bounds.peak_of(run_fake_step(
+                c, o, list(notes), every_decode_step=every_decode_step)))
+            if why is not None:  # too large to build: refused before any row exists
+                out["status"] = "invalid"
+                out["error"] = why
+                return out
             res = run_fake_step(ctx, opts, notes, every_decode_step=every_decode_step,
                                 parallel_builds=parallel_builds)
     except EstimateError as e:
