@@ -1,8 +1,9 @@
 """A checkpoint's state as files: nested Python state (optimizer, schedule, random generators)
 as plain JSON whose tensors go to a safetensors file (:func:`to_tree` / :func:`from_tree`), those
-files written and read (:func:`save_tensors` / :func:`load_tensors`), and the error of a
-checkpoint that cannot be used (:class:`CheckpointError`). :mod:`memlab.trainer.checkpoint`
-writes and reads checkpoints with them."""
+files written (hashed as they are written) and read (:func:`save_tensors` /
+:func:`load_tensors`), and the error of a checkpoint that cannot be used
+(:class:`CheckpointError`). :mod:`memlab.trainer.checkpoint` writes and reads checkpoints with
+them."""
 
 from __future__ import annotations
 
@@ -66,21 +67,13 @@ def _hashable(key: Any) -> Any:
     return tuple(key) if isinstance(key, list) else key
 
 
-def save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """``tensors`` as one safetensors file (on the host; storages shared by two of them copied,
-    which safetensors refuses)."""
-    from safetensors.torch import save_file
+def save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> str:
+    """``tensors`` as one safetensors file, written tensor by tensor (each copied to the host on
+    its own; tensors that share memory need no copy); returns its sha256, computed while it
+    was written (:mod:`memlab.trainer.safetensors_writer`)."""
+    from memlab.trainer.safetensors_writer import write_safetensors
 
-    out: dict[str, torch.Tensor] = {}
-    storages: set[int] = set()
-    for k, v in tensors.items():
-        t = v.detach().cpu().contiguous()
-        ptr = t.untyped_storage().data_ptr()
-        if t.numel() and ptr in storages:  # safetensors refuses tensors that share memory
-            t = t.clone()
-        storages.add(t.untyped_storage().data_ptr())
-        out[k] = t
-    save_file(out, str(path))
+    return write_safetensors(path, tensors)
 
 
 def load_tensors(path: Path) -> dict[str, torch.Tensor]:
