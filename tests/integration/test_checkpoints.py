@@ -6,6 +6,7 @@ loads."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -163,6 +164,15 @@ def test_distributed_runs_save_the_same_layout_from_rank_0(tmp_path, o, dist):
         assert s["status"] == "ok", s["error"]
     a, b = Path(single["train"]["checkpoint"]), Path(ranks["train"]["checkpoint"])
     assert hf_files(a) == hf_files(b)
+    for ckpt in (a, b):  # every file hashed, DeepSpeed's shards of both ranks included
+        hashed = json.loads((ckpt / checkpoint.STATE).read_text())["files"]
+        on_disk = {p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*") if p.is_file()}
+        assert set(hashed) == on_disk - {checkpoint.STATE}
+        assert all(hashlib.sha256((ckpt / f).read_bytes()).hexdigest() == h
+                   for f, h in hashed.items())
+    if "distributed=deepspeed" in dist:
+        assert {"deepspeed/zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                "deepspeed/zero_pp_rank_1_mp_rank_00_optim_states.pt"} <= set(hashed)
     assert {"adapter_model.safetensors" if peft else "model.safetensors", "config.json"
             if not peft else "adapter_config.json", "tokenizer.json"} <= hf_files(b)
     if peft:
@@ -248,7 +258,8 @@ def test_lora_resume_is_exact_and_saving_moves_nothing(job):
     assert resumed["status"] == "ok", resumed["error"]
     assert resumed["train"]["loss_curve"] == plain["train"]["loss_curve"]
     assert resumed["train"]["curves"] == plain["train"]["curves"]
-    assert resumed["resume"] == {"from": ckpt, "requested": ckpt, "step": 2, "changed": {}}
+    assert resumed["resume"] == {"from": ckpt, "requested": ckpt, "step": 2, "changed": {},
+                                 "verified": True}
 
 
 def test_resume_refuses_every_training_difference_in_one_message(job):

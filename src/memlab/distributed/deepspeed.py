@@ -41,7 +41,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
+from typing import IO, TYPE_CHECKING, Annotated, Any, ClassVar, Literal, cast
 
 import torch
 from torch import nn
@@ -84,6 +84,36 @@ def _rank_env(rank: int, local: int, world: int) -> None:
         if key not in os.environ:
             os.environ[key] = str(value)
             _SET_HERE.add(key)
+
+
+class _HashingEngine:
+    """DeepSpeed's checkpoint engine (``engine.checkpoint_engine``: DeepSpeed's hook for how its
+    checkpoint files are written), for one ``save_checkpoint``: with the default
+    ``TorchCheckpointEngine``, ``save`` writes ``torch.save``'s bytes through a
+    :class:`~memlab.trainer.safetensors_writer.HashingFile` and records their sha256 in
+    ``hashes`` (by path relative to ``root``); everything else is the engine's own. Another
+    engine (one the DeepSpeed config chose) writes its own way, and the checkpoint hashes its
+    files after they are written (:func:`memlab.trainer.integrity.file_hashes`). DeepSpeed's
+    ``latest`` and ``zero_to_fp32.py``, written without the engine, are hashed there too."""
+
+    def __init__(self, inner: Any, root: Path, hashes: dict[str, str]):
+        self._inner, self._root, self._hashes = inner, root, hashes
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def save(self, state_dict: Any, path: str) -> None:
+        from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+
+        from memlab.trainer.safetensors_writer import HashingFile
+
+        if type(self._inner) is not TorchCheckpointEngine:
+            self._inner.save(state_dict, path)
+            return
+        with HashingFile(path) as f:  # (a file-like object: torch.save writes through write)
+            torch.save(state_dict, cast(IO[bytes], f),
+                       _use_new_zipfile_serialization=self._inner.zipfile_serialization)
+        self._hashes[Path(os.path.relpath(path, self._root)).as_posix()] = f.hexdigest()
 
 
 def _engine(model: nn.Module):
@@ -395,10 +425,24 @@ class DeepSpeed(Ranks):
         with gather:
             return {n: p.detach().to("cpu", copy=True) for n, p in named}
 
-    def save_states(self, model: nn.Module, path: Path) -> None:
-        """Every rank writes its shards of weights and optimizer state (DeepSpeed's format)."""
-        _engine(model).save_checkpoint(str(path), tag="deepspeed",
-                                       exclude_frozen_parameters=True)
+    def save_states(self, model: nn.Module, path: Path) -> dict[str, str]:
+        """Every rank writes its shards of weights and optimizer state (DeepSpeed's format),
+        each hashed as it is written (:class:`_HashingEngine`); returns the sha256 of every
+        rank's files, by path relative to ``path`` (on every rank: a collective)."""
+        engine = _engine(model)
+        hashes: dict[str, str] = {}
+        own = engine.checkpoint_engine
+        engine.checkpoint_engine = _HashingEngine(own, path, hashes)
+        try:
+            engine.save_checkpoint(str(path), tag="deepspeed", exclude_frozen_parameters=True)
+        finally:
+            engine.checkpoint_engine = own
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            every: list[Any] = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(every, hashes)
+            for theirs in every:
+                hashes.update(theirs or {})
+        return hashes
 
     def load_states(self, model: nn.Module, path: Path) -> None:
         engine = _engine(model)

@@ -111,9 +111,14 @@ class Resume(TypedDict):
     step: int
     """The checkpoint's step."""
     changed: dict[str, ResumeChange]
-    """The settings that differ, by config key."""
+    """The settings that differ, by config key; and the versions of torch, transformers, peft
+    or memlab that differ from those the checkpoint was written with (``versions.<package>``:
+    recorded, not refused)."""
     skipped: NotRequired[list[ResumeSkipped]]
     """Damaged newer checkpoints passed over."""
+    verified: NotRequired[bool]
+    """Whether every file of the checkpoint matched the sha256 recorded when it was written
+    (false: a checkpoint from a memlab that recorded none, resumed unverified)."""
 
 
 class CheckpointErrors(TypedDict):

@@ -135,8 +135,10 @@ class GatheredStates(Protocol):
 class NativeStates(Protocol):
     """Checkpoints in the wrapper's own sharded format (``native``: DeepSpeed)."""
 
-    def save_states(self, model: nn.Module, path: Path) -> None:
-        """Every rank writes its shards of weights and optimizer state under ``path``."""
+    def save_states(self, model: nn.Module, path: Path) -> dict[str, str]:
+        """Every rank writes its shards of weights and optimizer state under ``path``; returns
+        the sha256 of every rank's files (hashed as they were written), by path relative to
+        ``path``."""
         ...
 
     def load_states(self, model: nn.Module, path: Path) -> None: ...

@@ -15,6 +15,10 @@ needs, written without pickles and read without running code.
   pickle, so every file is first opened with ``torch.load(weights_only=True)`` (DeepSpeed's two
   plain-data classes allowed): a file that would run code is refused before DeepSpeed sees it.
 
+``memlab_state.json`` also records the sha256 of every file and the versions of torch,
+transformers, peft and memlab; resume verifies the files and that the tensors it loads are
+finite (:mod:`memlab.trainer.integrity`).
+
 Three kinds of state, by what the distributed option declares (:func:`state_format`):
 ``torch`` (one replica's state: single process, DDP), ``by_name`` (gathered from FSDP2's shards
 by parameter name, ``as_gathered_states()``: a collective, written by rank 0, re-sharded on
@@ -27,7 +31,6 @@ leaves no partial directory behind, and its error is recognised whichever librar
 
 from __future__ import annotations
 
-import importlib
 import json
 import random
 import re
@@ -41,7 +44,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from memlab.trainer import config_record, export, inputs
+from memlab.trainer import config_record, export, inputs, integrity
+from memlab.trainer.integrity import check_pickles
 from memlab.trainer.routing import unwrap
 from memlab.trainer.state_files import (
     CheckpointError,
@@ -90,14 +94,6 @@ STATE_TENSORS = "memlab_state.safetensors"
 OPTIMIZER = "optimizer.safetensors"
 TRAINABLE = "trainable.safetensors"
 FORMAT, VERSION = "memlab-checkpoint", 1
-
-DEEPSPEED_SAFE_GLOBALS = ("deepspeed.runtime.fp16.loss_scaler.LossScaler",
-                          "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
-                          "deepspeed.runtime.zero.config.ZeroStageEnum",
-                          "deepspeed.utils.tensor_fragment.fragment_address")
-"""Plain-data classes DeepSpeed pickles into its checkpoints (allowed when its files are
-checked with ``weights_only=True``)."""
-
 
 StateFormat = Literal["torch", "by_name", "native"]
 
@@ -208,9 +204,12 @@ def file_problems(path: Path | str, state: dict[str, Any]) -> list[str]:
     """Every file of checkpoint ``path`` that its ``memlab_state.json`` (``state``) needs and
     that is missing or damaged, each named with what is wrong: the optimizer state, the random
     and schedule state, the weights (their headers and the tensors the state refers to are
-    read; no tensor data). Empty for a whole checkpoint."""
+    read), and every file's content against the sha256 recorded when it was written
+    (:func:`memlab.trainer.integrity.hash_problems`: the files are read whole, once a
+    process). Empty for a whole checkpoint."""
     path = Path(path)
     problems = []
+    named: set[Path] = set()  # files with a problem said: no second one about their hash
     need = {STATE_TENSORS: _refs([state.get("scheduler"), state.get("scaler"),
                                   state.get("rng")], set())}
     if state.get("optimizer") is not None:
@@ -219,6 +218,7 @@ def file_problems(path: Path | str, state: dict[str, Any]) -> list[str]:
     for name, keys in need.items():
         file = path / name
         if not file.is_file():
+            named.add(file)
             if keys:
                 what = "optimizer" if name == OPTIMIZER else "random and schedule"
                 problems.append(f"{file} is missing: {STATE} refers to {len(keys)} tensor(s) "
@@ -228,35 +228,50 @@ def file_problems(path: Path | str, state: dict[str, Any]) -> list[str]:
         found, problem = _tensor_file_problem(file)
         if problem:
             problems.append(problem)
+            named.add(file)
         elif found is not None and keys - found:
             gone = sorted(keys - found)
             problems.append(f"{file} lacks {len(gone)} tensor(s) {STATE} refers to (e.g. "
                             f"{gone[0]!r}); it is not this checkpoint's: {whole}")
     for file in sorted(path.glob("*.safetensors")):
-        if file.name not in need:
-            problems.append(_tensor_file_problem(file)[1] or "")
+        if file.name not in need and (problem := _tensor_file_problem(file)[1]):
+            problems.append(problem)
+            named.add(file)
     if state.get("weights_in_model") and not (
             (path / "model.safetensors").is_file()
             or (path / "model.safetensors.index.json").is_file()):
+        named.add(path / "model.safetensors")
         problems.append(f"{path / 'model.safetensors'} is missing: {STATE} reads "
                         f"{len(state['weights_in_model'])} trainable weight(s) from the saved "
                         f"model; the checkpoint is incomplete: {whole}")
     if state.get("optimizer_format") == "native" and not (path / "deepspeed").is_dir():
+        named.add(path / "deepspeed")
         problems.append(f"{path / 'deepspeed'} is missing: DeepSpeed's shards of the training "
                         f"state; the checkpoint is incomplete: {whole}")
-    return [p for p in problems if p]
+    return problems + integrity.hash_problems(path, state, STATE, named)
 
 
 def read_weights(path: Path | str) -> dict[str, torch.Tensor]:
     """The trainable weights checkpoint ``path`` holds, by name (as :func:`named_trainable`
-    names them): ``trainable.safetensors`` plus those the saved model files hold."""
+    names them): ``trainable.safetensors`` plus those the saved model files hold; each checked
+    to be finite (CheckpointError naming file and tensor otherwise)."""
     path = Path(path)
     state = read_state(path)
-    weights = load_tensors(path / TRAINABLE)
+    weights = _finite(load_tensors(path / TRAINABLE), path / TRAINABLE)
     in_model = state.get("weights_in_model") or []
     if in_model:
-        weights.update(export.read_model_weights(path, set(in_model)))
+        index = path / "model.safetensors.index.json"
+        where = index if index.is_file() else path / "model.safetensors"
+        weights.update(_finite(export.read_model_weights(path, set(in_model)), where))
     return weights
+
+
+def _finite(tensors: dict[str, torch.Tensor], file: Path) -> dict[str, torch.Tensor]:
+    """``tensors`` (read from ``file``), when every one is finite; CheckpointError otherwise."""
+    problem = integrity.nonfinite(tensors, file)
+    if problem:
+        raise CheckpointError(problem)
+    return tensors
 
 
 # ------------------------------------------------------------------------------- saving
@@ -302,12 +317,13 @@ def _write(trainer: Checkpointed, tmp: Path, final: Path) -> None:
     native, gathered = dist.as_native_states(), dist.as_gathered_states()
     weights: dict[str, torch.Tensor] | None = None
     optim: dict[str, Any] | None = None
+    written: dict[str, str] = {}  # sha256 by relative path, of the files hashed as written
     if native is not None:  # every rank writes its own shards, then meets
         if ctx.rank == 0:
             _remove(tmp)
         if ctx.world_size > 1:
             torch.distributed.barrier()
-        native.save_states(trainer.policy, tmp)
+        written.update(native.save_states(trainer.policy, tmp))  # (rank 0: every rank's)
         weights = native.full_weights(trainer.policy)
         if ctx.world_size > 1:
             torch.distributed.barrier()
@@ -328,11 +344,12 @@ def _write(trainer: Checkpointed, tmp: Path, final: Path) -> None:
     covered = sorted(n for n in trainable if n in in_model)  # read back from the model files
     rest = {n: t for n, t in trainable.items() if n not in in_model}
     if rest:
-        save_tensors(tmp / TRAINABLE, rest)
+        written[TRAINABLE] = save_tensors(tmp / TRAINABLE, rest)
     tensors: dict[str, torch.Tensor] = {}
     state: dict[str, Any] = {
         "format": FORMAT, "version": VERSION,
         "step": trainer.step_idx,
+        "versions": integrity.versions(),
         "saved_at": time.time(),
         "optimizer_format": fmt,
         "config": config_record.record(ctx),
@@ -355,8 +372,10 @@ def _write(trainer: Checkpointed, tmp: Path, final: Path) -> None:
     if optim is not None:
         opt_tensors: dict[str, torch.Tensor] = {}
         state["optimizer"] = to_tree(optim, opt_tensors, "optimizer")
-        save_tensors(tmp / OPTIMIZER, opt_tensors)
-    save_tensors(tmp / STATE_TENSORS, tensors)
+        written[OPTIMIZER] = save_tensors(tmp / OPTIMIZER, opt_tensors)
+    written[STATE_TENSORS] = save_tensors(tmp / STATE_TENSORS, tensors)
+    state["files"] = integrity.file_hashes(tmp, written, skip=STATE)
+    state["state_sha256"] = integrity.state_digest(state)
     (tmp / STATE).write_text(json.dumps(state, indent=1) + "\n")
     _remove(final)
     tmp.rename(final)
@@ -400,29 +419,6 @@ def resolve(run_dir: Path | str, where: str) -> Path:
     return Path(where)
 
 
-def check_pickles(directory: Path) -> None:
-    """Open every ``*.pt`` file under ``directory`` with ``torch.load(weights_only=True)``
-    (memory-mapped: no tensor data is read): a file that would run code, or holds anything but
-    tensors, plain data and :data:`DEEPSPEED_SAFE_GLOBALS`, raises CheckpointError."""
-    allowed = []
-    for qual in DEEPSPEED_SAFE_GLOBALS:
-        module, _, name = qual.rpartition(".")
-        try:
-            allowed.append(getattr(importlib.import_module(module), name))
-        except (ImportError, AttributeError):
-            continue
-    for f in sorted(directory.rglob("*.pt")):
-        try:
-            with torch.serialization.safe_globals(allowed):
-                torch.load(f, map_location="cpu", weights_only=True, mmap=True)
-        except Exception as e:  # noqa: BLE001 - refused, whatever the unpickler said
-            first = str(e).strip().splitlines()
-            raise CheckpointError(
-                f"refused {f}: it is not plain tensors and data ({type(e).__name__}: "
-                f"{first[-1] if first else ''}); memlab loads no checkpoint file that could run "
-                "code. Use checkpoints you wrote yourself") from e
-
-
 def _apply_hyperparameters(trainer: Any) -> None:
     """The optimizer's and schedule's settings from this run's config (loading a state dict
     restores the checkpoint's; an allowed change of ``train.lr`` / ``weight_decay`` or of the
@@ -444,7 +440,10 @@ def _apply_hyperparameters(trainer: Any) -> None:
 
 def load(trainer: Checkpointed, path: Path) -> None:
     """Restore ``trainer`` from checkpoint dir ``path`` (written by :func:`save`). Reads JSON
-    and safetensors only (DeepSpeed's shards after :func:`check_pickles`)."""
+    and safetensors only (DeepSpeed's shards after :func:`check_pickles`); the files are
+    checked whole and unchanged (:func:`file_problems`, which
+    :func:`memlab.trainer.resume.plan_resume` ran already: their hashes are not computed
+    again) and every tensor loaded finite."""
     path = Path(path)
     dist = trainer.dist
     state = read_state(path)
@@ -459,10 +458,12 @@ def load(trainer: Checkpointed, path: Path) -> None:
         check_pickles(path / "deepspeed")
         native.load_states(trainer.policy, path)
     elif gathered is not None:
-        optim = from_tree(state["optimizer"], load_tensors(path / OPTIMIZER))
+        optim = from_tree(state["optimizer"], _finite(load_tensors(path / OPTIMIZER),
+                                                      path / OPTIMIZER))
         gathered.load_full_state(trainer.policy, trainer.opt, read_weights(path), optim)
     else:
-        optim = from_tree(state["optimizer"], load_tensors(path / OPTIMIZER))
+        optim = from_tree(state["optimizer"], _finite(load_tensors(path / OPTIMIZER),
+                                                      path / OPTIMIZER))
         weights = read_weights(path)
         named = named_trainable(trainer.models)
         missing = sorted(set(named) - set(weights))
@@ -474,7 +475,7 @@ def load(trainer: Checkpointed, path: Path) -> None:
             for n, p in named.items():
                 p.copy_(weights[n].to(p.device, p.dtype))
         trainer.opt.load_state_dict(optim)
-    tensors = load_tensors(path / STATE_TENSORS)
+    tensors = _finite(load_tensors(path / STATE_TENSORS), path / STATE_TENSORS)
     trainer.sched.load_state_dict(from_tree(state["scheduler"], tensors))
     _apply_hyperparameters(trainer)
     scaler = from_tree(state["scaler"], tensors)

@@ -7,13 +7,14 @@ kind of state (:func:`memlab.trainer.checkpoint.state_format`). Loading it is
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from memlab.registry import ConfigErrors
-from memlab.trainer import config_record, inputs
+from memlab.trainer import config_record, inputs, integrity
 from memlab.trainer.checkpoint import (
     CheckpointError,
     file_problems,
@@ -37,10 +38,13 @@ class ResumePlan:
     skipped: list[dict[str, str]] = field(default_factory=list)
     """``latest``: newer checkpoints left out because they are damaged (``checkpoint``,
     ``why``)."""
+    verified: bool = True
+    """Whether its files were checked against the sha256 recorded when it was written (False:
+    a checkpoint from a memlab that recorded none)."""
 
     def as_dict(self) -> dict[str, Any]:
         out = {"from": str(self.path), "requested": self.requested, "step": self.step,
-               "changed": self.changed}
+               "changed": self.changed, "verified": self.verified}
         if self.skipped:
             out["skipped"] = self.skipped
         return out
@@ -98,7 +102,11 @@ def plan_resume(ctx: BuildContext, roots: list[Path] | None = None,
     checkpoint exists, is memlab's and whole (:func:`memlab.trainer.checkpoint.file_problems`),
     its kind of state suits this run, its configuration and its inputs (data, model, tokenizer,
     chat template: :mod:`memlab.trainer.inputs`) differ from this run's only in what
-    ``train.resume_allow`` names, and it is short of ``train.steps``. ``latest``: the newest
+    ``train.resume_allow`` names, and it is short of ``train.steps``. Its files must match the
+    sha256 each had when written (a damaged checkpoint is refused whatever
+    ``train.resume_allow`` says); a checkpoint that recorded no hashes resumes with a warning
+    that it cannot be verified. Versions of torch / transformers / peft / memlab that differ
+    from the checkpoint's are recorded in ``changed`` (``versions.<package>``), not refused. ``latest``: the newest
     such checkpoint under :func:`search_roots` (newer damaged ones are skipped and named, and
     so are those of a run that is still running: ``live(run dir)`` says who runs there, or
     None; that run would prune the checkpoint it is still writing beside).
@@ -185,5 +193,11 @@ def plan_resume(ctx: BuildContext, roots: list[Path] | None = None,
             f"further, raise train.steps and allow the change: train.steps=<more than {step}> "
             "train.resume_allow='[train.steps]'"])
     changed = {d.key: {"checkpoint": d.checkpoint, "run": d.run} for d in differences(state)}
+    changed.update(integrity.version_changes(state))
+    verified = integrity.verifiable(state)
+    if not verified and ctx.rank == 0:
+        print(f"[memlab] warning: train.resume_from: {path} records no sha256 of its files "
+              "(written by a memlab before checkpoints recorded them): they cannot be "
+              "verified; resuming it as it is", file=sys.stderr, flush=True)
     return ResumePlan(path=path.absolute(), requested=where, step=step, changed=changed,
-                      skipped=skipped)
+                      skipped=skipped, verified=verified)
