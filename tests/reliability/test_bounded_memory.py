@@ -107,3 +107,19 @@ def test_lower_bound_is_below_the_measured_peak(overrides, target):
     assert found[0] <= measured, (found, measured)
     if target.length == 1024:  # linear in the rows: the line is their peak's own
         assert found[0] >= 0.98 * measured, (found, measured)
+
+
+def test_from_data_batch_larger_than_the_data_is_invalid():
+    """``--from-data`` measures the run's own batches, bounded by its data: a micro-batch of
+    more rows than the data has is ``invalid`` with the run's own message (was a traceback)."""
+    from omegaconf import OmegaConf, open_dict
+
+    from memlab.estimate import estimate
+
+    cfg = compose(["train.batch_size=1000000", "data.n_examples=8", "method.max_length=64"])
+    with open_dict(cfg):
+        del cfg["hydra"]
+    result = estimate(OmegaConf.create(OmegaConf.to_container(cfg)),
+                      EstimateOptions(from_data=True))
+    assert result["status"] == "invalid"
+    assert "train.batch_size=1000000 asks for 1000000 rows per micro-batch" in result["error"]

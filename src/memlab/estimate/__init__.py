@@ -42,6 +42,7 @@ import torch
 
 from memlab.config import Platform
 from memlab.context import BuildContext
+from memlab.data.base import DataError
 from memlab.distributed.base import Sharding
 from memlab.distributed.single import Single
 from memlab.estimate import bounds
@@ -228,6 +229,10 @@ def estimate(cfg, opts: EstimateOptions | None = None, choices: dict[str, str] |
             res = run_fake_step(ctx, opts, notes, every_decode_step=every_decode_step,
                                 parallel_builds=parallel_builds)
     except EstimateError as e:
+        out["error"] = str(e)
+        return out
+    except DataError as e:  # --from-data: the run's data cannot make its batches (a run's too)
+        out["status"] = "invalid"
         out["error"] = str(e)
         return out
     raw = res["raw"]
