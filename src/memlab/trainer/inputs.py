@@ -30,11 +30,12 @@ from typing import Any, Literal, Protocol
 NAMES = ("data", "model", "tokenizer", "chat_template")
 """The inputs a checkpoint fingerprints (``train.resume_allow=[inputs.data]`` accepts a change)."""
 
-_HASHES: dict[tuple[str, int, int, int, int, int], str] = {}
-"""SHA-256 of files already hashed in this process, by (path, device, inode, size, mtime_ns,
-ctime_ns): a write or a ``utime`` sets the change time to now and nothing sets it back, so a file
-rewritten with its modification time restored is hashed again (on a kernel whose change times
-are coarse, a few milliseconds, only a rewrite within the same tick as the hash would not be)."""
+_HASHES: dict[tuple[int, int, int, int, int], str] = {}
+"""SHA-256 of files already hashed in this process, by (device, inode, size, mtime_ns, ctime_ns):
+a write or a ``utime`` sets the change time to now and nothing sets it back, so a file rewritten
+with its modification time restored is hashed again (on a kernel whose change times are coarse,
+a few milliseconds, only a rewrite within the same tick as the hash would not be). Not the
+path: a relative and an absolute name of one file are hashed once."""
 
 _CHUNK = 1 << 20
 """Bytes read at a time while hashing (memory stays this small for any file size)."""
@@ -86,7 +87,7 @@ def file_sha256(f: str | Path) -> str:
     """The SHA-256 of ``f``'s contents, read in chunks of :data:`_CHUNK` bytes (once per
     process while the file is not written: :data:`_HASHES`)."""
     st = os.stat(f)
-    key = (str(f), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
     if key not in _HASHES:
         h = hashlib.sha256()
         buf = bytearray(_CHUNK)
