@@ -188,3 +188,17 @@ def test_latest_passes_over_a_damaged_newer_checkpoint_and_names_it(saved, tmp_p
     (skipped,) = s["resume"]["skipped"]
     assert skipped["checkpoint"] == str(newer)
     assert f"{state_file} does not match the sha256 recorded" in skipped["why"]
+
+
+def test_the_hashing_benchmark_composes_and_validates(capsys):
+    """benchmarks/checkpoint_hashing.py's real-size run is a valid configuration (nothing built)."""
+    import importlib.util
+
+    from memlab_testing import REPO
+
+    spec = importlib.util.spec_from_file_location(
+        "checkpoint_hashing", REPO / "benchmarks" / "checkpoint_hashing.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--dry-run"]) == 0
+    assert "valid: tiny hidden_size=896" in capsys.readouterr().out
