@@ -10,8 +10,9 @@ and one changed in place is a difference under the key ``inputs.<name>``, refuse
 changed setting unless ``train.resume_allow`` names it, even when its size and modification
 time are the old ones (``rsync -a``, ``cp -p`` and ``tar x`` restore the time of a file they
 rewrite). Model directories are hashed whole, weights included: a same-shape weight saved over
-the old one leaves every safetensors header as it was, and a resume reads the weights anyway
-(``benchmarks/data_hashing.py`` measures the cost).
+the old one leaves every safetensors header as it was (hashing headers alone would miss it), and
+a resume reads the weights anyway; hashing 1 GB of weights costs 1.0-1.4x that read
+(``benchmarks/data_hashing.py``), once per process.
 
 :func:`file_sha256` is also what keys a local file's ``datasets`` cache
 (:func:`content_key`; ``datasets`` itself keys it by path and modification time) and what
