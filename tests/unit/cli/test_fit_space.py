@@ -67,7 +67,7 @@ def _cand(label, flops, accum, padded=False, exact=True, need=1, tps=None):
     c.estimate = {"fits": True, "flops_per_step": flops, "needed_bytes": need,
                   "predicted_s": flops / 1e12}
     if tps is not None:
-        c.measured = {"status": "ok", "tokens_per_s": tps}
+        c.measured = {"status": "ok", "tokens_per_s": tps, "timed_steps": 4}
     return c
 
 
@@ -81,13 +81,21 @@ def test_ranking_measures_one_per_predicted_class_and_scores_with_ties():
     assert order == ["e", "b-exact", "b-packed", "a-padded", "c", "d"]
     assert [c.label for c in to_measure(rank(cands), 3)] == ["e", "b-exact", "a-padded"]
     assert [c.label for c in to_measure(rank(cands[:2]), 3)] == ["b-exact", "b-packed"]
-    same = [_cand(x, 10, 1, tps=t) for x, t in (("x", 1.0), ("y", 2.0), ("z", 3.0))]
+    same = [_cand(x, 10, 1, tps=t) for x, t in zip("vwxyz", (1.0, 2.0, 3.0, 4.0, 5.0))]
     rank(same)
     q = prediction_quality(same)
     assert q["spearman"] is None and q["classes"] == 1 and "the same" in q["note"]
     spread = [_cand("p", 5, 1, tps=9.0), _cand("q", 10, 1, tps=5.0), _cand("r", 20, 1, tps=1.0)]
     rank(spread)
-    assert prediction_quality(spread)["spearman"] == pytest.approx(1.0)
+    q = prediction_quality(spread)  # right, but over 3: no verdict, no tie broken by it
+    assert q["spearman"] == pytest.approx(1.0) and not q["checked"] and "fewer than 5" in q[
+        "note"]
+    five = [_cand(x, f, 1, tps=t) for x, f, t in zip("abcde", (5, 10, 20, 40, 80),
+                                                     (1.0, 2.0, 3.0, 4.0, 5.0))]
+    rank(five)
+    q = prediction_quality(five)  # the slowest predicted measured fastest: worse than chance
+    assert q["spearman"] == pytest.approx(-1.0) and not q["checked"]
+    assert "no better than chance" in q["note"]
 
 
 def test_offloading_costs_its_host_copies():
@@ -101,18 +109,30 @@ def test_offloading_costs_its_host_copies():
 
 
 def test_the_winner_is_the_fastest_beyond_the_measured_spread():
-    from memlab.cli.fit.search import fastest
+    """Issue 45 item 4: a tokens/s from fewer than 3 timed steps is not ranked; a gap within
+    the larger spread is a tie, which the speed model breaks only once checked on 5 measured
+    candidates (otherwise the smaller measured peak, and fit says "tied within X%")."""
+    from memlab.cli.fit.search import contenders, fastest, ties
 
-    def run(label, rank, tps, std, peak=1):
+    def run(label, rank, tps, std, peak=1, steps=4):
         c = _cand(label, 10, 1)
-        c.predicted_rank, c.measured = rank, {"tokens_per_s": tps, "tokens_per_s_std": std,
-                                              "peak_bytes": peak}
+        c.predicted_rank, c.measured = rank, {"status": "ok", "fits": True, "tokens_per_s": tps,
+                                              "tokens_per_s_std": std, "peak_bytes": peak,
+                                              "timed_steps": steps}
         return c
 
     assert fastest([]) is None
     assert fastest([run("a", 1, 100, 5), run("b", 2, 130, 5)]).label == "b"
-    # 5120 +- 345 vs 4822 +- 539: one run's spread covers the gap -> the model's order decides
-    assert fastest([run("padded", 4, 5120, 345), run("flat", 1, 4822, 539)]).label == "flat"
+    assert fastest([run("a", 1, 100, 5), run("b", 2, 130, 5, steps=2)]).label == "a"
+    assert fastest([run("b", 2, 130, 5, steps=1)]) is None
+    # 5120 +- 345 vs 4822 +- 539: one run's spread covers the gap, a tie
+    pair = [run("padded", 4, 5120, 345, peak=2), run("flat", 1, 4822, 539, peak=3)]
+    assert fastest(pair, model_checked=True).label == "flat"  # the model's order
+    assert fastest(pair).label == "padded"  # unchecked model: the smaller measured peak
+    assert ties(pair[0], pair) == {"with": ["flat"], "within_pct": 10.5}
+    assert [c.label for c in contenders(pair)] == ["padded", "flat"]  # measured again
+    apart = [run("a", 1, 100, 5), run("b", 2, 130, 5), run("c", 3, 90, 1, steps=2)]
+    assert [c.label for c in contenders(apart)] == ["c"]  # only the untimed one
 
 
 def test_the_step_in_backward_and_the_optimizer_states():

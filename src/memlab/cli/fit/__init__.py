@@ -51,7 +51,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from memlab.cli.fit.search import FitOptions
+from memlab.cli.fit.output import candidates_csv, format_table, search_record
+from memlab.cli.fit.search import MEASURE_BUDGET_S, FitOptions
 from memlab.cli.fit.space import ALLOWABLE, Candidate
 from memlab.measure.console import printable
 
@@ -81,11 +82,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="optimizer steps per measured run (default 6: the first two and every "
                         "step with a larger batch than before run under the memory tracker, "
                         "the others are timed)")
+    p.add_argument("--measure-budget", type=float, default=MEASURE_BUDGET_S, metavar="S",
+                   help="seconds of measured runs in all (default %(default).0f): after the "
+                        "first runs, tied or untimed top candidates are measured again with "
+                        "twice the steps while it lasts")
     p.add_argument("--estimate-only", action="store_true",
                    help="rank by the estimates, run nothing (no device needed)")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, metavar="N",
                    help="candidates estimated at a time, each in its own process (default: "
                         "the number of cores)")
+    p.add_argument("--exhaustive", action="store_true",
+                   help="estimate every candidate: no twin shares an estimate, none is pruned "
+                        "(slower; the same fitting candidates, order and estimates)")
     p.add_argument("--out", type=Path, default=None, metavar="DIR",
                    help="where fit.json, runs/ and experiment/fit.yaml go")
     p.add_argument("--json", action="store_true", help="print fit.json instead of the table")
@@ -103,14 +111,16 @@ def options(args) -> FitOptions:
     bad = sorted(set(allow) - set(ALLOWABLE))
     if bad:
         raise ValueError(f"--allow {','.join(bad)}: choose from {','.join(ALLOWABLE)}")
-    if args.measure < 1 or args.steps < 3 or not 0 <= args.margin < 1 or args.jobs < 1:
+    if (args.measure < 1 or args.steps < 3 or not 0 <= args.margin < 1 or args.jobs < 1
+            or args.measure_budget < 0):
         raise ValueError("--measure >= 1, --steps >= 3 (warm-up, tracked and timed steps), "
-                         "0 <= --margin < 1 and --jobs >= 1")
+                         "0 <= --margin < 1, --jobs >= 1 and --measure-budget >= 0")
     from memlab.estimate.options import device_of
 
     return FitOptions(budget_bytes=budget, device=device_of(args.device, args.card),
                       card=args.card, allow=allow, margin=args.margin, measure=args.measure,
-                      steps=args.steps, estimate_only=args.estimate_only, jobs=args.jobs)
+                      steps=args.steps, estimate_only=args.estimate_only, jobs=args.jobs,
+                      exhaustive=args.exhaustive, measure_budget_s=args.measure_budget)
 
 
 def winner_yaml(base: list[str], cand: Candidate, cmd: str) -> str:
@@ -148,10 +158,13 @@ def winner_yaml(base: list[str], cand: Candidate, cmd: str) -> str:
 
 
 def fit(base: list[str], opts: FitOptions, out_dir: Path, argv: list[str],
-        log=lambda m: print(m, file=sys.stderr, flush=True)) -> dict[str, Any]:
+        log=lambda m: print(m, file=sys.stderr, flush=True),
+        tty: bool | None = None) -> dict[str, Any]:
     """Search, measure, choose; returns the ``fit.json`` record (also written to ``out_dir``)."""
     from memlab.cli.compose import compose
     from memlab.cli.fit import search, space
+    from memlab.cli.fit.progress import Progress, stream_is_tty
+    from memlab.cli.fit.prune import Plan
     from memlab.context import plain_config
     from memlab.measure.outcome import count_line
     from memlab.measure.summary import write_atomic, write_text_atomic
@@ -159,18 +172,31 @@ def fit(base: list[str], opts: FitOptions, out_dir: Path, argv: list[str],
     t0 = time.perf_counter()
     cfg, choices = compose(base)
     plain = plain_config(cfg)
-    dims, notes = space.dimensions(plain, opts.device, opts.allow, space.user_keys(base))
+    dims, notes = space.dimensions(
+        plain, opts.device, opts.allow, space.user_keys(base),
+        precision=space.resolved_precision(choices.get("precision"), opts.device))
     cands = space.candidates(dims, plain, choices)
+    plan = Plan(cands, dims, opts.device, prune=not opts.exhaustive,
+                offload_configured=choices.get("offload", "none") != "none"
+                and "offload" not in {d.name for d in dims})
     log(f"[fit] {len(cands)} candidates over {', '.join(d.name for d in dims) or 'nothing'}"
+        + (f"; {len(plan.reps)} distinct estimates at most (twins share one)"
+           if len(plan.reps) < len(cands) else "")
         + (f", {opts.jobs} estimated at a time" if opts.jobs > 1 else ""))
     configured = next((c for c in cands if not c.overrides or all(
         space._is_configured((o,), plain, choices) for o in c.overrides)), None)
+    progress = Progress(opts.jobs, best=lambda cs: min(
+        (c for c in cs if c.estimate.get("fits")), key=search.rank_key, default=None),
+        stream=sys.stderr, tty=stream_is_tty() if tty is None else tty)
     ranked: list[Candidate] = []
     measured: list[Candidate] = []
     stopped: KeyboardInterrupt | None = None
     try:
         with _signals_interrupt():
-            search.estimate_all(base, cands, opts, log)
+            try:
+                search.estimate_all(base, plan, opts, progress)
+            finally:
+                progress.finish()
             ranked = search.rank(cands)
             if ranked and not opts.estimate_only:
                 baseline = configured if configured is not None and configured.estimate.get(
@@ -181,9 +207,10 @@ def fit(base: list[str], opts: FitOptions, out_dir: Path, argv: list[str],
         log(f"[fit] {_why_stopped(e)}: writing what was found so far, no verdict")
         ranked = search.rank([c for c in cands if c.estimate])
         measured = [c for c in cands if c.measured]
-    # a run whose every step was warm-up or tracked has no tokens/s: it cannot be ranked
-    fits = [c for c in measured if c.run().get("fits") and c.run().get("tokens_per_s")]
-    best = search.fastest(fits) if stopped is None else None
+    # a run with fewer than 3 timed steps (the others warm-up or tracked) is "not timed"
+    fits = [c for c in measured if c.run().get("fits") and search.timed(c.run())]
+    quality = search.prediction_quality(measured)
+    best = search.fastest(fits, quality["checked"]) if stopped is None else None
     if best is None and opts.estimate_only and ranked and stopped is None:
         best = ranked[0]
     cmd = "memlab fit " + " ".join(shlex.quote(a) for a in argv)
@@ -200,9 +227,11 @@ def fit(base: list[str], opts: FitOptions, out_dir: Path, argv: list[str],
         "notes": notes,
         "candidates": [{"label": c.label, "overrides": c.overrides, "exact": c.exact,
                         "configured": c is configured, "estimate": c.estimate,
+                        "shared_with": c.shared, "pruned": c.pruned,
                         "predicted_rank": c.predicted_rank, "measured": c.measured}
                        for c in cands],
-        "prediction": search.prediction_quality(measured),
+        "search": search_record(plan, opts, dims, notes),
+        "prediction": quality, "measure_budget_s": opts.measure_budget_s,
         "winner": None, "nothing_fits": None,
     }
     if best is not None and stopped is None:
@@ -214,7 +243,8 @@ def fit(base: list[str], opts: FitOptions, out_dir: Path, argv: list[str],
                             "experiment": str(yaml_path),
                             "run_experiment": f"memlab --config-dir {out_dir} experiment=fit",
                             "exact": best.exact, "estimate": best.estimate,
-                            "measured": best.measured}
+                            "measured": best.measured,
+                            "tied": search.ties(best, fits) if best.measured else None}
     elif stopped is None:
         record["nothing_fits"] = {
             "why": ("no candidate's estimate fits the budget" if not ranked else
@@ -222,7 +252,9 @@ def fit(base: list[str], opts: FitOptions, out_dir: Path, argv: list[str],
                     + count_line(c.run()["status"] for c in measured) + ")"),
             "closest": search.closest(cands, opts.budget_bytes, opts.margin)}
     record["wall_s"] = round(time.perf_counter() - t0, 1)
+    record["csv"] = str(out_dir / "fit.csv")
     write_atomic(out_dir / "fit.json", record)
+    write_text_atomic(out_dir / "fit.csv", candidates_csv(record))
     return record
 
 
@@ -258,53 +290,6 @@ def _stop_signal(e: BaseException) -> str:
 
 def _why_stopped(e: BaseException) -> str:
     return str(e) or "stopped by SIGINT (Ctrl-C)"
-
-
-def format_table(record: dict[str, Any]) -> str:
-    from memlab.estimate import fmt_bytes
-
-    lines = [f"memlab fit: budget {fmt_bytes(record['budget_bytes'])} on {record['device']}"
-             + (f" ({record['card']})" if record["card"] else "")
-             + f", margin {record['margin']:.0%}"]
-    lines += [f"  {n}" for n in record["notes"]]
-    lines.append(f"{'#':>3}  {'estimated':>11}  {'fits':>4}  {'pred':>4}  {'measured':>11}  "
-                 f"{'tokens/s':>15}  status  candidate")
-    for i, c in enumerate(record["candidates"]):
-        e, m = c["estimate"], c["measured"] or {}
-        tps = (f"{m['tokens_per_s']:.0f} ± {m.get('tokens_per_s_std') or 0:.0f}"
-               if m.get("tokens_per_s") else "-")
-        status = m.get("status") or e.get("status") or "-"
-        lines.append(f"{i:>3}  {fmt_bytes(e.get('needed_bytes')):>11}  "
-                     f"{'yes' if e.get('fits') else 'no':>4}  "
-                     f"{c['predicted_rank'] or '-':>4}  {fmt_bytes(m.get('peak_bytes')):>11}  "
-                     f"{tps:>15}  {status:<6}  {c['label']}"
-                     + ("  [as configured]" if c["configured"] else ""))
-    p = record["prediction"]
-    if p["spearman"] is not None:
-        lines.append(f"speed model vs measured order: Spearman {p['spearman']:+.2f} over "
-                     f"{p['points']} runs")
-    w = record["winner"]
-    if record.get("interrupted"):
-        done = sum(1 for c in record["candidates"] if c["estimate"])
-        ran = sum(1 for c in record["candidates"] if c["measured"])
-        lines += ["", f"interrupted: {record['interrupted']}; {done} of "
-                      f"{len(record['candidates'])} candidates estimated, {ran} measured; no "
-                      "verdict"]
-    elif w:
-        how = "measured" if w["measured"] else "estimated (not measured: --estimate-only)"
-        lines += ["", f"winner ({how}): {w['label']}", f"  {w['command']}",
-                  f"  or: {w['run_experiment']}"]
-    else:
-        nf = record["nothing_fits"]
-        lines += ["", f"nothing fits: {nf['why']}; the closest:"]
-        for c in nf["closest"]:
-            if c.get("dominant") is None:  # judged by its measured run
-                lines.append(f"  {c['label']}: {c['what_would_fit']}")
-                continue
-            lines.append(f"  {c['label']}: needs {fmt_bytes(c['needed_bytes'])} (over by "
-                         f"{fmt_bytes(c['over_by_bytes'])}; {c['dominant']} "
-                         f"{fmt_bytes(c['dominant_bytes'])}): {c['what_would_fit']}")
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -357,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
         rundir.release("fit")
     print(json.dumps(record, indent=1, default=str) if args.json
           else printable(format_table(record), keep_newlines=True))
-    print(f"\nwrote {out / 'fit.json'}", file=sys.stderr)
+    print(f"\nwrote {out / 'fit.json'} (every candidate) and {out / 'fit.csv'}",
+          file=sys.stderr)
     if record["status"] == "interrupted":
         return 128 + int(signal.Signals[record["signal"]])
     return 0 if record["winner"] else 1

@@ -1,8 +1,11 @@
 """``memlab fit``'s search: estimate every candidate, rank the ones that fit, measure the best.
 
-1. **Prune** (:func:`estimate_all`): every candidate of the space (:mod:`.space`) is estimated
-   on fake tensors (``memlab estimate``, no device memory; ``jobs`` at a time in worker
-   processes) with its FLOPs counted; it *fits* when its estimated need times ``1 + margin`` is within the budget.
+1. **Estimate** (:func:`estimate_all`): the candidates of the space (:mod:`.space`) are
+   estimated on fake tensors (``memlab estimate``, no device memory; ``jobs`` at a time in
+   worker processes) with their FLOPs counted, except those :mod:`.prune` shows need no
+   estimate of their own (a twin's estimate, a smaller micro-batch that does not fit, a
+   dominating candidate that fits); a candidate *fits* when its estimated need times
+   ``1 + margin`` is within the budget. :mod:`.progress` shows it going.
 2. **Rank** (:func:`rank`): the cheap speed model (:func:`score`) orders the fitting
    candidates by the predicted seconds of one optimizer step (:func:`predicted_seconds`: the
    FLOPs counted on the fake step, the recomputation checkpointing adds included, at the
@@ -19,9 +22,12 @@
    measurement that was interrupted or killed is never taken for a result
    (:class:`SearchInterrupted`: no verdict).
 4. **Choose** (:func:`fastest`): the fastest measured run whose *measured* peak is within the
-   budget; runs within the measured spread of it are a tie, which the speed model's order
-   breaks. How well the speed model ordered the measured candidates is reported (Spearman's rank correlation of
-   predicted order and measured tokens/s).
+   budget and that has at least :data:`MIN_TIMED` timed steps; runs within the measured spread
+   of it are a tie: fit measures the tied (and the untimed) again with twice the steps while
+   ``--measure-budget`` lasts, and a tie left is broken by the speed model's order only once it
+   ordered :data:`MIN_MODEL_POINTS` timed candidates better than chance
+   (:func:`prediction_quality`: Spearman's rank correlation of predicted order and measured
+   tokens/s), else by the smaller measured peak ("tied within X%": :func:`ties`).
 """
 
 from __future__ import annotations
@@ -37,7 +43,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from memlab.cli.fit.progress import Progress
+from memlab.cli.fit.prune import Plan
 from memlab.cli.fit.space import Candidate
+
+MIN_TIMED = 3
+"""Timed steps a measured tokens/s needs to enter a ranking (fewer: "not timed"): the rule of
+``memlab report``'s ranking, Pareto front and ``--baseline``."""
+
+MIN_MODEL_POINTS = 5
+"""Measured candidates the speed model's order must be checked on before it breaks a measured
+tie or is called worse than chance (with 3, a rank correlation of -0.5 happens one time in
+three by chance)."""
+
+MEASURE_BUDGET_S = 240.0
+"""``--measure-budget``'s default: seconds of measured runs in all."""
 
 
 @dataclass(kw_only=True)
@@ -55,6 +75,11 @@ class FitOptions:
     estimate_only: bool = False
     jobs: int = 1
     """Candidates estimated at a time, each in a worker process (``--jobs``)."""
+    exhaustive: bool = False
+    """Estimate every candidate (``--exhaustive``): no shared estimate, no pruning."""
+    measure_budget_s: float = MEASURE_BUDGET_S
+    """Seconds of measured runs in all (``--measure-budget``): the first runs always go, then
+    tied or untimed top candidates are measured again, longer, while it lasts."""
 
 
 def _short(error: Any, limit: int = 160) -> str:
@@ -107,39 +132,81 @@ def _estimate_in_worker(job: tuple[int, list[str], Candidate, FitOptions]
     return i, estimate_candidate(base, c, opts)
 
 
-def estimate_all(base: list[str], cands: list[Candidate], opts: FitOptions,
-                 log: Callable[[str], None]) -> None:
-    """Estimate each candidate (``cand.estimate``, :func:`estimate_candidate`): the first in this
-    process, the others ``opts.jobs`` at a time in worker processes forked from it (they share
-    what it loaded and warmed up; each worker estimates one candidate after another); a
-    candidate's estimate is the same whichever process makes it. Interrupted (Ctrl-C, or
-    SIGTERM / SIGHUP turned into one by fit), the workers are stopped and the candidates
-    estimated so far keep their estimates."""
-    jobs = max(1, min(opts.jobs, len(cands)))
+def estimate_all(base: list[str], plan: Plan, opts: FitOptions,
+                 progress: Progress) -> None:
+    """Estimate the candidates ``plan`` does not prune or share (:mod:`.prune`; each
+    ``cand.estimate``: :func:`estimate_candidate`): the first in this process, the others
+    ``opts.jobs`` at a time in worker processes forked from it (they share what it loaded and
+    warmed up); a candidate's estimate is the same whichever process makes it. A candidate is
+    sent out once every candidate that could prune it is settled, smaller micro-batches and less
+    checkpointing first. Interrupted (Ctrl-C, or SIGTERM / SIGHUP turned into one by fit), the
+    workers are stopped and the candidates estimated so far keep their estimates."""
+    import queue
+
+    pending = list(plan.reps)
+
+    def settle_pruned() -> None:
+        moved = True
+        while moved:
+            moved = False
+            for i in list(pending):
+                if plan.ready(i):
+                    why = plan.pruned(i)
+                    if why is not None:
+                        pending.remove(i)
+                        plan.settle(i, pruned=why)
+                        progress.note(plan)
+                        moved = True
+
+    def next_ready() -> int | None:
+        settle_pruned()
+        for i in pending:
+            if plan.ready(i):
+                pending.remove(i)
+                return i
+        return None
 
     def done(i: int, est: dict[str, Any]) -> None:
-        c = cands[i]
-        c.estimate = est
-        need = est["needed_bytes"]
-        log(f"[fit] estimate {i + 1}/{len(cands)} {c.label}: {est['status']}"
-            + (f", {need / 2**20:.1f} MiB" if need else f" ({est['error']})")
-            + f" ({est['seconds']:.1f} s)")
+        plan.settle(i, estimate=est)
+        progress.estimated(plan, i)
 
-    if jobs == 1:
-        for i, c in enumerate(cands):
-            done(i, estimate_candidate(base, c, opts))
+    jobs = max(1, min(opts.jobs, len(pending)))
+    first = next_ready()
+    if first is None:
         return
+    progress.started(plan, first)
     # the first here: the workers, forked after it, start warm (the modules an estimate imports
     # on first use, torch's fake-tensor dispatch caches): ~15 s each on 2 cores otherwise
-    done(0, estimate_candidate(base, cands[0], opts))
+    done(first, estimate_candidate(base, plan.cands[first], opts))
+    if jobs == 1:
+        while (i := next_ready()) is not None:
+            progress.started(plan, i)
+            done(i, estimate_candidate(base, plan.cands[i], opts))
+        return
     import multiprocessing
 
+    results: queue.Queue = queue.Queue()
     pool = multiprocessing.get_context("fork").Pool(jobs, initializer=_worker_init,
                                                      maxtasksperchild=None)
+    flying: set[int] = set()
     try:
-        for i, est in pool.imap_unordered(_estimate_in_worker,
-                                          [(i, base, c, opts) for i, c in enumerate(cands)
-                                           if i > 0]):
+        while True:
+            while len(flying) < jobs and (i := next_ready()) is not None:
+                flying.add(i)
+                progress.started(plan, i)
+                pool.apply_async(_estimate_in_worker, ((i, base, plan.cands[i], opts),),
+                                 callback=results.put, error_callback=results.put)
+            if not flying:
+                break
+            try:
+                got = results.get(timeout=1.0)
+            except queue.Empty:
+                progress.tick(plan)
+                continue
+            if isinstance(got, BaseException):
+                raise got
+            i, est = got
+            flying.discard(i)
             done(i, est)
         pool.close()
     finally:
@@ -185,12 +252,25 @@ def score(c: Candidate) -> tuple[float, int, int]:
     return (float(f"{t:.3g}"), _accum(c), _padded(c))
 
 
+def overhead(c: Candidate) -> int:
+    """What ``c`` spends only to save memory: its checkpointing level (0 none, 1 every 2nd
+    layer, 2 every layer) plus 1 when it offloads activations (:mod:`.prune`'s dominance)."""
+    return c.coords.get("checkpointing", 0) + c.coords.get("offload", 0)
+
+
+def rank_key(c: Candidate) -> tuple[Any, ...]:
+    """:func:`rank`'s order: :func:`score`, then exact first, then less :func:`overhead`,
+    then the smaller estimate."""
+    return (*score(c), not c.exact, overhead(c), c.estimate.get("needed_bytes") or 0)
+
+
 def rank(cands: list[Candidate]) -> list[Candidate]:
     """The fitting candidates, fastest predicted first (see the module docstring); among
     candidates the speed model cannot tell apart, those that train exactly as configured, then
-    the smaller estimate, come first."""
+    those with less checkpointing and offloading (which cost time the model may round away),
+    then the smaller estimate, come first."""
     fitting = [c for c in cands if c.estimate.get("fits")]
-    fitting.sort(key=lambda c: (*score(c), not c.exact, c.estimate.get("needed_bytes") or 0))
+    fitting.sort(key=rank_key)
     for i, c in enumerate(fitting):
         c.predicted_rank = i + 1
     return fitting
@@ -314,27 +394,84 @@ def read_run(run_dir: Path, code: int | None = None,
 def measure(base: list[str], ranked: list[Candidate], baseline: Candidate | None,
             opts: FitOptions, out_dir: Path, log: Callable[[str], None]) -> list[Candidate]:
     """Measure the best ``opts.measure`` candidates (and ``baseline``), then further down the
-    ranking while none measured fits; returns the measured candidates."""
+    ranking while none measured fits; then, while ``opts.measure_budget_s`` lasts, measure
+    again, with twice the steps, the fitting candidates that are not timed (fewer than
+    :data:`MIN_TIMED` timed steps) or tied with the fastest within their spreads
+    (:func:`contenders`). Returns the measured candidates."""
     todo = to_measure(ranked, opts.measure)
     rest = [c for c in ranked if c not in todo]
     if baseline is not None and baseline not in todo:
         todo.append(baseline)
     done: list[Candidate] = []
-    while todo:
-        c = todo.pop(0)
-        run_dir = out_dir / "runs" / str(len(done))
-        log(f"[fit] measure {c.label} ({opts.steps} steps) -> {run_dir}")
-        done.append(c)
+    runs = 0
+    spent = 0.0
+    steps = {id(c): opts.steps for c in ranked}
+
+    def run(c: Candidate) -> None:
+        nonlocal runs, spent
+        run_dir = out_dir / "runs" / str(runs)
+        runs += 1
+        n = steps.get(id(c), opts.steps)
+        log(f"[fit] measure {c.label} ({n} steps) -> {run_dir}")
+        earlier = c.measured
         try:
-            c.measured = run_once([*base, *c.overrides], opts.steps, run_dir)
+            c.measured = run_once([*base, *c.overrides], n, run_dir)
         except BaseException:  # fit was stopped: the run was too, and recorded what it had
             c.measured = {**read_run(run_dir), "fits": False}
             raise
+        spent += c.measured.get("wall_s") or 0.0
         judge(c, opts.budget_bytes)
+        if earlier is not None:  # keep the run with more timed steps; the other is listed
+            older = [*earlier.pop("earlier", []), earlier]
+            if (earlier.get("timed_steps") or 0) > (c.measured.get("timed_steps") or 0):
+                older[-1], c.measured = c.measured, earlier
+            c.measured["earlier"] = older
+
+    while todo:
+        c = todo.pop(0)
+        done.append(c)
+        run(c)
         if not todo and rest and len(done) < 2 * opts.measure + 1 and not any(
-                d.run()["fits"] and d.run().get("tokens_per_s") for d in done):
+                d.run()["fits"] and timed(d.run()) for d in done):
             todo.append(rest.pop(0))
+    while True:
+        again = contenders(done)
+        if not again:
+            break
+        cost = sum((c.run().get("wall_s") or 0.0) * 2 for c in again)
+        if spent + cost > opts.measure_budget_s:
+            log(f"[fit] measured {spent:.0f} s; measuring {len(again)} tied or untimed "
+                f"candidates again would pass --measure-budget {opts.measure_budget_s:.0f} s")
+            break
+        for c in again:
+            steps[id(c)] = 2 * steps.get(id(c), opts.steps)
+            run(c)
     return done
+
+
+def timed(m: dict[str, Any]) -> bool:
+    """Whether a measured run's tokens/s may be ranked: at least :data:`MIN_TIMED` timed
+    steps."""
+    return bool(m.get("tokens_per_s")) and (m.get("timed_steps") or 0) >= MIN_TIMED
+
+
+def contenders(done: list[Candidate]) -> list[Candidate]:
+    """The fitting measured candidates worth measuring again: the fastest and those tied with
+    it (within the larger of the two spreads), when there is a tie, plus those not timed."""
+    fits = [c for c in done if c.measured and c.run().get("fits")]
+    untimed = [c for c in fits if c.run()["status"] == "ok" and not timed(c.run())]
+    ranked = [c for c in fits if timed(c.run())]
+    if not ranked:
+        return untimed
+    top = max(ranked, key=lambda c: c.run()["tokens_per_s"])
+    tied = [c for c in ranked if c is not top and _tied(top.run(), c.run())]
+    return ([top, *tied] if tied else []) + untimed
+
+
+def _tied(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Two measured runs whose tokens/s differ by no more than the larger of their spreads."""
+    return abs(a["tokens_per_s"] - b["tokens_per_s"]) <= max(
+        a.get("tokens_per_s_std") or 0.0, b.get("tokens_per_s_std") or 0.0)
 
 
 def judge(c: Candidate, budget: int) -> None:
@@ -342,8 +479,9 @@ def judge(c: Candidate, budget: int) -> None:
     stops (:class:`SearchInterrupted`)."""
     m = c.run()
     m["fits"] = bool(m["status"] == "ok" and m.get("peak_bytes") and m["peak_bytes"] <= budget)
-    if m["status"] == "ok" and not m.get("tokens_per_s"):
-        m["error"] = "no timed step (every step was warm-up or tracked): raise --steps"
+    if m["status"] == "ok" and not timed(m):
+        m["error"] = (f"not timed: {m.get('timed_steps') or 0} timed step(s), fewer than "
+                      f"{MIN_TIMED} (the others were warm-up or tracked): raise --steps")
     if m["status"] in UNFINISHED:
         raise SearchInterrupted(
             f"the measured run of {c.label} ({m['run_dir']}) was {m['status']} from outside "
@@ -351,17 +489,35 @@ def judge(c: Candidate, budget: int) -> None:
             m.get("signal") or ("SIGKILL" if m["status"] == "killed" else "SIGTERM"))
 
 
-def fastest(fits: list[Candidate]) -> Candidate | None:
-    """The winner among measured candidates that fit: the fastest; when others are within the
-    measured spread of it (the larger std of the two runs' timed steps), the measurement cannot
-    order them and the speed model's order (then the smaller measured peak) decides."""
+def fastest(fits: list[Candidate], model_checked: bool = False) -> Candidate | None:
+    """The winner among measured candidates that fit and are timed (:func:`timed`): the
+    fastest; others within the measured spread of it (the larger std of the two runs' timed
+    steps) are a tie the measurement cannot order. The speed model's order breaks it only when
+    ``model_checked`` (it ordered at least :data:`MIN_MODEL_POINTS` measured candidates better
+    than chance); otherwise the smaller measured peak does (:func:`ties` says the winner is
+    tied)."""
+    fits = [c for c in fits if timed(c.run())]
     if not fits:
         return None
     top = max(fits, key=lambda c: c.run()["tokens_per_s"])
-    t, s = top.run()["tokens_per_s"], top.run().get("tokens_per_s_std") or 0.0
-    tied = [c for c in fits if t - c.run()["tokens_per_s"]
-            <= max(s, c.run().get("tokens_per_s_std") or 0.0)]
-    return min(tied, key=lambda c: (c.predicted_rank or 10**9, c.run()["peak_bytes"]))
+    tied = [c for c in fits if c is top or _tied(top.run(), c.run())]
+    if model_checked:
+        return min(tied, key=lambda c: (c.predicted_rank or 10**9, c.run()["peak_bytes"]))
+    return min(tied, key=lambda c: (c.run()["peak_bytes"], c.predicted_rank or 10**9))
+
+
+def ties(winner: Candidate, fits: list[Candidate]) -> dict[str, Any] | None:
+    """The measured candidates tied with ``winner`` (within the larger spread), and the largest
+    gap as a share of the winner's tokens/s: "tied within X%"."""
+    others = [c for c in fits if c is not winner and timed(c.run())
+              and _tied(winner.run(), c.run())]
+    if not others:
+        return None
+    t = winner.run()["tokens_per_s"]
+    gap = max(abs(c.run()["tokens_per_s"] - t) for c in others) / t
+    spread = max(max(c.run().get("tokens_per_s_std") or 0.0 for c in others),
+                 winner.run().get("tokens_per_s_std") or 0.0) / t
+    return {"with": [c.label for c in others], "within_pct": round(100 * max(gap, spread), 1)}
 
 
 def spearman(xs: list[float], ys: list[float]) -> float | None:
@@ -391,20 +547,27 @@ def spearman(xs: list[float], ys: list[float]) -> float | None:
 
 
 def prediction_quality(measured: list[Candidate]) -> dict[str, Any]:
-    """How well the predicted order matched the measured tokens/s (higher rank = slower)."""
+    """How well the predicted order matched the measured tokens/s (higher rank = slower), over
+    the timed runs; ``checked``: over at least :data:`MIN_MODEL_POINTS` of them and better than
+    chance (then it may break a measured tie: :func:`fastest`)."""
     pts = [(score(c), c.measured["tokens_per_s"]) for c in measured
            if c.predicted_rank is not None and c.measured and c.measured["status"] == "ok"
-           and c.measured.get("tokens_per_s")]
+           and timed(c.measured)]
     order = sorted({p for p, _ in pts})
     rho = spearman([-order.index(p) for p, _ in pts], [t for _, t in pts])
-    if rho is not None:
-        note = ("Spearman's rho between the speed model's order (ties share a rank) and the "
-                "measured tokens/s; 1 = the same order")
-    elif len(pts) < 3:
-        note = "fewer than 3 measured candidates: no rank correlation"
-    else:
+    checked = rho is not None and len(pts) >= MIN_MODEL_POINTS and rho > 0
+    if len(pts) < MIN_MODEL_POINTS:
+        note = (f"{len(pts)} timed candidate(s), fewer than {MIN_MODEL_POINTS}: no verdict on "
+                "the speed model, which breaks no measured tie (with 3, a rank correlation of "
+                "-0.5 happens one time in three by chance)")
+    elif rho is None:
         note = "the speed model ranks every measured candidate the same"
-    return {"spearman": rho, "points": len(pts), "classes": len(order), "note": note}
+    else:
+        note = (f"Spearman's rho {rho:+.2f} over {len(pts)} timed candidates between the speed "
+                "model's order and the measured tokens/s: "
+                + ("better than chance" if rho > 0 else "no better than chance"))
+    return {"spearman": rho, "points": len(pts), "classes": len(order), "checked": checked,
+            "note": note}
 
 
 def closest(cands: list[Candidate], budget: int, margin: float,

@@ -26,6 +26,16 @@ precision, 8-bit or factored optimizer states) or how many processes train (shar
 never chooses them unasked."""
 
 
+QLORA_MIXED = (
+    "QLoRA under mixed precision can need more than LoRA, or than full fine-tuning where "
+    "activations dominate (no checkpointing, large micro-batches): as on a GPU, bitsandbytes "
+    "returns each 4-bit layer's output in its input's dtype, fp32 here (the frozen embeddings "
+    "and norms keep the residual stream fp32), where autocast's linear layers return bf16, so "
+    "every activation after a quantized layer (the MLP's gate, up and activation, q / k / v) "
+    "is twice as large; QLoRA saves weight memory, not activations (docs/fit.md)")
+"""Why a QLoRA row may be above full fine-tuning (issue 45 item 3), in fit's notes."""
+
+
 @dataclass(frozen=True)
 class Dimension:
     name: str
@@ -47,6 +57,16 @@ class Candidate:
     estimate: dict[str, Any] = field(default_factory=dict)
     measured: dict[str, Any] | None = None
     predicted_rank: int | None = None
+    coords: dict[str, int] = field(default_factory=dict)
+    """The option chosen in each searched dimension (its index in :attr:`Dimension.options`)."""
+    pruned: dict[str, Any] | None = None
+    """Why the search did not estimate it (:mod:`.prune`): ``reason`` (``no_fit``: a smaller
+    micro-batch of the same settings does not fit; ``dominated``: a fitting candidate that
+    differs only by less checkpointing / no offloading is predicted faster) and ``by`` (that
+    candidate's index)."""
+    shared: int | None = None
+    """The index of the candidate whose estimate this one shares (the same configuration on
+    the target as far as the estimate can tell: :func:`.prune.estimate_key`)."""
 
     def run(self) -> dict[str, Any]:
         """:attr:`measured`: what the candidate's real run measured (it has been run)."""
@@ -79,9 +99,11 @@ def _divisors_desc(n: int, most: int = 3) -> list[int]:
 
 
 def dimensions(cfg: Mapping[str, Any], device: str, allow: Iterable[str] = (),
-               fixed: Iterable[str] = ()) -> tuple[list[Dimension], list[str]]:
+               fixed: Iterable[str] = (), precision: str | None = None
+               ) -> tuple[list[Dimension], list[str]]:
     """The dimensions fit searches for the composed ``cfg`` (a plain dict) on ``device``, and
-    notes on what it leaves out and why."""
+    notes on what it leaves out and why. ``precision``: the configured precision as it resolves
+    on ``device`` (:func:`resolved_precision`); an option equal to it is not searched twice."""
     allow, fixed = set(allow), set(fixed)
     unknown = allow - set(ALLOWABLE)
     if unknown:
@@ -146,8 +168,15 @@ def dimensions(cfg: Mapping[str, Any], device: str, allow: Iterable[str] = (),
         opts = [("full fine-tuning", ("peft=none",)), ("LoRA", ("peft=lora",))]
         if cuda:
             opts.append(("QLoRA", ("peft=qlora",)))
+            if precision in ("bf16_mixed", "fp16_mixed") or "precision" in allow:
+                notes.append(QLORA_MIXED)
         add(Dimension("peft", ("peft",), tuple(opts), exact=False))
-    if "precision" in allow:
+    if "precision" in allow and precision == "bf16_mixed":
+        # the one option --allow precision adds is the configuration itself: searching it would
+        # estimate every candidate twice
+        notes.append("precision: not searched, the configuration trains in bf16 autocast with "
+                     "fp32 master weights already (the option --allow precision adds)")
+    elif "precision" in allow:
         add(Dimension("precision", ("precision",), (
             ("as configured", ()), ("bf16 autocast, fp32 master weights",
                                     ("precision=bf16_mixed",))), exact=False))
@@ -193,10 +222,28 @@ def candidates(dims: list[Dimension], cfg: Mapping[str, Any],
     """Every combination of one option per dimension. A candidate is ``exact`` when every
     dimension that changes the training (``exact=False``) keeps the configured option."""
     out = []
-    for combo in itertools.product(*(d.options for d in dims)):
+    for idx in itertools.product(*(range(len(d.options)) for d in dims)):
+        combo = [d.options[i] for d, i in zip(dims, idx, strict=True)]
         overrides = [o for _, opts in combo for o in opts]
         label = ", ".join(lbl for lbl, _ in combo) or "as configured"
         exact = all(d.exact or _is_configured(opts, cfg, choices)
                     for d, (_, opts) in zip(dims, combo, strict=True))
-        out.append(Candidate(overrides=overrides, label=label, exact=exact))
+        out.append(Candidate(overrides=overrides, label=label, exact=exact,
+                             coords={d.name: i for d, i in zip(dims, idx, strict=True)}))
     return out
+
+
+def resolved_precision(choice: str | None, device: str) -> str | None:
+    """The precision option ``choice`` is on ``device``: ``auto`` resolves as the estimate's
+    validation resolves it (a CUDA device: bf16 mixed, as on the CUDA machine an estimate
+    assumes; a CPU: bf16 mixed where it has bf16 kernels), the others are themselves."""
+    if choice != "auto":
+        return choice
+    from memlab.config import Platform
+
+    platform = Platform.detect()
+    if device == "cuda":
+        bf16 = platform.bf16 if platform.cuda else Platform.cuda_machine().bf16
+    else:
+        bf16 = platform.cpu_bf16
+    return "bf16_mixed" if bf16 else "fp32"

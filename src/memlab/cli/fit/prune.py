@@ -1,0 +1,233 @@
+"""Which candidates ``memlab fit`` estimates: the same answer as estimating every one, with fewer.
+
+Three levers, each exact (the search finds the same fitting candidates, in the same predicted
+order, with the same estimates, as an exhaustive one: ``tests/integration/test_fit_prune.py``
+compares the two; ``--exhaustive`` turns the levers off):
+
+1. **Twins, estimated once** (:func:`estimate_key`): candidates that are the same configuration
+   as far as the estimate can tell share one estimate. An attention backend that cannot train
+   on the CPU (flex, flash-attention) is estimated as per-document sdpa
+   (:func:`memlab.estimate.fake.measure` swaps it), so on a CUDA target its candidates are
+   their sdpa twins' estimate, where the two validate alike (the same dtypes, packed-row
+   isolation, shared prefixes, no package to check and no rule of its own). (A precision option
+   equal to the configured one is not a candidate at all: :func:`.space.dimensions`.)
+2. **Monotone in the micro-batch** (:func:`Plan.pruned`): a micro-batch that does not fit
+   rules out the larger ones with the same settings that also accumulate (the estimate runs two
+   micro-batches of either, the second with the first's gradients alive: the same step on more
+   rows). One micro-batch a step is not compared: without accumulation no gradient is alive
+   in its forward, and where gradients outweigh the activations saved (a tiny model) the
+   whole batch at once needs less than half of it twice; nor is the step inside backward.
+3. **Dominated** (:func:`Plan.pruned`): a candidate that differs from a fitting one only by more
+   checkpointing and / or activation offloading (the same batches, the same micro-batches) is
+   predicted no faster by the speed model - recomputation only adds FLOPs, host copies only add
+   seconds - and ranks after it (:func:`.search.rank` breaks a tie by that overhead): fit would
+   never choose it, so it is not estimated. Less checkpointing is compared only without
+   offloading, where it cannot add host copies.
+
+A candidate waits (:meth:`Plan.ready`) until every candidate that could prune it is settled;
+the order (:meth:`Plan.order`) estimates those first: smaller micro-batches, less
+checkpointing, no offloading first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from memlab.cli.fit.space import Candidate, Dimension
+
+CKPT, MICRO, OFFLOAD, ATTENTION = "checkpointing", "micro_batch", "offload", "attention"
+
+
+def _attention_name(overrides: Sequence[str]) -> str | None:
+    for o in overrides:
+        if o.startswith("attention="):
+            return o.split("=", 1)[1]
+    return None
+
+
+def estimated_alike(name: str, twin: str = "sdpa") -> bool:
+    """Whether ``attention=name`` is estimated exactly as ``attention=twin`` (sdpa, its yaml's
+    knobs) on a CUDA target: the estimate runs a backend that cannot train on the CPU as
+    per-document sdpa, and the two must validate alike."""
+    from memlab import registry
+    from memlab.attention.base import Backend
+
+    try:
+        cls, ref = registry.lookup("attention", name), registry.lookup("attention", twin)
+    except KeyError:
+        return False
+    if name == twin:
+        return True
+    if not (issubclass(cls, Backend) and issubclass(ref, Backend)):
+        return False
+    estimated_as_sdpa = not (cls.trains_on_cpu and "cpu" in cls.devices)
+    return (estimated_as_sdpa and twin == "sdpa" and "cuda" in cls.devices
+            and cls.package is None and set(cls.dtypes) == set(ref.dtypes)
+            and cls.isolates_packed == ref.isolates_packed
+            and cls().shares_prefix() == ref().shares_prefix()
+            and cls.validate is Backend.validate and ref.validate is Backend.validate)
+
+
+def estimate_key(c: Candidate, dims: Sequence[Dimension], device: str) -> tuple[int, ...]:
+    """What determines ``c``'s estimate: its coordinates, with an attention backend the
+    estimate runs as sdpa on a CUDA target (:func:`estimated_alike`) at sdpa's."""
+    key = []
+    for d in dims:
+        i = c.coords[d.name]
+        if d.name == ATTENTION and device == "cuda":
+            names = [_attention_name(opts) for _, opts in d.options]
+            mine = names[i]
+            if "sdpa" in names and mine is not None and estimated_alike(mine):
+                i = names.index("sdpa")
+        key.append(i)
+    return tuple(key)
+
+
+def _micro_size(opts: Sequence[str]) -> int | None:
+    """The rows of a micro-batch option that accumulates (None: one micro-batch a step, or the
+    step inside backward: not compared)."""
+    values = dict(o.split("=", 1) for o in opts)
+    if values.get("optimizer.in_backward") == "true" or int(values.get("train.grad_accum",
+                                                                       1)) < 2:
+        return None
+    return int(values["train.batch_size"]) if "train.batch_size" in values else None
+
+
+@dataclass
+class Plan:
+    """The search's bookkeeping: which candidate is estimated, shared or pruned, and when."""
+
+    cands: list[Candidate]
+    dims: list[Dimension]
+    device: str = "cpu"
+    prune: bool = True
+    """False: every candidate is estimated (``--exhaustive``; twins too)."""
+    offload_configured: bool = False
+    """The configuration offloads activations and fit does not search it: less checkpointing
+    would offload more, so it dominates nothing."""
+    reps: list[int] = field(default_factory=list)
+    """One candidate per estimate key, in the order they are estimated."""
+    twins: dict[int, list[int]] = field(default_factory=dict)
+    """A representative's index -> the candidates that share its estimate."""
+    done: set[int] = field(default_factory=set)
+    """Representatives settled: estimated or pruned."""
+    made: list[int] = field(default_factory=list)
+    """The candidates estimated, in the order their estimates came."""
+
+    def __post_init__(self) -> None:
+        names = [d.name for d in self.dims]
+        self._i = {n: names.index(n) for n in (CKPT, MICRO, OFFLOAD) if n in names}
+        micro = next((d for d in self.dims if d.name == MICRO), None)
+        self._sizes = [] if micro is None else [_micro_size(o) for _, o in micro.options]
+        by_key: dict[tuple[int, ...], int] = {}
+        for i, c in enumerate(self.cands):
+            key = (estimate_key(c, self.dims, self.device) if self.prune
+                   else tuple(c.coords.values()) + (i,))
+            rep = by_key.setdefault(key, i)
+            if rep == i:
+                self.twins[i] = []
+            else:
+                self.twins[rep].append(i)
+        self.reps = sorted(self.twins, key=self._order)
+        self._lines: dict[tuple[Any, ...], list[int]] = {}
+        for r in self.reps:
+            self._lines.setdefault(self._line(r), []).append(r)
+
+    # ------------------------------------------------------------------ order and waiting
+    def _coord(self, i: int, name: str) -> int:
+        return self.cands[i].coords.get(name, 0)
+
+    def _size(self, i: int) -> int | None:
+        return self._sizes[self._coord(i, MICRO)] if self._sizes else None
+
+    def _order(self, i: int) -> tuple[Any, ...]:
+        size = self._size(i)
+        return (size is None, size or 0, self._coord(i, CKPT), self._coord(i, OFFLOAD), i)
+
+    def _line(self, i: int) -> tuple[Any, ...]:
+        """The coordinates other than checkpointing, micro-batch and offloading."""
+        return tuple(v for k, v in self.cands[i].coords.items() if k not in (CKPT, MICRO,
+                                                                               OFFLOAD))
+
+    def _pruners(self, i: int) -> list[int]:
+        """The candidates whose estimates could prune ``i`` (:meth:`prune`)."""
+        if not self.prune:
+            return []
+        me = self.cands[i].coords
+        out = []
+        for j in self._lines[self._line(i)]:
+            if j == i:
+                continue
+            other = self.cands[j].coords
+            same_micro = other.get(MICRO) == me.get(MICRO)
+            if same_micro and self._dominates(j, i):
+                out.append(j)
+            elif (other.get(CKPT) == me.get(CKPT) and other.get(OFFLOAD) == me.get(OFFLOAD)
+                  and self._smaller(j, i)):
+                out.append(j)
+        return out
+
+    def _dominates(self, j: int, i: int) -> bool:
+        """Whether ``j`` would dominate ``i`` if it fits (same micro-batch, checked by the
+        caller): less or equal checkpointing, no offloading, not the same candidate."""
+        if self.offload_configured and self._coord(j, CKPT) != self._coord(i, CKPT):
+            return False
+        return (self._coord(j, CKPT) <= self._coord(i, CKPT) and self._coord(j, OFFLOAD) == 0
+                and (self._coord(j, CKPT), self._coord(j, OFFLOAD))
+                != (self._coord(i, CKPT), self._coord(i, OFFLOAD)))
+
+    def _smaller(self, j: int, i: int) -> bool:
+        a, b = self._size(j), self._size(i)
+        return a is not None and b is not None and a < b
+
+    def ready(self, i: int) -> bool:
+        """Every candidate that could prune ``i`` is settled."""
+        return all(j in self.done for j in self._pruners(i))
+
+    # ------------------------------------------------------------------ pruning
+    def pruned(self, i: int) -> dict[str, Any] | None:
+        """Why ``i`` need not be estimated, from the settled candidates (None: estimate it)."""
+        for j in self._pruners(i):
+            e = self.cands[j].estimate
+            if self._smaller(j, i) and e.get("status") == "ok" and not e.get("fits"):
+                return {"reason": "no_fit", "by": j,
+                        "why": f"a smaller micro-batch of the same settings does not fit (#{j})"}
+        for j in self._pruners(i):
+            if self._dominates(j, i) and self.cands[j].estimate.get("fits"):
+                return {"reason": "dominated", "by": j,
+                        "why": f"#{j} fits with less checkpointing or no offloading and is "
+                               "predicted faster"}
+        return None
+
+    def settle(self, i: int, estimate: dict[str, Any] | None = None,
+               pruned: dict[str, Any] | None = None) -> list[int]:
+        """Record representative ``i``'s estimate (or why it was pruned) on it and its twins;
+        returns the candidates it settled."""
+        self.done.add(i)
+        if estimate is not None:
+            self.made.append(i)
+        out = [i, *self.twins.get(i, [])]
+        for k in out:
+            c = self.cands[k]
+            if estimate is not None:
+                c.estimate = estimate if k == i else {**estimate, "seconds": 0.0}
+                c.shared = None if k == i else i
+            c.pruned = pruned
+        return out
+
+    def counts(self) -> dict[str, int]:
+        """Candidates estimated, sharing an estimate, pruned (by reason), left."""
+        out = {"candidates": len(self.cands), "estimated": 0, "shared": 0, "no_fit": 0,
+               "dominated": 0, "left": 0}
+        for c in self.cands:
+            if c.pruned:
+                out[c.pruned["reason"]] += 1
+            elif c.shared is not None:
+                out["shared"] += 1
+            elif c.estimate:
+                out["estimated"] += 1
+            else:
+                out["left"] += 1
+        return out

@@ -1,0 +1,100 @@
+"""memlab fit's pruning bookkeeping (memlab.cli.fit.prune) on made-up estimates: what waits for
+what, what is pruned and why, twins; and the precision option equal to the configuration. The
+same levers against real estimates: tests/integration/test_fit_prune.py."""
+
+from memlab.cli.fit.prune import Plan, estimated_alike
+from memlab.cli.fit.search import rank
+from memlab.cli.fit.space import candidates, dimensions
+
+CFG = {"method": {"name": "sft"}, "train": {"batch_size": 4, "grad_accum": 1,
+                                            "max_grad_norm": 1.0}}
+CHOICES = {"packing": "none", "attention": "sdpa", "offload": "none"}
+BUDGET = 170
+FIXED = {"method.padding_free", "method.loss_impl", "packing"}
+
+
+def _space(device="cuda", **kw):
+    dims, notes = dimensions(CFG, device, fixed=FIXED, **kw)
+    return dims, notes, candidates(dims, CFG, CHOICES)
+
+
+def _need(c) -> int:
+    """Made up: checkpointing and offloading save, rows cost; 1 x 4 costs more than 2 x 2
+    would suggest (no pruning across one micro-batch a step may rely on monotony there)."""
+    rows = next(int(o.split("=")[1]) for o in c.overrides if o.startswith("train.batch_size"))
+    return 100 * rows + 80 - 30 * c.coords["checkpointing"] - 10 * c.coords["offload"]
+
+
+def _search(plan, budget):
+    made = []
+    pending = list(plan.reps)
+    while pending:
+        i = next(i for i in pending if plan.ready(i))
+        pending.remove(i)
+        why = plan.pruned(i)
+        if why:
+            plan.settle(i, pruned=why)
+            continue
+        c = plan.cands[i]
+        need = _need(c)
+        plan.settle(i, estimate={"status": "ok", "needed_bytes": need, "fits": need <= budget,
+                                 "predicted_s": 1.0 + 0.2 * c.coords["checkpointing"]
+                                 + 0.1 * c.coords["offload"]})
+        made.append(i)
+    return made
+
+
+def test_twins_share_an_estimate_and_the_pruned_are_not_fitting_or_dominated():
+    dims, _, cands = _space()
+    assert [d.name for d in dims] == ["checkpointing", "micro_batch", "offload", "attention"]
+    plan = Plan(cands, dims, "cuda")
+    assert len(plan.reps) == len(cands) // 2  # flex is estimated as sdpa on a CUDA target
+    made = _search(plan, budget=BUDGET)
+    counts = plan.counts()
+    assert counts["shared"] == len(made) and counts["left"] == 0
+    assert counts["no_fit"] and counts["dominated"]
+    # the same candidates as estimating every one, each pruned one not fitting or dominated
+    every = [c for c in candidates(dims, CFG, CHOICES)]
+    for c in every:
+        need = _need(c)
+        c.estimate = {"status": "ok", "needed_bytes": need, "fits": need <= BUDGET,
+                      "predicted_s": 1.0 + 0.2 * c.coords["checkpointing"]
+                      + 0.1 * c.coords["offload"]}
+    full = rank(every)
+    kept = {c.label for c in cands if not c.pruned}
+    assert [c.label for c in rank(cands)] == [c.label for c in full if c.label in kept]
+    pos = {c.label: k for k, c in enumerate(full)}
+    for c, e in zip(cands, every, strict=True):
+        if c.pruned and c.pruned["reason"] == "no_fit":
+            assert not e.estimate["fits"], c.label
+        elif c.pruned:
+            by = cands[c.pruned["by"]]
+            assert every[c.pruned["by"]].estimate["fits"] and (
+                not e.estimate["fits"] or pos[by.label] < pos[c.label]), c.label
+    # one micro-batch a step (4 x 1) is never pruned by a smaller one not fitting
+    assert not any(c.pruned and c.pruned["reason"] == "no_fit" and "4 x 1" in c.label
+                   for c in cands)
+
+
+def test_a_candidate_waits_for_what_could_prune_it_and_exhaustive_estimates_all():
+    dims, _, cands = _space()
+    plan = Plan(cands, dims, "cuda")
+    first = plan.reps[0]
+    assert plan.ready(first) and "no checkpointing, 1 x 4" in cands[first].label
+    assert not all(plan.ready(i) for i in plan.reps)
+    every = Plan(cands, dims, "cuda", prune=False)
+    assert len(every.reps) == len(cands) and all(every.ready(i) for i in every.reps)
+
+
+def test_backends_the_estimate_runs_alike():
+    assert estimated_alike("flex_attention") and estimated_alike("sdpa")
+    assert not estimated_alike("eager")  # trains on the CPU: estimated as itself
+    assert not estimated_alike("flash_attention_2")  # bf16 / fp16 only, and a package
+
+
+def test_the_precision_option_equal_to_the_configuration_is_not_searched():
+    dims, notes, _ = _space(allow=["precision"], precision="bf16_mixed")
+    assert "precision" not in [d.name for d in dims]
+    assert any(n.startswith("precision: not searched") for n in notes)
+    dims, _, _ = _space(allow=["precision"], precision="fp32")
+    assert "precision" in [d.name for d in dims]
