@@ -556,7 +556,8 @@ def test_phase_plot_and_html_page(sweep: Path, tmp_path: Path) -> None:
     out = tmp_path / "r"
     assert main([str(sweep), "--out", str(out), "--html", "--budget", "0.1GiB"]) == 0
     page = (out / "report.html").read_text()
-    assert page.count("<tr class=") == 5 and page.count("data:image/png;base64,") == 4
+    assert page.count("<tr class=") - page.count(' reason"><td>') == 5  # a reason: its own row
+    assert page.count("data:image/png;base64,") == 4
     assert "CUDA out of memory" in page and "File train.py, line 3" in page
     assert (out / "memory_by_phase.png").stat().st_size > 1024
     assert "![memory_by_phase.png](memory_by_phase.png)" in (out / "report.md").read_text()
@@ -689,3 +690,56 @@ def test_hostile_strings_are_shown_not_obeyed(tmp_path: Path, capsys) -> None:
     cells = [c for row in csv.reader((root / "report.csv").open()) for c in row]
     assert not any(c.startswith(("=", "+", "@")) for c in cells)
     assert "'=HYPERLINK(\"x\")" in cells  # the tag, kept as text
+
+
+def test_baseline_by_several_settings_names_one_job_and_marks_its_row(
+        sweep: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 45 item 6: where several settings vary, ``--baseline`` takes them together
+    (``key=value`` pairs, a key or its last dotted part); one that names several jobs is refused
+    with the exact ``--baseline`` naming each; the baseline's row is marked."""
+    df = build_table(load_summaries([sweep]))
+    assert report.add_baseline(df, ["peft=none", "train.gradient_checkpointing=true"]).attrs[
+        "baseline"]["job"] == "3"
+    assert report.add_baseline(df, ["gradient_checkpointing=false", "peft=lora"]).attrs[
+        "baseline"]["job"] == "1"
+    assert report.add_baseline(df, ["peft=none", "train.seed=0", "gradient_checkpointing=false"]
+                               ).attrs["baseline"]["job"] == "0"  # a fixed setting at its value
+    with pytest.raises(report.BaselineError) as e:
+        report.add_baseline(df, ["peft=none"])
+    assert ("name one: --baseline peft=none train.gradient_checkpointing=false (job 0), or "
+            "--baseline peft=none train.gradient_checkpointing=true (job 3)") in str(e.value)
+    with pytest.raises(report.BaselineError, match=r"'0' is not key=value \(a job id stands "
+                                                   r"alone\); give a job id \(--baseline 1;"):
+        report.add_baseline(df, ["0", "peft=none"])
+    with pytest.raises(report.BaselineError, match="every job has train.seed=0"):
+        report.add_baseline(df, ["peft=none", "train.seed=1"])
+    # the command line: the pairs after --baseline, a path after them is a path
+    out = tmp_path / "r"
+    assert main(["--out", str(out), "--no-plots", "--baseline", "peft=none",
+                 "gradient_checkpointing=false", str(sweep)]) == 0
+    text = capsys.readouterr().out
+    assert "0 (baseline)" in text and text.count("(baseline)") == 1
+    assert ("job 0 (peft=none gradient_checkpointing=false)" in text)
+    assert main([str(sweep), "--no-plots", "--out", str(out), "--baseline", "peft=none"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--baseline peft=none train.gradient_checkpointing=" \
+        "false (job 0)" in err
+
+
+def test_the_cookbook_baseline_recipe_works_as_written(sweep: Path, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]):
+    """The cookbook's W&B recipe sweeps peft x gradient checkpointing; its report line, as the
+    page writes it, names the full fine-tuning job without checkpointing."""
+    import shlex
+
+    from memlab_testing import REPO
+
+    cookbook = (REPO / "docs" / "cookbook.md").read_text()
+    line = next(x for x in cookbook.splitlines()
+                if x.startswith("memlab report") and "--baseline" in x)
+    argv = shlex.split(line.replace("multirun/<date>/<time>", str(sweep)))[2:]
+    assert main([*argv, "--no-plots", "--out", str(tmp_path / "r")]) == 0, line
+    out = capsys.readouterr().out
+    assert "0 (baseline)" in out and "change against the baseline, job 0" in out
+    page = (tmp_path / "r" / "report.html").read_text()
+    assert page.count('<tr class="baseline">') == 1

@@ -6,13 +6,14 @@ Usage::
     memlab report outputs/a outputs/b --sort tokens_per_s --desc
     memlab report multirun/... --out reports/lora --budget 24GiB --html
     memlab report multirun/... --baseline peft=none         # what each job saves and costs
+    memlab report multirun/... --baseline peft=none train.gradient_checkpointing=true
 
 Every input is a multirun dir (walked recursively), a run dir or a ``summary.json`` file. Each job
 becomes one row (:mod:`.table`): the Hydra choices/overrides that *vary* across jobs (constant
 ones are listed once on a ``fixed:`` line), the status with its reason, the memory at the peak
 split by category (MiB), throughput with the number of timed steps and their spread, padding
 fraction, final loss, the final loss on held-out data (``eval_loss``, runs with ``data.eval``),
-with ``--baseline JOB`` the change in memory and tokens/s against that job (:mod:`.baseline`),
+with ``--baseline JOB`` (or ``--baseline KEY=VALUE ...``) the change in memory and tokens/s against that job (:mod:`.baseline`),
 and whether the job is on the memory-vs-throughput Pareto front (less
 memory and *measurably* more tokens/s: throughputs closer than their spread do not count as
 different). Every status a run or its launcher records is shown as it is (ok, invalid, oom, nan,
@@ -97,13 +98,28 @@ def write_report(df: pd.DataFrame, out_dir: Path, plots: bool = True,
     return written
 
 
+class _Parser(argparse.ArgumentParser):
+    """``--baseline`` takes one or more values: paths after its ``key=value`` pairs (or after
+    its job id) are paths; at least one path is required."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        ns, rest = super().parse_known_args(args, namespace)
+        if ns.baseline:
+            first, *more = ns.baseline
+            ns.baseline = [first, *(b for b in more if "=" in b)]
+            ns.paths = [*ns.paths, *(Path(b) for b in more if "=" not in b)]
+        if not ns.paths:
+            self.error("the following arguments are required: PATH")
+        return ns, rest
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``memlab report`` argument parser."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="memlab report",
         description="Tabulate and plot the summary.json files of memlab runs and sweeps.",
     )
-    parser.add_argument("paths", nargs="+", type=Path, metavar="PATH",
+    parser.add_argument("paths", nargs="*", type=Path, metavar="PATH",
                         help="multirun dir, run dir or summary.json (several allowed)")
     parser.add_argument("--out", type=Path, default=None, metavar="DIR",
                         help="where to write report.csv/report.md/PNGs (default: the first "
@@ -117,10 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="memory per device drawn on the memory plots, e.g. 24GiB, 80GB")
     parser.add_argument("--html", action="store_true",
                         help="also write report.html: the table and the plots on one page")
-    parser.add_argument("--baseline", metavar="JOB", default=None,
+    parser.add_argument("--baseline", metavar="JOB|KEY=VALUE", nargs="+", default=None,
                         help="add each job's change in peak memory (and by category) and in "
-                             "tokens/s against this job: a job id (the job column) or an "
-                             "override one job has, e.g. peft=none")
+                             "tokens/s against this job: a job id (the job column), or the "
+                             "overrides one job has together, e.g. --baseline peft=none "
+                             "train.gradient_checkpointing=true")
     parser.add_argument("--assumed-spread", type=float, default=ASSUMED_SPREAD, metavar="F",
                         help="tokens/s spread (a fraction) assumed for jobs timed on fewer than "
                              f"2 steps when drawing the front (default {ASSUMED_SPREAD})")

@@ -1,8 +1,10 @@
 """``memlab report --baseline``: what each job saves and costs against one job of the sweep.
 
-The baseline is a job id (the ``job`` column: Hydra's job number, or the job dir's name) or an
-override that exactly one job has (``peft=none``, ``train.gradient_checkpointing=true``; a key
-of a varying parameter, or its last dotted part). Each job then gets the change of its peak
+The baseline is a job id (the ``job`` column: Hydra's job number, or the job dir's name) or the
+overrides that exactly one job has together (``peft=none``, or ``peft=none
+train.gradient_checkpointing=true`` where more than one setting varies; a key of a varying
+parameter, or its last dotted part). A baseline that names no job, or several, is refused with
+the exact ``--baseline`` that names one. Each job then gets the change of its peak
 memory (MiB and percent) and of each memory category (MiB), and of its tokens/s (percent)
 against the baseline's; the baseline's own row reads 0, a job that is not ok (or the baseline,
 when it is not) reads blank. Whether a tokens/s change is larger than the jobs' measured spread
@@ -11,6 +13,7 @@ is said under the table: a change inside the spread is not a measured difference
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from memlab.cli.report.load import OK
@@ -21,37 +24,83 @@ if TYPE_CHECKING:
 
 
 class BaselineError(ValueError):
-    """``--baseline`` names no job, or several (the message lists what it can name)."""
+    """``--baseline`` names no job, or several (the message gives the exact ``--baseline`` that
+    names one)."""
 
 
-def find_baseline(df: pd.DataFrame, baseline: str) -> int:
-    """The row of ``df`` that ``baseline`` names (module docstring)."""
+def _items(baseline: str | Sequence[str]) -> list[str]:
+    return [baseline] if isinstance(baseline, str) else [str(b) for b in baseline]
+
+
+def _column(key: str, params: list[str]) -> str | None:
+    """The varying parameter ``key`` names: itself, or the one whose last dotted part it is."""
+    if key in params:
+        return key
+    named = [p for p in params if p.rsplit(".", 1)[-1] == key]
+    return named[0] if len(named) == 1 else None
+
+
+def _naming(df: pd.DataFrame, i: int, params: list[str]) -> str:
+    """``--baseline ...`` that names row ``i``: every varying parameter's value (quoted for a
+    shell), or the job id where those do not tell it from another job."""
+    import shlex
+
+    pairs = [(p, df[p][i]) for p in params if df[p][i] is not None and df[p][i] == df[p][i]]
+    same = [j for j in range(len(df))
+            if all(str(df[p][j]) == str(v) for p, v in pairs)]
+    if pairs and same == [i]:
+        return "--baseline " + " ".join(shlex.quote(f"{p}={v}") for p, v in pairs)
+    return f"--baseline {df['job'][i]}"
+
+
+def find_baseline(df: pd.DataFrame, baseline: str | Sequence[str]) -> int:
+    """The row of ``df`` that ``baseline`` names: a job id (the ``job`` column), or one or more
+    ``key=value`` overrides that exactly one job has together (``key``: a varying parameter, or
+    its last dotted part; a fixed parameter at its value is no constraint)."""
+    items = _items(baseline)
     jobs = [str(j) for j in df["job"]]
-    if baseline in jobs:
-        return jobs.index(baseline)
-    key, sep, value = baseline.partition("=")
     params = [str(p) for p in df.attrs.get("params") or []]
     fixed = df.attrs.get("fixed") or {}
-    if sep:
+    said = " ".join(items)
+    syntax = (f"give a job id (--baseline {jobs[0]}; the job column) or what varies as key=value "
+              "pairs, several at once" + (f" (e.g. {_naming(df, 0, params)})" if params
+                                         else ""))
+    if len(items) == 1 and "=" not in items[0]:
+        if items[0] in jobs:
+            return jobs.index(items[0])
+        raise BaselineError(f"--baseline {said}: no job is {said!r}; {syntax}; jobs: "
+                            f"{', '.join(jobs)}")
+    rows = list(range(len(df)))
+    for item in items:
+        key, sep, value = item.partition("=")
         key = key.lstrip("+")
-        column = key if key in params else next(
-            (p for p in params if p.rsplit(".", 1)[-1] == key), None)
+        if not sep or not key:
+            raise BaselineError(f"--baseline {said}: {item!r} is not key=value (a job id stands "
+                                f"alone); {syntax}")
+        column = _column(key, params)
         if column is not None:
-            rows = [i for i, v in enumerate(df[column]) if str(v) == value]
-            if len(rows) == 1:
-                return rows[0]
-            if len(rows) > 1:
-                raise BaselineError(
-                    f"--baseline {baseline}: {len(rows)} jobs have it (jobs "
-                    f"{', '.join(jobs[i] for i in rows)}); name one job, or add what else "
-                    f"varies ({', '.join(p for p in params if p != column)})")
+            rows = [i for i in rows if str(df[column][i]) == value]
+        elif key in fixed and str(fixed[key]) == value:
+            continue  # every job has it
         elif key in fixed:
-            raise BaselineError(f"--baseline {baseline}: every job has {key}={fixed[key]}; "
-                                "name a parameter that varies")
-    varying = "; ".join(f"{p}: {', '.join(sorted({str(v) for v in df[p]}))}" for p in params)
-    raise BaselineError(f"--baseline {baseline}: no job is {baseline!r}; give a job "
-                        f"({', '.join(jobs)}) or key=value of what varies"
-                        + (f" ({varying})" if varying else ""))
+            raise BaselineError(f"--baseline {said}: every job has {key}={fixed[key]}; name a "
+                                f"parameter that varies; {syntax}")
+        else:
+            varying = "; ".join(f"{p}: {', '.join(sorted({str(v) for v in df[p]}))}"
+                                for p in params)
+            raise BaselineError(f"--baseline {said}: {key} is not a parameter that varies "
+                                f"({varying or 'none varies'}); {syntax}")
+    if len(rows) == 1:
+        return rows[0]
+    if not rows:
+        varying = "; ".join(f"{p}: {', '.join(sorted({str(v) for v in df[p]}))}"
+                            for p in params)
+        raise BaselineError(f"--baseline {said}: no job is {said!r}; {syntax}"
+                            + (f"; what varies: {varying}" if varying else ""))
+    options = [f"{_naming(df, i, params)} (job {jobs[i]})" for i in rows[:3]]
+    raise BaselineError(
+        f"--baseline {said}: {len(rows)} jobs have it (jobs {', '.join(jobs[i] for i in rows)});"
+        f" name one: {', or '.join(options)}" + (", ..." if len(rows) > 3 else ""))
 
 
 def _pct(new: Any, old: Any) -> float | None:
@@ -60,7 +109,7 @@ def _pct(new: Any, old: Any) -> float | None:
     return 100.0 * (float(new) - float(old)) / float(old)
 
 
-def add_baseline(df: pd.DataFrame, baseline: str) -> pd.DataFrame:
+def add_baseline(df: pd.DataFrame, baseline: str | Sequence[str]) -> pd.DataFrame:
     """``df`` with :data:`DELTA_COLUMNS` against the job ``baseline`` names, and
     ``df.attrs["baseline"]`` (``{"job", "label", "noisy"}``: the jobs whose tokens/s change
     is within the larger of the two jobs' spreads). Raises :class:`BaselineError`."""
@@ -95,7 +144,8 @@ def add_baseline(df: pd.DataFrame, baseline: str) -> pd.DataFrame:
     for k, col in enumerate(DELTA_COLUMNS):
         out.insert(at + k, col, pd.Series(rows[col], dtype="float64").to_numpy())
     out.attrs = dict(df.attrs)
-    label = baseline if "=" in baseline else f"job {baseline}"
+    items = _items(baseline)
+    label = " ".join(items) if "=" in items[0] else f"job {items[0]}"
     out.attrs["baseline"] = {"job": str(base["job"]), "label": label, "noisy": noisy,
                              "notes": _notes(str(base["job"]), label, noisy, ok_base)}
     return out

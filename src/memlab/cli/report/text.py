@@ -56,8 +56,18 @@ def _text_rows(df: pd.DataFrame) -> tuple[list[str], list[list[str]], list[bool]
     cols = [str(c) for c in df.columns if c not in _HIDDEN_IN_TEXT and c != "error"]
     cols.append("error")  # the widest column goes last so the numbers stay readable
     rows = [[format_cell(c, v) for c, v in zip(cols, rec)] for rec in df[cols].itertuples(False)]
+    base = baseline_job(df)
+    for r in rows:
+        if base is not None and r[0] == base:
+            r[0] += " (baseline)"
     numeric = [c in NUMERIC_COLUMNS for c in cols]
     return cols, rows, numeric
+
+
+def baseline_job(df: pd.DataFrame) -> str | None:
+    """The job ``--baseline`` named (its row is marked), or None."""
+    base = df.attrs.get("baseline")
+    return None if not base else str(base["job"])
 
 
 def fixed_line(df: pd.DataFrame) -> str:
