@@ -235,6 +235,7 @@ def test_the_sweep_launcher_records_conform(tmp_path):
     own = _base(timeout.dir, status="interrupted", error="interrupted by SIGTERM",
                 signal="SIGTERM")
     _measured(own)
+    own["job"] = {**(own.get("job") or {}), "record_id": timeout.record_id}  # the job's own
     (timeout.dir / "summary.json").write_text(json.dumps(own))
     assert launcher._collect(timeout, sweep).return_value["status"] == "timeout"
     not_run = _launcher_job(tmp_path, 2, "true")
