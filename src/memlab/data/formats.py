@@ -261,3 +261,79 @@ def _from_alpaca(ds):
                   desc="convert Alpaca rows")
 
 
+
+
+# ----------------------------------------------------------------------------------- row types
+
+
+def row_type(ds: Any) -> tuple[str, bool]:
+    """The TRL dataset type of ``ds``'s rows (after :func:`convert`), by its columns, and whether
+    they are conversational (lists of messages) rather than standard (strings): ``language
+    modeling`` (text / messages), ``prompt-only``, ``prompt-completion``, ``preference``
+    (explicit or implicit prompt), ``unpaired preference``; ``unknown`` for anything else."""
+    cols = set(ds.column_names)
+    if {"chosen", "rejected"} <= cols:
+        kind, column = "preference", "chosen"
+    elif {"prompt", "completion", "label"} <= cols:
+        kind, column = "unpaired preference", "completion"
+    elif {"prompt", "completion"} <= cols:
+        kind, column = "prompt-completion", "completion"
+    elif "messages" in cols:
+        kind, column = "language modeling", "messages"
+    elif "text" in cols:
+        kind, column = "language modeling", "text"
+    elif "prompt" in cols:
+        kind, column = "prompt-only", "prompt"
+    else:
+        return "unknown", False
+    return kind, _is_list(ds.features.get(column))
+
+
+def _is_list(feature: Any) -> bool:
+    import datasets
+
+    return isinstance(feature, (datasets.List, datasets.LargeList, list)) or (
+        isinstance(feature, datasets.Json))
+
+
+def as_conversation(ds: Any) -> Any:
+    """Prompt-completion rows as conversations (``messages``): the prompt's turns, then the
+    completion's; a standard (string) prompt becomes one user turn and its completion one
+    assistant turn. Other columns (``tools``) are kept."""
+    import datasets
+
+    features = datasets.Features({k: v for k, v in ds.features.items()
+                                  if k not in ("prompt", "completion")})
+    features["messages"] = datasets.List(datasets.Json())
+
+    def turns(value: Any, role: str) -> list:
+        return [{"role": role, "content": value}] if isinstance(value, str) else list(value or [])
+
+    def fn(batch: dict[str, list]) -> dict[str, list]:
+        return {"messages": [turns(p, "user") + turns(c, "assistant")
+                             for p, c in zip(batch["prompt"], batch["completion"], strict=True)]}
+
+    key = hashlib.sha1(repr(("messages", _VERSION, ds._fingerprint)).encode()).hexdigest()
+    return ds.map(fn, batched=True, batch_size=256, features=features,
+                  remove_columns=["prompt", "completion"], keep_in_memory=not ds.cache_files,
+                  new_fingerprint=key, desc="prompt-completion rows into conversations")
+
+
+def as_conversational_prompt_completion(ds: Any) -> Any:
+    """Standard (string) prompt-completion rows as conversational ones: the prompt one user
+    turn, the completion one assistant turn."""
+    import datasets
+
+    message = {"role": datasets.Value("string"), "content": datasets.Value("string")}
+    features = datasets.Features({**ds.features, "prompt": datasets.List(message),
+                                  "completion": datasets.List(message)})
+
+    def fn(batch: dict[str, list]) -> dict[str, list]:
+        return {"prompt": [[{"role": "user", "content": p}] for p in batch["prompt"]],
+                "completion": [[{"role": "assistant", "content": c}]
+                               for c in batch["completion"]]}
+
+    key = hashlib.sha1(repr(("conversational", _VERSION, ds._fingerprint)).encode()).hexdigest()
+    return ds.map(fn, batched=True, batch_size=256, features=features,
+                  keep_in_memory=not ds.cache_files, new_fingerprint=key,
+                  desc="string prompt-completion rows into turns")

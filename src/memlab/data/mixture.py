@@ -19,7 +19,18 @@ pass, in a new order each pass); the summary's ``data.sources`` says so.
 random orders) of the rows it loads, converted to memlab's formats by the source's own settings
 (:mod:`memlab.data.formats`); the mixture is their concatenation in a seeded random order. A row
 names its source: errors say ``mixture source 'chat': <file> line 12``, and the summary's
-``data.sources`` counts the rows of each source. Sources whose rows differ in shape (a
+``data.sources`` counts the rows of each source.
+
+**Which formats mix.** Each source is converted on its own (ShareGPT to ``messages``, Alpaca to
+conversational prompt-completion, its own ``columns``), then the sources are brought to one
+form (:func:`unify`): sources of one TRL type mix as they are (string prompt-completion rows
+mixed with conversational ones become one user and one assistant turn); conversations mixed
+with prompt-completion rows (ShareGPT + Alpaca, ``messages`` + prompt-completion) all become
+conversations, a prompt-completion row the prompt's turns followed by the completion's (the
+loss then trains its assistant turns, as on every conversation). Other mixes are refused
+before anything is tokenized, naming two sources and why: preference with language-modelling
+rows, unpaired with paired preference, prompt-only with rows that have answers, plain text with
+conversations, explicit with implicit preference prompts. Sources whose rows differ in shape (a
 ``messages`` column of different message keys, a ``tools`` column one lacks) are aligned first:
 conversational columns become JSON-typed lists, missing columns empty.
 
@@ -36,7 +47,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memlab.data.base import DataError, DataSource, build_source, register
-from memlab.data.formats import RowOptions
+from memlab.data.formats import (
+    ROW_NAMES,
+    RowOptions,
+    as_conversation,
+    as_conversational_prompt_completion,
+    row_type,
+)
 from memlab.registry import PositiveInt, Seed
 from memlab.trainer.inputs import Inputs
 
@@ -140,20 +157,22 @@ class Mixture(RowOptions):
         counts = plan(sizes, {k: v for k, (_, key, v) in configs.items() if key == "weight"},
                       {k: v for k, (_, key, v) in configs.items() if key == "count"},
                       self.max_examples)
-        parts = []
+        converted, where = {}, {}
         for i, (label, (obj, _, _)) in enumerate(configs.items()):
             if counts[label] == 0:
                 continue
             ds = loaded[label]
             rng = np.random.default_rng([self.seed, i])
             picked = take(len(ds), counts[label], rng)
-            where = source_rows(ds, picked)
-            part, _ = obj.convert(ds.select(picked))
-            part = part.add_column(SOURCE_COLUMN, [label] * len(part))
-            parts.append(part.add_column(ROW_COLUMN, where))
-        if not parts:
+            where[label] = source_rows(ds, picked)
+            converted[label], _ = obj.convert(ds.select(picked))
+        if not converted:
             raise DataError("the mixture's shares give no rows; raise data.max_examples or a "
                             "count")
+        parts = []
+        for label, part in unify(converted).items():
+            part = part.add_column(SOURCE_COLUMN, [label] * len(part))
+            parts.append(part.add_column(ROW_COLUMN, where[label]))
         mixed = datasets.concatenate_datasets(align(parts))
         return mixed.shuffle(seed=self.seed)
 
@@ -225,6 +244,92 @@ def take(n: int, k: int, rng) -> list[int]:
     while len(out) < k:
         out.extend(int(i) for i in rng.permutation(n)[: k - len(out)])
     return out
+
+
+CONVERSATIONAL_LM = ("language modeling", "prompt-completion")
+"""Row types that mix as conversations (:func:`unify`)."""
+
+WHY = {
+    "preference": ("a preference row trains its chosen answer against its rejected one, "
+                   "{other} rows one answer or text alone; no method takes both in one "
+                   "dataset (sft reads no pairs; dpo, kto and reward read nothing else)"),
+    "unpaired preference": ("an unpaired preference row is a completion labelled desirable or "
+                            "not, {other} rows carry no label; only kto reads it, and only "
+                            "with rows like it"),
+    "prompt-only": ("a prompt-only row has no answer to train on (the online methods generate "
+                    "it), {other} rows do; no method takes both in one dataset"),
+    "language modeling": ("plain text rows ('text') are trained whole, with no turns or "
+                          "prompt, {other} rows on their answers; write the text source as "
+                          "conversations ('messages'), or train them in separate runs"),
+}
+"""Why a source of the key's type cannot mix with a source of another type (:func:`unify`)."""
+
+
+def describe(kind: tuple[str, bool], ds) -> str:
+    """``conversational prompt-completion (prompt, completion)``, for messages."""
+    style = "conversational" if kind[1] else "standard"
+    columns = ", ".join(c for c in ds.column_names if c in ROW_NAMES)
+    return f"{style} {kind[0]} rows ({columns})"
+
+
+def unify(parts: dict) -> dict:
+    """Each source's converted rows in one form the method can read together (module
+    docstring): sources of one type as they are (string prompt-completion rows mixed with
+    conversational ones become turns); conversations mixed with prompt-completion rows all
+    become conversations (``messages``: the prompt's turns, then the completion's). Other mixes
+    are refused, naming two sources that cannot mix and why."""
+    kinds = {label: row_type(p) for label, p in parts.items()}
+    types = {k[0] for k in kinds.values()}
+    styles = {k[1] for k in kinds.values()}
+    if types == {"prompt-completion"}:
+        return {label: p if kinds[label][1] else as_conversational_prompt_completion(p)
+                for label, p in parts.items()}
+    if "unknown" in types or (len(types) == 1 and len(styles) == 1
+                              and not _explicit_and_implicit(parts, types)):
+        return parts  # one type (or one the method names as unreadable)
+    text = [label for label, k in kinds.items() if k == ("language modeling", False)]
+    if types <= set(CONVERSATIONAL_LM) and not text:
+        return {label: as_conversation(p) if kinds[label][0] == "prompt-completion" else p
+                for label, p in parts.items()}
+    a, b = _clash(parts, kinds)
+    ka, kb = kinds[a], kinds[b]
+    if ka[0] == kb[0] == "preference":
+        why = ("one gives each pair's prompt in a 'prompt' column, the other inside 'chosen' "
+               "and 'rejected' (an implicit prompt)" if ka[1] == kb[1] else
+               "one gives strings, the other lists of messages")
+        why += "; give both sources the same columns and style"
+    elif ka[0] == kb[0]:
+        why = ("one gives strings, the other lists of messages; give both the same style "
+               "(conversations: lists of {role, content} messages)")
+    else:
+        first = min((a, b), key=lambda x: list(WHY).index(kinds[x][0]) if kinds[x][0] in WHY
+                    else len(WHY))
+        other = kinds[b if first == a else a]
+        why = WHY[kinds[first][0]].format(
+            other=f"{'conversational' if other[1] else 'standard'} {other[0]}")
+    raise DataError(f"mixture sources {a!r} and {b!r} cannot be mixed: {a!r} has "
+                    f"{describe(ka, parts[a])}, {b!r} has {describe(kb, parts[b])}: {why}. "
+                    "Mixes that work: conversations ('messages'), Alpaca, ShareGPT and "
+                    "prompt-completion rows together (all trained as conversations), or "
+                    "sources of one type (docs/config/data.md)")
+
+
+def _explicit_and_implicit(parts: dict, types: set) -> bool:
+    return types == {"preference"} and len({"prompt" in p.column_names
+                                            for p in parts.values()}) > 1
+
+
+def _clash(parts: dict, kinds: dict) -> tuple[str, str]:
+    """Two sources that cannot mix: a preference source and another kind first, then any two
+    of different types, styles or shapes."""
+    labels = sorted(parts)
+    pairs = [(a, b) for i, a in enumerate(labels) for b in labels[i + 1:]
+             if kinds[a] != kinds[b] or ("prompt" in parts[a].column_names)
+             != ("prompt" in parts[b].column_names)]
+    ranked = sorted(pairs, key=lambda ab: (not ({kinds[ab[0]][0], kinds[ab[1]][0]}
+                                                & {"preference", "unpaired preference"}),
+                                           kinds[ab[0]][0] == kinds[ab[1]][0]))
+    return ranked[0]
 
 
 def align(parts: list) -> list:
