@@ -36,7 +36,7 @@ import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from memlab.data import chat, text
+from memlab.data import chat, cut, text
 from memlab.data.base import DataError, check_messages, check_text
 from memlab.method.base import DataStats
 
@@ -90,9 +90,16 @@ def _split_text(chosen: Any, rejected: Any, idx: int) -> tuple[str, str, str]:
     return chosen[:n], chosen[n:], rejected[n:]
 
 
+WHOLE = "preference and prompt rows are tokenized whole"
+"""Why a preference / prompt field over :data:`memlab.data.cut.WHOLE_LIMIT` characters is
+refused: their token limits (prompt from the left, completions from the right, the example
+dropped when the prompt fills max_length) and tallies are computed on whole tokenizations."""
+
+
 def encode_prompt(tok, prompt: Any, idx: int, tools: Any = None) -> list[int]:
     """Prompt tokens: the chat template with the generation prompt, or plain text (with the
     tokenizer's BOS when it adds one)."""
+    cut.check_size(prompt, idx, "prompt", WHOLE)
     if isinstance(prompt, list):
         return chat.prompt_ids(tok, prompt, idx, "prompt", tools=tools)
     check_text(prompt, idx, "prompt")
@@ -129,6 +136,7 @@ def sample_prompt_ids(tok, row: dict, idx: int) -> list[int]:
 def encode_completion(tok, prompt: Any, prompt_ids: list[int], completion: Any, idx: int,
                       field: str, tools: Any = None) -> list[int]:
     """Completion tokens that follow ``prompt_ids`` (see the module docstring)."""
+    cut.check_size(completion, idx, field, WHOLE)
     if isinstance(prompt, list):
         return chat.completion_ids(tok, prompt, prompt_ids, completion, idx, field, tools=tools)
     if isinstance(completion, list):
@@ -143,6 +151,7 @@ def encode_full(tok, prompt: Any | None, completion: Any, idx: int, field: str,
     """One whole sequence (reward models): prompt + completion, or the completion alone when it
     is a full conversation / text."""
     if prompt is None:
+        cut.check_size(completion, idx, field, WHOLE)
         if isinstance(completion, list):
             return chat.conversation_ids(tok, completion, idx, field, tools=tools)
         check_text(completion, idx, field)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 import torch
 import torch.nn.functional as F
 
-from memlab.data import chat, text
+from memlab.data import chat, cut, text
 from memlab.data.base import DataError, check_text
 from memlab.losses import chunked_linear_cross_entropy
 from memlab.method import _rows
@@ -162,16 +162,19 @@ class SFT(Offline, HeadOn, PadMultiple, PaddingFree, LigerKnobs):
             )
         truncate = self.max_length is not None and not ctx.packing.keeps_overflow
         limit = self.max_length if truncate else None
+        why = (f"packing={ctx.packing.name} keeps every token" if self.max_length is not None
+               else "method.max_length=null keeps every token")
 
         def fn(batch: dict[str, list], idx: list[int]) -> dict[str, list]:
             out: dict[str, list] = {"input_ids": [], "labels": [], "n_in": [], "n_train": [],
-                                    "hollow": []}
+                                    "hollow": [], "n_cut": []}
             for j, row in enumerate(idx):
                 item = {k: v[j] for k, v in batch.items()}
                 try:
-                    ids, mask = self._encode(fmt, item, row, tokenizer)
+                    ids, mask, n_cut = self._encode(fmt, item, row, tokenizer, limit, why)
                 except chat.SkippedRow:
                     continue
+                out["n_cut"].append(n_cut)
                 out["n_in"].append(len(ids))
                 if limit is not None and len(ids) > limit:
                     if self.truncation_mode == "keep_start":
@@ -185,15 +188,16 @@ class SFT(Offline, HeadOn, PadMultiple, PaddingFree, LigerKnobs):
                 out["hollow"].append(self._hollow(fmt, item))
             return out
 
-        key = hashlib.sha1(repr((ds._fingerprint, fmt, limit, self.truncation_mode,
+        key = hashlib.sha1(repr((ds._fingerprint, fmt, limit, cut.WHOLE_LIMIT, self.truncation_mode,
                                   self.loss_on, tokenizer.name_or_path, len(tokenizer))).encode())
         out = ds.map(
             fn, batched=True, batch_size=256, with_indices=True, remove_columns=ds.column_names,
             keep_in_memory=True, new_fingerprint=key.hexdigest(), desc="tokenize",
         )
         n_in, n_train, hollow = out["n_in"], out["n_train"], out["hollow"]
+        n_cut = out["n_cut"]
         lens = [len(x) for x in out["input_ids"]]
-        out = out.remove_columns(["n_in", "n_train", "hollow"])
+        out = out.remove_columns(["n_in", "n_train", "hollow", "n_cut"])
         stats = DataStats(
             examples=len(out), rows=len(out), tokens_in=int(sum(n_in)),
             tokens_dropped=int(sum(n_in) - sum(lens)), trainable_tokens=int(sum(n_train)),
@@ -202,6 +206,9 @@ class SFT(Offline, HeadOn, PadMultiple, PaddingFree, LigerKnobs):
                 if self.loss_on == "all" else "every assistant turn / completion is empty, so "
                 "only the end-of-turn token would be trained"),
         )
+        if any(n_cut):  # tokens_in counts what was tokenized (memlab.data.cut)
+            stats.extra["cut_before_tokenizing"] = {
+                "rows": sum(1 for n in n_cut if n), "characters": int(sum(n_cut))}
         return out, stats
 
     def _hollow(self, fmt: str, row: dict) -> bool:
@@ -217,20 +224,35 @@ class SFT(Offline, HeadOn, PadMultiple, PaddingFree, LigerKnobs):
         parts = [row["completion"]] + ([row["prompt"]] if self.loss_on == "all" else [])
         return all(_rows.is_empty(p) for p in parts)
 
-    def _encode(self, fmt: str, row: dict, idx: int, tok) -> tuple[list[int], list[int]]:
+    def _encode(self, fmt: str, row: dict, idx: int, tok, limit: int | None, why: str
+                ) -> tuple[list[int], list[int], int]:
+        """Ids, loss mask and characters cut off before tokenizing of one row. A string far
+        longer than ``limit`` tokens is cut first, to the same kept ids (:mod:`memlab.data.cut`);
+        a field tokenized whole over ``cut.WHOLE_LIMIT`` characters is refused (``why``: why
+        it is kept whole)."""
         train_completion = self.loss_on == "completion"
         tools = row.get("tools")
+        keep = self.truncation_mode
         if fmt == "messages":
+            cut.check_size(row["messages"], idx, "messages",
+                           why if limit is None else "conversations are not cut before "
+                           "tokenizing")
             if not train_completion:
                 ids = chat.conversation_ids(tok, row["messages"], idx, "messages", tools=tools)
-                return ids, [1] * len(ids)
-            return chat.assistant_mask(tok, row["messages"], idx, "messages", tools=tools)
+                return ids, [1] * len(ids), 0
+            return (*chat.assistant_mask(tok, row["messages"], idx, "messages", tools=tools), 0)
         if fmt == "text":
             check_text(row["text"], idx, "text")
-            ids = text.document_ids(tok, row["text"])
-            return ids, [1] * len(ids)
+            ids, n_cut = cut.encode(tok, row["text"], limit, keep,
+                                    lambda t: text.document_ids(tok, t), idx, "text",
+                                    kept_whole=why)
+            return ids, [1] * len(ids), n_cut
         prompt, completion = row["prompt"], row["completion"]
+        n_cut = 0
         if isinstance(prompt, list):
+            for name, value in (("prompt", prompt), ("completion", completion)):
+                cut.check_size(value, idx, name, why if limit is None else
+                               "conversations are not cut before tokenizing")
             p = chat.prompt_ids(tok, prompt, idx, "prompt", tools=tools)
             full = p + chat.completion_ids(tok, prompt, p, completion, idx, "completion",
                                            fix=chat.SFT_FIX, tools=tools)
@@ -240,10 +262,15 @@ class SFT(Offline, HeadOn, PadMultiple, PaddingFree, LigerKnobs):
                 raise DataError(f"row {idx}: 'prompt' is a string but 'completion' is a list of "
                                 "messages; use the same format (both strings or both messages)")
             check_text(completion, idx, "completion")
-            p = text.start_ids(tok, prompt)
-            full = p + text.end_ids(tok, completion)
+            # each part cut keeps >= limit tokens on the kept side: the kept window of
+            # prompt + completion lies inside what is tokenized
+            p, n_p = cut.encode(tok, prompt, limit, keep, lambda t: text.start_ids(tok, t), idx,
+                                "prompt", kept_whole=why)
+            c, n_c = cut.encode(tok, completion, limit, keep, lambda t: text.end_ids(tok, t),
+                                idx, "completion", kept_whole=why)
+            full, n_cut = p + c, n_p + n_c
         mask = [0] * len(p) + [1] * (len(full) - len(p)) if train_completion else [1] * len(full)
-        return full, mask
+        return full, mask, n_cut
 
     # ------------------------------------------------------------------ batches
     def collate(self, rows: list[dict], tokenizer, ctx: BuildContext) -> Batch:
