@@ -700,3 +700,18 @@ def test_an_unreachable_hub_model_memlab_does_not_ship_is_one_invalid_line(tmp_p
     assert len(said) == 1 and said[0].startswith(
         "memlab fit: invalid: model.name_or_path=someone/NoSuchModel-3B: "), err
     assert "Traceback" not in err and "${memlab.asset:model_configs/NAME}" in said[0]
+
+
+def test_a_teachers_unreachable_hub_model_is_one_invalid_line(tmp_path, monkeypatch):
+    """A model the run reaches besides the policy (GKD's teacher) whose files cannot be found
+    offline: the estimate is invalid with the one-line reason, not a ModelFilesError
+    traceback (the policy's own hub id is resolved before: test_an_unreachable_hub_model_*)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "est"
+    code = estimate_main(["method=gkd", "model=hf",
+                          "model.name_or_path=${memlab.asset:model_configs/Qwen2.5-0.5B}",
+                          "+method.teacher={name_or_path:nobody/not-a-model-xyz}",
+                          "precision=fp32", "--out", str(out)])
+    est = json.loads((out / "estimate.json").read_text())
+    assert code == 2 and est["status"] == "invalid", est["error"]
+    assert "nobody/not-a-model-xyz" in est["error"] and "\n" not in est["error"]

@@ -65,6 +65,7 @@ from memlab.estimate.options import (
     zero_stage,
 )
 from memlab.estimate.sharding import apply_sharding
+from memlab.model._files import ModelFilesError
 from memlab.registry import ConfigErrors
 
 __all__ = ["ALL_PHASES", "CARDS", "PHASES", "EstimateError", "EstimateOptions", "estimate",
@@ -231,9 +232,9 @@ def estimate(cfg, opts: EstimateOptions | None = None, choices: dict[str, str] |
     except EstimateError as e:
         out["error"] = str(e)
         return out
-    except DataError as e:  # --from-data: the run's data cannot make its batches (a run's too)
-        out["status"] = "invalid"
-        out["error"] = str(e)
+    except (DataError, ModelFilesError) as e:  # --from-data: the run's data cannot make its
+        out["status"] = "invalid"  # batches (a run's too); a teacher's or reward model's files
+        out["error"] = str(e)  # cannot be found (the policy's are resolved by the CLI first)
         return out
     raw = res["raw"]
     mem = {k: raw[k] for k in ("peak_bytes", "by_category", "by_phase", "by_phase_category",
