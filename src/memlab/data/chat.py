@@ -294,7 +294,15 @@ def _render(tok, messages: list[dict], generation_prompt: bool, row: int, field:
                                        **_settings(tok).kwargs)
     except Exception as e:  # noqa: BLE001 - templates raise their own exceptions (raise_exception)
         raise ChatTemplateError(f"row {row}: the chat template cannot render field '{field}' "
-                                f"({len(messages)} messages): {type(e).__name__}: {e}") from e
+                                f"({len(messages)} messages): {type(e).__name__}: {e}"
+                                f"{_lacking(tok, template, messages, tools)}") from e
+
+
+def _lacking(tok, template: str | None, messages: list[dict], tools: list | None) -> str:
+    """What the template lacks for this row, and which named templates have it."""
+    from memlab.data import templates
+
+    return templates.lacking(template or template_info(tok).text, messages, tools)
 
 
 def _marked(tok, messages: list[dict], tools: list | None, template: str | None, row: int,
@@ -306,7 +314,8 @@ def _marked(tok, messages: list[dict], tools: list | None, template: str | None,
                                       return_assistant_tokens_mask=True, **_settings(tok).kwargs)
     except Exception as e:  # noqa: BLE001 - templates raise their own exceptions
         raise ChatTemplateError(f"row {row}: the chat template cannot render field '{field}' "
-                                f"({len(messages)} messages): {type(e).__name__}: {e}") from e
+                                f"({len(messages)} messages): {type(e).__name__}: {e}"
+                                f"{_lacking(tok, template, messages, tools)}") from e
     return list(enc["input_ids"]), list(enc["assistant_masks"])
 
 

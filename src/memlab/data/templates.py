@@ -22,10 +22,19 @@ answer: plain, with a system prompt, with reasoning, with a tool call and tools,
 generation prompt), the candidate must render exactly the stock text, with the run's template
 variables. A stock variant it does not reproduce (another Qwen3 or Mistral revision) gets no
 training template, and the reason is reported.
+
+**Named templates** (``model.chat_template=<name>``, :data:`NAMED`): the shipped templates a run
+can choose by name (chatml, qwen2.5, qwen3, llama3, mistral, mistral-tekken, gemma), each with
+``{% generation %}`` markers and the family's text for plain conversations. A name replaces the
+tokenizer's template without the probes above (you chose the family); it is checked against the
+run's tokenizer instead (:func:`token_errors`: each marker a single special token). When a
+template cannot render a row, :func:`lacking` says which feature of the row it lacks and names
+the templates that have it.
 """
 
 from __future__ import annotations
 
+import re
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,3 +149,122 @@ def _differs(tok, stock: str, text: str, kwargs: dict[str, Any]) -> str | None:
                     f"{got[i:i + 30]!r})")
         rendered += 1
     return None if rendered else "found no conversation this tokenizer's template renders"
+
+
+# ----------------------------------------------------------------------------- named templates
+
+
+@dataclass(frozen=True)
+class Named:
+    """A template ``model.chat_template`` takes by name."""
+
+    name: str
+    file: str
+    markers: tuple[str, ...]
+    """Strings the template writes that must each be one special token of the tokenizer."""
+    features: frozenset[str]
+    """What it renders beyond user / assistant turns: ``system``, ``tools`` (tool schemas,
+    calls and results), ``reasoning`` (``reasoning_content``)."""
+    preamble: str = ""
+
+    @property
+    def path(self) -> Path:
+        return TEMPLATE_DIR / self.file
+
+    def text(self) -> str:
+        return self.preamble + self.path.read_text()
+
+
+_CHATML = ("<|im_start|>", "<|im_end|>")
+_MISTRAL = ("[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_CALLS]",
+            "[TOOL_RESULTS]", "[/TOOL_RESULTS]")
+_ALL = frozenset({"system", "tools"})
+NAMED: dict[str, Named] = {n.name: n for n in (
+    Named("chatml", "chatml.jinja", _CHATML, frozenset({"system"})),
+    Named("qwen2.5", "qwen2.5.jinja", _CHATML, _ALL),
+    Named("qwen3", "qwen3.jinja", _CHATML, _ALL | {"reasoning"}),
+    Named("llama3", "llama3.jinja", ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+          _ALL),
+    Named("mistral", "mistral.jinja", _MISTRAL, _ALL, CANDIDATES[1].preamble),
+    Named("mistral-tekken", "mistral.jinja", _MISTRAL, _ALL, CANDIDATES[2].preamble),
+    Named("gemma", "gemma.jinja", ("<start_of_turn>", "<end_of_turn>"), frozenset({"system"})),
+)}
+"""The named templates. ``mistral`` is Mistral v0.3's [INST] format (spaced), ``mistral-tekken``
+Nemo's; ``qwen3`` and both Mistral names are the training templates above; gemma and llama3
+fold or place the system prompt as their families do (gemma: into the first user turn)."""
+
+FEATURES = {"system": "a system turn", "tools": "tools, tool calls or tool results",
+            "reasoning": "reasoning (reasoning_content)"}
+
+
+def named(value: str | None) -> Named | None:
+    """The named template ``value`` names, or None (a file, or nothing)."""
+    return NAMED.get(value) if value else None
+
+
+def token_errors(tok, template: Named) -> list[str]:
+    """What ``tok`` lacks for ``template``: markers that are not one special token each, and the
+    ``bos_token`` / ``eos_token`` the template writes when the tokenizer has none."""
+    special = set(tok.all_special_ids) | {i for i, t in tok.added_tokens_decoder.items()
+                                          if t.special}
+    missing = _not_special(tok, template, special)
+    text = template.text()
+    unset = [v for v in ("bos_token", "eos_token") if v in text and not getattr(tok, v, None)]
+    errors = []
+    if missing:
+        fits = [n.name for n in NAMED.values()
+                if n.name != template.name and not _not_special(tok, n, special)]
+        errors.append(
+            f"model.chat_template={template.name} writes {', '.join(missing)}, which the "
+            "tokenizer does not have as single special tokens (a template's markers must be, or "
+            "the model never sees them as turn boundaries); use a tokenizer of that family "
+            "(model.tokenizer=...), or a named template whose markers it has"
+            + (f": {', '.join(fits)}" if fits else " (none has)"))
+    if unset:
+        errors.append(f"model.chat_template={template.name} writes the tokenizer's "
+                      f"{' and '.join(unset)}, and the tokenizer has none")
+    return errors
+
+
+def _not_special(tok, template: Named, special: set[int]) -> list[str]:
+    """The markers of ``template`` that are not one special token of ``tok``."""
+    return [m for m in template.markers
+            if len(ids := tok.encode(m, add_special_tokens=False)) != 1 or ids[0] not in special]
+
+
+def features_of(messages: list[dict], tools: Any) -> list[str]:
+    """The features (:data:`FEATURES`) a row uses."""
+    out = []
+    if any(m.get("role") == "system" for m in messages):
+        out.append("system")
+    if tools or any(m.get("tool_calls") or m.get("role") == "tool" for m in messages):
+        out.append("tools")
+    if any(m.get("reasoning_content") for m in messages):
+        out.append("reasoning")
+    return out
+
+
+def _has(text: str, feature: str) -> bool:
+    """Whether a template that is not a named one renders ``feature`` (read from its text)."""
+    if feature == "tools":
+        return bool(re.search(r"\btools\b", text)) and "tool_calls" in text
+    if feature == "reasoning":
+        return "reasoning_content" in text
+    return not re.search(r"raise_exception\([^)]*[Ss]ystem", text)
+
+
+def lacking(text: str, messages: list[dict], tools: Any) -> str:
+    """``"; the template renders no <feature> ... model.chat_template=<names>"`` for the first
+    feature of the row the template ``text`` lacks (empty when it lacks none that memlab can
+    tell). Content given as a list of text parts is joined to one string before any template
+    sees it (:func:`memlab.data.base.normalize_messages`), so every template takes it."""
+    mine = next((n for n in NAMED.values() if text == n.text()), None)
+    for feature in features_of(messages, tools):
+        if (feature in mine.features) if mine else _has(text, feature):
+            continue
+        have = [n.name for n in NAMED.values() if feature in n.features]
+        which = f"memlab's {mine.name} template" if mine else "this chat template"
+        return (f"; {which} renders no {FEATURES[feature]}, which this row has: drop them from "
+                f"the data, or use a template that renders them (model.chat_template=<name>: "
+                f"{', '.join(have)}; or a Jinja file)")
+    return ""

@@ -59,7 +59,12 @@ def directory_inputs(name: str, revision: str | None) -> tuple[Inputs, Inputs]:
 
 
 def template_inputs(path: str | None) -> Inputs:
-    """A chat template file's input (none without one)."""
+    """A chat template file's input (a named template's: its shipped file; none without one)."""
+    from memlab.data import templates
+
+    named = templates.named(path)
+    if named is not None:
+        return Inputs.of_paths([str(named.path)])
     return Inputs.of_paths([path]) if path else Inputs()
 
 
@@ -170,13 +175,17 @@ def check_local(key: str, name: str, need: tuple[str, ...]) -> None:
 
 
 def chat_template_errors(key: str, path: str | None) -> list[str]:
-    """``model.chat_template`` must be a readable Jinja file that compiles."""
-    if path is None:
+    """``model.chat_template`` must name a shipped template
+    (:data:`memlab.data.templates.NAMED`) or be a readable Jinja file that compiles."""
+    from memlab.data import templates
+
+    if path is None or templates.named(path):
         return []
     file = Path(os.path.expanduser(path))
     if not file.is_file():
-        return [f"{key}={path}: no such file; give a Jinja chat template file (e.g. one with "
-                "{% generation %} markers around each assistant answer)"]
+        return [f"{key}={path}: no such file, and not a template memlab ships; name one "
+                f"({', '.join(templates.NAMED)}) or give a Jinja chat template file (e.g. one "
+                "with {% generation %} markers around each assistant answer)"]
     try:
         import jinja2
 
@@ -190,8 +199,18 @@ def chat_template_errors(key: str, path: str | None) -> list[str]:
 
 
 def apply_chat_template_file(tok, path: str | None):
-    """Replace the tokenizer's chat template with the file's text (``model.chat_template``)."""
-    if path is not None:
+    """Replace the tokenizer's chat template with the named template's text or the file's
+    (``model.chat_template``); a named template whose markers the tokenizer lacks as special
+    tokens is refused (:func:`memlab.data.templates.token_errors`)."""
+    from memlab.data import templates
+
+    named = templates.named(path)
+    if named is not None:
+        errors = templates.token_errors(tok, named)
+        if errors:
+            raise ModelFilesError("; ".join(errors))
+        tok.chat_template = named.text()
+    elif path is not None:
         tok.chat_template = Path(os.path.expanduser(path)).read_text()
     return tok
 

@@ -37,8 +37,9 @@ class HubModel(Option):
     tokenizer: str | None = None
     """Tokenizer name or path; None = same as name_or_path."""
     chat_template: str | None = None
-    """A Jinja chat template file that replaces the tokenizer's own (e.g. one with
-    ``{% generation %}`` markers); None = the tokenizer's."""
+    """A chat template that replaces the tokenizer's own: a name memlab ships (chatml, qwen2.5,
+    qwen3, llama3, mistral, mistral-tekken, gemma; docs/config/model.md) or a Jinja file (e.g.
+    one with ``{% generation %}`` markers); None = the tokenizer's."""
     trust_remote_code: bool = False
     """Run the model repository's own Python code (transformers' trust_remote_code): only for
     repositories you trust."""

@@ -42,7 +42,9 @@ class Tiny(Option):
     tokenizer: str | None = None
     """Tokenizer dir; None = the BPE tokenizer shipped in memlab/assets/tokenizer."""
     chat_template: str | None = None
-    """A Jinja chat template file that replaces the tokenizer's own; None = the tokenizer's."""
+    """A chat template that replaces the tokenizer's own: a name memlab ships (chatml, qwen2.5,
+    qwen3, llama3, mistral, mistral-tekken, gemma; docs/config/model.md) or a Jinja file; None =
+    the tokenizer's."""
     seed: Seed | None = None
     """Init seed; None = train.seed."""
 
