@@ -1,7 +1,8 @@
 """The Hydra task: what ``memlab`` / ``python -m memlab`` runs for each job (one run, or every job
 of a sweep). It reads Hydra's runtime (the run dir, the choices, the overrides, whether this is a
 multirun) and runs the job: in this process (:func:`memlab.run.run`, which starts the ranks
-itself for a multi-process run), or as one rank of a torchrun launch (:mod:`memlab.torchrun`).
+itself for a multi-process run), or as one rank of a torchrun launch (:mod:`memlab.torchrun`),
+with other libraries' warnings kept to the run's log (:func:`memlab.measure.runlog.quiet_libraries`).
 A single run exits with the status's code (:func:`memlab.record.exit_code`).
 """
 
@@ -11,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from memlab import torchrun
+from memlab.measure import runlog
+from memlab.measure.console import printable
 from memlab.measure.outcome import Interrupted
 from memlab.measure.summary import user_choices
 from memlab.record import exit_code, read_back
@@ -36,12 +39,19 @@ def hydra_task(cfg: Any) -> dict[str, Any]:
         job["moved"] = moved
     job = with_record_id(job)
     start = torchrun.run_rank if external_launch() else run
-    try:
-        summary = start(cfg, Path(hc.runtime.output_dir), choices, list(hc.overrides.task), job)
-    except Interrupted as e:  # held while the record was written; the record is complete
-        if multirun:
-            return read_back(Path(hc.runtime.output_dir) / "summary.json", str(job["record_id"]))
-        raise SystemExit(e.exit_code) from None
+    with runlog.quiet_libraries():  # other libraries' warnings into memlab.log, counted
+        runlog.file_only(printable(f"memlab run in {hc.runtime.output_dir}: "
+                                   + " ".join(f"{k}={v}" for k, v in choices.items())))
+        if hc.overrides.task:
+            runlog.file_only(printable("overrides: " + " ".join(hc.overrides.task)))
+        try:
+            summary = start(cfg, Path(hc.runtime.output_dir), choices, list(hc.overrides.task),
+                            job)
+        except Interrupted as e:  # held while the record was written; the record is complete
+            if multirun:
+                return read_back(Path(hc.runtime.output_dir) / "summary.json",
+                                 str(job["record_id"]))
+            raise SystemExit(e.exit_code) from None
     if not multirun and summary["status"] != "ok":
         raise SystemExit(exit_code(summary))
     return summary

@@ -48,7 +48,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import random
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -61,6 +60,7 @@ from memlab.data import chat, heldout
 from memlab.data.base import DataError
 from memlab.generation.base import Engine, GenerationEnv, SamplingParams, run_rng
 from memlab.generation.hf import HFEngine
+from memlab.measure import runlog
 from memlab.measure.data import DataStats
 from memlab.method import _rows
 from memlab.model._liger import apply_liger
@@ -148,11 +148,13 @@ def prepare_rows(ctx: BuildContext, tokenizer) -> tuple[Any, Any, DataStats, cha
     templates did)``. What the conversion and the templates did goes into the stats' extras
     (``converted``, ``chat_template``, ``unsplittable``)."""
     faults.reach("data")
-    raw = heldout.hold_out(ctx.data, ctx.data.load(ctx))  # less a fraction held out
+    with runlog.datasets_bars(False):  # one bar: the method's preparation (tokenize)
+        raw = heldout.hold_out(ctx.data, ctx.data.load(ctx))  # less a fraction held out
     if len(raw) == 0:
         raise DataError(f"data={ctx.data.name}: the data source has no rows")
     try:
-        rows, converted = ctx.data.convert(raw)
+        with runlog.datasets_bars(False):
+            rows, converted = ctx.data.convert(raw)
         with chat.rendering(tokenizer, ctx.data) as tally:
             ds, stats = ctx.method.prepare(rows, tokenizer, ctx)
     except DataError as e:  # name where the row comes from: a file and line, a hub row...
@@ -184,6 +186,11 @@ def prepare_eval(ctx: BuildContext, tokenizer: Any) -> HeldOut | None:
     training rows take: conversion, the chat template with the data option's settings, the
     method's preparation, packing (with ``train.eval_batch_size``); plus the sample prompts'
     token ids. None without ``data.eval``."""
+    with runlog.datasets_bars(False):  # (the training rows' bar was the data's bar)
+        return _prepare_eval(ctx, tokenizer)
+
+
+def _prepare_eval(ctx: BuildContext, tokenizer: Any) -> HeldOut | None:
     source, raw = heldout.load(ctx.data, ctx)
     if source is None:
         return None
@@ -279,7 +286,7 @@ def note_hollow(ctx: BuildContext, stats: DataStats) -> None:
         f"{hollow} of {n} examples ({hollow / n:.0%}) carry no training signal: "
         f"{stats.hollow_what} (above data.max_hollow_fraction={ctx.data.max_hollow_fraction:g})")
     if ctx.rank == 0:
-        print(f"[memlab] warning: {warning}", file=sys.stderr, flush=True)
+        runlog.warn(warning)
 
 
 def check_batch(ctx: BuildContext, ds: Any, stats: DataStats) -> None:
@@ -389,6 +396,8 @@ def build(ctx: BuildContext, seams: Seams | None = None, logger: Any = None,
     faults.note("pipeline")  # the test suite's guard: which tests build one
     tokenizer = (seams.load_tokenizer or ctx.model.load_tokenizer)(ctx)
     ds, stats = (seams.prepare_data or prepare_data)(ctx, tokenizer)
+    if ctx.rank == 0 and seams.prepare_data is None:  # (an estimate's rows are made up)
+        runlog.file_only(runlog.data_line(stats.as_dict()))
     note_hollow(ctx, stats)
     if on_data is not None:
         on_data(stats)
@@ -403,6 +412,8 @@ def build(ctx: BuildContext, seams: Seams | None = None, logger: Any = None,
     extra = ctx.method.as_extra_models()
     models = {"policy": policy, **({} if extra is None else extra.extra_models(policy, ctx, loader))}
     held = (seams.prepare_eval or prepare_eval)(ctx, tokenizer)
+    if held is not None and ctx.rank == 0 and seams.prepare_eval is None:
+        runlog.file_only(runlog.data_line(held.stats.as_dict(), "held-out data"))
     both = ds if held is None else _concatenate(ds, held.ds)
     with seams.model_context():  # the first pass that runs the models
         prepared = None if extra is None else extra.before_training(models, both, ctx)

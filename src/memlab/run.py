@@ -14,13 +14,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-import sys
 from pathlib import Path
 from typing import Any
 
 from memlab.context import BuildContext, plain_config, resolved_options, validate
 from memlab.distributed import launch
 from memlab.logger.base import RunInfo, build_logger
+from memlab.measure import runlog
 from memlab.measure.console import printable
 from memlab.measure.schema import SCHEMA_VERSION
 from memlab.measure.summary import device_info, format_table
@@ -49,11 +49,11 @@ def plan_resume(ctx: BuildContext, summary: dict[str, Any]) -> BuildContext:
         return ctx
     summary["resume"] = plan.as_dict()
     for skipped in plan.skipped:  # resume_from=latest passed over a newer damaged checkpoint,
-        print(f"[memlab] train.resume_from=latest: skipped {skipped['checkpoint']}: "  # or a
-              f"{skipped['why']}", file=sys.stderr, flush=True)  # live run's
+        runlog.log.warning(f"[memlab] train.resume_from=latest: skipped "  # or a live run's
+                           f"{skipped['checkpoint']}: {skipped['why']}")
     if plan.requested == "latest" and ctx.rank == 0:
-        print(f"[memlab] train.resume_from=latest: resuming {plan.path} (step {plan.step})",
-              file=sys.stderr, flush=True)
+        runlog.log.warning(f"[memlab] train.resume_from=latest: resuming {plan.path} "
+                           f"(step {plan.step})")
     if isinstance(summary.get("config"), dict):
         summary["config"].setdefault("train", {})["resume_from"] = str(plan.path)
     return dataclasses.replace(ctx, train=dataclasses.replace(ctx.train,
@@ -134,7 +134,7 @@ def run(cfg: Any, run_dir: Path | str, choices: dict[str, str] | None = None,
                                                   s, box))
     finally:  # also when a stop signal held while the record was written is raised now
         if print_table:
-            print(printable(format_table(summary), keep_newlines=True), flush=True)
+            runlog.say(printable(format_table(summary), keep_newlines=True))
     return summary
 
 
@@ -170,9 +170,8 @@ def late_logger(cfg: Any, info: RunInfo, summary: dict[str, Any], logger_box: li
     try:
         logger = option.start(info, config)
     except Exception as e:  # noqa: BLE001 - the job's own record matters more
-        print(f"[memlab] logger={node.get('name')} could not record this "
-              f"{summary.get('status')} job: {type(e).__name__}: {e}", file=sys.stderr,
-              flush=True)
+        runlog.log.warning(f"[memlab] logger={node.get('name')} could not record this "
+                           f"{summary.get('status')} job: {type(e).__name__}: {e}")
         return
     logger_box.append(logger)
     summary["logger"] = logger.describe()
@@ -282,7 +281,7 @@ def note_hollow_groups(summary: dict[str, Any], counts: dict[str, int], limit: f
            "sampling (method.max_completion_length, temperature)" if hollow == groups else "")
         + f" (above data.max_hollow_fraction={limit:g})")
     if say:
-        print(f"[memlab] warning: {warning}", file=sys.stderr, flush=True)
+        runlog.warn(warning)
 
 
 def _param_counts(model) -> dict[str, int]:

@@ -19,6 +19,7 @@ from memlab import faults
 from memlab.context import BuildContext, plain_config, resolved_options, validate
 from memlab.distributed import launch
 from memlab.logger.base import RunInfo
+from memlab.measure import runlog
 from memlab.measure.console import printable
 from memlab.measure.summary import format_table
 from memlab.record import exit_code, guarded
@@ -101,7 +102,7 @@ def run_rank(cfg: Any, run_dir: Path, choices: dict[str, str] | None = None,
         guarded(lambda _: launch.merge(summary, root / "ranks", world, [0] * world), summary,
                 root / "summary.json")
         if print_table:
-            print(printable(format_table(summary), keep_newlines=True), flush=True)
+            runlog.say(printable(format_table(summary), keep_newlines=True))
     ctx.distributed.teardown()
     if rank and Path(run_dir).resolve() != root:
         own = Path(run_dir)

@@ -80,13 +80,13 @@ def test_a_full_disk_keeps_training_records_checkpoint_errors_and_leaves_no_part
 
 
 # ---------------------------------------------------------------------------------- sweeps
-def _stopped_sweep(tmp_path, args: list[str], act) -> tuple[int, str]:
+def _stopped_sweep(tmp_path, args: list[str], act, pinned=PINNED) -> tuple[int, str]:
     """A sweep (``memlab -m`` of the reliability configs with ``args``) into ``tmp_path/sweep``,
     in a subprocess whose jobs pause under ``tmp_path/rel`` (``REL_DIR``); ``act(proc, log)``
     while it runs (it waits at the jobs' markers), then the sweep's exit status and console.
     The sweep is killed if it outlives the test."""
     log = tmp_path / "sweep.log"
-    proc = memlab_popen(["-m", "--config-dir", str(CONF), *args, *PINNED,
+    proc = memlab_popen(["-m", "--config-dir", str(CONF), *args, *pinned,
                          f"hydra.sweep.dir={tmp_path / 'sweep'}"], log,
                         env={"REL_DIR": str(tmp_path / "rel")})
     try:
@@ -99,6 +99,9 @@ def _stopped_sweep(tmp_path, args: list[str], act) -> tuple[int, str]:
 
 
 def test_a_hung_up_sweep_records_every_job_and_each_job_log_holds_its_console(tmp_path):
+    """The job's memlab.log holds its console (the last state of each progress bar, no runs of
+    ``\\r`` updates) and the lines the console leaves out (one a logging interval), each once;
+    the sweep's console shows the bars live."""
     sweep, rel, outside = tmp_path / "sweep", tmp_path / "rel", tmp_path / "outside"
     outside.write_text("precious")
     (sweep / "0").mkdir(parents=True)
@@ -108,7 +111,9 @@ def test_a_hung_up_sweep_records_every_job_and_each_job_log_holds_its_console(tm
         wait_for_marker(rel / "interrupted", "step:1", proc, log)
         proc.send_signal(signal.SIGHUP)  # the terminal closed
 
-    code, out = _stopped_sweep(tmp_path, ["experiment=rel_interrupted,rel_not_run"], hang_up)
+    bars = [*SMOKE, "precision=fp32", "train.progress=true"]
+    code, out = _stopped_sweep(tmp_path, ["experiment=rel_interrupted,rel_not_run"], hang_up,
+                               bars)
     assert code == 128 + signal.SIGHUP, out[-3000:]
     assert "[memlab] sweep interrupted by SIGHUP: 2 jobs: 1 interrupted, 1 not_run" in out
     first, second = _summary(sweep / "0"), _summary(sweep / "1")
@@ -121,6 +126,17 @@ def test_a_hung_up_sweep_records_every_job_and_each_job_log_holds_its_console(tm
     text = job_log.read_text()
     assert "status: interrupted  (interrupted by SIGHUP after 1 step(s))" in text
     assert "peak memory (tracker, cpu)" in text and "status: interrupted" in out  # and echoed
+    # the console's bars live, the log's at rest (read as bytes: text mode reads \r as \n)
+    assert b"\r" not in job_log.read_bytes()
+    assert b"\rtrain:" in (tmp_path / "sweep.log").read_bytes()
+    lines = text.splitlines()
+    (tokenize,) = [x for x in lines if x.startswith("tokenize:")]  # one bar, the data's
+    (train,) = [x for x in lines if x.startswith("train:") and "|" in x]  # its bar
+    assert "100%" in tokenize and "1/3" in train, text
+    assert sum("status: interrupted  (" in x for x in lines) == 1  # each line once
+    (step,) = [x for x in lines if "step 1/3: train/loss" in x]  # the file's own lines
+    assert "step 1/3: train/loss" not in out and "memlab run in " in text
+    assert lines.index(step) < lines.index(train)  # in the order they were said
 
 
 def test_a_second_stop_kills_the_job_and_its_record_names_the_signal_received(tmp_path):

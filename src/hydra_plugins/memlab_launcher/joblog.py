@@ -1,10 +1,13 @@
 """A sweep job's console, kept in its own log: everything the job's process (and what it starts)
 prints goes to ``<job dir>/memlab.log``, and to the sweep's console when jobs run one at a time,
 so a job that failed can be read after the fact. The launcher copies it (not the job), so the
-log holds the job's last words even when the job is killed.
+log holds the job's last words even when the job is killed. The console shows progress bars live;
+the file keeps the last state of each bar's line (:class:`Lines`: no runs of ``\\r`` updates).
 
-The job's Hydra log records reach the file through its console (:func:`console_only`): Hydra's
-own file handler, which would write each of them into the same file a second time, is dropped.
+The job's Hydra log records reach the file through its console (:func:`console_only`): the job's
+own file handler writes only the records its console does not show (memlab's job logging: the
+per-step lines, other libraries' warnings; :mod:`memlab.measure.runlog`), appending, so the file
+holds each record once; with another job logging, that file handler is dropped.
 """
 
 from __future__ import annotations
@@ -24,18 +27,56 @@ HYDRA_LOG = "${hydra.runtime.output_dir}/${hydra.job.name}.log"
 
 
 def console_only(config: DictConfig) -> None:
-    """Drop the job's Hydra file handler when it writes the file :class:`JobLog` writes (a
-    user's own logging config is left as it is)."""
+    """The job's Hydra file handler, when it writes the file :class:`JobLog` writes: with
+    memlab's console, kept for what that console leaves out (appending; its filter
+    :class:`memlab.measure.runlog.NotOnConsole`); with another console, dropped (a user's own
+    logging config, writing elsewhere, is left as it is)."""
+    from memlab.measure import runlog
+
+    logging = OmegaConf.select(config, "hydra.job_logging")
     handlers = OmegaConf.select(config, "hydra.job_logging.handlers")
     root = OmegaConf.select(config, "hydra.job_logging.root.handlers")
     if not isinstance(handlers, DictConfig) or "file" not in handlers or root is None:
         return
-    spec = OmegaConf.to_container(handlers.file, resolve=False)
-    if not isinstance(spec, dict) or spec.get("filename") != HYDRA_LOG:
+    spec = OmegaConf.to_container(handlers, resolve=False)
+    if not isinstance(spec, dict) or (spec.get("file") or {}).get("filename") != HYDRA_LOG:
         return
     with read_write(config.hydra), open_dict(config.hydra):
-        config.hydra.job_logging.root.handlers = [h for h in root if h != "file"]
-        del config.hydra.job_logging.handlers["file"]
+        if runlog.job_logging_config(spec):
+            filters = OmegaConf.select(config, "hydra.job_logging.filters") or {}
+            logging.filters = {**filters, "not_on_console": {
+                "()": f"{runlog.__name__}.{runlog.NotOnConsole.__name__}"}}
+            logging.handlers.file.filters = ["not_on_console"]
+            logging.handlers.file.mode = "a"  # the launcher's copy writes the same file
+            return
+        logging.root.handlers = [h for h in root if h != "file"]
+        del logging.handlers["file"]
+
+
+class Lines:
+    """A byte stream as the lines a terminal ends up showing: of each line, the text after its
+    last ``\\r`` that is not blank (a progress bar's last state); the rest of the line is kept
+    until it ends (:meth:`feed`) or the stream does (:meth:`end`)."""
+
+    def __init__(self) -> None:
+        self._line = b""
+
+    @staticmethod
+    def _last(line: bytes) -> bytes:
+        return next((part for part in reversed(line.split(b"\r")) if part.strip()), b"")
+
+    def feed(self, chunk: bytes) -> bytes:
+        """The lines ``chunk`` ends (with their newlines)."""
+        *done, self._line = (self._line + chunk).split(b"\n")
+        if b"\r" in self._line:  # only the last state and the one being written are kept
+            *before, now = self._line.split(b"\r")
+            self._line = self._last(b"\r".join(before)) + b"\r" + now
+        return b"".join(self._last(line).rstrip(b" ") + b"\n" for line in done)
+
+    def end(self) -> bytes:
+        """The unended line's last state (with a newline), when there is one."""
+        last, self._line = self._last(self._line).rstrip(b" "), b""
+        return last + b"\n" if last else b""
 
 
 class JobLog:
@@ -46,8 +87,10 @@ class JobLog:
         self.path, self.echo = path, echo
         path.parent.mkdir(parents=True, exist_ok=True)
         unlink_link(path)
-        self._file = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
-                             | os.O_CLOEXEC, 0o644)
+        # appending: the job's own file handler adds what its console leaves out
+        self._file = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+                             | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        self._lines = Lines()
         self._pipe = pipe
         self._thread = threading.Thread(target=self._copy, name=f"log:{path}", daemon=True)
         self._thread.start()
@@ -62,15 +105,20 @@ class JobLog:
                     break
                 if not chunk:
                     break
-                try:
-                    os.write(self._file, chunk)
-                except OSError:
-                    pass  # a full disk loses log lines, never the job
+                self._write(self._lines.feed(chunk))
                 if self.echo:
                     self._show(chunk)
         finally:
+            self._write(self._lines.end())
             os.close(self._file)
             self._pipe.close()
+
+    def _write(self, data: bytes) -> None:
+        try:
+            if data:
+                os.write(self._file, data)
+        except OSError:
+            pass  # a full disk loses log lines, never the job
 
     def _show(self, chunk: bytes) -> None:
         out: Any = getattr(sys.stdout, "buffer", None)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
+from memlab.measure import runlog
 from memlab.method.base import ModelFactory
 from memlab.trainer.routing import unwrap
 
@@ -166,7 +167,6 @@ def precompute(method: WithReference, models: dict[str, nn.Module], ds, ctx: Bui
     fp = hashlib.sha1(repr((ds._fingerprint, "reference_logps", sorted(out))).encode())
     for i, (name, column) in enumerate(out.items()):
         ds = ds.add_column(name, column, new_fingerprint=f"{fp.hexdigest()}-{i}")
-    print(f"[memlab] reference log-probs precomputed for {len(ds)} rows in "
-          f"{time.perf_counter() - t0:.1f}s; no reference model is kept for training",
-          flush=True)
+    runlog.say(f"[memlab] reference log-probs precomputed for {len(ds)} rows in "
+               f"{time.perf_counter() - t0:.1f}s; no reference model is kept for training")
     return ds

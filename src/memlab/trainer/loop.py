@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from memlab import faults
+from memlab.measure import runlog
 from memlab.measure.memory import MemoryProbe
 from memlab.measure.outcome import NonFiniteLoss
 from memlab.measure.profile import phase_label, profiled
@@ -320,6 +321,19 @@ class Trainer:
             with self.dist.generation(self.policy):
                 self.generation.start(self.policy, self.probe.untracked)
         bar = self._progress()
+        try:
+            self._loop(bar)
+        finally:  # the bar's line ends before anything else is said (a stop, an error)
+            if bar is not None:
+                bar.close()
+        if res.timed_steps == 0:
+            res.throughput_note = (
+                "every step was warm-up or ran under the memory tracker; raise train.steps or "
+                "set measure.memory_steps=2 for a throughput number")
+        return res
+
+    def _loop(self, bar) -> None:
+        ctx, res = self.ctx, self.result
         every = self.online.num_iterations if self.online is not None else 1
         self._rollouts = None
         while self.step_idx < ctx.train.steps:
@@ -376,8 +390,10 @@ class Trainer:
             if not math.isfinite(metrics["train/loss"]):
                 raise NonFiniteLoss(self.step_idx, metrics["train/loss"])
             evaluated, best = self._evaluate() if self._eval_due() else ({}, False)
-            if self.logger is not None and (self.step_idx % ctx.train.log_every == 0
-                                            or evaluated):
+            interval = self.step_idx % ctx.train.log_every == 0 or bool(evaluated)
+            if interval and ctx.rank == 0:
+                self._say(metrics, evaluated)
+            if self.logger is not None and interval:
                 self.logger.log({**metrics, **self.probe.step_metrics(self.step_idx - 1),
                                  **evaluated}, step=self.step_idx)
             if bar is not None:
@@ -394,13 +410,20 @@ class Trainer:
                 self.try_save_checkpoint()
             if self.evaluator is not None and self.evaluator.state.stopped is not None:
                 break
-        if bar is not None:
-            bar.close()
-        if res.timed_steps == 0:
-            res.throughput_note = (
-                "every step was warm-up or ran under the memory tracker; raise train.steps or "
-                "set measure.memory_steps=2 for a throughput number")
-        return res
+
+    def _say(self, metrics: dict[str, Any], evaluated: dict[str, Any]) -> None:
+        """The log's line of this logging interval (the file's only: the bar shows it), and
+        an evaluation's line (on the console too)."""
+        def shown(values: dict[str, Any]) -> str:
+            return ", ".join(f"{k} {v:.4g}" for k, v in values.items()
+                             if isinstance(v, (int, float)) and not isinstance(v, bool))
+
+        at = f"step {self.step_idx}/{self.ctx.train.steps}"
+        runlog.file_only(f"{at}: {shown(metrics)}")
+        if evaluated:
+            state = self.evaluator.state if self.evaluator is not None else None
+            best = state is not None and (state.best or {}).get("step") == self.step_idx
+            runlog.say(f"eval at {at}: {shown(evaluated)}" + (" (best so far)" if best else ""))
 
     # ---------------------------------------------------------------- evaluation
     def _eval_due(self) -> bool:
