@@ -193,7 +193,7 @@ NAMED: dict[str, Named] = {n.name: n for n in (
 Nemo's; ``qwen3`` and both Mistral names are the training templates above; gemma and llama3
 fold or place the system prompt as their families do (gemma: into the first user turn)."""
 
-FEATURES = {"system": "a system turn", "tools": "tools, tool calls or tool results",
+FEATURES = {"system": "system turn", "tools": "tools, tool calls or tool results",
             "reasoning": "reasoning (reasoning_content)"}
 
 
