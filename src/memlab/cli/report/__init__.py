@@ -52,7 +52,7 @@ from memlab.cli.report.table import (
     short_reason,
     sort_table,
 )
-from memlab.cli.report.text import fixed_line, format_markdown, format_text
+from memlab.cli.report.text import WIDTH, fixed_line, format_markdown, format_text
 from memlab.measure.outcome import count_line
 
 if TYPE_CHECKING:
@@ -129,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "come last")
     parser.add_argument("--desc", action="store_true", help="sort descending")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    parser.add_argument("--wide", action="store_true",
+                        help="print every column of the table, however wide (by default it fits "
+                             "120 columns, and a line under it says what it left out)")
     parser.add_argument("--budget", metavar="SIZE", default=None,
                         help="memory per device drawn on the memory plots, e.g. 24GiB, 80GB")
     parser.add_argument("--html", action="store_true",
@@ -199,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         except BaselineError as exc:
             print(printable(f"memlab report: {exc}"), file=sys.stderr)
             return 2
-    print(format_text(df))
+    print(format_text(df, width=None if args.wide else WIDTH))
     first = args.paths[0]
     out_dir = args.out if args.out is not None else (first if first.is_dir() else first.parent)
     written = write_report(df, out_dir, plots=not args.no_plots, budget_bytes=budget,

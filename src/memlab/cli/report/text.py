@@ -5,6 +5,8 @@ HTML page shares."""
 from __future__ import annotations
 
 import math
+import re
+import textwrap
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -51,9 +53,12 @@ def format_cell(column: str, value: Any) -> str:
     return printable(str(value).replace("\n", " "))  # a file name, a tag, an error: shown, not obeyed
 
 
-def _text_rows(df: pd.DataFrame) -> tuple[list[str], list[list[str]], list[bool]]:
-    """Visible columns (``error`` last), formatted cells, and which columns are numeric."""
-    cols = [str(c) for c in df.columns if c not in _HIDDEN_IN_TEXT and c != "error"]
+def _text_rows(df: pd.DataFrame, every: bool = False,
+               ) -> tuple[list[str], list[list[str]], list[bool]]:
+    """Visible columns (``error`` last; ``every``: the :data:`_HIDDEN_IN_TEXT` ones too),
+    formatted cells, and which columns are numeric."""
+    hidden = () if every else _HIDDEN_IN_TEXT
+    cols = [str(c) for c in df.columns if c not in hidden and c != "error"]
     cols.append("error")  # the widest column goes last so the numbers stay readable
     rows = [[format_cell(c, v) for c, v in zip(cols, rec)] for rec in df[cols].itertuples(False)]
     base = baseline_job(df)
@@ -89,20 +94,225 @@ def notes(df: pd.DataFrame) -> list[str]:
     return out + list((df.attrs.get("baseline") or {}).get("notes") or [])
 
 
-def format_text(df: pd.DataFrame) -> str:
-    """The table as plain aligned text, preceded by the ``fixed:`` line and followed by notes."""
-    cols, rows, numeric = _text_rows(df)
-    widths = [max([len(c)] + [len(r[j]) for r in rows]) for j, c in enumerate(cols)]
+WIDTH = 120
+"""The console table's width by default (``memlab report --wide``: every column, however wide)."""
+_GROUPS = {"MiB by phase": tuple(col for _, col in PHASES),
+           "MiB by category": (*(col for _, col in CATEGORIES), ENGINE_COLUMN),
+           "d_*_MiB": ("d_peak_MiB", *(f"d_{col}" for _, col in CATEGORIES))}
+"""Columns the line under a narrowed table names together."""
+_ELSEWHERE: tuple[tuple[str, ...], ...] = (
+    _GROUPS["MiB by category"],  # the category plot and the page show them
+    ("d_peak_MiB",),  # d_peak_pct stays
+)
+_DETAIL: tuple[tuple[str, ...], ...] = (
+    ("padding_frac",),
+    ("tps_spread", "timed_steps"),  # a job timed on one step stays named in the notes
+)
+"""The columns the console leaves out, group by group in this order, until its table fits: first
+what is shown elsewhere (:data:`_ELSEWHERE`), then, once names are short, these details (the job,
+what varies, status, peak, tokens/s, losses, the front and the changes always stay). The
+:data:`_HIDDEN_IN_TEXT` columns (run dir, memory by phase, the changes by category) it leaves
+out first, always."""
+_LONGEST_VALUE = 24
+"""A setting's value longer than this is cut in the middle (``...``) once the table is too wide."""
 
-    def line(cells: Sequence[str]) -> str:
-        parts = [
-            cell.rjust(w) if num else cell.ljust(w) for cell, w, num in zip(cells, widths, numeric)
-        ]
-        return "  ".join(parts).rstrip()
 
-    out = [fixed_line(df), "", line(cols), "  ".join("-" * w for w in widths)]
-    out.extend(line(r) for r in rows)
-    return "\n".join([*out, "", *notes(df)])
+def _pieces(name: str) -> list[str]:
+    """``train.gradient_checkpointing`` -> ``train.``, ``gradient_``, ``checkpointing``."""
+    return re.findall(r"[^._]*[._]|[^._]+$", name) or [name]
+
+
+def _break(name: str, width: int) -> list[str]:
+    """``name`` over lines of at most ``width`` characters, broken only after ``.`` and ``_``
+    (a piece longer than ``width`` stays whole)."""
+    lines = [""]
+    for piece in _pieces(name):
+        if lines[-1] and len(lines[-1]) + len(piece) > width:
+            lines.append("")
+        lines[-1] += piece
+    return lines
+
+
+def _two_lines(name: str, least: int) -> int:
+    """The narrowest width, at least ``least``, that puts ``name`` on two lines (or fewer)."""
+    width = max(least, max(len(p) for p in _pieces(name)))
+    while len(_break(name, width)) > 2:
+        width += 1
+    return width
+
+
+def _cut(text: str, most: int = _LONGEST_VALUE) -> str:
+    """``text`` cut in the middle to ``most`` characters (its start and its end both stay)."""
+    if len(text) <= most:
+        return text
+    head = (most - 3) // 2
+    return text[:head] + "..." + text[len(text) - (most - 3 - head):]
+
+
+class _Table:
+    """The console table as columns (a name over one or more lines) and rows of cells."""
+
+    def __init__(self, df: pd.DataFrame) -> None:
+        self.cols, self.rows, numeric = _text_rows(df, every=True)
+        self.numeric = dict(zip(self.cols, numeric))
+        self.heads = {c: [c] for c in self.cols}
+        self.reasons: list[str] = []  # each job's reason, when it goes on the line under its row
+        self.wrap = WIDTH  # the width those lines wrap at
+
+    def values(self, col: str) -> list[str]:
+        j = self.cols.index(col)
+        return [r[j] for r in self.rows]
+
+    def width_of(self, col: str) -> int:
+        return max([len(h) for h in self.heads[col]] + [len(v) for v in self.values(col)])
+
+    def width(self, cols: Sequence[str] | None = None) -> int:
+        cols = self.cols if cols is None else cols
+        return sum(self.width_of(c) for c in cols) + 2 * (len(cols) - 1)
+
+    def drop(self, col: str) -> list[str]:
+        j = self.cols.index(col)
+        del self.cols[j]
+        return [r.pop(j) for r in self.rows]
+
+    def lines(self, cols: Sequence[str]) -> list[str]:
+        widths = [self.width_of(c) for c in cols]
+        depth = max(len(self.heads[c]) for c in cols)
+        index = [self.cols.index(c) for c in cols]
+
+        def line(cells: Sequence[str]) -> str:
+            return "  ".join(cell.rjust(w) if self.numeric[c] else cell.ljust(w)
+                             for cell, w, c in zip(cells, widths, cols)).rstrip()
+
+        out = [line([(self.heads[c] + [""] * depth)[k] for c in cols]) for k in range(depth)]
+        out.append("  ".join("-" * w for w in widths))
+        for i, r in enumerate(self.rows):
+            out.append(line([r[j] for j in index]))
+            if self.reasons and self.reasons[i] and "status" in cols:
+                out.extend(textwrap.wrap(self.reasons[i], self.wrap, initial_indent="    error: ",
+                                         subsequent_indent=" " * 11, break_on_hyphens=False))
+        return out
+
+
+def _narrow(table: _Table, settings: Sequence[str], width: int) -> tuple[list[str], list[str]]:
+    """Narrow ``table`` to ``width`` characters, one step at a time and only while it is wider:
+    1. each job's reason goes on the line under its row (the widest column; nothing is lost);
+    2. the :data:`_ELSEWHERE` columns are left out: memory by category (the category plot and the
+       page show it), ``d_peak_MiB`` (``d_peak_pct`` stays);
+    3. the settings are named by their last dotted part (where that names one setting), and long
+       column names break after ``_`` or ``.`` onto a second line (the name longest past its
+       values first);
+    4. the :data:`_DETAIL` columns are left out: ``padding_frac``, then ``tps_spread`` and
+       ``timed_steps``;
+    5. a setting's value over :data:`_LONGEST_VALUE` characters is cut in the middle (``...``);
+    6. what is still too wide continues in blocks of columns, each led by the job (:func:`_blocks`).
+    Returns the left-out columns and what else was shortened (for the line under the table)."""
+    left: list[str] = []
+    shortened: list[str] = []
+    table.wrap = width
+
+    def leave_out(groups: Sequence[Sequence[str]]) -> None:
+        for group in groups:
+            if table.width() <= width:
+                return
+            for col in group:
+                if col in table.cols:
+                    table.drop(col)
+                    left.append(col)
+
+    if table.width() > width and "error" in table.cols:
+        table.reasons = table.drop("error")
+    leave_out(_ELSEWHERE)
+    if table.width() > width:
+        tails = [s.rsplit(".", 1)[-1] for s in settings]
+        for s, tail in zip(settings, tails):
+            if tail != s and tails.count(tail) == 1 and tail not in table.cols:
+                table.heads[s] = [tail]
+                shortened.append("short setting names")
+    excess = sorted(table.cols[1:], key=lambda c: len(table.heads[c][0]) - max(
+        (len(v) for v in table.values(c)), default=0), reverse=True)
+    broken = []
+    for col in excess:
+        if table.width() <= width:
+            break
+        least = max((len(v) for v in table.values(col)), default=1)
+        table.heads[col] = _break(table.heads[col][0], _two_lines(table.heads[col][0], least))
+        broken.append(col)
+    leave_out(_DETAIL)
+    for col in reversed(broken):  # a name whose room the details left back goes on one line
+        head = table.heads[col]
+        table.heads[col] = ["".join(head)]
+        if table.width() > width:
+            table.heads[col] = head
+    if table.width() > width:
+        for s in settings:
+            j = table.cols.index(s)
+            for r in table.rows:
+                if len(r[j]) > _LONGEST_VALUE:
+                    r[j] = _cut(r[j])
+                    shortened.append("long values cut (...)")
+    return left, list(dict.fromkeys(shortened))
+
+
+def _blocks(table: _Table, width: int) -> list[list[str]]:
+    """The columns in blocks that each fit ``width`` (every block led by the job column)."""
+    blocks = [[table.cols[0]]]
+    for col in table.cols[1:]:
+        if len(blocks[-1]) > 1 and table.width([*blocks[-1], col]) > width:
+            blocks.append([table.cols[0]])
+        blocks[-1].append(col)
+    return blocks
+
+
+def _left_out_line(left: Sequence[str], shortened: Sequence[str], blocks: int,
+                   width: int) -> str:
+    """One line under the narrowed table: the columns it left out, and that ``--wide`` shows
+    them (then, where the line has room, what it shortened)."""
+    named: list[str] = []
+    for col in left:
+        group = next((g for g, cols in _GROUPS.items() if col in cols), None)
+        together = group is not None and sum(c in _GROUPS[group] for c in left) > 1
+        named.append(group if together and group else col)
+    line = f"left out (--wide shows them): {', '.join(dict.fromkeys(named))}" if named else (
+        "--wide shows the whole table")
+    for more in (*shortened, *([f"{blocks} blocks of columns"] if blocks > 1 else [])):
+        if len(line) + 2 + len(more) <= width:
+            line += f"; {more}"
+    return line
+
+
+def format_text(df: pd.DataFrame, width: int | None = WIDTH) -> str:
+    """The table as plain aligned text, preceded by the ``fixed:`` line and followed by notes.
+
+    ``width``: the table fits this many characters (:func:`_narrow` says how; a line under the
+    table names what it left out); ``None``: every column, however wide (``--wide``)."""
+    table = _Table(df)
+    said: list[str] = []
+    if width is not None:
+        left = []
+        for col in _HIDDEN_IN_TEXT:  # never on the console by default
+            if col in table.cols and any(v not in ("-", "") for v in table.drop(col)):
+                left.append(col)  # (a column with nothing in it goes unnamed)
+        shortened: list[str] = []
+        if table.width() > width:
+            settings = [str(p) for p in df.attrs.get("params") or [] if p in table.cols]
+            more, shortened = _narrow(table, settings, width)
+            left += more
+        blocks = _blocks(table, width)
+        if left or shortened or len(blocks) > 1:
+            said.append(_left_out_line(left, shortened, len(blocks), width))
+    else:
+        blocks = [table.cols]
+    def fill(lines: Sequence[str]) -> list[str]:  # the lines over and under it wrap at its width
+        return list(lines) if width is None else [textwrap.fill(
+            line, width, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False)
+            for line in lines]
+
+    out = fill([fixed_line(df)])
+    for cols in blocks:
+        out += ["", *table.lines(cols)]
+    out += [*said, *fill(["", *notes(df)])]
+    return "\n".join(out)
 
 
 def _md_escape(text: str) -> str:
