@@ -71,12 +71,20 @@ def test_a_rank_killed_by_sigkill_makes_the_run_killed(tmp_path, monkeypatch):
 
 
 def _running(pid: int) -> bool:
-    """The process exists and is not a zombie."""
+    """A thread of the process is not yet a zombie (a leader that is a zombie while its other
+    threads still exit holds its files all the same)."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        tasks = os.listdir(f"/proc/{pid}/task")
     except FileNotFoundError:
         return False
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
+                    return True
+        except FileNotFoundError:
+            continue
+    return False
 
 
 def test_ranks_hold_the_lock_and_end_with_a_launcher_killed_by_sigkill(tmp_path):
@@ -117,5 +125,31 @@ def test_ranks_hold_the_lock_and_end_with_a_launcher_killed_by_sigkill(tmp_path)
     for r in range(2):
         rec = json.loads((run_dir / "ranks" / f"rank{r}.json").read_text())
         assert rec["status"] == "interrupted" and rec["signal"] == "SIGTERM"
-    with open(run_dir / ".memlab.lock") as f:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free: raises BlockingIOError if not
+    with open(run_dir / ".memlab.lock") as f:  # free once they are gone (the kernel drops
+        while True:  # a dead process's files a moment after its threads are all zombies)
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                assert time.monotonic() < deadline, (
+                    f"hang guard: the lock is held after the ranks ended: "
+                    f"{_holders(run_dir / '.memlab.lock')}")
+                time.sleep(0.05)
+
+
+def _holders(path) -> list[str]:
+    """The processes that have ``path`` open (pid, state, command line)."""
+    want, found = os.path.realpath(path), []
+    ino = os.stat(path).st_ino
+    with open("/proc/locks") as f:
+        found += [line.strip() for line in f if f":{ino} " in line]
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if any(os.path.realpath(f"/proc/{pid}/fd/{fd}") == want
+                   for fd in os.listdir(f"/proc/{pid}/fd")):
+                with open(f"/proc/{pid}/cmdline", "rb") as c:
+                    cmd = c.read().replace(b"\0", b" ").decode()[:200]
+                found.append(f"{pid} running={_running(int(pid))}: {cmd}")
+        except OSError:
+            continue
+    return found
