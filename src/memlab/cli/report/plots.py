@@ -203,14 +203,17 @@ def memory_vs_throughput_figure(df: pd.DataFrame, budget_mib: float | None = Non
 
     fig = _new_figure(9.5, 5.8)
     ax = fig.add_subplot()
+    labelled: set[bool] = set()
     for k in range(len(shown)):
         on = k in front
         color = "#C44E52" if on else "#4C72B0"
         # tokens/s cannot go below zero: the bar stops there
         yerr = [[min(errs[k], ys[k])], [errs[k]]]
+        label = None if on in labelled else ("a job on the Pareto front" if on else "a job")
+        labelled.add(on)  # (the legend names each kind of point once)
         ax.errorbar(xs[k], ys[k], yerr=yerr, fmt="o", ms=7 if on else 6, capsize=3,
                     color=color if measured[k] else "#999999",
-                    mfc=color if measured[k] else "white", mec=color, zorder=3)
+                    mfc=color if measured[k] else "white", mec=color, zorder=3, label=label)
     stairs = sorted(front, key=lambda k: (xs[k], ys[k]))
     if stairs:
         xmax = max(xs) * 1.15
@@ -238,6 +241,21 @@ def memory_vs_throughput_figure(df: pd.DataFrame, budget_mib: float | None = Non
     return fig
 
 
+CURVE_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
+                "#7f7f7f", "#bcbd22", "#17becf")
+"""Ten qualitative colours (matplotlib's tab10: one hue each, told apart at a glance)."""
+_LINE_STYLES = ("-", "--", ":", "-.")
+_MARKERS = ("o", "s", "^", "D", "v")
+
+
+def curve_style(k: int) -> dict[str, str]:
+    """The ``k``-th curve's colour, line style and marker: the ten colours first, then the ten
+    again in the next line style, then (past 40 curves) the next marker; no two curves of 200
+    share all three."""
+    return {"color": CURVE_COLORS[k % 10], "ls": _LINE_STYLES[k // 10 % 4],
+            "marker": _MARKERS[k // 40 % 5]}
+
+
 def plot_loss_curves(df: pd.DataFrame, path: Path,
                      budget_mib: float | None = None) -> Path | None:
     """Write :func:`loss_curves_figure` to ``path`` (None: nothing to show; no budget)."""
@@ -254,13 +272,9 @@ def loss_curves_figure(df: pd.DataFrame) -> Any:
         return None
     fig = _new_figure(9.5, 5.2)
     ax = fig.add_subplot()
-    from matplotlib import colormaps
-
-    palette = colormaps["tab20"]
-    for k, i in enumerate(shown):  # 20 colours, then the next line style: every line its own
+    for k, i in enumerate(shown):  # every line its own colour and style: see curve_style
         ys = curves[str(df.at[i, "job"])]
-        ax.plot(list(range(1, len(ys) + 1)), ys, marker="o", ms=3, lw=1.2,
-                color=palette(k % 20), ls=("-", "--", ":", "-.")[k // 20 % 4],
+        ax.plot(list(range(1, len(ys) + 1)), ys, ms=3, lw=1.2, **curve_style(k),
                 label=job_label(df, i))
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss")
