@@ -19,6 +19,7 @@ pytestmark = pytest.mark.integration
 pytest.importorskip("wandb")
 
 from memlab.logger.wandb import measurements  # noqa: E402
+from memlab.measure.summary import LOGGED_PREFIXES  # noqa: E402
 from wandb_offline import read_run, run_file  # noqa: E402
 
 ENV = {**{k: v for k, v in os.environ.items() if k != "WANDB_SILENT"},
@@ -46,19 +47,42 @@ def test_wandb_summary_group_names_tags(sweep):
         assert summary["status"] == "ok", summary["error"]
         got = read_run(run_file(sweep / job))
         flat = measurements(summary)
-        assert 60 < len(flat) < 160 and not any(k.startswith(("config/", "choices/"))
-                                                 for k in got["summary"])
+        assert 60 < len(flat) < 160
         diff = {k: (got["summary"].get(k, "<absent>"), v) for k, v in flat.items()
                 if got["summary"].get(k, "<absent>") != v}
         assert not diff, diff
         config = {i.key: json.loads(i.value_json) for i in got["run"].config.update}
         assert config["train"]["checkpoint_every"] == int(job) + 1
+        assert config["peft"]["name"] == "none"  # each group choice: a config key, no tag
         runs.append(got["run"])
         assert summary["logger"]["sources"]["project"] == "env WANDB_PROJECT"
     assert runs[0].run_group == runs[1].run_group == "2026-11-23_14-03-22"
     assert runs[0].project == "users-project"
     assert [r.display_name for r in runs] == ["checkpoint_every=1", "checkpoint_every=2"]
-    assert {"mine", "ours", "train.checkpoint_every:1", "peft:none"} <= set(runs[0].tags)
+    # the user's tags, then what the sweep varies; what every job shares is no tag
+    assert [r.tags for r in runs] == [["mine", "ours", f"train.checkpoint_every:{n}"]
+                                      for n in (1, 2)]
+
+
+def test_wandb_summary_is_measurements_and_meta(sweep):
+    """The run summary's top-level names are the measured sections and one ``meta/``; every
+    string there (a source, a path, a note, a setting) is under ``meta/``, but for the three
+    that are measurements (status, error, the phase of the peak) and the file W&B keeps the
+    sample completions' table in."""
+    sweep, _ = sweep
+    got = read_run(run_file(sweep / "0"))["summary"]
+    tops = {k.split("/", 1)[0] for k in got if not k.startswith("_")}
+    assert tops <= set(LOGGED_PREFIXES), tops - set(LOGGED_PREFIXES)
+    assert set(LOGGED_PREFIXES) == {"status", "error", "wall_time_s", "memory", "throughput",
+                                    "data", "train", "eval", "profile", "meta"}
+    words = sorted(k for k, v in got.items() if isinstance(v, str)  # eval/samples: W&B's table
+                   and not k.startswith(("meta/", "_", "eval/samples/"))
+                   and k not in ("status", "error", "memory/peak_at/phase"))
+    assert not words, words
+    for key in ("meta/logger/id", "meta/logger/sources/dir", "meta/device/type",
+                "meta/eval/source", "meta/memory/source"):
+        assert key in got, key
+    assert not any(k.startswith(("logger/", "device/", "config/", "choices/")) for k in got)
 
 
 def test_wandb_output_is_shown(sweep):

@@ -22,16 +22,20 @@ What a W&B user expects, and how memlab meets it:
   with ``/`` (``memory/peak_bytes``, ``memory/by_category/activations``,
   ``throughput/tokens_per_s``, ``eval/final/loss``...; lists such as the loss curve stay in the
   history), go into the run summary with one ``run.summary.update``, so no late history row
-  overwrites them. The configuration (and the versions) are the W&B config only.
+  overwrites them; its bookkeeping (the logger's settings and their sources, the device, where
+  the eval rows came from...) is there too, under one ``meta/`` prefix
+  (:func:`memlab.measure.summary.logged_summary`). The configuration (and the versions) are the
+  W&B config only.
 - **One group per sweep**, named by the sweep (``sweep=<name>`` when one was chosen) and its
   directory (``packing-2026-11-23_14-03-22``); a single run has no group.
 - **Short run names, unique within a sweep**: what this job's overrides set among the keys
   the sweep varies (``peft=lora,gradient_checkpointing=false``), read from Hydra's
   ``multirun.yaml`` and the job's ``.hydra/overrides.yaml``; a single run is named by its
   overrides, or its directory when it has none.
-- **Everything that varies is a tag or a config key**: each group choice is a tag
-  (``peft:lora``) and its options are config keys (``peft.r``); every other varying override is
-  a tag too (``train.gradient_checkpointing:false``) besides its config key.
+- **Tags say what differs, config keys say everything**: a sweep job is tagged with what its
+  sweep varies (``peft:lora``, ``train.gradient_checkpointing:false``), a single run with its
+  overrides, so a tag tells runs apart; every group choice is a config key (``peft.name``) with
+  its options (``peft.r``), which is what a cross-sweep view groups and colours by.
 - Per step: the metrics the trainer logs (``train/loss``, ``throughput/tokens_per_s``... and
   ``memory/step_peak_bytes`` on tracked steps); at evaluations ``eval/<metric>`` and the sample
   completions as a table, ``eval/samples``. Only rank 0 logs.
@@ -47,7 +51,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from memlab.logger.base import LoggerRun, NullRun, RunInfo, register
-from memlab.measure.summary import flatten, user_choices
+from memlab.measure.summary import logged_summary, user_choices
 from memlab.registry import Option
 
 if TYPE_CHECKING:
@@ -65,9 +69,6 @@ ENV = {"project": "WANDB_PROJECT", "entity": "WANDB_ENTITY", "mode": "WANDB_MODE
        "job_type": "WANDB_JOB_TYPE", "dir": "WANDB_DIR", "tags": "WANDB_TAGS"}
 """W&B's environment variable of each setting."""
 
-NOT_MEASURED = ("config", "choices", "overrides", "job", "run_dir", "versions", "schema_version")
-"""summary.json's entries that describe the job rather than measure it: the W&B config (and
-W&B's own run fields: tags, group, name) holds them, not the run summary."""
 
 
 @register("wandb")
@@ -90,8 +91,8 @@ class WandbLogger(Option):
     """null: ``WANDB_NAME``, else what this job sets among what its sweep varies (its
     overrides for one run)."""
     tags: list[str] = field(default_factory=list)
-    """Extra tags, added to ``WANDB_TAGS`` (comma-separated) and to memlab's: every group
-    choice and every varying override as 'key:value'."""
+    """Extra tags, added to ``WANDB_TAGS`` (comma-separated) and to memlab's: what the sweep
+    varies (a single run: its overrides) as 'key:value'."""
     notes: str | None = None
     """null: ``WANDB_NOTES``."""
     job_type: str | None = None
@@ -159,8 +160,7 @@ def settings(opt: WandbLogger, info: RunInfo, env: Mapping[str, str]
         else:
             chosen[key] = defaults[key]
             sources[key] = "memlab" if defaults[key] is not None else "wandb"
-    ours = [f"{k}:{v}" for k, v in sorted(choices.items())]
-    ours += [f"{k}:{v}" for k, v in names["varying"] if k not in choices]
+    ours = [f"{k}:{v}" for k, v in names["varying"]]  # what tells this run from its siblings
     env_tags = [t.strip() for t in str(env.get(ENV["tags"], "")).split(",") if t.strip()]
     chosen["tags"] = list(dict.fromkeys(t[:TAG_MAX] for t in [*opt.tags, *env_tags, *ours]))
     sources["tags"] = ", ".join(name for name, tags in (
@@ -169,9 +169,9 @@ def settings(opt: WandbLogger, info: RunInfo, env: Mapping[str, str]
 
 
 def measurements(summary: dict[str, Any]) -> dict[str, Any]:
-    """The W&B run summary of summary.json: its measurements flattened with ``/``, without
-    what describes the job (:data:`NOT_MEASURED`)."""
-    return flatten({k: v for k, v in summary.items() if k not in NOT_MEASURED})
+    """The W&B run summary of summary.json: its measurements flattened with ``/``, its
+    bookkeeping under ``meta/`` (:func:`memlab.measure.summary.logged_summary`)."""
+    return logged_summary(summary)
 
 
 class WandbRun:
@@ -279,15 +279,16 @@ def sweep_group(sweep_dir: Path, sweep_name: str | None = None) -> str:
 
 def run_names(run_dir: Path, sweep_dir: Path | None, choices: dict[str, str]) -> dict[str, Any]:
     """``{"group", "name", "varying": [(key, value)]}`` of one job from Hydra's files: the
-    sweep's ``multirun.yaml`` and the job's ``.hydra/overrides.yaml``."""
+    sweep's ``multirun.yaml`` and the job's ``.hydra/overrides.yaml``. ``varying``: what the
+    sweep varies, as this job sets it; a single run's overrides."""
     from memlab.measure.summary import short_label
 
     job = {o.key_or_group: _value_text(o) for o in
            _parse(_read_list(run_dir / ".hydra" / "overrides.yaml"))
            if not o.key_or_group.startswith(("hydra.", "hydra/"))}
     if sweep_dir is None:
-        varying: list[tuple[str, str]] = []
-        name = short_label(job.items()) or run_dir.name
+        varying = list(job.items())
+        name = short_label(varying) or run_dir.name
         return {"group": None, "name": name[:NAME_MAX], "varying": varying}
     varying = [(k, job[k]) for k in sweep_varying(sweep_dir) if k in job]
     name = short_label(varying) or run_dir.name

@@ -188,6 +188,46 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+NOT_MEASURED = ("config", "choices", "overrides", "job", "run_dir", "versions", "schema_version",
+                "rank")
+"""summary.json's entries that describe the job rather than measure it: a logger's config (and
+W&B's own run fields: group, name, tags) holds them, not its run summary."""
+
+MEASURED = ("status", "error", "wall_time_s", "memory", "throughput", "data", "train", "eval",
+            "profile")
+"""summary.json's sections that hold measurements (how the job ended, and what it measured).
+Every other section (``logger``, ``device``, ``resolved``, ``resume``, ``distributed``...) is
+bookkeeping: a logger's run summary has it under ``meta/``."""
+
+META_KEYS = ("memory/device", "memory/source", "memory/distributed", "throughput/note",
+             "data/hollow_warning", "data/hollow_groups_warning",
+             "data/chat_template/training_template", "train/checkpoint", "eval/source",
+             "eval/metric", "eval/every", "eval/batch_size", "eval/batch_size_asked",
+             "eval/batch_note", "eval/greater_is_better", "eval/best/checkpoint",
+             "eval/stopped_early/reason", "profile/time")
+"""Keys (and sub-trees) of the measured sections that say where a measurement came from or how
+it was set up (a path, a note, a setting): under ``meta/`` too."""
+
+LOGGED_PREFIXES = (*MEASURED, "meta")
+"""Every top-level name of a logger's run summary (:func:`logged_summary`)."""
+
+
+def logged_summary(summary: dict[str, Any]) -> dict[str, Any]:
+    """What a logger's run summary holds of summary.json: its measurements, flattened with ``/``
+    (:func:`flatten`: ``memory/peak_bytes``, ``eval/final/loss``), and its bookkeeping (every
+    section but :data:`MEASURED`; :data:`META_KEYS`) under one ``meta/`` prefix
+    (``meta/logger/id``, ``meta/device/type``, ``meta/eval/source``), so that a runs table's
+    columns outside ``meta/`` are measurements. What describes the job (:data:`NOT_MEASURED`)
+    is the logger's config, not its summary."""
+    flat = flatten({k: v for k, v in summary.items() if k not in NOT_MEASURED})
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        meta = key.split("/", 1)[0] not in MEASURED or any(
+            key == m or key.startswith(m + "/") for m in META_KEYS)
+        out[f"meta/{key}" if meta else key] = value
+    return out
+
+
 def user_choices(choices: Mapping[Any, Any]) -> dict[str, str]:
     """The group choices a user made, from Hydra's ``runtime.choices``: top-level groups only.
 
