@@ -5,13 +5,16 @@ VLLM_VENV ?= .venv-vllm
 export OMP_NUM_THREADS ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: help setup run smoke check coverage test test-fast test-vllm test-cpu-kernels lint sweep report bench docs
+.PHONY: help setup setup-tests run smoke check coverage test test-fast test-vllm test-cpu-kernels lint sweep report bench docs
 
 help:  ## list the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
 
 setup:  ## create .venv and install memlab (CPU torch when there is no GPU)
 	@bash scripts/setup.sh
+
+setup-tests: setup  ## setup, plus what only the tests need (chromium for the report page's test)
+	@bash scripts/setup_browser.sh
 
 run: setup  ## train the embedded default (tiny model, generated data, CPU) and print its memory
 	OMP_NUM_THREADS=2 $(PY) -m memlab
@@ -19,12 +22,12 @@ run: setup  ## train the embedded default (tiny model, generated data, CPU) and 
 smoke: setup  ## a 4-step run
 	$(PY) -m memlab debug=smoke
 
-test: setup  ## the whole test suite, vLLM's included (what CI runs; scripts/test.sh)
+test: setup-tests  ## the whole test suite, vLLM's included (what CI runs; scripts/test.sh)
 	@VENV=$(VENV) MEMLAB_VLLM_VENV=$(VLLM_VENV) bash scripts/test.sh
 
 # The inner loop: ruff, mypy (cached in .mypy_cache) and the check tier (tests/tiers.py: the
 # tests that build no pipeline, each <= 5 s) on two workers; `pytest` alone runs the same tier.
-check: setup  ## ruff, mypy and the check tier of the tests (minutes)
+check: setup-tests  ## ruff, mypy and the check tier of the tests (minutes)
 	$(PY) -m ruff check -q src tests benchmarks scripts
 	$(PY) -m mypy
 	$(PY) -m pytest -q -n 2 --dist loadfile -m "$$($(PY) tests/tiers.py check)" \
@@ -34,7 +37,7 @@ test-fast: check  ## an alias of check
 
 # Line coverage of src/memlab by the check and main tiers, spawned runs included ([tool.coverage]
 # in pyproject.toml: coverage's subprocess patch), into .coverage-data/ and a table.
-coverage: setup  ## coverage of the check and main tiers (slower than make test)
+coverage: setup-tests  ## coverage of the check and main tiers (slower than make test)
 	rm -rf .coverage-data && mkdir -p .coverage-data
 	$(PY) -m pytest -q -n 2 --dist loadfile -m "($$($(PY) tests/tiers.py check)) or ($$($(PY) tests/tiers.py main))" \
 	  --cov --cov-report= ; $(PY) -m coverage combine -q; $(PY) -m coverage report --format=total; \

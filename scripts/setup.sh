@@ -28,13 +28,4 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
 fi
 echo "[setup] installing memlab (editable) with the dev extras"
 $PIP install -e ".[dev]"
-# The report page's browser test (tests/unit/cli/test_report_page.py) drives Debian's chromium
-# with Playwright (no browser download): installed where this runs as root with apt, quietly
-# skipped elsewhere (the test is then skipped and names the install line).
-if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1
-then
-  echo "[setup] installing chromium (apt) for the report page's browser test"
-  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; } \
-    >/dev/null 2>&1 || echo "[setup] chromium not installed (apt failed); its test is skipped"
-fi
 touch "$STAMP"
