@@ -31,15 +31,16 @@ BASE = ["packing=none", "method.padding_free=false", "method.loss_impl=chunked",
         "method.max_length=512", "data.n_examples=64"]
 BUDGET = 53 * 2**20
 N = 9  # checkpointing (3) x micro-batch (4x1, 2x2, 1x4)
-STEPS = 6
+STEPS = 10  # at least 3 timed (not tracked, not warm-up) steps: tokens/s is ranked from 3
 
 
 @pytest.fixture(scope="module")
 def searched(tmp_path_factory):
     out = tmp_path_factory.mktemp("fit")
     # measure=2: three fit (two of one predicted class); one run per class is the check
-    record = fit(BASE, FitOptions(budget_bytes=BUDGET, measure=2, steps=STEPS, jobs=2), out,
-                 ["--budget", "53MiB", *BASE])
+    # measure_budget_s=0: no second round for a tie (tests/unit/cli/test_fit_measure.py)
+    record = fit(BASE, FitOptions(budget_bytes=BUDGET, measure=2, steps=STEPS, jobs=2,
+                                  measure_budget_s=0), out, ["--budget", "53MiB", *BASE])
     assert app([*BASE, f"train.steps={STEPS}", "train.progress=false",
                 f"hydra.run.dir={out / 'default'}"]) == 0
     return out, record, read_run(out / "default")
@@ -58,8 +59,8 @@ def test_the_winner_is_measured_under_the_budget_and_trains_like_the_default(sea
     assert len(measured) >= 2 and all(c["estimate"]["fits"] for c in measured)
     for c in measured:  # fit's runs wrote records of the typed layout
         check_record(Path(c["measured"]["run_dir"]))
-    for c in measured:  # none that fits is faster beyond the measured spread
-        if c["measured"]["fits"] and c["measured"]["tokens_per_s"]:
+    for c in measured:  # none that fits and is timed is faster beyond the measured spread
+        if c["measured"]["fits"] and (c["measured"]["timed_steps"] or 0) >= 3:
             gap = c["measured"]["tokens_per_s"] - m["tokens_per_s"]
             assert gap <= max(m["tokens_per_s_std"], c["measured"]["tokens_per_s_std"]), c
     assert record["prediction"]["classes"] >= 2  # one measured per predicted class
@@ -90,8 +91,8 @@ def test_estimates_made_in_worker_processes_are_the_serial_ones(searched):
     made = record["search"]["made"]
     for c in [record["candidates"][i] for i in made[1:][-2:]]:  # made by workers
         alone = estimate_candidate(BASE, Candidate(c["overrides"], c["label"], c["exact"]), opts)
-        assert {k: v for k, v in alone.items() if k != "seconds"} == {
-            k: v for k, v in c["estimate"].items() if k != "seconds"}, c["label"]
+        assert {k: v for k, v in alone.items() if k not in ("seconds", "cpu_s")} == {
+            k: v for k, v in c["estimate"].items() if k not in ("seconds", "cpu_s")}, c["label"]
 
 
 def test_sigterm_stops_the_search_and_leaves_a_partial_fit_json(tmp_path, capsys):

@@ -78,8 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="safety margin on the estimate (0.05: estimate x 1.05 must fit)")
     p.add_argument("--measure", type=int, default=3, metavar="K",
                    help="candidates measured with real runs (default 3)")
-    p.add_argument("--steps", type=int, default=6, metavar="N",
-                   help="optimizer steps per measured run (default 6: the first two and every "
+    p.add_argument("--steps", type=int, default=10, metavar="N",
+                   help="optimizer steps per measured run (default 10: the first two and every "
                         "step with a larger batch than before run under the memory tracker, "
                         "the others are timed)")
     p.add_argument("--measure-budget", type=float, default=MEASURE_BUDGET_S, metavar="S",

@@ -28,13 +28,14 @@ def search_record(plan: Plan, opts: FitOptions, dims: list[Dimension],
         if why:
             pruned_reps[why["reason"]] += 1
     precision_twins = any(n.startswith("precision: not searched") for n in notes)
-    seconds = [float(c.estimate.get("seconds") or 0.0) for c in plan.cands
-               if c.estimate and c.shared is None]
+    made = [c.estimate for c in plan.cands if c.estimate and c.shared is None]
+    seconds = [float(e.get("seconds") or 0.0) for e in made]
     return {
         "exhaustive": opts.exhaustive, "counts": counts,
         "distinct_estimates": len(plan.reps), "estimates_made": len(seconds),
         "made": plan.made,
         "estimate_s": round(sum(seconds), 1),
+        "estimate_cpu_s": round(sum(float(e.get("cpu_s") or 0.0) for e in made), 1),
         "avoided": {
             "precision_twins": len(plan.cands) if precision_twins else 0,
             "attention_twins": len(plan.cands) - len(plan.reps),

@@ -212,7 +212,7 @@ class Plan:
         for k in out:
             c = self.cands[k]
             if estimate is not None:
-                c.estimate = estimate if k == i else {**estimate, "seconds": 0.0}
+                c.estimate = estimate if k == i else {**estimate, "seconds": 0.0, "cpu_s": 0.0}
                 c.shared = None if k == i else i
             c.pruned = pruned
         return out
