@@ -153,3 +153,36 @@ def _holders(path) -> list[str]:
         except OSError:
             continue
     return found
+
+
+@pytest.mark.slow
+def test_a_sweeps_stop_reaches_the_ranks_of_its_job(tmp_path):
+    """SIGTERM to a sweep whose job runs two DDP ranks, with a short grace
+    (``hydra.launcher.stop_grace_s=2``): the job records ``interrupted`` and no rank is left
+    running (they end with their job, stopped by it or, past the grace, by their watch on it)."""
+    pause, log, sweep = tmp_path / "pause", tmp_path / "sweep.log", tmp_path / "sweep"
+    proc = memlab_popen(["-m", *SMOKE, "distributed=ddp", "distributed.nproc=2",
+                         "hydra.launcher.stop_grace_s=2", f"hydra.sweep.dir={sweep}",
+                         "+hydra.launcher.env.MEMLAB_PAUSE_AT=step:1",
+                         f"+hydra.launcher.env.MEMLAB_PAUSE_DIR={pause}"], log)
+    pids: list[int] = []
+    deadline = time.monotonic() + HANG_S
+    try:
+        wait_for_marker(pause, "step:1", proc, log)
+        while len(list(pause.glob("step:1.*.json"))) < 2:
+            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.05)
+        pids = [json.loads(p.read_text())["pid"] for p in pause.glob("step:1.*.json")]
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=HANG_S)
+        while any(_running(p) for p in pids):
+            assert time.monotonic() < deadline, "hang guard: the ranks outlived the sweep"
+            time.sleep(0.05)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in pids:
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+    s = check_record(sweep / "0" / "summary.json")
+    assert s["status"] == "interrupted", s["error"]
