@@ -44,7 +44,7 @@ def test_a_tie_is_measured_again_until_the_spreads_separate(runs, tmp_path):
                   ("c0", 12): (101.0, 2.0, 10), ("c1", 12): (94.0, 2.0, 10),
                   ("c2", 12): (52.0, 1.0, 8)})
     cands = _cands()
-    done = measure([], cands, None, FitOptions(budget_bytes=10, measure=3), tmp_path,
+    done = measure([], cands, None, FitOptions(budget_bytes=10, measure=3, steps=6), tmp_path,
                    lambda m: None)
     assert calls == [("c0", 6), ("c1", 6), ("c2", 6), ("c0", 12), ("c1", 12), ("c2", 12)]
     assert [c.run()["timed_steps"] for c in done] == [10, 10, 8]
@@ -58,7 +58,7 @@ def test_the_budget_stops_measuring_and_the_tie_is_said(runs, tmp_path):
     cands = _cands(2)
     cands[1].measured = None
     logged: list[str] = []
-    done = measure([], cands, None, FitOptions(budget_bytes=10, measure=2,
+    done = measure([], cands, None, FitOptions(budget_bytes=10, measure=2, steps=6,
                                                measure_budget_s=30.0), tmp_path, logged.append)
     assert calls == [("c0", 6), ("c1", 6)]  # 20 s spent, 40 more would pass 30
     assert "--measure-budget 30" in logged[-1]
