@@ -17,8 +17,12 @@ from memlab.registry import (
     Seed,
 )
 
+DEFAULT_STEPS = 20
+"""Optimizer steps a run takes when neither ``train.steps`` nor ``train.epochs`` is set."""
+
 TRL_NAMES: dict[str, str] = {
     "max_steps": "train.steps",
+    "num_train_epochs": "train.epochs",
     "learning_rate": "train.lr",
     "per_device_train_batch_size": "train.batch_size",
     "gradient_accumulation_steps": "train.grad_accum",
@@ -38,18 +42,16 @@ name for each (``train.max_steps=5`` -> ``train.steps=5``)."""
 
 def trl_hint(key: str, value: object = "...") -> str | None:
     """What to type instead of the transformers / TRL setting ``key`` (``max_steps`` or
-    ``train.max_steps``) set to ``value``; None when ``key`` is none of them.
-    ``num_train_epochs`` has no counterpart: memlab counts optimizer steps."""
+    ``train.max_steps``) set to ``value``; None when ``key`` is none of them."""
     name = key[len("train."):] if key.startswith("train.") else key
-    if name == "num_train_epochs":
-        return ("memlab counts optimizer steps, not epochs: set train.steps. One epoch is "
-                "ceil(rows / (train.batch_size * train.grad_accum * processes)) steps, rows "
-                "being the prepared rows a run's summary.json reports as data.rows (memlab "
-                "data show prints them too)")
     ours = TRL_NAMES.get(name)
     if ours is None:
         return None
-    return f"{name} is transformers' / TRL's name; memlab's is {ours}: {ours}={value}"
+    hint = f"{name} is transformers' / TRL's name; memlab's is {ours}: {ours}={value}"
+    if ours == "train.epochs":  # the default config counts steps: say how the two relate
+        hint += (" (whole passes over the rows; exclusive with train.steps, which a debug or "
+                 "experiment config may set: add train.steps=null there)")
+    return hint
 
 
 @dataclass(kw_only=True)
@@ -58,8 +60,17 @@ class TrainConfig:
 
     seed: Seed = 0
     """Seeds model init, data order and dropout."""
-    steps: PositiveInt = 20
-    """Optimizer steps to run (data cycles as needed, reshuffled per epoch)."""
+    steps: PositiveInt | None = None
+    """Optimizer steps to run (TRL's ``max_steps``; the data cycles as needed, reshuffled every
+    pass). null: :data:`DEFAULT_STEPS` (20), unless ``epochs`` is set; the two are exclusive."""
+    epochs: PositiveInt | None = None
+    """Whole passes over the training rows instead of a count of steps (TRL's
+    ``num_train_epochs``): the rows after packing, an online method's prompts. One epoch is
+    ``ceil(rows / (batch_size * processes * grad_accum))`` optimizer steps, as transformers'
+    Trainer counts them: the last micro-batch of a pass may be short, and so may its last step
+    (fewer micro-batches), so that every row is trained on once a pass (an online method with
+    ``method.num_iterations`` k: k steps a generation batch). summary.json records the steps it
+    came to (``train.steps_planned``, ``train.epochs``, ``train.steps_per_epoch``)."""
     batch_size: PositiveInt = 4
     """Rows per micro-batch per device."""
     grad_accum: PositiveInt = 1
@@ -155,6 +166,22 @@ class TrainConfig:
     :func:`memlab.registry.from_mapping` and, for command-line overrides, before Hydra
     composes: :func:`moved_overrides`)."""
 
+    def errors(self) -> list[str]:
+        """Problems of the settings among themselves (``steps`` and ``epochs`` both set)."""
+        if self.steps is not None and self.epochs is not None:
+            return [f"train.steps={self.steps} and train.epochs={self.epochs} are both set; they "
+                    f"are exclusive: keep train.epochs={self.epochs} with train.steps=null, or "
+                    f"train.steps={self.steps} with train.epochs=null"]
+        return []
+
+    def fixed_steps(self) -> int | None:
+        """The steps to run where they do not depend on the data: ``steps``, or
+        :data:`DEFAULT_STEPS` when neither ``steps`` nor ``epochs`` is set; None with
+        ``epochs`` (counted from the prepared rows: :mod:`memlab.trainer.epochs`)."""
+        if self.epochs is not None and self.steps is None:
+            return None
+        return DEFAULT_STEPS if self.steps is None else self.steps
+
     def best(self, method) -> tuple[str, bool]:
         """``(best_metric, greater_is_better)`` with their defaults resolved for ``method``."""
         metric = self.best_metric or method.eval_metrics[0]
@@ -214,16 +241,23 @@ class MeasureConfig:
         if step is None:
             return []
         errors = []
-        if step >= train.steps:
-            errors.append(f"measure.profile_step={step} is past the last step (train.steps="
-                          f"{train.steps} runs steps 0..{train.steps - 1}); pick a step below "
-                          f"{train.steps}")
+        steps = train.fixed_steps()  # (with train.epochs: checked once the rows are counted)
+        if steps is not None and step >= steps:
+            errors.append(profile_step_past(step, steps))
         if self.memory and self.always_tracks(step):
             errors.append(f"measure.profile_step={step} is a step the memory tracker runs "
                           f"(measure.memory_steps={self.memory_steps}), whose dispatch mode would be most of "
                           "the profile; profile a later step (auto tracks steps 0 and 1) or set "
                           "measure.memory=false")
         return errors
+
+
+def profile_step_past(step: int, steps: int, epochs: int | None = None) -> str:
+    """The error of a ``measure.profile_step`` at or past the run's ``steps``."""
+    what = (f"train.epochs={epochs} comes to {steps} steps, " if epochs is not None
+            else f"train.steps={steps} runs ")
+    return (f"measure.profile_step={step} is past the last step ({what}steps 0..{steps - 1}); "
+            f"pick a step below {steps}")
 
 
 @dataclass(frozen=True)

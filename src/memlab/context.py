@@ -113,6 +113,7 @@ def validate(cfg: Any, run_dir: Path | str = ".", choices: Mapping[str, str] | N
         errors += opt.validate(ctx)
     errors += checkpoint_errors(train, ctx)
     errors += eval_errors(train, ctx)
+    errors += train.errors()
     errors += measure.errors(train)
     errors += faults.problems()  # a test hook left in the environment would hang the run
     errors += cpu_bf16_env_problems()

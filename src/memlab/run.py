@@ -220,7 +220,7 @@ def _train(ctx: BuildContext, summary: dict[str, Any], logger_box: list) -> None
         wrapper = ctx.distributed.describe(pipe.models["policy"])
         if wrapper:
             summary["memory"]["distributed"] = wrapper
-        record_training(summary, trainer.result, ctx.train.steps)
+        record_training(summary, trainer.result, trainer.steps, trainer.plan.as_dict())
         note_hollow_groups(summary, trainer.result.counts, ctx.data.max_hollow_fraction,
                            ctx.rank == 0)
     if trainer.result.checkpoint_errors:
@@ -234,11 +234,13 @@ def _finite(x: Any) -> Any:
     return None if isinstance(x, float) and not math.isfinite(x) else x
 
 
-def record_training(summary: dict[str, Any], result, planned_steps: int) -> None:
+def record_training(summary: dict[str, Any], result, planned_steps: int,
+                    epochs: dict[str, int] | None = None) -> None:
     """What the loop measured (all of it, or the steps done so far) into ``summary``:
     throughput, tokens trained, padding, the loss curve and the other curves, and the newest
     checkpoint this run wrote (``result.checkpoints``; one an earlier run left in the same
-    run dir is not this run's)."""
+    run dir is not this run's). ``epochs``: ``train.epochs`` and the steps a pass came to
+    (:meth:`memlab.trainer.epochs.StepPlan.as_dict`)."""
     saved = list(result.checkpoints)
     summary["throughput"] = result.throughput()
     if summary.get("data") is not None:
@@ -249,6 +251,7 @@ def record_training(summary: dict[str, Any], result, planned_steps: int) -> None
         "final_loss": losses[-1] if losses else None,
         "steps": result.steps,
         "steps_planned": planned_steps,
+        **(epochs or {}),
         "loss_curve": losses,
         "final_metrics": {k: _finite(v) for k, v in result.metrics.items()},
         "curves": {k: [_finite(x) for x in v] for k, v in result.curves.items()},

@@ -57,9 +57,9 @@ def test_an_unknown_group_option_is_an_error_listing_the_options(capsys, tmp_pat
     ("train.per_device_train_batch_size=8", "memlab's is train.batch_size: "
                                             "train.batch_size=8"),
     ("gradient_accumulation_steps=4", "memlab's is train.grad_accum: train.grad_accum=4"),
-    ("num_train_epochs=1", "num_train_epochs=1: memlab counts optimizer steps, not epochs: set "
-                           "train.steps. One epoch is ceil(rows / (train.batch_size * "
-                           "train.grad_accum * processes)) steps"),
+    ("num_train_epochs=1", "num_train_epochs=1: num_train_epochs is transformers' / TRL's name; "
+                           "memlab's is train.epochs: train.epochs=1 (whole passes over the "
+                           "rows; exclusive with train.steps"),
 ])
 def test_an_unknown_key_without_plus_gets_the_right_fix(capsys, tmp_path, arg, needle):
     err = _refused(capsys, tmp_path, ["debug=smoke", arg])
@@ -102,7 +102,8 @@ def test_the_plus_form_names_memlabs_key(tmp_path):
     assert ("train: unknown key 'max_steps'; max_steps is transformers' / TRL's name; memlab's "
             "is train.steps: train.steps=2") in s["error"]
     assert "unknown top-level key 'learning_rate'; learning_rate is transformers'" in s["error"]
-    assert "train: unknown key 'num_train_epochs'; memlab counts optimizer steps" in s["error"]
+    assert ("train: unknown key 'num_train_epochs'; num_train_epochs is transformers' / TRL's "
+            "name; memlab's is train.epochs: train.epochs=1") in s["error"]
 
 
 def test_a_sweep_files_unknown_option_refuses_the_sweep_before_any_job(tmp_path):

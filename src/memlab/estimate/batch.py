@@ -69,6 +69,7 @@ from memlab.trainer.batch import Batch, Segments
 
 if TYPE_CHECKING:
     from memlab.context import BuildContext
+    from memlab.trainer.epochs import StepPlan
 
 
 @dataclass
@@ -315,20 +316,23 @@ def distinct(items: list[Any], key: Callable[[Any], Batch]) -> list[Any]:
     return keep
 
 
-def run_micro_batches(ctx: BuildContext) -> int:
-    """How many micro-batches a run draws from its stream: ``grad_accum`` per step (an online
-    method: per generation batch, one every ``num_iterations`` steps)."""
-    steps = ctx.train.steps
+def run_micro_batches(ctx: BuildContext, plan: StepPlan) -> int:
+    """How many micro-batches a run of ``plan``'s steps draws from its stream: ``grad_accum``
+    per step (an online method: per generation batch, one every ``num_iterations`` steps);
+    ``train.epochs``: every pass's micro-batches."""
+    if plan.micro_batches is not None:
+        return plan.micro_batches
+    steps = plan.steps
     online = ctx.method.as_generating()
     if online is not None:
         steps = math.ceil(steps / max(1, online.num_iterations))
     return steps * ctx.train.grad_accum
 
 
-def run_batches(stream, ctx: BuildContext) -> list[Candidate]:
+def run_batches(stream, ctx: BuildContext, plan: StepPlan) -> list[Candidate]:
     """Every micro-batch of the run's steps from its own :class:`BatchStream` (this rank's
     slice), in order, as candidates (dominated ones removed)."""
-    n = run_micro_batches(ctx)
+    n = run_micro_batches(ctx, plan)
     items = [Candidate(f"run batch {i}", [], describe_rows(b), batch=b)
              for i, b in ((i, next(stream)) for i in range(n))]
     return distinct(items, key=lambda c: c.batch)

@@ -123,6 +123,25 @@ def _fake_micro_batches(batch: Batch, micro: int, mode) -> list[Batch]:
         for n, v in batch.tensors.items()}) for _ in range(micro)]
 
 
+def epoch_steps(ctx: BuildContext, trainer, opts: EstimateOptions, notes: list[str]
+                ) -> int | None:
+    """The run's steps where this estimate knows them: ``train.steps``, or with
+    ``train.epochs`` and ``--from-data`` what the passes over the run's own rows come to (a note
+    says it); None where they depend on rows this estimate does not read (then a step with the
+    optimizer's state is measured: the worst case of any step count)."""
+    epochs = ctx.train.epochs
+    if epochs is None or ctx.train.steps is not None:
+        return trainer.steps
+    if opts.from_data:
+        notes.append(f"train.epochs={epochs}: {trainer.plan.steps_per_epoch} step(s) a pass over "
+                     f"the prepared rows, {trainer.steps} in all")
+        return trainer.steps
+    notes.append(f"train.epochs={epochs}: its steps depend on the data's rows, which this "
+                 "estimate does not read (--from-data counts them); a step with the optimizer's "
+                 "state is measured, the peak of any step count")
+    return None
+
+
 def run_fake_step(ctx: BuildContext, opts: EstimateOptions, notes: list[str], *,
                   every_decode_step: bool = False, parallel_builds: bool = False
                   ) -> dict[str, Any]:
@@ -274,15 +293,15 @@ def measure(ctx: BuildContext, opts: EstimateOptions, notes: list[str], *,
     extra = sorted(k for k in models if k != "policy")
     collate = pipe.stream.collate
     if cands is None:
-        drawn = run_micro_batches(ctx)
-        cands = run_batches(pipe.stream, ctx)
+        drawn = run_micro_batches(ctx, trainer.plan)
+        cands = run_batches(pipe.stream, ctx, trainer.plan)
         if trainer.evaluator is not None:  # every held-out micro-batch of this rank
             ev = trainer.evaluator
             held_batches = [collate(ev.rows(idx)) for idx, _ in ev.slices()]
             eval_cands = distinct([Candidate(f"held-out batch {k}", [], describe_rows(b), batch=b)
                                    for k, b in enumerate(held_batches)], key=lambda c: c.batch)
         notes.append(f"from_data: the run's own batch stream over the prepared data (seed "
-                     f"{ctx.train.seed}): every micro-batch of its {ctx.train.steps} step(s) "
+                     f"{ctx.train.seed}): every micro-batch of its {trainer.steps} step(s) "
                      f"({drawn} drawn); {len(cands)} of them measured, the others need no more "
                      "memory than one of these (same mask decisions and documents, no "
                      "dimension larger)")
@@ -330,11 +349,12 @@ def measure(ctx: BuildContext, opts: EstimateOptions, notes: list[str], *,
     # module trace in its own step 0, and links its state into its buffers (no clearing it to
     # replay a step 0): its step 0 runs once, the first batch's; later batches continue the run
     owned = ctx.distributed.as_step_owner() is not None
-    if ctx.train.steps == 1:  # the run's only step: no optimizer state before its update
+    run_len = epoch_steps(ctx, trainer, opts, notes)
+    if run_len == 1:  # the run's only step: no optimizer state before its update
         run_steps = [0]
     else:
         run_steps = [0, 1] if opts.run_first_step or owned else [1]
-    if owned and ctx.train.steps == 1 and len(cands) > 1:
+    if owned and run_len == 1 and len(cands) > 1:
         notes.append("train.steps=1: batches after the first are measured as later steps of "
                      f"{ctx.distributed.name}'s engine, with its optimizer state (an upper bound)")
     eval_phase: list[int] = []

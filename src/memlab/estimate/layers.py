@@ -100,7 +100,8 @@ def repeated_depth(ctx: BuildContext, opts: EstimateOptions) -> Plan | None:
     dist = ctx.distributed
     if ctx.world_size > 1 or dist.sharding() is not None or dist.as_step_owner() is not None:
         return None  # FSDP2 / DeepSpeed: units and buckets of their own
-    if opts.run_first_step or ctx.train.steps == 1:
+    steps = ctx.train.fixed_steps()  # None: train.epochs, counted on the rows at the build
+    if opts.run_first_step or steps == 1 or (steps is None and opts.from_data):
         return None  # step 0 creates the optimizer state parameter by parameter
     period = ctx.train.checkpoint_every if ctx.train.gradient_checkpointing else 1
     if period > 2:

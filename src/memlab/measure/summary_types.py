@@ -316,7 +316,12 @@ class Train(TypedDict):
     steps: int
     """Optimizer steps done."""
     steps_planned: int
-    """``train.steps``."""
+    """``train.steps``, or the steps ``train.epochs`` came to."""
+    epochs: NotRequired[int]
+    """``train.epochs``: whole passes over the training rows (after packing; an online
+    method's prompts)."""
+    steps_per_epoch: NotRequired[int]
+    """With ``epochs``: the optimizer steps of one pass."""
     loss_curve: list[float | None]
     """Every step's loss (null where not finite)."""
     final_metrics: dict[str, float | None]

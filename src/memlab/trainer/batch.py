@@ -159,6 +159,10 @@ class BatchStream:
         self.epoch, self.pos = state["epoch"], state["pos"]
         self._perm = self._permutation(self.epoch)
 
+    def at_epoch_end(self) -> bool:
+        """Whether this pass's rows are all taken (the next micro-batch starts a new pass)."""
+        return self.pos >= len(self._perm)
+
     def __iter__(self) -> Iterator[Batch]:
         return self
 

@@ -31,6 +31,8 @@ import dataclasses
 import json
 from typing import TYPE_CHECKING, Any
 
+from memlab.config import DEFAULT_STEPS
+
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
@@ -77,6 +79,7 @@ def record(ctx: BuildContext) -> dict[str, Any]:
     out: dict[str, Any] = {g: {"name": opt.name, **_knobs(opt)}
                            for g, opt in ctx.groups().items()}
     out["train"] = _knobs(ctx.train)
+    out["train"]["steps"] = ctx.train.fixed_steps()  # the default's 20, as older records hold
     out["measure"] = _knobs(ctx.measure)
     out["generates"] = ctx.method.as_generating() is not None
     return out
@@ -87,6 +90,7 @@ def defaults(ctx: BuildContext) -> dict[str, Any]:
     out: dict[str, Any] = {g: {"name": opt.name, **_knobs(opt, defaults=True)}
                            for g, opt in ctx.groups().items()}
     out["train"] = _knobs(ctx.train, defaults=True)
+    out["train"]["steps"] = DEFAULT_STEPS
     out["measure"] = _knobs(ctx.measure, defaults=True)
     return out
 

@@ -33,7 +33,7 @@ from memlab.measure import runlog
 from memlab.measure.memory import MemoryProbe
 from memlab.measure.outcome import NonFiniteLoss
 from memlab.measure.profile import phase_label, profiled
-from memlab.trainer import checkpoint, optim
+from memlab.trainer import checkpoint, epochs, optim
 from memlab.trainer.batch import Batch, BatchStream
 from memlab.trainer.evaluate import Evaluator
 from memlab.trainer.optim import build_scheduler, step_in_backward
@@ -116,7 +116,9 @@ class TrainResult:
 
 
 class Trainer:
-    """Runs ``ctx.train.steps`` optimizer steps of ``method`` on ``models['policy']``.
+    """Runs ``plan.steps`` optimizer steps of ``method`` on ``models['policy']``:
+    ``train.steps``, or what ``train.epochs`` comes to over ``stream``'s rows
+    (:mod:`memlab.trainer.epochs`).
 
     ``offload``: the offload option's handle (None: nothing offloaded); ``generation``: the
     run's generation environment (engine, random draws) for online methods."""
@@ -165,7 +167,10 @@ class Trainer:
         phase only moves the schedule on."""
         if self.in_backward:
             self._hooks = step_in_backward(self.opt, self.params)
-        self.sched = build_scheduler(self.opt, ctx.train)
+        self.plan = epochs.plan(ctx, stream)
+        """The steps to run (``train.steps``, or ``train.epochs`` counted on the rows)."""
+        self.steps = self.plan.steps
+        self.sched = build_scheduler(self.opt, ctx.train, self.steps)
         self.step_idx = 0
         self.result = TrainResult()
         self.probe = MemoryProbe(ctx.device, enabled=ctx.measure.memory,
@@ -336,7 +341,7 @@ class Trainer:
         ctx, res = self.ctx, self.result
         every = self.online.num_iterations if self.online is not None else 1
         self._rollouts = None
-        while self.step_idx < ctx.train.steps:
+        while self.step_idx < self.steps:
             # online methods with num_iterations > 1 generate on every num_iterations-th step
             # and train on those rollouts again in between (no new prompts drawn)
             rollouts = self._rollouts if every > 1 and self.step_idx % every != 0 else None
@@ -344,7 +349,7 @@ class Trainer:
             if rollouts is not None:
                 batches = list(rollouts)
             else:
-                batches = [next(self.stream).to(ctx.device) for _ in range(ctx.train.grad_accum)]
+                batches = self._draw()
             key = tuple(max(col) for col in zip(*(b.size_key for b in batches), strict=False))
             self._profiling = self.step_idx == ctx.measure.profile_step
             # the profiled step runs without the tracker (its dispatch mode would be most of
@@ -411,6 +416,16 @@ class Trainer:
             if self.evaluator is not None and self.evaluator.state.stopped is not None:
                 break
 
+    def _draw(self) -> list[Batch]:
+        """The next step's micro-batches: ``train.grad_accum`` of them, fewer where
+        ``train.epochs`` ends a pass (its last step takes the micro-batches left)."""
+        out = []
+        for _ in range(self.ctx.train.grad_accum):
+            out.append(next(self.stream).to(self.ctx.device))
+            if self.plan.by_epoch and self.stream.at_epoch_end():
+                break
+        return out
+
     def _say(self, metrics: dict[str, Any], evaluated: dict[str, Any]) -> None:
         """The log's line of this logging interval (the file's only: the bar shows it), and
         an evaluation's line (on the console too)."""
@@ -418,7 +433,7 @@ class Trainer:
             return ", ".join(f"{k} {v:.4g}" for k, v in values.items()
                              if isinstance(v, (int, float)) and not isinstance(v, bool))
 
-        at = f"step {self.step_idx}/{self.ctx.train.steps}"
+        at = f"step {self.step_idx}/{self.steps}"
         runlog.file_only(f"{at}: {shown(metrics)}")
         if evaluated:
             state = self.evaluator.state if self.evaluator is not None else None
@@ -429,7 +444,7 @@ class Trainer:
     def _eval_due(self) -> bool:
         """Evaluate after this step: every ``train.eval_every`` steps and after the last."""
         every = self.ctx.train.eval_every
-        return self.evaluator is not None and (self.step_idx >= self.ctx.train.steps
+        return self.evaluator is not None and (self.step_idx >= self.steps
                                                or bool(every and self.step_idx % every == 0))
 
     def _evaluate(self) -> tuple[dict[str, Any], bool]:
@@ -448,7 +463,7 @@ class Trainer:
             st.best["checkpoint"] = str(checkpoint.step_dir(Path(self.ctx.run_dir),
                                                             self.step_idx))
         if train.early_stop and st.since_best >= train.early_stop and \
-                self.step_idx < train.steps:
+                self.step_idx < self.steps:
             best = st.best or {}
             st.stopped = {"step": self.step_idx, "reason": (
                 f"eval {st.metric} did not improve on {best.get('value')} (step "
@@ -490,5 +505,5 @@ class Trainer:
             return None
         from tqdm.auto import tqdm
 
-        return tqdm(total=self.ctx.train.steps, initial=self.step_idx, desc="train",
+        return tqdm(total=self.steps, initial=self.step_idx, desc="train",
                     dynamic_ncols=True, file=sys.stderr, mininterval=0.5)

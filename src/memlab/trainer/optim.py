@@ -30,11 +30,14 @@ def lr_factor(step: int, *, schedule: str, warmup: int, total: int) -> float:
     return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))  # one half-cosine to 0
 
 
-def build_scheduler(opt: torch.optim.Optimizer, cfg) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(opt: torch.optim.Optimizer, cfg, steps: int | None = None
+                    ) -> torch.optim.lr_scheduler.LambdaLR:
     """transformers' schedule (what TRL's trainers step): linear warm-up from 0 over
-    ``train.warmup_steps``, then constant / linear / cosine decay to 0 at ``train.steps``."""
+    ``train.warmup_steps``, then constant / linear / cosine decay to 0 at the run's last step
+    (``steps``: what ``train.epochs`` comes to; None: ``train.steps`` or its default)."""
+    total = steps if steps is not None else cfg.fixed_steps()
     factor = functools.partial(lr_factor, schedule=cfg.scheduler, warmup=cfg.warmup_steps,
-                               total=max(1, cfg.steps))
+                               total=max(1, total or 1))
     return torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
 

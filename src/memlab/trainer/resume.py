@@ -185,10 +185,11 @@ def plan_resume(ctx: BuildContext, roots: list[Path] | None = None,
         if errors:
             raise ConfigErrors(errors)
     step = int(state["step"])
-    if step >= ctx.train.steps:
+    steps = ctx.train.fixed_steps()  # (train.epochs: counted on the rows; the loop stops there)
+    if steps is not None and step >= steps:
         raise ConfigErrors([
             f"train.resume_from={where}: {path} is at step {step}, and train.steps="
-            f"{ctx.train.steps}: that training is already complete (its record: "
+            f"{steps}: that training is already complete (its record: "
             f"{path.parent.parent / 'summary.json'}); nothing is left to train. To train "
             f"further, raise train.steps and allow the change: train.steps=<more than {step}> "
             "train.resume_allow='[train.steps]'"])

@@ -152,10 +152,16 @@ def test_dominated_batches_are_the_ones_from_data_can_skip():
 
 
 def test_run_micro_batches_counts_what_the_run_draws():
-    assert run_micro_batches(_ctx(*LEN, "train.steps=5", "train.grad_accum=3")) == 15
+    from memlab.trainer.epochs import StepPlan
+
+    five = StepPlan(steps=5)
+    assert run_micro_batches(_ctx(*LEN, "train.steps=5", "train.grad_accum=3"), five) == 15
     ctx = _ctx("method=grpo", "train.steps=5", "method.num_iterations=2",
                "train.save_every=0")
-    assert run_micro_batches(ctx) == 3  # a prompt batch every second step
+    assert run_micro_batches(ctx, five) == 3  # a prompt batch every second step
+    # train.epochs: every pass's micro-batches, whatever the steps
+    assert run_micro_batches(ctx, StepPlan(steps=4, epochs=2, steps_per_epoch=2,
+                                           micro_batches=6)) == 6
 
 
 def test_packed_preference_pairs_measure_the_fullest_pack(tok):
