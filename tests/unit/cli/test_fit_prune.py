@@ -98,3 +98,34 @@ def test_the_precision_option_equal_to_the_configuration_is_not_searched():
     assert any(n.startswith("precision: not searched") for n in notes)
     dims, _, _ = _space(allow=["precision"], precision="fp32")
     assert "precision" in [d.name for d in dims]
+
+
+def test_the_progress_line_has_counts_an_eta_and_the_best_so_far():
+    import io
+
+    from memlab.cli.fit.progress import Progress, duration
+    from memlab.cli.fit.search import rank_key
+
+    dims, _, cands = _space()
+    plan = Plan(cands, dims, "cuda")
+    now = [0.0]
+    out = io.StringIO()
+    bar = Progress(2, best=lambda cs: min((c for c in cs if c.estimate.get("fits")),
+                                          key=rank_key, default=None),
+                   stream=out, tty=False, every_s=10.0, clock=lambda: now[0])
+    for k, i in enumerate(plan.reps[:3]):
+        now[0] += 4.0
+        plan.settle(i, estimate={"status": "ok", "needed_bytes": 2**30 * (k + 1), "fits": True,
+                                 "predicted_s": 1.5 - 0.25 * k, "seconds": 4.0})
+        bar.estimated(plan, i)
+    text = bar.text(plan, 10**6)
+    left = len(plan.reps) - 3
+    assert f"3/{len(plan.reps)} settled: 3 estimated, 0 pruned, 3 shared" in text
+    assert f"ETA <= {duration(left * 4.0 / 2)}" in text  # the first estimate warms up: not timed
+    assert f"best: {cands[plan.reps[2]].label} (3.00 GiB, 1 s/step)" in text
+    now[0] += 10.0
+    bar.tick(plan)  # in a log: the bar's text every 10 s
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith(f"[fit] estimate 1/{len(plan.reps)} #{plan.reps[0]} ")
+    assert "(also #" in lines[0] and sum(x.startswith("[fit] [") for x in lines) == 2
+    assert duration(75) == "1m15s" and duration(3725) == "1h02m"
