@@ -2,12 +2,13 @@
 
 On a terminal, one line redrawn in place (stderr)::
 
-    [fit] [######......] 37/190 estimates, 120 pruned, 60 shared | 4.1 s each | ETA <= 6m30s | best: no checkpointing, ... 11.2 GiB, 6.91 s/step
+    [fit] [###.........] 104/432 settled: 40 estimated, 64 pruned, 40 shared | 1m20s so far, ETA ~2m10s (<= 5m40s) | best: no checkpointing, ... (5.52 GiB, 4.02 s/step)
 
 Elsewhere (a log, a pipe), one line per estimate (``[fit] estimate k/n #i label: ...``, k
-counting the estimates made) and the bar's text every ``every_s`` seconds. The ETA is an upper
-bound: the candidates not yet settled, at the mean time of an estimate so far, ``jobs`` at a
-time; pruning only shortens it.
+counting the estimates made) and the bar's text every ``every_s`` seconds. The ETA: the
+candidates not yet settled, at the mean time of an estimate so far, ``jobs`` at a time, as many
+of them estimated as of those settled so far (the others pruned); in brackets the most it can
+be (every one estimated).
 """
 
 from __future__ import annotations
@@ -87,11 +88,16 @@ class Progress:
             self.drawn = False
 
     # ------------------------------------------------------------------ text
-    def eta_s(self, plan: Plan) -> float | None:
+    def eta_s(self, plan: Plan) -> tuple[float, float] | None:
+        """(projected, at most) seconds left: the candidates not yet settled at the mean time
+        of an estimate, ``jobs`` at a time; projected, as many of them estimated as of those
+        settled so far (the others pruned)."""
         left = len(plan.reps) - len(plan.done)
-        if not self.seconds:
+        if not self.seconds or not plan.done:
             return None
-        return left * (sum(self.seconds) / len(self.seconds)) / self.jobs
+        most = left * (sum(self.seconds) / len(self.seconds)) / self.jobs
+        share = sum(1 for i in plan.done if plan.cands[i].estimate) / len(plan.done)
+        return most * share, most
 
     def text(self, plan: Plan, width: int = 100) -> str:
         counts = plan.counts()
@@ -104,7 +110,7 @@ class Progress:
                  f"{counts['estimated']} estimated, {counts['no_fit'] + counts['dominated']} "
                  f"pruned" + (f", {counts['shared']} shared" if counts["shared"] else ""),
                  f"{duration(self.clock() - self.t0)} so far"
-                 + (f", ETA <= {duration(eta)}" if eta is not None else "")]
+                 + (f", ETA ~{duration(eta[0])} (<= {duration(eta[1])})" if eta else "")]
         best = self.best(plan.cands)
         if best is not None:
             e: dict[str, Any] = best.estimate
