@@ -585,7 +585,8 @@ def test_loss_curves_overlaid(sweep: Path, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("hidden", "flags", "named"), [
     ("pandas", [], "pandas"), ("matplotlib", [], "matplotlib"), ("pandas", ["--no-plots"],
-                                                                  "pandas")])
+                                                                  "pandas"),
+    ("jinja2", ["--html", "--no-plots"], "jinja2")])
 def test_missing_extra_is_one_line(sweep: Path, hidden: str, flags: list[str], named: str):
     code = (f"import sys; sys.modules[{hidden!r}] = None; "
             "from memlab.cli.report import main; sys.exit(main(sys.argv[1:]))")
@@ -679,7 +680,7 @@ def test_hostile_strings_are_shown_not_obeyed(tmp_path: Path, capsys) -> None:
                        error=f"bad row in {HOSTILE}.jsonl\n``` </pre> ```\nline 2")
     for s in (ok, bad):
         write_job(root, s["job"]["num"], s, s["overrides"])
-    assert main([str(root), "--no-plots"]) == 0
+    assert main([str(root), "--no-plots", "--html"]) == 0
     console = capsys.readouterr()
     for text in (console.out, console.err):
         assert "\x1b" not in text and "\x07" not in text
@@ -698,6 +699,26 @@ def test_hostile_strings_are_shown_not_obeyed(tmp_path: Path, capsys) -> None:
     cells = [c for row in csv.reader((root / "report.csv").open()) for c in row]
     assert not any(c.startswith(("=", "+", "@")) for c in cells)
     assert "'=HYPERLINK(\"x\")" in cells  # the tag, kept as text
+    # report.html (a jinja2 template, autoescape on): every element is the template's own; the
+    # data its script reads holds the strings whole, as JSON no `</script>` or `<!--` can end
+    from html.parser import HTMLParser
+
+    page = (root / "report.html").read_text()
+    tags: list[str] = []
+
+    class Tags(HTMLParser):
+        def handle_starttag(self, tag, attrs):
+            tags.append(tag)
+
+    Tags().feed(page)
+    assert tags.count("script") == 2 and "img" not in tags  # the data and the page's script
+    assert "<script>alert" not in page and "<img src=x" not in page and "\x1b" not in page
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page  # in the table, the reason, as text
+    block = page.split('<script type="application/json" id="report-data">')[1]
+    block = block.split("</script>")[0]
+    assert "<" not in block and ">" not in block and "&" not in block
+    data = json.loads(block)
+    assert any(HOSTILE.split("\x1b")[0] in str(text) for row in data["texts"] for text in row)
 
 
 def test_baseline_by_several_settings_names_one_job_and_marks_its_row(

@@ -2,8 +2,9 @@
 of three settings with a baseline shows its whole table in a 1,280 px window, no sideways
 scrolling, every column shown; a wide sweep's page fits the window too, every column of its
 table can be scrolled into view inside the table's box (none hidden, none under the pinned job
-column), every image decodes, and the page logs no error. The screenshots are kept under the
-tests' tmp dirs (their paths are printed).
+column), every image decodes, and the page logs no error; the table sorts by any column (a click
+on its name) and filters by any column (text typed in), a hostile setting shown, never run. The
+screenshots are kept under the tests' tmp dirs (their paths are printed).
 
 Needs Debian's ``chromium`` (``scripts/setup.sh`` installs it where it runs as root with apt) and
 the ``playwright`` package (the dev extra); skipped otherwise, with the line that installs them.
@@ -213,3 +214,89 @@ def test_three_settings_and_a_baseline_fit_1280px_without_scrolling(tmp_path: Pa
         finally:
             browser.close()
     print(f"\nscreenshot of the report page: {shot}")
+
+
+@pytest.mark.slow
+def test_the_table_sorts_and_filters_by_any_column_in_a_real_browser(tmp_path: Path) -> None:
+    """Issue 46 item 7: a click on a column's name orders the rows by it (again: the other way;
+    blanks last; a job's reason stays under it; a change under a name sorts by the change);
+    text typed in the filter hides the jobs without it, in any column or in the one chosen
+    (``>20000``: a comparison); a hostile setting is shown, never run."""
+    import json
+
+    from playwright.sync_api import sync_playwright
+
+    chromium = _chromium()
+    sweep = _three_settings(tmp_path)
+    job1 = sweep / "1" / "summary.json"
+    s = json.loads(job1.read_text())
+    s["overrides"].append("data.path=<script>alert(1)</script>.jsonl")
+    job1.write_text(json.dumps(s))
+    out = tmp_path / "report"
+    assert main([str(sweep), "--out", str(out), "--html", "--no-plots", "--baseline", "0"]) == 0
+    errors: list[str] = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": WIDTH, "height": 900})
+            page.on("dialog", lambda d: (errors.append(f"dialog: {d.message}"), d.dismiss()))
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto((out / "report.html").as_uri())
+            page.wait_for_load_state("load")
+
+            def jobs() -> list[str]:  # the shown jobs, top to bottom ("6+": its reason under it)
+                return page.evaluate("""() => {
+                    const out = [];
+                    for (const tr of document.querySelectorAll('#report-table tbody tr')) {
+                        if (tr.getBoundingClientRect().height === 0) continue;
+                        if (tr.classList.contains('reason')) out[out.length - 1] += '+';
+                        else out.push(tr.cells[0].firstChild.textContent.trim());
+                    }
+                    return out;
+                }""")
+
+            def sort(selector: str) -> None:
+                page.click(f"#report-table thead {selector}")
+
+            assert jobs() == ["0", "1", "2", "3", "4", "5", "7", "6+"]  # by peak, not ok last
+            sort("th[data-col=tokens_per_s] > .name")
+            assert jobs() == ["7", "5", "4", "3", "2", "1", "0", "6+"]  # slowest first
+            assert page.get_attribute("th[data-col=tokens_per_s]", "aria-sort") == "ascending"
+            sort("th[data-col=tokens_per_s] > .name")
+            assert jobs() == ["0", "1", "2", "3", "4", "5", "7", "6+"]  # blanks still last
+            assert page.get_attribute("th[data-col=tokens_per_s]", "aria-sort") == "descending"
+            sort("th[data-col=peft] > .name")  # text: lora first, ties in the page's order
+            assert jobs() == ["1", "3", "5", "7", "0", "2", "4", "6+"]
+            sort("[data-sort=d_peak_pct]")  # a change under peak_MiB
+            assert jobs()[:3] == ["0", "1", "2"]
+            assert page.get_attribute("th[data-col=peak_MiB]", "aria-sort") == "none"
+
+            page.fill("#filter-text", "LORA")  # any column, case aside
+            assert sorted(jobs()) == ["1", "3", "5", "7"]
+            assert page.inner_text("#shown-count") == "4 of 8 jobs"
+            page.select_option("#filter-column", "status")
+            page.fill("#filter-text", "oom")
+            assert jobs() == ["6+"]
+            page.fill("#filter-text", "out of memory")  # in the reason: not the status
+            assert jobs() == []
+            page.select_option("#filter-column", "error")
+            assert jobs() == ["6+"]
+            page.select_option("#filter-column", "peak_MiB")
+            page.fill("#filter-text", ">20000")
+            assert sorted(jobs()) == ["5", "7"]
+            page.fill("#filter-text", "<= 15000")
+            assert jobs() == ["0"]
+            page.select_option("#filter-column", "data.path")
+            page.fill("#filter-text", "<script")
+            assert jobs() == ["1"]
+            cell = page.locator("tbody tr:not(.reason)", has_text="alert(1)").first
+            assert "<script>alert(1)</script>.jsonl" in cell.inner_text()
+            page.fill("#filter-text", "")
+            assert len(jobs()) == 8 and page.inner_text("#shown-count") == "8 of 8 jobs"
+            box = page.locator(".table-box").evaluate("b => [b.scrollWidth, b.clientWidth]")
+            assert box[0] <= box[1], box  # sorted, filtered, still 1,280 px
+            legend = page.inner_text(".legend")
+            assert "Pareto front" in legend and "the baseline, job 0" in legend
+        finally:
+            browser.close()
+    assert not errors, errors

@@ -147,16 +147,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _missing_extra(plots: bool) -> str | None:
-    """One line naming the extra when pandas (or, for plots, matplotlib) is not installed."""
+def _missing_extra(plots: bool, html: bool = False) -> str | None:
+    """One line naming the extra when pandas (or, for plots, matplotlib; for --html, jinja2) is
+    not installed."""
     from memlab._guards import has
 
-    absent = [m for m in ("pandas", *(("matplotlib",) if plots else ())) if not has(m)]
+    wanted = ("pandas", *(("matplotlib",) if plots else ()), *(("jinja2",) if html else ()))
+    absent = [m for m in wanted if not has(m)]
     if not absent:
         return None
+    instead = {"matplotlib": " (or pass --no-plots)", "jinja2": " (or leave out --html)"}
     return (f"memlab report needs {' and '.join(absent)}, from the 'report' extra: "
-            "pip install 'memlab[report]'" + (" (or pass --no-plots)" if absent == [
-                "matplotlib"] else ""))
+            "pip install 'memlab[report]'" + (instead[absent[0]] if len(absent) == 1
+                                              and absent[0] in instead else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     from memlab.measure.console import printable
 
     args = build_parser().parse_args(argv)
-    err = _missing_extra(not args.no_plots)
+    err = _missing_extra(not args.no_plots, args.html)
     if err:
         print(err, file=sys.stderr)
         return 2

@@ -2,6 +2,14 @@
 parameters, the table, the notes, the plots and the full reason of every job that is not ok:
 what a researcher attaches to a write-up.
 
+The page is rendered from a jinja2 template (``templates/report.html.j2``, autoescape on: every
+value read from a summary is escaped, the data the page's script reads too: it is JSON with
+``<``, ``>``, ``&`` and ``'`` written as ``\\u003c``...). A small inline script (no CDN, no
+request) sorts the table by any column (click its name; a ``d_*`` change under it sorts by the
+change) and filters it by any column or all (text it holds, or a comparison: ``>1000``,
+``<=2.5``, ``!=ok``); a legend says what the row tints and the change colours mean, and a
+glossary what each column holds.
+
 The page fits a 1,280 px window (checked in a real browser, ``tests/unit/cli/test_report_page.py``):
 a sweep of a few settings, with a baseline, shows every column without scrolling sideways:
 column names break after ``_`` and ``.``, text (settings, reasons, run dirs) wraps, numbers do
@@ -14,60 +22,60 @@ its left; the plots shrink to the page's width.
 from __future__ import annotations
 
 import base64
-import html
+import math
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from memlab.cli.report.table import DELTA_COLUMNS, NUMERIC_COLUMNS
+from memlab.cli.report.table import CATEGORIES, DELTA_COLUMNS, NUMERIC_COLUMNS, PHASES
 from memlab.cli.report.text import baseline_job, fixed_line, format_cell, notes
+from memlab.measure.console import printable
 
 if TYPE_CHECKING:
     import pandas as pd
 
-_STYLE = """
-* { box-sizing: border-box; }
-body { font-family: system-ui, sans-serif; margin: 1.5em; color: #222; }
-p, li { overflow-wrap: anywhere; }
-.table-box { overflow-x: auto; max-width: 100%; border: 1px solid #e4e4e4; }
-table { border-collapse: collapse; font-size: 11px; }
-th, td { border-bottom: 1px solid #ddd; padding: 2px 4px; text-align: left;
-         vertical-align: top; background: #fff; overflow-wrap: break-word; }
-th { background: #f4f4f4; font-weight: 600; overflow-wrap: anywhere; }
-th:first-child, td:first-child { position: sticky; left: 0; z-index: 1;
-                                 border-right: 1px solid #ddd; }
-td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap;
-         overflow-wrap: normal; }
-td.error { white-space: normal; overflow-wrap: anywhere; }
-tr.reason td { border-top: 0; padding-bottom: 4px; }
-.d { display: block; font-size: 11px; color: #555; font-weight: normal; }
-td .d.less { color: #17692c; }
-td .d.more { color: #a04000; }
-tr.front td { background: #fdf0f0; }
-tr.notok td { color: #a00000; }
-tr.baseline td { background: #eef3fb; font-weight: 600; }
-tr.baseline td:first-child { box-shadow: inset 3px 0 #3563b3; }
-.mark { display: block; font-size: 9px; color: #3563b3; font-weight: 600; }
-.plots { display: flex; flex-wrap: wrap; gap: 1em; align-items: flex-start; }
-.plots img { flex: 1 1 540px; max-width: 100%; height: auto; border: 1px solid #eee; }
-pre { background: #f6f6f6; padding: 0.8em; white-space: pre-wrap; overflow-wrap: anywhere; }
-"""
+TEMPLATE = "report.html.j2"
+"""The page's template, in this package's ``templates/`` (shipped in the wheel)."""
+
+_ABOUT = {
+    "job": "the job's number in its sweep (a run alone: its directory)",
+    "status": "how the job ended: ok, invalid, oom, nan, failed, killed, timeout, interrupted, "
+              "not_run, missing, running, corrupt",
+    "peak_MiB": "memory at the step's peak (MiB): the sum of the categories",
+    **{col: f"{cat} at the peak (MiB)" for cat, col in CATEGORIES},
+    "engine_MiB": "a generation engine's own memory (weights, KV cache), outside the peak",
+    "tokens_per_s": "training throughput: tokens per second over the timed steps",
+    "tps_spread": "the std of the timed steps' tokens/s (what the front allows for)",
+    "timed_steps": "the steps timed (1!: one, no spread measured)",
+    "padding_frac": "the fraction of the batches' tokens that are padding",
+    "final_loss": "the loss of the last optimizer step",
+    "eval_loss": "the last evaluation's loss on the held-out data (data.eval)",
+    "eval_reward": "the last evaluation's reward on the held-out prompts (data.eval)",
+    **{col: f"the peak during the {phase} phase of a step (MiB)" for phase, col in PHASES},
+    "pareto": "on the memory-vs-throughput front: no job has less memory and is measurably "
+              "faster",
+    "d_peak_MiB": "the peak's change against the baseline (MiB; negative: a saving)",
+    "d_peak_pct": "the peak's change against the baseline (percent)",
+    **{f"d_{col}": f"the change of {cat} against the baseline (MiB)" for cat, col in CATEGORIES},
+    "d_tokens_per_s_pct": "the change of tokens/s against the baseline (percent; positive: "
+                          "faster)",
+    "run_dir": "the job's directory (its summary.json, memlab.log, checkpoints)",
+    "error": "the reason a job did not end ok (all of it under the table)",
+}
+"""What each column holds (the page's glossary; a varying setting: the setting)."""
 
 
-def _img(path: Path) -> str:
-    data = base64.b64encode(path.read_bytes()).decode("ascii")
-    return f'<img alt="{html.escape(path.name)}" src="data:image/png;base64,{data}">'
+def _breakable(text: object) -> Any:
+    """``text`` escaped, breakable after each ``_ . / - = ,`` (a long name, setting or path
+    wraps there, never cut; a word stays whole): the template's ``breakable`` filter."""
+    from markupsafe import Markup, escape
+
+    return Markup(re.sub(r"([_./=,-])", r"\1<wbr>", str(escape(str(text)))))
 
 
 def _klass(column: str) -> str:
     return "num" if column in NUMERIC_COLUMNS else ("error" if column == "error" else "")
-
-
-def _name(text: str) -> str:
-    """``text`` (a column's name, a setting, a path) escaped, breakable after each ``_ . / - =
-    ,`` (a long one wraps there, never cut; a word stays whole)."""
-    return re.sub(r"([_./=,-])", r"\1<wbr>", html.escape(text, quote=False))
 
 
 def _under(columns: Sequence[str]) -> dict[str, list[str]]:
@@ -81,67 +89,73 @@ def _under(columns: Sequence[str]) -> dict[str, list[str]]:
     return out
 
 
-def _delta(column: str, value: object) -> str:
+def _delta(column: str, value: object) -> dict[str, str] | None:
     text = format_cell(column, value)
     if text == "-":  # no change computed (a job, or the baseline, not ok)
-        return ""
+        return None
     sign = "less" if text.startswith("-") and text != "-" else (
         "more" if text.startswith("+") and text.strip("+0.%") else "")
     # a saving (less memory) reads green; for tokens/s more is the better way
     if column == "d_tokens_per_s_pct":
         sign = {"less": "more", "more": "less"}.get(sign, "")
-    return f'<span class="d {sign}" title="{column}">{html.escape(text)}</span>'
+    return {"col": column, "text": text, "sign": sign}
+
+
+def _value(column: str, value: Any) -> float | str | None:
+    """A cell as the script sorts and compares it: a number, a text, or None (blank)."""
+    if column == "pareto":
+        return 1.0 if bool(value) else 0.0
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value) if math.isfinite(value) else None
+    return format_cell(column, value)
+
+
+def _environment() -> Any:
+    import jinja2
+
+    env = jinja2.Environment(loader=jinja2.PackageLoader("memlab.cli.report", "templates"),
+                             autoescape=True, undefined=jinja2.StrictUndefined)
+    env.filters["breakable"] = _breakable
+    return env
 
 
 def format_html(df: pd.DataFrame, images: Sequence[Path] = (), title: str = "memlab report",
                 ) -> str:
     """The whole page as a string (``images``: PNGs to embed)."""
-    esc = html.escape
-    under = _under([str(c) for c in df.columns])
-    stacked = {d for ds in under.values() for d in ds}
     every = [str(c) for c in df.columns]
+    under = _under(every)
+    stacked = {d for ds in under.values() for d in ds}
     cols = [c for c in every if c not in stacked and c != "error"]
-    head = "".join(f'<th data-col="{esc(c)}">{_name(c)}'
-                   + "".join(f'<span class="d" data-col="{d}">{_name(d)}</span>'
-                             for d in under.get(c, ()))
-                   + "</th>" for c in cols)
+    params = {str(p) for p in df.attrs.get("params") or []}
+    about = {c: _ABOUT.get(c, "a setting that varies across the jobs" if c in params else c)
+             for c in every}
     base = baseline_job(df)
     rows = []
+    values, texts = [], []
     for rec in df[every].itertuples(index=False):
         cells = dict(zip(every, rec))
         marked = base is not None and str(cells["job"]) == base
         klass = "baseline" if marked else "front" if cells.get("pareto") else (
             "notok" if cells["status"] != "ok" else "")
-        tds = []
-        for c in cols:
-            shown = format_cell(c, cells[c])
-            text = (esc(shown) if c in NUMERIC_COLUMNS else _name(shown)) + (
-                '<span class="mark">baseline</span>' if marked and c == "job" else "")
-            text += "".join(_delta(d, cells[d]) for d in under.get(c, ()))
-            tds.append(f'<td class="{_klass(c)}">{text}</td>')
-        rows.append(f'<tr class="{klass}">{"".join(tds)}</tr>')
-        reason = format_cell("error", cells.get("error"))
-        if reason:  # prose: a row of its own under the job's, the table's whole width
-            rows.append(f'<tr class="{klass} reason"><td></td><td class="error" '
-                        f'colspan="{len(cols) - 1}" data-col="error"><b>error</b> '
-                        f"{esc(reason)}</td></tr>")
-    parts = [
-        "<!doctype html>", '<html><head><meta charset="utf-8">',
-        '<meta name="viewport" content="width=device-width, initial-scale=1">',
-        f"<title>{esc(title)}</title><style>{_STYLE}</style></head><body>",
-        f"<h1>{esc(title)}</h1>", f"<p>{esc(fixed_line(df))}</p>",
-        '<div class="table-box">'
-        f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table></div>",
-        "<ul>" + "".join(f"<li>{esc(n)}</li>" for n in notes(df)) + "</ul>",
-    ]
-    if images:
-        parts.append('<div class="plots">' + "".join(_img(p) for p in images) + "</div>")
-    failures = df.attrs.get("failures") or []
-    if failures:
-        parts.append("<h2>Jobs that are not ok</h2>")
-        for f in failures:
-            parts.append(f"<h3>job {esc(str(f['job']))}: {esc(f['status'])}</h3>"
-                         f"<p>run dir: <code>{esc(f['run_dir'])}</code></p>"
-                         f"<pre>{esc(f['error'].rstrip() or '(no reason recorded)')}</pre>")
-    parts.append("</body></html>")
-    return "\n".join(parts) + "\n"
+        rows.append({
+            "klass": klass, "reason": format_cell("error", cells.get("error")),
+            "cells": [{"klass": _klass(c), "num": c in NUMERIC_COLUMNS,
+                       "text": format_cell(c, cells[c]), "mark": marked and c == "job",
+                       "deltas": [d for d in (_delta(x, cells[x]) for x in under.get(c, ()))
+                                  if d is not None]} for c in cols]})
+        values.append([_value(c, cells[c]) for c in every])
+        texts.append([format_cell(c, cells[c]) for c in every])
+    failures = [{"job": str(f["job"]), "status": f["status"], "run_dir": str(f["run_dir"]),
+                 "error": printable(f["error"].rstrip(), keep_newlines=True)
+                 or "(no reason recorded)"} for f in df.attrs.get("failures") or []]
+    return _environment().get_template(TEMPLATE).render(
+        title=title, fixed=fixed_line(df), baseline=base, notes=notes(df),
+        columns=[{"name": c, "about": about[c], "under": under.get(c, [])} for c in cols],
+        filterable=every, rows=rows, any_notok=any(r["klass"] == "notok" for r in rows),
+        glossary=[{"name": c, "about": about[c]} for c in every],
+        images=[{"name": p.name, "data": base64.b64encode(p.read_bytes()).decode("ascii")}
+                for p in images],
+        failures=failures, data={"columns": every, "rows": values, "texts": texts},
+    ) + "\n"
