@@ -7,6 +7,7 @@ Usage::
     memlab report multirun/... --out reports/lora --budget 24GiB --html
     memlab report multirun/... --baseline peft=none         # what each job saves and costs
     memlab report multirun/... --baseline peft=none train.gradient_checkpointing=true
+    memlab report multirun/... --wide      # every column (by default the table fits 120)
 
 Every input is a multirun dir (walked recursively), a run dir or a ``summary.json`` file. Each job
 becomes one row (:mod:`.table`): the Hydra choices/overrides that *vary* across jobs (constant
