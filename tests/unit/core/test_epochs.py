@@ -50,6 +50,24 @@ def test_the_stream_says_where_a_pass_ends():
     assert sizes == [2, 2, 1, 2] and ends == [False, False, True, False]  # a partial last batch
 
 
+def test_processes_walk_the_passes_of_one_process_with_their_whole_batch():
+    """N ranks with batch B take a global batch of N * B rows from the same permutation: their
+    passes end where one process's with batch N * B end (so they take its steps), and together
+    they see its rows (a last batch of fewer rows than ranks repeats its last row on the idle
+    rank)."""
+    def ids(rows):
+        return [r["row"] for r in rows]
+
+    one = BatchStream(_Rows(range(7)), 4, 0, collate=ids)  # type: ignore[arg-type]
+    ranks = [BatchStream(_Rows(range(7)), 2, 0, collate=ids, shard=(r, 2))  # type: ignore[arg-type]
+             for r in range(2)]
+    for _ in range(4):  # 4 + 3 rows a pass, two passes
+        rows = next(one)
+        taken = [next(s) for s in ranks]
+        assert sorted(x for t in taken for x in t) == sorted(rows)
+        assert [s.at_epoch_end() for s in ranks] == [one.at_epoch_end()] * 2
+
+
 def test_steps_and_epochs_are_exclusive_and_the_default_is_20_steps():
     assert TrainConfig().fixed_steps() == 20
     assert TrainConfig(steps=7).fixed_steps() == 7
