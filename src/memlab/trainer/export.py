@@ -9,6 +9,12 @@
   ``train.save_merged`` also ``dir/merged``: the base with the adapter merged into it, a plain
   model directory. The base is loaded again for that, unquantized, on the host (QLoRA's adapter is
   merged into the full-precision base, as it should be; the training model is not touched).
+  A base the adapter cannot name (one built from a config, as ``model=tiny`` is: PEFT records
+  ``base_model_name_or_path: null``) is saved once in the run dir, ``<run dir>/base/`` (model and
+  tokenizer), and the adapter's ``adapter_config.json`` names it (its absolute path): the adapter
+  then loads on its own, ``AutoPeftModelForCausalLM.from_pretrained(dir)``, or with
+  ``PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("<run dir>/base"), dir)``
+  once the run dir has moved.
 
 Distributed runs pass the gathered weights (``weights``: FSDP2's, DeepSpeed's ZeRO-3) and write
 from rank 0 only. The saved ``config.json`` has ``use_cache: true`` (memlab turns the KV cache off
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +38,8 @@ if TYPE_CHECKING:
 
 MERGED = "merged"
 """Subdirectory of a checkpoint that holds the merged model (``train.save_merged``)."""
+BASE = "base"
+"""Subdirectory of the run dir that holds the base of an adapter that cannot name its own."""
 
 
 def _inference_config(out: Path) -> None:
@@ -58,12 +67,45 @@ def write(ctx: BuildContext, model: HFModel, weights: dict[str, torch.Tensor] | 
         _inference_config(out)
         tokenizer = ctx.model.load_tokenizer(ctx)
         tokenizer.save_pretrained(out)
-        merged = None
+        merged = base = None
+        if adapter:
+            base = write_base(ctx, tokenizer, out)
         if adapter and ctx.train.save_merged:
             merged = write_merged(ctx, tokenizer, out, out / MERGED)
     return {"kind": "adapter" if adapter else "model", "head": ctx.method.head,
             "architecture": type(base_model(model)).__name__,
-            "merged": MERGED if merged else None}
+            "merged": MERGED if merged else None, "base": base}
+
+
+def _load_base(ctx: BuildContext, tokenizer) -> Any:
+    """The base model loaded again on the host (the model option's ``load``, unquantized, sdpa
+    attention): the weights the adapter was trained on."""
+    host = dataclasses.replace(ctx, device="cpu")
+    return ctx.model.load(host, tokenizer, ctx.method.head, {"attn_implementation": "sdpa"})
+
+
+def write_base(ctx: BuildContext, tokenizer, adapter_dir: Path) -> str | None:
+    """Where the adapter in ``adapter_dir`` finds its base: None when its
+    ``adapter_config.json`` names one already (a hub id, a local model); else the base saved to
+    ``<run dir>/base`` (replaced whole, never half-written) and named there by its absolute
+    path."""
+    config_path = adapter_dir / "adapter_config.json"
+    config = json.loads(config_path.read_text())
+    if config.get("base_model_name_or_path"):
+        return None
+    where = Path(ctx.run_dir).resolve() / BASE
+    tmp = where.with_name(f".{BASE}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    base = _load_base(ctx, tokenizer)
+    base.save_pretrained(tmp)
+    _inference_config(tmp)
+    tokenizer.save_pretrained(tmp)
+    del base
+    shutil.rmtree(where, ignore_errors=True)
+    tmp.rename(where)
+    config["base_model_name_or_path"] = str(where)
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return str(where)
 
 
 def write_merged(ctx: BuildContext, tokenizer, adapter_dir: Path, out: Path) -> Path:
@@ -72,8 +114,7 @@ def write_merged(ctx: BuildContext, tokenizer, adapter_dir: Path, out: Path) -> 
     ``out`` with the tokenizer."""
     from peft import PeftModel
 
-    host = dataclasses.replace(ctx, device="cpu")
-    base = ctx.model.load(host, tokenizer, ctx.method.head, {"attn_implementation": "sdpa"})
+    base = _load_base(ctx, tokenizer)
     merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
     merged.save_pretrained(out)
     _inference_config(out)
