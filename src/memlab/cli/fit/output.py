@@ -151,7 +151,7 @@ def format_table(record: dict[str, Any]) -> str:
             lines.append(f"  tied within {tied['within_pct']}% with {', '.join(tied['with'])} "
                          "(measured tokens/s within the spread; "
                          + ("the speed model's order decided)" if p.get("checked") else
-                            "the smaller measured peak decided)"))
+                            "the smaller measured peak, then the higher mean, decided)"))
     else:
         nf = record["nothing_fits"]
         lines += ["", f"nothing fits: {nf['why']}; the closest:"]

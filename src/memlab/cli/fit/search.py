@@ -399,8 +399,8 @@ def fastest(fits: list[Candidate], model_checked: bool = False) -> Candidate | N
     fastest; others within the measured spread of it (the larger std of the two runs' timed
     steps) are a tie the measurement cannot order. The speed model's order breaks it only when
     ``model_checked`` (it ordered at least :data:`MIN_MODEL_POINTS` measured candidates better
-    than chance); otherwise the smaller measured peak does (:func:`ties` says the winner is
-    tied)."""
+    than chance); otherwise the smaller measured peak, then the higher measured mean, does
+    (:func:`ties` says the winner is tied)."""
     fits = [c for c in fits if timed(c.run())]
     if not fits:
         return None
@@ -408,7 +408,7 @@ def fastest(fits: list[Candidate], model_checked: bool = False) -> Candidate | N
     tied = [c for c in fits if c is top or _tied(top.run(), c.run())]
     if model_checked:
         return min(tied, key=lambda c: (c.predicted_rank or 10**9, c.run()["peak_bytes"]))
-    return min(tied, key=lambda c: (c.run()["peak_bytes"], c.predicted_rank or 10**9))
+    return min(tied, key=lambda c: (c.run()["peak_bytes"], -c.run()["tokens_per_s"]))
 
 
 def ties(winner: Candidate, fits: list[Candidate]) -> dict[str, Any] | None:
