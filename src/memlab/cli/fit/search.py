@@ -62,7 +62,7 @@ MIN_MODEL_POINTS = 5
 tie or is called worse than chance (with 3, a rank correlation of -0.5 happens one time in
 three by chance)."""
 
-MEASURE_BUDGET_S = 240.0
+MEASURE_BUDGET_S = 180.0
 """``--measure-budget``'s default: seconds of measured runs in all."""
 
 
