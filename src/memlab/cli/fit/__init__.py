@@ -12,15 +12,18 @@ searches the rest of the technique space (:mod:`.space`): gradient checkpointing
 2nd layer, every layer), the micro-batch split of the same effective batch (or, without
 clipping, one micro-batch stepped inside backward), padding-free, chunked loss, packing, and on
 CUDA activation offloading and the attention backends; LoRA / QLoRA, mixed precision, sharding
-and 8-bit / factored optimizer states only with ``--allow``. It estimates every candidate on fake
-tensors, ranks those that fit (with ``--margin``) by a speed model, trains the best few for a few
-steps each in fresh processes and picks the fastest whose *measured* peak fits
-(:mod:`.search`).
+and 8-bit / factored optimizer states only with ``--allow``. It estimates on fake tensors the
+candidates that can change its answer (:mod:`.prune`: twins share an estimate, a micro-batch
+that does not fit rules out larger ones, a dominated candidate is skipped; ``--exhaustive``
+estimates all), showing its progress (:mod:`.progress`), ranks those that fit (with
+``--margin``) by a speed model, trains the best few for a few steps each in fresh processes and
+picks the fastest whose *measured* peak fits (:mod:`.search`).
 
 Writes into ``--out`` (default ``outputs/fit/<date>/<time>``): ``fit.json`` (every candidate:
-estimated and measured peak, tokens/s with spread, status; the winner; how well the speed model
-predicted the measured order; the command line that reproduces the search), the measured runs
-under ``runs/``, and the winner as ``experiment/fit.yaml``, runnable with
+estimated and measured peak, tokens/s with spread and timed steps, status, pruned / shared; the
+winner; how well the speed model predicted the measured order; the search's counts; the command
+line that reproduces the search), ``fit.csv`` (the same table, one row a candidate; the console
+shows only the best few), the measured runs under ``runs/``, and the winner as ``experiment/fit.yaml``, runnable with
 ``memlab --config-dir <out> experiment=fit``. A budget nothing fits gets the closest candidates
 and what would make them fit.
 
