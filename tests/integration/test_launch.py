@@ -4,6 +4,7 @@ through the launcher's own store (a port nobody else can take), per-rank logs an
 
 import json
 import socket
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -89,3 +90,29 @@ def test_ranks_see_the_runs_environment_and_directory_at_each_launch(tmp_path, m
         rec = json.loads((tmp_path / "b" / "ranks" / f"rank{r}.json").read_text())
         assert rec["extra"] == "seen" and rec["tokenizers"] is None
         assert rec["cwd"] == str(tmp_path)
+
+
+def test_a_script_without_a_main_guard_is_not_run_again_by_its_ranks(tmp_path):
+    """The ranks are forks of a server, not re-imports of the run's script: a script that
+    launches at module level (no ``if __name__ == "__main__":``) runs once, not once more in
+    every rank (multiprocessing's children import the parent's main module by default)."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "from pathlib import Path\nfrom types import SimpleNamespace\n"
+        "from memlab.distributed.ddp import DDP\nfrom memlab.distributed.launch import launch\n"
+        f"with open({str(tmp_path / 'ran.txt')!r}, 'a') as f:\n    f.write('ran\\n')\n"
+        f"d = Path({str(tmp_path / 'run')!r})\n"
+        "launch(SimpleNamespace(world_size=2, run_dir=d, distributed=DDP(master_port=0)),\n"
+        "       {'config': {}, 'choices': {}, 'overrides': [], 'job': {}, 'run_dir': str(d)},\n"
+        "       worker='launch_probe')\n")
+    tests = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "ran.txt").read_text() == "ran\n"
+    assert json.loads((tmp_path / "run" / "ranks" / "rank1.json").read_text())["sum"] == 1.0

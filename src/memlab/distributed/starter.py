@@ -7,6 +7,10 @@ own process, whose threads and state a fork would copy) that the run's process s
 first launch and keeps for the next ones (a sweep's jobs, a test session's runs). Each rank is a
 fork of it that then becomes what ``python -m <worker> RUN_DIR`` would be:
 
+- nothing of the run's ``__main__``: multiprocessing would import the script that started the
+  run into each child (a script without a ``__main__`` guard would start the run again in every
+  rank); a rank is ``python -m <worker>``, so the parent's main module is left out of what the
+  child prepares (:class:`_RankPopen`);
 - the run's environment *as it is at the launch* (the server's is the one it started with; the
   rank's ``os.environ`` is replaced with the run's, plus its own rank variables), the run's
   working directory and ``sys.path`` (multiprocessing's preparation data), ``sys.argv``;
@@ -35,6 +39,8 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from multiprocessing import popen_forkserver
+from multiprocessing.context import ForkServerProcess
 from typing import Any
 
 PRELOAD = ("memlab.rank", "memlab.pipeline", "transformers", "datasets")
@@ -155,6 +161,41 @@ def _rank(worker: str, run_dir: str, env: dict[str, str], out: _Received | str,
     sys.exit(code)
 
 
+class _RankPopen(popen_forkserver.Popen):
+    """multiprocessing's forkserver Popen (Python 3.10-3.13's ``_launch``), less the parent's
+    ``__main__`` in the preparation data (the module docstring)."""
+
+    def _launch(self, process_obj: Any) -> None:
+        import io
+        from multiprocessing import reduction, spawn, util
+        from multiprocessing.context import set_spawning_popen
+        from multiprocessing.forkserver import connect_to_new_process, read_signed
+
+        prep = {k: v for k, v in spawn.get_preparation_data(process_obj._name).items()
+                if k not in ("init_main_from_name", "init_main_from_path")}
+        buf = io.BytesIO()
+        set_spawning_popen(self)
+        try:
+            reduction.dump(prep, buf)
+            reduction.dump(process_obj, buf)
+        finally:
+            set_spawning_popen(None)
+        self.sentinel, w = connect_to_new_process(self._fds)
+        _parent_w = os.dup(w)
+        self.finalizer = util.Finalize(self, util.close_fds, (_parent_w, self.sentinel))
+        with open(w, "wb", closefd=True) as f:
+            f.write(buf.getbuffer())
+        self.pid = read_signed(self.sentinel)
+
+
+class _RankProcess(ForkServerProcess):
+    """A forkserver process started through :class:`_RankPopen`."""
+
+    @staticmethod
+    def _Popen(process_obj: Any) -> Any:
+        return _RankPopen(process_obj)
+
+
 def _context(preload: bool):
     import multiprocessing
 
@@ -211,13 +252,13 @@ def start(worker: str, run_dir: str, envs: dict[int, dict[str, str]],
     running ``python -m <worker> <run_dir>``; ``logs[r]``: (stdout, stderr) files of rank r,
     None for the run's own; ``keep``: this process's descriptors every rank holds while it
     lives. ``preload``: import :data:`PRELOAD` in the server first (CPU only)."""
-    ctx = _context(preload)
+    _context(preload)  # the fork server and what it imports ahead, set once
     procs = []
     try:
         for r, env in envs.items():
             files = logs.get(r)
             out, err = files if files else (_Fd(1), _Fd(2))
-            p = ctx.Process(target=_rank, name=f"rank{r}",
+            p = _RankProcess(target=_rank, name=f"rank{r}",
                             args=(worker, run_dir, {**os.environ, **env}, out, err,
                                   os.getpid(), [_Fd(fd) for fd in keep]))
             sys.stdout.flush()
