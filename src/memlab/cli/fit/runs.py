@@ -42,6 +42,7 @@ def run_once(overrides: list[str], steps: int, run_dir: Path) -> dict[str, Any]:
     console in ``<run_dir>.log`` (no pipe to break when fit ends). Whatever stops fit while the
     run trains stops the run in order too (:func:`stop_run`), and is raised again."""
     cmd = [sys.executable, "-m", "memlab", *overrides, f"train.steps={steps}",
+           "train.epochs=null",  # a measured run is its steps, whatever the user's train.epochs
            "train.progress=false", f"hydra.run.dir={run_dir}"]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     t0 = time.perf_counter()
