@@ -100,7 +100,7 @@ def _measured(summary: dict[str, Any], steps: int = 2) -> None:
     from memlab.measure.memory import MemoryProbe
     from memlab.measure.summary import device_info
     from memlab.run import record_training
-    from memlab.trainer.loop import TrainResult
+    from memlab.trainer.result import TrainResult
 
     summary["config"] = {"train": {"steps": steps}}
     summary["resolved"] = {"precision": "fp32"}
