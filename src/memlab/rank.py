@@ -15,6 +15,7 @@ from pathlib import Path
 
 from memlab.context import validate
 from memlab.distributed.base import env_rank
+from memlab.measure import runlog
 from memlab.measure.outcome import Interrupted
 from memlab.record import exit_code, guarded
 from memlab.run import base_summary, execute
@@ -26,6 +27,8 @@ def worker(run_dir: Path) -> int:
     job = json.loads((run_dir / "ranks" / "job.json").read_text())
     summary = base_summary(run_dir, job["choices"], job["overrides"], job["job"])
     summary["rank"] = rank
+    if rank == 0:  # the run's log holds the training's lines (the ranks train)
+        runlog.into_file(run_dir / f"{(job.get('job') or {}).get('name') or 'memlab'}.log")
     holder: list = []
 
     def body(logger_box: list) -> None:

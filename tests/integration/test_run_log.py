@@ -35,3 +35,17 @@ def test_a_runs_log_holds_choices_data_intervals_evals_warnings_and_the_table(tm
     console = out + err
     assert "step 2/3: train/loss" not in console and "eval at step 2/3: eval/loss" in out
     assert console.count("status: ok") == 1 and console.count("eval at step 3/3") == 1
+
+
+def test_a_distributed_runs_log_holds_the_lines_of_its_training(tmp_path, capsys):
+    """Two DDP ranks train: their data counts and interval lines are in the run's memlab.log
+    too (rank 0 appends there beside the run's process), with the run's choices and table."""
+    run_dir = tmp_path / "run"
+    code = app([*SMOKE, "train.progress=false", "precision=fp32", "train.log_every=1",
+                "distributed=ddp", "distributed.nproc=2", f"hydra.run.dir={run_dir}"])
+    out, err = capsys.readouterr()
+    assert code == 0, out + err
+    log = (run_dir / "memlab.log").read_text()
+    for text in (f"memlab run in {run_dir}", "] data: examples", "step 1/3: train/loss",
+                 "step 3/3: train/loss", "status: ok"):
+        assert log.count(text) == 1, (text, log)

@@ -138,6 +138,21 @@ def file_only(message: str) -> None:
     log.info(message, extra={"console": False})
 
 
+def into_file(path: Path) -> None:
+    """Rank 0 of a multi-process run writes its log into the run's ``memlab.log`` too (appending
+    beside the run's process, which logs its own lines there): the data counts, the interval and
+    eval lines are the ranks'. Only when that file exists (the run's Hydra logging made it) and
+    this process has no file handler yet; its console stays what it prints."""
+    root = logging.getLogger()
+    if not path.is_file() or any(isinstance(h, logging.FileHandler) for h in root.handlers):
+        return
+    handler = logging.FileHandler(path, mode="a", encoding="utf-8")
+    handler.setFormatter(FileFormat())
+    root.addHandler(handler)
+    if root.level > logging.INFO or root.level == logging.NOTSET:
+        root.setLevel(logging.INFO)
+
+
 def log_path() -> Path | None:
     """The file this process logs into (the root logger's file handler), if any."""
     for h in logging.getLogger().handlers:
