@@ -28,7 +28,7 @@ def worker(run_dir: Path) -> int:
     summary = base_summary(run_dir, job["choices"], job["overrides"], job["job"])
     summary["rank"] = rank
     if rank == 0:  # the run's log holds the training's lines (the ranks train)
-        runlog.into_file(run_dir / f"{(job.get('job') or {}).get('name') or 'memlab'}.log")
+        runlog.into_file(job.get("log"))
     holder: list = []
 
     def body(logger_box: list) -> None:

@@ -83,6 +83,7 @@ def launch(ctx: BuildContext, summary: dict[str, Any], worker: str,
     lost to another program between the choice and the bind. ``keep``: descriptors every rank
     holds until it ends (the run dir's lock: held until the last rank is gone)."""
     from memlab.distributed import starter
+    from memlab.measure import runlog
     from memlab.measure.outcome import Interrupted, OomWatch
     from memlab.measure.summary import write_atomic
 
@@ -96,8 +97,9 @@ def launch(ctx: BuildContext, summary: dict[str, Any], worker: str,
     ranks.mkdir(parents=True, exist_ok=True)
     for old in [*ranks.glob("rank*.json"), *ranks.glob("rank*.log"), *ranks.glob("rank*.out")]:
         old.unlink()
-    write_atomic(ranks / "job.json", {k: summary[k] for k in
-                                      ("config", "choices", "overrides", "job", "run_dir")})
+    write_atomic(ranks / "job.json", {**{k: summary[k] for k in
+                                         ("config", "choices", "overrides", "job", "run_dir")},
+                                      "log": runlog.file_plan()})  # rank 0 logs into it too
     store = _store(multi.master_port)
     # the ranks import what this process can (a reward function in the user's module, say)
     path = [p for p in sys.path if p and os.path.isdir(p)]

@@ -138,16 +138,31 @@ def file_only(message: str) -> None:
     log.info(message, extra={"console": False})
 
 
-def into_file(path: Path) -> None:
-    """Rank 0 of a multi-process run writes its log into the run's ``memlab.log`` too (appending
-    beside the run's process, which logs its own lines there): the data counts, the interval and
-    eval lines are the ranks'. Only when that file exists (the run's Hydra logging made it) and
-    this process has no file handler yet; its console stays what it prints."""
+def file_plan() -> dict[str, Any] | None:
+    """This process's log file, for its ranks (:func:`into_file`): its path, and whether its
+    handler writes only what the console leaves out (a sweep job's console is copied into the
+    same file by the launcher: :class:`NotOnConsole`). None: no log file."""
+    for h in logging.getLogger().handlers:
+        if isinstance(h, logging.FileHandler):
+            return {"path": h.baseFilename,
+                    "off_console": any(isinstance(f, NotOnConsole) for f in h.filters)}
+    return None
+
+
+def into_file(plan: dict[str, Any] | None) -> None:
+    """Rank 0 of a multi-process run writes its log into the run's log file too (``plan``: the
+    run's :func:`file_plan`), appending beside the run's process, which logs its own lines
+    there: the data counts, the interval and eval lines are the ranks'. As the run's handler
+    does: only what the console leaves out when a sweep's launcher copies the console into the
+    same file. Nothing when the run has no log file, or this process has one already."""
     root = logging.getLogger()
-    if not path.is_file() or any(isinstance(h, logging.FileHandler) for h in root.handlers):
+    if not plan or not Path(plan["path"]).is_file() or any(
+            isinstance(h, logging.FileHandler) for h in root.handlers):
         return
-    handler = logging.FileHandler(path, mode="a", encoding="utf-8")
+    handler = logging.FileHandler(plan["path"], mode="a", encoding="utf-8")
     handler.setFormatter(FileFormat())
+    if plan.get("off_console"):
+        handler.addFilter(NotOnConsole())
     root.addHandler(handler)
     if root.level > logging.INFO or root.level == logging.NOTSET:
         root.setLevel(logging.INFO)
