@@ -65,3 +65,23 @@ def test_the_budget_stops_measuring_and_the_tie_is_said(runs, tmp_path):
     winner = search.fastest(done)
     assert search.ties(winner, done) == {"with": ["c1" if winner.label == "c0" else "c0"],
                                          "within_pct": 8.0}
+
+
+def test_a_measured_run_of_a_configuration_with_epochs_is_its_steps(tmp_path):
+    """fit measures a configuration that sets train.epochs: its runs set train.steps and clear
+    train.epochs (both set is invalid), and the command composes and validates."""
+    from memlab.cli.fit.runs import run_command
+    from memlab.context import validate
+    from memlab_testing import compose
+
+    cmd = run_command(["debug=smoke", "precision=fp32", "train.steps=null", "train.epochs=2"],
+                      6, tmp_path / "r")
+    overrides = [a for a in cmd[3:] if not a.startswith("hydra.")]
+    assert overrides[-3:-1] == ["train.steps=6", "train.epochs=null"]
+    cfg = compose(overrides)
+    from omegaconf import OmegaConf, open_dict
+
+    with open_dict(cfg):
+        del cfg["hydra"]
+    ctx = validate(OmegaConf.create(OmegaConf.to_container(cfg)))
+    assert ctx.train.steps == 6 and ctx.train.epochs is None

@@ -36,14 +36,20 @@ class SearchInterrupted(KeyboardInterrupt):
         self.signal = signal
 
 
+def run_command(overrides: list[str], steps: int, run_dir: Path) -> list[str]:
+    """The command line of a measured run: ``steps`` steps of ``overrides`` into ``run_dir``
+    (``train.epochs=null``: a measured run is its steps, whatever the user's ``train.epochs``,
+    which excludes ``train.steps``)."""
+    return [sys.executable, "-m", "memlab", *overrides, f"train.steps={steps}",
+            "train.epochs=null", "train.progress=false", f"hydra.run.dir={run_dir}"]
+
+
 def run_once(overrides: list[str], steps: int, run_dir: Path) -> dict[str, Any]:
     """Train ``overrides`` for ``steps`` steps in a fresh process; what its summary says
     (:func:`read_run`). The run has its own session (a Ctrl-C reaches fit, not the run) and its
     console in ``<run_dir>.log`` (no pipe to break when fit ends). Whatever stops fit while the
     run trains stops the run in order too (:func:`stop_run`), and is raised again."""
-    cmd = [sys.executable, "-m", "memlab", *overrides, f"train.steps={steps}",
-           "train.epochs=null",  # a measured run is its steps, whatever the user's train.epochs
-           "train.progress=false", f"hydra.run.dir={run_dir}"]
+    cmd = run_command(overrides, steps, run_dir)
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     t0 = time.perf_counter()
     from memlab.measure.summary import unlink_link
