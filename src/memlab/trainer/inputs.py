@@ -84,19 +84,24 @@ def _stat(files: tuple[Path, ...]) -> list[dict[str, Any]]:
     return out
 
 
+def sha256_file(path: Path | str, chunk: int = 1 << 23) -> str:
+    """The sha256 of the file at ``path``, read in ``chunk``-byte pieces (bounded memory)."""
+    sha = hashlib.sha256()
+    buf = bytearray(chunk)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            sha.update(view[:n])
+    return sha.hexdigest()
+
+
 def file_sha256(f: str | Path) -> str:
     """The SHA-256 of ``f``'s contents, read in chunks of :data:`_CHUNK` bytes (once per
     process while the file is not written: :data:`_HASHES`)."""
     st = os.stat(f)
     key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
     if key not in _HASHES:
-        h = hashlib.sha256()
-        buf = bytearray(_CHUNK)
-        view = memoryview(buf)
-        with open(f, "rb", buffering=0) as fh:
-            while n := fh.readinto(buf):
-                h.update(view[:n])
-        _HASHES[key] = h.hexdigest()
+        _HASHES[key] = sha256_file(f, _CHUNK)
     return _HASHES[key]
 
 

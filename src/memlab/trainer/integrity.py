@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from memlab.trainer.safetensors_writer import sha256_file
+from memlab.trainer.inputs import sha256_file
 from memlab.trainer.state_files import CheckpointError
 
 VERSIONED = ("torch", "transformers", "peft", "memlab")

@@ -105,14 +105,3 @@ def write_safetensors(path: Path | str, tensors: dict[str, torch.Tensor],
             t = t.to("cpu").contiguous().reshape(-1).view(torch.uint8)
             f.write(t.numpy().data)  # the tensor's own bytes, no copy
         return f.hexdigest()
-
-
-def sha256_file(path: Path | str, chunk: int = 1 << 23) -> str:
-    """The sha256 of the file at ``path``, read in ``chunk``-byte pieces (bounded memory)."""
-    sha = hashlib.sha256()
-    buf = bytearray(chunk)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            sha.update(view[:n])
-    return sha.hexdigest()
