@@ -87,6 +87,31 @@ def _running(pid: int) -> bool:
     return False
 
 
+def _paused_ranks(pause, proc, log, deadline: float) -> list[int]:
+    """The pids of both ranks once each is paused at ``step:1`` (fails at once if ``proc``
+    ended first)."""
+    wait_for_marker(pause, "step:1", proc, log)
+    while len(list(pause.glob("step:1.*.json"))) < 2:
+        assert time.monotonic() < deadline and proc.poll() is None, log.read_text()[-3000:]
+        time.sleep(0.05)
+    return [json.loads(p.read_text())["pid"] for p in pause.glob("step:1.*.json")]
+
+
+def _until_gone(pids: list[int], deadline: float, outlived: str) -> None:
+    while any(_running(p) for p in pids):
+        assert time.monotonic() < deadline, f"hang guard: the ranks outlived {outlived}"
+        time.sleep(0.05)
+
+
+def _kill_left(proc, pids: list[int]) -> None:
+    """What a failed test leaves running: the process it started, and the ranks."""
+    if proc.poll() is None:
+        proc.kill()
+    for pid in pids:
+        if _running(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
 def test_ranks_hold_the_lock_and_end_with_a_launcher_killed_by_sigkill(tmp_path):
     """``kill -9`` of the process that started two DDP ranks: the ranks hold the run dir's
     lock while they live (the same open lock file), stop within their grace (recording
@@ -100,27 +125,17 @@ def test_ranks_hold_the_lock_and_end_with_a_launcher_killed_by_sigkill(tmp_path)
                         env={"MEMLAB_PAUSE_AT": "step:1", "MEMLAB_PAUSE_DIR": str(pause)})
     pids: list[int] = []
     try:
-        wait_for_marker(pause, "step:1", proc, log)
         deadline = time.monotonic() + HANG_S
-        while len(list(pause.glob("step:1.*.json"))) < 2:
-            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()[-3000:]
-            time.sleep(0.05)
-        pids = [json.loads(p.read_text())["pid"] for p in pause.glob("step:1.*.json")]
+        pids = _paused_ranks(pause, proc, log, deadline)
         lock = str((run_dir / ".memlab.lock").resolve())
         for pid in pids:  # each rank holds the lock file open (the launcher's locked file)
             fds = os.listdir(f"/proc/{pid}/fd")
             assert lock in {os.path.realpath(f"/proc/{pid}/fd/{fd}") for fd in fds}, pid
         proc.kill()
         proc.wait(timeout=HANG_S)
-        while any(_running(p) for p in pids):
-            assert time.monotonic() < deadline, "hang guard: the ranks outlived the launcher"
-            time.sleep(0.05)
+        _until_gone(pids, deadline, "the launcher")
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        for pid in pids:
-            if _running(pid):
-                os.kill(pid, signal.SIGKILL)
+        _kill_left(proc, pids)
         release(pause, "step:1")
     for r in range(2):
         rec = json.loads((run_dir / "ranks" / f"rank{r}.json").read_text())
@@ -168,21 +183,11 @@ def test_a_sweeps_stop_reaches_the_ranks_of_its_job(tmp_path):
     pids: list[int] = []
     deadline = time.monotonic() + HANG_S
     try:
-        wait_for_marker(pause, "step:1", proc, log)
-        while len(list(pause.glob("step:1.*.json"))) < 2:
-            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()[-3000:]
-            time.sleep(0.05)
-        pids = [json.loads(p.read_text())["pid"] for p in pause.glob("step:1.*.json")]
+        pids = _paused_ranks(pause, proc, log, deadline)
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=HANG_S)
-        while any(_running(p) for p in pids):
-            assert time.monotonic() < deadline, "hang guard: the ranks outlived the sweep"
-            time.sleep(0.05)
+        _until_gone(pids, deadline, "the sweep")
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        for pid in pids:
-            if _running(pid):
-                os.kill(pid, signal.SIGKILL)
+        _kill_left(proc, pids)
     s = check_record(sweep / "0" / "summary.json")
     assert s["status"] == "interrupted", s["error"]
