@@ -63,10 +63,29 @@ def choices_of(cfg) -> dict[str, str]:
     return user_choices(cfg.hydra.runtime.choices)
 
 
-def with_fast(overrides: list[str]) -> list[str]:
-    """:data:`FAST` (less the settings of a group the overrides switch) + ``overrides``."""
+def with_fast(overrides: list[str], fast: list[str] = FAST) -> list[str]:
+    """``fast`` (:data:`FAST`; less the settings of a group the overrides switch) +
+    ``overrides``."""
     switched = {o.split("=")[0] for o in overrides if "=" in o and "." not in o.split("=")[0]}
-    return [o for o in FAST if o.split("=")[0].split(".")[0] not in switched] + list(overrides)
+    return [o for o in fast if o.split("=")[0].split(".")[0] not in switched] + list(overrides)
+
+
+def config_errors(overrides: list[str], fast: list[str] = FAST) -> list[str]:
+    """Every problem :func:`memlab.context.validate` finds in ``with_fast(overrides, fast)``,
+    composed ([]: valid)."""
+    from omegaconf import OmegaConf, open_dict
+
+    from memlab.context import validate
+    from memlab.registry import ConfigErrors
+
+    cfg = compose(with_fast(overrides, fast))
+    with open_dict(cfg):
+        del cfg["hydra"]
+    try:
+        validate(OmegaConf.to_container(cfg, resolve=True))
+    except ConfigErrors as e:
+        return e.errors
+    return []
 
 
 def check_record(where: Path | dict) -> dict:

@@ -5,25 +5,15 @@ exclusive with ``train.steps``. The runs that train them: tests/integration/test
 from __future__ import annotations
 
 import pytest
-from omegaconf import OmegaConf, open_dict
 
 from memlab.config import TrainConfig, trl_hint
-from memlab.context import validate
-from memlab.registry import ConfigErrors
 from memlab.trainer.batch import BatchStream
 from memlab.trainer.epochs import steps_per_epoch
-from memlab_testing import FAST, compose
+from memlab_testing import FAST, config_errors
 
 
 def _errors(overrides: list[str]) -> list[str]:
-    cfg = compose([o for o in FAST if not o.startswith("train.steps=")] + overrides)
-    with open_dict(cfg):
-        del cfg["hydra"]
-    try:
-        validate(OmegaConf.to_container(cfg, resolve=True))
-    except ConfigErrors as e:
-        return e.errors
-    return []
+    return config_errors(overrides, [o for o in FAST if not o.startswith("train.steps=")])
 
 
 @pytest.mark.parametrize(("rows", "batch", "accum", "iterations", "steps"), [

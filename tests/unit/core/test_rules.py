@@ -10,20 +10,12 @@ import pytest
 from omegaconf import OmegaConf, open_dict
 
 from memlab.context import validate
-from memlab.registry import ConfigErrors, options
-from memlab_testing import FAST, compose
+from memlab.registry import options
+from memlab_testing import FAST, compose, config_errors
 
 
 def _errors(overrides: list[str]) -> list[str]:
-    switched = {o.split("=")[0] for o in overrides if "=" in o and "." not in o.split("=")[0]}
-    cfg = compose([o for o in FAST if o.split(".")[0] not in switched] + overrides)
-    with open_dict(cfg):
-        del cfg["hydra"]
-    try:
-        validate(OmegaConf.to_container(cfg, resolve=True))
-    except ConfigErrors as e:
-        return e.errors
-    return []
+    return config_errors(overrides)
 
 
 @pytest.mark.parametrize("method", ["grpo", "rloo", "online_dpo", "ppo", "gkd"])
