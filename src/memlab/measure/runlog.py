@@ -184,13 +184,26 @@ class _Count(logging.Handler):
 
 class _ToRoot(logging.Filter):
     """On a library's logger: its records go to the root's handlers (the log), not to the
-    handlers the library gave it (DeepSpeed adds its own on import, mid-run)."""
+    handlers the library gave it (DeepSpeed adds its own on import, mid-run). Each record once:
+    a library whose logger also propagates to the root (``enable_propagation()``), or that has
+    two console handlers, would otherwise be logged and counted twice (:class:`_Once`)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(record, "memlab_routed", False):
+            return False
         for h in logging.getLogger().handlers:
             if record.levelno >= h.level and self not in h.filters:
                 h.handle(record)
+        record.memlab_routed = True
         return False
+
+
+class _Once(logging.Filter):
+    """On the root's handlers in a run: a record :class:`_ToRoot` gave them already is not
+    handled again when it propagates up to them."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not getattr(record, "memlab_routed", False)
 
 
 def _prints(handler: logging.Handler) -> bool:
@@ -220,6 +233,9 @@ def quiet_libraries() -> Iterator[None]:
         each.addFilter(redirect)
     bars = _transformers_bars(False)
     root.addHandler(count)
+    once = _Once()
+    for h in root.handlers:
+        h.addFilter(once)
     logging.captureWarnings(True)
     _State.quiet, _State.hidden = True, 0
     try:
@@ -227,6 +243,8 @@ def quiet_libraries() -> Iterator[None]:
     finally:
         _State.quiet = False
         logging.captureWarnings(False)
+        for h in root.handlers:
+            h.removeFilter(once)
         root.removeHandler(count)
         for each in routed:
             each.removeFilter(redirect)

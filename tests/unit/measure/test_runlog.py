@@ -43,8 +43,25 @@ def _library_warning(message: str) -> None:
                            module="somelib.module")
 
 
-def test_other_libraries_warnings_go_to_the_log_counted_in_one_console_line(job_logging,
-                                                                            capsys):
+@pytest.fixture(params=["as shipped", "propagating", "two console handlers"])
+def transformers_logger(request):
+    """transformers' logger as it ships (its own console handler, not propagating), and as a
+    user's code may leave it: propagating to the root (``enable_propagation()``), or with a
+    second console handler. Each warning is logged and counted once in all three."""
+    from transformers.utils import logging as hf_logging
+
+    logger = hf_logging.get_logger("transformers")
+    saved = logger.propagate, logger.handlers[:]
+    if request.param == "propagating":
+        logger.propagate = True
+    elif request.param == "two console handlers":
+        logger.addHandler(logging.StreamHandler(sys.stderr))
+    yield
+    logger.propagate, logger.handlers[:] = saved
+
+
+def test_other_libraries_warnings_go_to_the_log_counted_in_one_console_line(
+        job_logging, transformers_logger, capsys):
     from transformers.utils import logging as hf_logging
 
     with runlog.quiet_libraries():
@@ -78,7 +95,7 @@ def test_other_libraries_warnings_go_to_the_log_counted_in_one_console_line(job_
                  "[datasets] ERROR: a library's error", "memlab's own warning",
                  "step 1/2: train/loss 1.0", "memlab's own line", "3 warnings from other"):
         assert line in log, line
-    assert log.count("Setting accelerator") == 1
+    assert log.count("Setting accelerator") == 1 and log.count("transformers speaking") == 1
 
 
 def test_outside_a_run_or_without_a_log_file_nothing_is_hidden(job_logging, capsys):
