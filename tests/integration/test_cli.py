@@ -71,9 +71,13 @@ def test_multirun_records_failure_and_goes_on(tmp_path):
 
     rows = list(csv.DictReader((out / "report.csv").open()))
     assert [row["status"] for row in sorted(rows, key=lambda x: x["job"])] == ["nan", "ok"]
-    assert "loss is" in (out / "report.md").read_text()
-    for png in ("memory_by_category.png", "memory_vs_throughput.png"):
+    md = (out / "report.md").read_text()
+    assert "loss is" in md
+    for png in ("memory_by_category.png", "loss_curves.png"):
         assert (out / png).stat().st_size > 1000
+    # 4 steps time fewer than 3 (warm-up, tracked): the ok job's speed is not ranked (issue 45
+    # item 4), so there is no memory-vs-throughput plot to draw
+    assert "not timed: job(s) 1" in md and not (out / "memory_vs_throughput.png").exists()
 
 
 def test_parallel_launcher_hands_out_devices(tmp_path):

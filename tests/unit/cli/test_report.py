@@ -44,8 +44,10 @@ def make_summary(
     peak_mib: float | None = None,
     tps: float | None = None,
     loss: float | None = 2.5,
+    timed: int | None = 10,
 ) -> dict[str, Any]:
-    """A summary.json payload; memory is split 10/10/20/50/10 % across the categories."""
+    """A summary.json payload; memory is split 10/10/20/50/10 % across the categories;
+    ``timed``: its timed steps (None: a summary without the count, not timed)."""
     memory = throughput = data = train = None
     if peak_mib is not None:
         peak = int(peak_mib * MIB)
@@ -63,6 +65,8 @@ def make_summary(
     if tps is not None:
         throughput = {"tokens_per_s": tps, "samples_per_s": tps / 64, "step_time_s": 0.1}
         throughput["tokens"] = 6400
+        if timed is not None:
+            throughput["timed_steps"] = timed
         data = {"padding_fraction": 0.25, "tokens_dropped": 0, "rows": 100, "examples": 100}
         data["fill_ratio"] = None
         train = {"final_loss": loss, "steps": 10, "loss_curve": [3.0, loss]}
@@ -508,16 +512,25 @@ def test_pareto_front_with_spread(points, spreads, expected) -> None:
 
 
 def test_single_timed_steps_are_flagged_and_not_on_the_front_by_1pct(tmp_path: Path) -> None:
-    """The issue's case: two jobs 1% apart in tokens/s, each timed on one step."""
+    """The issue's case: two jobs 1% apart in tokens/s, each timed on one step: not timed, so
+    neither is on the front (issue 45 item 4); timed, with no spread in their summaries, the
+    front assumes 5% and the 1% is no difference; with measured spreads of 0.2% it is one."""
     a = _timed(make_summary(num=0, peft="none", gc="true", peak_mib=100, tps=1000.0), 1, None)
     b = _timed(make_summary(num=1, peft="none", gc="false", peak_mib=150, tps=1010.0), 1, None)
     for s in (a, b):
         write_job(tmp_path, s["job"]["num"], s, s["overrides"])
     df = build_table(load_summaries([tmp_path]))
-    assert df.set_index("job")["pareto"].to_dict() == {"0": True, "1": False}
-    assert df.attrs["unmeasured"] == ["0", "1"]
+    assert df.set_index("job")["pareto"].to_dict() == {"0": False, "1": False}
+    assert df.attrs["untimed"] == ["0", "1"] and df.attrs["fastest"] is None
     text = report.format_text(df)
-    assert "1!" in text and "no measured spread for job(s) 0, 1" in text
+    assert "1!" in text and "not timed: job(s) 0, 1 (fewer than 3 timed steps" in text
+    for s in (a, b):  # timed, but no spread recorded: 5% assumed
+        _timed(s, 8, None)
+        (tmp_path / str(s["job"]["num"]) / "summary.json").write_text(json.dumps(s))
+    df = build_table(load_summaries([tmp_path]))
+    assert df.set_index("job")["pareto"].to_dict() == {"0": True, "1": False}
+    assert df.attrs["unmeasured"] == ["0", "1"] and df.attrs["untimed"] == []
+    assert "no measured spread for job(s) 0, 1" in report.format_text(df)
     # measured spreads of 0.2% make the 1% a real difference: both on the front
     for s in (a, b):
         _timed(s, 8, 2.0)

@@ -1,7 +1,7 @@
 """How fit judges speed: only from timed steps (>= 3), a difference only beyond the larger of
-two spreads, the speed model breaking a tie only once it has been checked on enough measured
-candidates; the rank correlation that checks it (:mod:`memlab.cli.fit.search` re-exports
-these)."""
+two spreads (the rule fit shares with ``memlab report``: :mod:`memlab.measure.speed`), the
+speed model breaking a tie only once it has been checked on enough measured candidates; the
+rank correlation that checks it (:mod:`memlab.cli.fit.search` re-exports these)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,8 @@ from typing import Any
 
 from memlab.cli.fit.runs import UNFINISHED, SearchInterrupted
 from memlab.cli.fit.space import Candidate
-
-MIN_TIMED = 3
-"""Timed steps a measured tokens/s needs to enter a ranking (fewer: "not timed"): the rule of
-``memlab report``'s ranking, Pareto front and ``--baseline``."""
+from memlab.measure import speed
+from memlab.measure.speed import MIN_TIMED
 
 MIN_MODEL_POINTS = 5
 """Measured candidates the speed model's order must be checked on before it breaks a measured
@@ -42,7 +40,7 @@ def score(c: Candidate) -> tuple[float, int, int]:
 def timed(m: dict[str, Any]) -> bool:
     """Whether a measured run's tokens/s may be ranked: at least :data:`MIN_TIMED` timed
     steps."""
-    return bool(m.get("tokens_per_s")) and (m.get("timed_steps") or 0) >= MIN_TIMED
+    return speed.timed(m.get("tokens_per_s"), m.get("timed_steps"))
 
 
 def contenders(done: list[Candidate]) -> list[Candidate]:
@@ -60,8 +58,8 @@ def contenders(done: list[Candidate]) -> list[Candidate]:
 
 def _tied(a: dict[str, Any], b: dict[str, Any]) -> bool:
     """Two measured runs whose tokens/s differ by no more than the larger of their spreads."""
-    return abs(a["tokens_per_s"] - b["tokens_per_s"]) <= max(
-        a.get("tokens_per_s_std") or 0.0, b.get("tokens_per_s_std") or 0.0)
+    return speed.tied(a["tokens_per_s"], a.get("tokens_per_s_std"),
+                      b["tokens_per_s"], b.get("tokens_per_s_std"))
 
 
 def judge(c: Candidate, budget: int) -> None:

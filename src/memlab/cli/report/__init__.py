@@ -17,7 +17,10 @@ fraction, final loss, the final loss on held-out data (``eval_loss``, runs with 
 with ``--baseline JOB`` (or ``--baseline KEY=VALUE ...``) the change in memory and tokens/s against that job (:mod:`.baseline`),
 and whether the job is on the memory-vs-throughput Pareto front (less
 memory and *measurably* more tokens/s: throughputs closer than their spread do not count as
-different). Every status a run or its launcher records is shown as it is (ok, invalid, oom, nan,
+different); a line under the table names the fastest job and those tied with it. Speed is
+judged as ``memlab fit`` judges it (:mod:`memlab.measure.speed`): a job timed on fewer than
+three steps is "not timed", its tokens/s shown (marked) but never ranked: not the fastest, not
+on the front, no change against a baseline, last in a sort by speed. Every status a run or its launcher records is shown as it is (ok, invalid, oom, nan,
 failed, killed, timeout, interrupted, not_run: :mod:`memlab.measure.outcome`), with the steps
 measured before the end; the last line counts the jobs by status. Jobs that died before writing a
 summary (a Hydra job dir with
@@ -143,8 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "overrides one job has together, e.g. --baseline peft=none "
                              "train.gradient_checkpointing=true")
     parser.add_argument("--assumed-spread", type=float, default=ASSUMED_SPREAD, metavar="F",
-                        help="tokens/s spread (a fraction) assumed for jobs timed on fewer than "
-                             f"2 steps when drawing the front (default {ASSUMED_SPREAD})")
+                        help="tokens/s spread (a fraction) assumed for a timed job whose summary "
+                             f"holds none (default {ASSUMED_SPREAD})")
     return parser
 
 

@@ -7,8 +7,10 @@ parameter, or its last dotted part). A baseline that names no job, or several, i
 the exact ``--baseline`` that names one. Each job then gets the change of its peak
 memory (MiB and percent) and of each memory category (MiB), and of its tokens/s (percent)
 against the baseline's; the baseline's own row reads 0, a job that is not ok (or the baseline,
-when it is not) reads blank. Whether a tokens/s change is larger than the jobs' measured spread
-is said under the table: a change inside the spread is not a measured difference.
+when it is not) reads blank. A tokens/s change needs both jobs timed (at least three timed
+steps, :mod:`memlab.measure.speed`): otherwise it reads "not timed". Whether a tokens/s change
+is larger than the larger of the two jobs' spreads is said under the table: a change inside it
+is not a measured difference.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from memlab.cli.report.load import OK
-from memlab.cli.report.table import CATEGORIES, DELTA_COLUMNS
+from memlab.cli.report.table import ASSUMED_SPREAD, CATEGORIES, DELTA_COLUMNS, speed_spread
+from memlab.measure.speed import tied
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -111,15 +114,20 @@ def _pct(new: Any, old: Any) -> float | None:
 
 def add_baseline(df: pd.DataFrame, baseline: str | Sequence[str]) -> pd.DataFrame:
     """``df`` with :data:`DELTA_COLUMNS` against the job ``baseline`` names, and
-    ``df.attrs["baseline"]`` (``{"job", "label", "noisy"}``: the jobs whose tokens/s change
-    is within the larger of the two jobs' spreads). Raises :class:`BaselineError`."""
+    ``df.attrs["baseline"]`` (``{"job", "label", "noisy", "untimed", "notes"}``: ``noisy``, the
+    jobs whose tokens/s change is within the larger of the two jobs' spreads; ``untimed``, the
+    ok jobs whose change reads "not timed", as this job or the baseline is not timed, and whose
+    ``d_tokens_per_s_pct`` is blank). Raises :class:`BaselineError`."""
     import pandas as pd
 
     b = find_baseline(df, baseline)
     base = df.loc[b]
     ok_base = base["status"] == OK
     rows: dict[str, list[float | None]] = {c: [] for c in DELTA_COLUMNS}
-    noisy = []
+    noisy, untimed = [], []
+    not_timed = {str(j) for j in df.attrs.get("untimed") or []}
+    assumed = float(df.attrs.get("assumed_spread", ASSUMED_SPREAD))
+    base_timed = str(base["job"]) not in not_timed
     for i in range(len(df)):
         row = df.loc[i]
         ok = ok_base and row["status"] == OK
@@ -132,12 +140,15 @@ def add_baseline(df: pd.DataFrame, baseline: str | Sequence[str]) -> pd.DataFram
         rows["d_peak_pct"].append(_pct(row["peak_MiB"], base["peak_MiB"]) if ok else None)
         for _, col in CATEGORIES:
             rows[f"d_{col}"].append(diff(col))
-        tps = _pct(row["tokens_per_s"], base["tokens_per_s"]) if ok else None
+        both = ok and base_timed and str(row["job"]) not in not_timed
+        if ok and not both:
+            untimed.append(str(row["job"]))
+        tps = _pct(row["tokens_per_s"], base["tokens_per_s"]) if both else None
         rows["d_tokens_per_s_pct"].append(tps)
         if tps is not None and i != b:
-            spread = max(float(s) if s == s else 0.0
-                         for s in (row["tps_spread"], base["tps_spread"]))
-            if abs(float(row["tokens_per_s"]) - float(base["tokens_per_s"])) <= spread:
+            new, old = float(row["tokens_per_s"]), float(base["tokens_per_s"])
+            if tied(new, speed_spread(new, row["tps_spread"], assumed)[0],
+                    old, speed_spread(old, base["tps_spread"], assumed)[0]):
                 noisy.append(str(row["job"]))
     out = df.copy()
     at = list(out.columns).index("pareto") + 1
@@ -147,11 +158,13 @@ def add_baseline(df: pd.DataFrame, baseline: str | Sequence[str]) -> pd.DataFram
     items = _items(baseline)
     label = " ".join(items) if "=" in items[0] else f"job {items[0]}"
     out.attrs["baseline"] = {"job": str(base["job"]), "label": label, "noisy": noisy,
-                             "notes": _notes(str(base["job"]), label, noisy, ok_base)}
+                             "untimed": untimed,
+                             "notes": _notes(str(base["job"]), label, noisy, ok_base,
+                                             base_timed)}
     return out
 
 
-def _notes(job: str, label: str, noisy: list[str], ok: bool) -> list[str]:
+def _notes(job: str, label: str, noisy: list[str], ok: bool, timed: bool) -> list[str]:
     """What the change columns mean (printed under the table)."""
     named = f"job {job}" + (f" ({label})" if "=" in label else "")
     out = [f"d_*: change against the baseline, {named}: peak memory and each "
@@ -159,6 +172,9 @@ def _notes(job: str, label: str, noisy: list[str], ok: bool) -> list[str]:
            "faster)"]
     if not ok:
         out.append(f"! the baseline, job {job}, is not ok: no change can be computed")
+    elif not timed:
+        out.append(f"! the baseline, job {job}, is not timed: no tokens/s change is ranked "
+                   "against it (d_tokens_per_s_pct: not timed)")
     if noisy:
         out.append(f"~ job(s) {', '.join(noisy)}: the tokens/s change is within the larger of "
                    "the two jobs' spreads (tps_spread), not a measured difference")

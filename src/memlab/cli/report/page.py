@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from memlab.cli.report.table import CATEGORIES, DELTA_COLUMNS, NUMERIC_COLUMNS, PHASES
-from memlab.cli.report.text import baseline_job, fixed_line, format_cell, notes
+from memlab.cli.report.text import baseline_job, fixed_line, format_cell, notes, speed_cells
 from memlab.measure.console import printable
 
 if TYPE_CHECKING:
@@ -47,19 +47,19 @@ _ABOUT = {
     "engine_MiB": "a generation engine's own memory (weights, KV cache), outside the peak",
     "tokens_per_s": "training throughput: tokens per second over the timed steps",
     "tps_spread": "the std of the timed steps' tokens/s (what the front allows for)",
-    "timed_steps": "the steps timed (1!: one, no spread measured)",
+    "timed_steps": "the steps timed (2!: under 3, its tokens/s is not timed: shown, not ranked)",
     "padding_frac": "the fraction of the batches' tokens that are padding",
     "final_loss": "the loss of the last optimizer step",
     "eval_loss": "the last evaluation's loss on the held-out data (data.eval)",
     "eval_reward": "the last evaluation's reward on the held-out prompts (data.eval)",
     **{col: f"the peak during the {phase} phase of a step (MiB)" for phase, col in PHASES},
     "pareto": "on the memory-vs-throughput front: no job has less memory and is measurably "
-              "faster",
+              "faster (not timed: under 3 timed steps, not ranked)",
     "d_peak_MiB": "the peak's change against the baseline (MiB; negative: a saving)",
     "d_peak_pct": "the peak's change against the baseline (percent)",
     **{f"d_{col}": f"the change of {cat} against the baseline (MiB)" for cat, col in CATEGORIES},
     "d_tokens_per_s_pct": "the change of tokens/s against the baseline (percent; positive: "
-                          "faster)",
+                          "faster; not timed: either job under 3 timed steps)",
     "run_dir": "the job's directory (its summary.json, memlab.log, checkpoints)",
     "error": "the reason a job did not end ok (all of it under the table)",
 }
@@ -89,7 +89,9 @@ def _under(columns: Sequence[str]) -> dict[str, list[str]]:
     return out
 
 
-def _delta(column: str, value: object) -> dict[str, str] | None:
+def _delta(column: str, value: object, marked: str | None = None) -> dict[str, str] | None:
+    if marked is not None:  # a speed change that is not ranked: said, no colour
+        return {"col": column, "text": marked, "sign": ""}
     text = format_cell(column, value)
     if text == "-":  # no change computed (a job, or the baseline, not ok)
         return None
@@ -136,17 +138,21 @@ def format_html(df: pd.DataFrame, images: Sequence[Path] = (), title: str = "mem
     values, texts = [], []
     for rec in df[every].itertuples(index=False):
         cells = dict(zip(every, rec))
+        speed = speed_cells(df, cells)  # a speed not ranked: "not timed", and no sort by it
         marked = base is not None and str(cells["job"]) == base
         klass = "baseline" if marked else "front" if cells.get("pareto") else (
             "notok" if cells["status"] != "ok" else "")
         rows.append({
             "klass": klass, "reason": format_cell("error", cells.get("error")),
             "cells": [{"klass": _klass(c), "num": c in NUMERIC_COLUMNS,
-                       "text": format_cell(c, cells[c]), "mark": marked and c == "job",
-                       "deltas": [d for d in (_delta(x, cells[x]) for x in under.get(c, ()))
-                                  if d is not None]} for c in cols]})
-        values.append([_value(c, cells[c]) for c in every])
-        texts.append([format_cell(c, cells[c]) for c in every])
+                       "text": speed.get(c) or format_cell(c, cells[c]),
+                       "mark": marked and c == "job",
+                       "deltas": [d for d in (_delta(x, cells[x], speed.get(x))
+                                              for x in under.get(c, ())) if d is not None]}
+                      for c in cols]})
+        values.append([None if c in speed and c != "pareto" else _value(c, cells[c])
+                       for c in every])
+        texts.append([speed.get(c) or format_cell(c, cells[c]) for c in every])
     failures = [{"job": str(f["job"]), "status": f["status"], "run_dir": str(f["run_dir"]),
                  "error": printable(f["error"].rstrip(), keep_newlines=True)
                  or "(no reason recorded)"} for f in df.attrs.get("failures") or []]

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from memlab.cli.report.load import OK
 from memlab.cli.report.table import ASSUMED_SPREAD, CATEGORIES, PHASES
+from memlab.measure.speed import MIN_TIMED, NOT_TIMED
 from memlab.measure.summary import short_label
 
 if TYPE_CHECKING:
@@ -50,9 +51,12 @@ def _new_figure(width: float, height: float) -> Any:
     return fig
 
 
-def _excluded_note(df: pd.DataFrame, shown: Sequence[int]) -> str:
-    """``not shown: #2 (oom), #3 (missing)`` for the rows left out of a plot."""
-    left = [f"#{df.at[i, 'job']} ({df.at[i, 'status']})" for i in range(len(df)) if i not in shown]
+def _excluded_note(df: pd.DataFrame, shown: Sequence[int], untimed: Sequence[str] = ()) -> str:
+    """``not shown: #2 (oom), #3 (missing)`` for the rows left out of a plot (an ok job in
+    ``untimed``: ``(not timed)``)."""
+    left = [f"#{df.at[i, 'job']} ("
+            + (NOT_TIMED if str(df.at[i, "job"]) in untimed else str(df.at[i, "status"])) + ")"
+            for i in range(len(df)) if i not in shown]
     return ("not shown: " + ", ".join(left)) if left else ""
 
 
@@ -183,12 +187,15 @@ def memory_by_phase_figure(df: pd.DataFrame, budget_mib: float | None = None) ->
 
 
 def memory_vs_throughput_figure(df: pd.DataFrame, budget_mib: float | None = None) -> Any:
-    """Peak memory (MiB) against throughput (tokens/s) for the ok jobs, each point labelled by
-    what varies, with its tokens/s spread as an error bar (grey and a hollow marker where the
-    spread was not measured and the front assumed one). The Pareto front is the staircase of
-    the best throughput reachable within each amount of memory. ``None`` when no job has both
-    numbers."""
+    """Peak memory (MiB) against throughput (tokens/s) for the ok jobs whose tokens/s is timed
+    (at least three timed steps; the others are named under the plot, ``not timed``), each point
+    labelled by what varies, with its tokens/s spread as an error bar (grey and a hollow marker
+    where the summary holds no spread and the front assumed one). The Pareto front is the
+    staircase of the best throughput reachable within each amount of memory. ``None`` when no
+    job has both numbers."""
+    untimed = {str(j) for j in df.attrs.get("untimed") or []}
     shown = [i for i in range(len(df)) if df.at[i, "status"] == OK
+             and str(df.at[i, "job"]) not in untimed
              and math.isfinite(df.at[i, "peak_MiB"]) and math.isfinite(df.at[i, "tokens_per_s"])]
     if not shown:
         return None
@@ -233,10 +240,11 @@ def memory_vs_throughput_figure(df: pd.DataFrame, budget_mib: float | None = Non
                  fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(loc="best", fontsize=8)
-    notes = [_excluded_note(df, shown)]
+    notes = [_excluded_note(df, shown, sorted(untimed))]
+    if untimed:
+        notes.append(f"{NOT_TIMED}: fewer than {MIN_TIMED} timed steps, not ranked")
     if not all(measured):
-        notes.append(f"hollow: spread not measured (fewer than 2 timed steps), {assumed:.0%} "
-                     "assumed")
+        notes.append(f"hollow: no spread in the summary, {assumed:.0%} assumed")
     _add_note(ax, "; ".join(n for n in notes if n))
     return fig
 

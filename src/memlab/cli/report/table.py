@@ -1,7 +1,12 @@
 """``memlab report``, the table: one row per job with the parameters that vary across jobs, the
 status and its reason, memory at the peak by category and by phase, throughput with its timed
 steps and spread, padding, loss, and whether the job is on the memory-vs-throughput Pareto front
-(its text and Markdown forms: :mod:`.text`). pandas is imported lazily."""
+(its text and Markdown forms: :mod:`.text`). pandas is imported lazily.
+
+Speed is judged by the rule ``memlab fit`` uses (:mod:`memlab.measure.speed`): a job's tokens/s
+enters the front, the fastest, a sort by speed and ``--baseline``'s change only from at least
+three timed steps (fewer: "not timed", its tokens/s shown but never ranked), and two tokens/s
+differ only beyond the larger of their two spreads."""
 
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from memlab.cli.report.load import OK
+from memlab.measure.speed import faster, tied, timed
 from memlab.measure.summary import user_choices
 
 if TYPE_CHECKING:
@@ -19,8 +25,10 @@ if TYPE_CHECKING:
 
 MIB = float(2**20)
 ASSUMED_SPREAD = 0.05
-"""Relative tokens/s spread assumed for a job whose spread was not measured (fewer than two
-timed steps, or a summary without ``throughput.tokens_per_s_std``)."""
+"""Relative tokens/s spread assumed for a timed job whose summary holds no spread (no
+``throughput.tokens_per_s_std``)."""
+SPEED_COLUMNS = ("tokens_per_s", "d_tokens_per_s_pct")
+"""Columns a sort by speed reads: a job that is not timed sorts with the blanks (last)."""
 
 CATEGORIES: tuple[tuple[str, str], ...] = (
     ("parameters", "params_MiB"),
@@ -81,10 +89,10 @@ def pareto_front(points: Sequence[tuple[float, float]],
 
     Here x is peak memory (measured exactly) and y throughput, measured with a spread: ``spreads``
     gives each point's (absolute, in y's unit; default 0). Two throughputs differ only when they
-    are further apart than the larger of their two spreads. Point ``j`` dominates point ``i`` when
-    it uses at most as much memory, is not measurably slower, and is strictly better on one
-    axis: ``x_j <= x_i``, ``y_j >= y_i - s``, and ``x_j < x_i`` or ``y_j > y_i + s`` with ``s =
-    max(s_i, s_j)``. The front is every point no other point dominates, so:
+    are further apart than the larger of their two spreads (:func:`memlab.measure.speed.faster`).
+    Point ``j`` dominates point ``i`` when it uses at most as much memory, is not measurably
+    slower, and is strictly better on one axis: ``x_j <= x_i``, ``y_j >= y_i - s``, and ``x_j <
+    x_i`` or ``y_j > y_i + s`` with ``s = max(s_i, s_j)``. The front is every point no other point dominates, so:
 
     * a point that needs more memory is on the front only when it is measurably faster than
       every point that needs less: the front sorted by memory is a staircase, rising at each
@@ -106,8 +114,8 @@ def pareto_front(points: Sequence[tuple[float, float]],
     for i, (xi, yi) in enumerate(pts):
         dominated = False
         for j, (xj, yj) in enumerate(pts):
-            s = max(sp[i], sp[j])
-            if j != i and xj <= xi and yj >= yi - s and (xj < xi or yj > yi + s):
+            if (j != i and xj <= xi and not faster(yi, sp[i], yj, sp[j])
+                    and (xj < xi or faster(yj, sp[j], yi, sp[i]))):
                 dominated = True
                 break
         if not dominated:
@@ -261,12 +269,24 @@ def _metrics(summary: Mapping[str, Any]) -> dict[str, Any]:
     return row
 
 
-def _spread(m: Mapping[str, Any], assumed: float) -> tuple[float, bool]:
-    """(the tokens/s spread the front uses for one job, whether it was measured)."""
-    steps, spread = m["timed_steps"], m["tps_spread"]
-    if spread is not None and math.isfinite(spread) and steps is not None and steps >= 2:
-        return spread, True
-    return assumed * m["tokens_per_s"], False
+def speed_spread(tokens_per_s: float, spread: float | None, assumed: float = ASSUMED_SPREAD,
+                 ) -> tuple[float, bool]:
+    """(the tokens/s spread a timed job is judged with, whether it was measured): its own, or
+    ``assumed`` of its tokens/s where its summary holds none."""
+    if spread is not None and math.isfinite(spread):
+        return float(spread), True
+    return assumed * tokens_per_s, False
+
+
+def _fastest(ids: Sequence[str], speeds: Sequence[tuple[float, float]]) -> dict[str, Any] | None:
+    """The timed job with the most tokens/s, and those tied with it (within the larger of the
+    two spreads: the measurement does not order them); None without a timed job."""
+    if not speeds:
+        return None
+    top = max(range(len(speeds)), key=lambda k: speeds[k][0])
+    with_top = [ids[k] for k in range(len(speeds))
+                if k != top and tied(*speeds[top], *speeds[k])]
+    return {"job": ids[top], "tokens_per_s": speeds[top][0], "tied": with_top}
 
 
 def build_table(
@@ -278,10 +298,13 @@ def build_table(
     Columns: ``job``, the choices/overrides that vary across jobs, then :data:`METRIC_COLUMNS`
     and ``run_dir``. ``df.attrs`` holds ``fixed`` (``{key: value}`` of the constant parameters),
     ``params`` (the varying parameter columns), ``failures`` (``[{"job", "status", "error",
-    "run_dir"}]`` with the full reason of every non-ok job), ``unmeasured`` (jobs on the plot
-    whose tokens/s spread was not measured: the front assumed ``assumed_spread`` of their
-    tokens/s), ``assumed_spread`` and ``loss_curves`` (``{job: [loss per optimizer step]}`` of
-    the ok jobs that recorded one).
+    "run_dir"}]`` with the full reason of every non-ok job), ``untimed`` (the ok jobs whose
+    tokens/s is not timed: fewer than :data:`~memlab.measure.speed.MIN_TIMED` timed steps, never
+    ranked), ``fastest`` (``{"job", "tokens_per_s", "tied"}``: the timed job with the most
+    tokens/s and the jobs within the larger of the two spreads of it; None when no job is
+    timed), ``unmeasured`` (timed jobs whose summary holds no tokens/s spread: the front assumed
+    ``assumed_spread`` of their tokens/s), ``assumed_spread`` and ``loss_curves`` (``{job: [loss
+    per optimizer step]}`` of the ok jobs that recorded one).
     """
     import pandas as pd
 
@@ -291,20 +314,19 @@ def build_table(
     ids = _job_ids(summaries)
     metrics = [_metrics(s) for s in summaries]
 
-    candidates = [
-        i
-        for i, m in enumerate(metrics)
-        if m["status"] == OK
-        and m["peak_MiB"] is not None
-        and m["tokens_per_s"] is not None
-        and math.isfinite(m["peak_MiB"])
-        and math.isfinite(m["tokens_per_s"])
-    ]
-    spreads = [_spread(metrics[i], assumed_spread) for i in candidates]
+    ranked = [i for i, m in enumerate(metrics)  # a speed that may be ranked: >= 3 timed steps
+              if m["status"] == OK and timed(m["tokens_per_s"], m["timed_steps"])]
+    untimed = [ids[i] for i, m in enumerate(metrics) if m["status"] == OK and i not in ranked]
+    spreads = {i: speed_spread(metrics[i]["tokens_per_s"], metrics[i]["tps_spread"],
+                               assumed_spread) for i in ranked}
+    candidates = [i for i in ranked
+                  if metrics[i]["peak_MiB"] is not None and math.isfinite(metrics[i]["peak_MiB"])]
     front = pareto_front([(metrics[i]["peak_MiB"], metrics[i]["tokens_per_s"])
-                          for i in candidates], [s for s, _ in spreads])
+                          for i in candidates], [spreads[i][0] for i in candidates])
     on_front = {candidates[j] for j in front}
-    unmeasured = [ids[i] for i, (_, measured) in zip(candidates, spreads) if not measured]
+    unmeasured = [ids[i] for i in ranked if not spreads[i][1]]
+    fastest = _fastest([ids[i] for i in ranked],
+                       [(metrics[i]["tokens_per_s"], spreads[i][0]) for i in ranked])
 
     records = []
     failures = []
@@ -348,6 +370,7 @@ def build_table(
     curves = {ids[i]: [float(v) for v in _get(s.get("train"), "loss_curve") or []]
               for i, s in enumerate(summaries) if metrics[i]["status"] == OK}
     df.attrs.update({"fixed": fixed, "params": varying, "failures": failures,
+                     "untimed": untimed, "fastest": fastest,
                      "unmeasured": unmeasured, "assumed_spread": assumed_spread,
                      "loss_curves": {k: v for k, v in curves.items() if v}})
     return sort_table(df, sort or DEFAULT_SORT, desc)
@@ -382,7 +405,8 @@ def sort_table(df: pd.DataFrame, column: str = DEFAULT_SORT, desc: bool = False)
     """Sort by ``column`` (ascending unless ``desc``), non-ok jobs always last, blanks last.
 
     Text columns whose values are all numbers (``train.micro_batch_size=8``) sort numerically.
-    Ties keep the job order. ``df.attrs`` is kept.
+    A sort by speed (:data:`SPEED_COLUMNS`) puts the jobs that are not timed (``untimed``) with
+    the blanks: their tokens/s is not ranked. Ties keep the job order. ``df.attrs`` is kept.
     """
     import pandas as pd
 
@@ -392,6 +416,9 @@ def sort_table(df: pd.DataFrame, column: str = DEFAULT_SORT, desc: bool = False)
         numeric = pd.to_numeric(values, errors="coerce")
         if numeric.notna().sum() == values.notna().sum():
             values = numeric
+    untimed = {str(j) for j in df.attrs.get("untimed") or []}
+    if col in SPEED_COLUMNS and untimed:
+        values = values.where(~df["job"].astype(str).isin(untimed))
     tmp = pd.DataFrame(
         {
             "_failed": (df["status"] != OK).to_numpy(),

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import re
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from memlab.cli.report.table import (
@@ -20,6 +20,7 @@ from memlab.cli.report.table import (
     PHASES,
 )
 from memlab.measure.console import markdown_code, markdown_fence, markdown_text, printable
+from memlab.measure.speed import MIN_TIMED, NOT_TIMED
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -45,22 +46,45 @@ def format_cell(column: str, value: Any) -> str:
         return "yes" if bool(value) else ""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "" if column == "error" else "-"
-    if column == "timed_steps" and isinstance(value, (int, float)) and value < 2:
-        return f"{value:.0f}!"  # a single timed step: no spread measured (see the notes)
+    if column == "timed_steps" and isinstance(value, (int, float)) and value < MIN_TIMED:
+        return f"{value:.0f}!"  # too few timed steps to rank its tokens/s (see the notes)
     fmt = _FORMATS.get(column)
     if fmt is not None and isinstance(value, (int, float)):
         return fmt.format(value)
     return printable(str(value).replace("\n", " "))  # a file name, a tag, an error: shown, not obeyed
 
 
+def speed_cells(df: pd.DataFrame, row: Mapping[str, Any]) -> dict[str, str]:
+    """The cells of ``row`` (a job's values by column) that show no ranked speed: a job whose
+    tokens/s is not timed (``untimed``) reads ``not timed`` on the front (``pareto``) and its
+    tokens/s is marked (``!``: shown, not ranked); a tokens/s change against a baseline where
+    either job is not timed reads ``not timed``."""
+    job = str(row["job"])
+    out = {}
+    if job in {str(j) for j in df.attrs.get("untimed") or []}:
+        out["pareto"] = NOT_TIMED
+        tps = row.get("tokens_per_s")
+        if isinstance(tps, (int, float)) and math.isfinite(tps):
+            out["tokens_per_s"] = format_cell("tokens_per_s", tps) + "!"
+    if job in ((df.attrs.get("baseline") or {}).get("untimed") or []):
+        out["d_tokens_per_s_pct"] = NOT_TIMED
+    return out
+
+
 def _text_rows(df: pd.DataFrame, every: bool = False,
                ) -> tuple[list[str], list[list[str]], list[bool]]:
     """Visible columns (``error`` last; ``every``: the :data:`_HIDDEN_IN_TEXT` ones too),
-    formatted cells, and which columns are numeric."""
+    formatted cells (:func:`speed_cells` where a speed is not ranked), and which columns are
+    numeric."""
     hidden = () if every else _HIDDEN_IN_TEXT
     cols = [str(c) for c in df.columns if c not in hidden and c != "error"]
     cols.append("error")  # the widest column goes last so the numbers stay readable
-    rows = [[format_cell(c, v) for c, v in zip(cols, rec)] for rec in df[cols].itertuples(False)]
+    every_col = [str(c) for c in df.columns]
+    rows = []
+    for rec in df[every_col].itertuples(False):
+        cells = dict(zip(every_col, rec))
+        marks = speed_cells(df, cells)
+        rows.append([marks.get(c) or format_cell(c, cells[c]) for c in cols])
     base = baseline_job(df)
     for r in rows:
         if base is not None and r[0] == base:
@@ -81,16 +105,38 @@ def fixed_line(df: pd.DataFrame) -> str:
     return "fixed: " + printable(", ".join(f"{k}={v}" for k, v in fixed.items()) or "(none)")
 
 
+def fastest_line(df: pd.DataFrame) -> str | None:
+    """``fastest: job 0 (1000.0 tokens/s)``, with the jobs tied with it within the larger of
+    the two spreads (the measurement does not order them); None when no job is timed."""
+    top = df.attrs.get("fastest")
+    if not top:
+        return None
+    line = f"fastest: job {top['job']} ({top['tokens_per_s']:.1f} tokens/s)"
+    if top["tied"]:
+        line += (f", tied with job(s) {', '.join(top['tied'])} (within the larger of the two "
+                 "spreads: not ranked apart)")
+    return line
+
+
 def notes(df: pd.DataFrame) -> list[str]:
-    """What a reader must know to trust the front: how throughput spread was judged."""
+    """What a reader must know to trust the front: how throughput spread was judged, which
+    jobs are not timed, and the fastest."""
     out = ["pareto: less memory and measurably more tokens/s (apart by more than the larger "
-           "spread, tps_spread = std of the timed steps' tokens/s)"]
+           f"spread, tps_spread = std of the timed steps' tokens/s), from jobs timed on at least "
+           f"{MIN_TIMED} steps"]
+    fastest = fastest_line(df)
+    if fastest:
+        out.append(fastest)
+    untimed = df.attrs.get("untimed") or []
+    if untimed:
+        out.append(f"! {NOT_TIMED}: job(s) {', '.join(untimed)} (fewer than {MIN_TIMED} timed "
+                   "steps: timed_steps N!): tokens/s shown (marked !), not ranked: not the "
+                   "fastest, not on the front, no change against a baseline; raise train.steps")
     unmeasured = df.attrs.get("unmeasured") or []
     if unmeasured:
-        out.append(f"! no measured spread for job(s) {', '.join(unmeasured)} (fewer than 2 timed "
-                   f"steps, or no throughput.tokens_per_s_std): assumed "
-                   f"{df.attrs.get('assumed_spread', ASSUMED_SPREAD):.0%} of their tokens/s; "
-                   "raise train.steps to time more steps")
+        out.append(f"! no measured spread for job(s) {', '.join(unmeasured)} (no "
+                   f"throughput.tokens_per_s_std in the summary): assumed "
+                   f"{df.attrs.get('assumed_spread', ASSUMED_SPREAD):.0%} of their tokens/s")
     return out + list((df.attrs.get("baseline") or {}).get("notes") or [])
 
 
