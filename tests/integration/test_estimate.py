@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -547,13 +548,22 @@ def test_exact_masks_remove_the_fake_tensor_mask(tmp_path):
 
 
 def test_sweep_of_estimates_and_their_verdicts(tmp_path, capsys):
-    """A sweep of four estimates against a budget two of them fit: the table, and each
-    point's verdict in its estimate.json."""
+    """A sweep of four estimates against a budget two of them fit: the table, each point's
+    verdict in its estimate.json, and the progress on stderr (issue 45 item 2): a bar of the
+    configurations composed, then of the points estimated, ending at 4/4 with the lowest peak;
+    no line per point besides (tests/unit/cli/test_estimate_progress.py: from the start)."""
     out = tmp_path / "sweep"
     code = estimate_main([*SHAPE, *LEN, "-m", "peft=none,lora", "packing=none,bfd",
                           "--budget", "22MiB", "--out", str(out)])
     assert code == 0
-    table = capsys.readouterr().out
+    said = capsys.readouterr()
+    table = said.out
+    bars = said.err.replace("\r", "\n").splitlines()
+    composed = [b for b in bars if b.startswith("[memlab] composing: 100%")]
+    ended = [b for b in bars if b.startswith("[memlab] jobs: 100%")]
+    assert composed and "4/4" in composed[-1] and ended and "4/4" in ended[-1]
+    assert re.search(r"lowest peak \d+\.\d MiB \(#[23]\)", ended[-1])  # a LoRA point
+    assert "[memlab estimate] #" not in table and "Launching" not in table + said.err
     lines = [line for line in table.splitlines() if line.startswith(("none", "lora"))]
     assert len(lines) == 4 and "peft" in table and "packing" in table
     assert any("does not fit" in line for line in lines)  # full fine-tuning: ~28 MiB

@@ -102,7 +102,9 @@ def test_estimate_sweeps_with_hydra_grammar_into_hydra_dirs(tmp_path, monkeypatc
     assert all(e["status"] == "ok" and e["choices"]["peft"] == "lora" for e in ests)
     assert ests[0]["peak_bytes"] < ests[1]["peak_bytes"]
     assert (sweep / "0" / ".hydra" / "overrides.yaml").exists()
-    assert "method.max_length=32" in r.stdout and "fits" in r.stdout
+    rows = [line.split() for line in r.stdout.splitlines()]
+    assert rows[0][0] == "method.max_length" and [row[0] for row in rows[1:3]] == ["32", "64"]
+    assert "fits" in r.stdout and "[memlab] jobs: 100%" in r.stderr  # the bar, not a line a point
 
 
 def test_lengths_takes_overrides_sweeps_and_hydra_run_dir(tmp_path, monkeypatch):

@@ -23,7 +23,10 @@ model and method on fake tensors under the run's memory tracker (see
 else ``hydra.run.dir``, else ``outputs/estimate/<date>/<time>/``. A sweep runs its points one
 after another in this process and writes ``<n>/estimate.json`` per point under ``--out`` /
 ``hydra.sweep.dir`` / ``multirun/estimate/<date>/<time>/``, then ``sweep.json`` and one line per
-point.
+point. While it runs, stderr shows progress from the start (``hydra/sweeper=progress``,
+:mod:`hydra_plugins.memlab_launcher.progress`): a bar of the points' configurations Hydra
+composes and checks (minutes for thousands of points), then a bar of the points estimated with
+the lowest peak so far, each with its ETA; nothing else per point.
 
 An estimate reads no weights: a hub model (``model=hf model.name_or_path=Qwen/...``) that cannot
 be reached (offline, ``HF_HUB_OFFLINE=1``, the hub down, a gated repo) and is not in the local
@@ -234,9 +237,16 @@ def estimate_one(overrides: list[str], opts) -> dict[str, Any]:
     return _with_note(estimate(cfg, opts, choices, list(overrides)), note)
 
 
-def _job(cfg, opts, as_json: bool, done: list[tuple[Path, dict[str, Any], str]]) -> None:
+SWEEPER = "progress"
+"""The sweeper of ``memlab estimate -m`` unless the command line names one: Hydra's basic
+sweeper with a progress bar (:mod:`hydra_plugins.memlab_launcher.progress`)."""
+
+
+def _job(cfg, opts, as_json: bool, done: list[tuple[Path, dict[str, Any], str]],
+         ) -> dict[str, Any]:
     """One Hydra job: estimate the composed config, write estimate.json into the job's output
-    dir, print the table (a single run) or a line (a sweep point)."""
+    dir, print the table (a single run) or a line (a sweep point; none under the progress
+    bar's sweeper, :data:`SWEEPER`, which counts it). Returns the estimate."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
     from omegaconf import OmegaConf
@@ -265,12 +275,14 @@ def _job(cfg, opts, as_json: bool, done: list[tuple[Path, dict[str, Any], str]])
     done.append((out, est, str(hc.sweep.dir)))
     if hc.mode == RunMode.MULTIRUN:
         peak = est.get("peak_bytes")
-        print(f"[memlab estimate] #{hc.job.num} {' '.join(overrides)}: {est['status']}"
-              + (f", peak {peak / 2**20:.1f} MiB" if peak is not None else ""), flush=True)
-        return
+        if hc.runtime.choices.get("hydra/sweeper") != SWEEPER:
+            print(f"[memlab estimate] #{hc.job.num} {' '.join(overrides)}: {est['status']}"
+                  + (f", peak {peak / 2**20:.1f} MiB" if peak is not None else ""), flush=True)
+        return est
     print(json.dumps(est, indent=2, default=str) if as_json
           else printable(format_table(est), keep_newlines=True))
     print(f"\nwrote {out / 'estimate.json'}", file=sys.stderr)
+    return est
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -292,10 +304,13 @@ def main(argv: list[str] | None = None) -> int:
     from memlab.cli.app import run_app
 
     multirun = any(a in ("-m", "--multirun") for a in hydra_args)
+    chosen = {a.lstrip("+").split("=", 1)[0] for a in rest if "=" in a}
+    sweeper = [f"hydra/sweeper={SWEEPER}"] if multirun and "hydra/sweeper" not in chosen else []
     done: list[tuple[Path, dict[str, Any], str]] = []
     try:
         run_app(lambda cfg: _job(cfg, opts, args.json, done),
-                [*hydra_args, *app_argv(rest, "estimate", args.out)], prog="memlab estimate")
+                [*hydra_args, *sweeper, *app_argv(rest, "estimate", args.out)],
+                prog="memlab estimate")
     except SystemExit as e:  # Hydra reports a bad override / config and exits
         if done or not e.code:
             raise
