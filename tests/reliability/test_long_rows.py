@@ -1,9 +1,10 @@
 """Issue 43, item 6: one very long JSONL line no longer passes 6 GB while tokenizing.
 
 Where the method truncates, a string far longer than ``max_length`` is cut before tokenizing, at a
-word boundary, to the same kept token ids (:mod:`memlab.data.cut` argues why); what is tokenized
-whole (packing that keeps every token, conversations, preference rows, no word boundary) is
-refused above ``cut.WHOLE_LIMIT`` characters, naming file, line and field.
+word boundary, to the same kept token ids (:mod:`memlab.data.cut` argues why; conversations:
+:mod:`memlab.data.chat_cut`, tests/reliability/test_long_chat_rows.py); what is tokenized whole
+(packing that keeps every token, a method without length limits, no word boundary) is refused
+above ``cut.WHOLE_LIMIT`` characters, naming file, line and field.
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ def _sft():
 
 
 def test_what_is_kept_whole_is_refused_above_the_limit(tmp_path):
-    """Packing that keeps every token, conversations and preference rows: a field over the
+    """Packing that keeps every token, and a method without length limits: a field over the
     limit is ``invalid`` naming file, line, field and size, before anything is tokenized; a
     pathological run with no word boundary too."""
     big = "word " * (cut.WHOLE_LIMIT // 5 + 1)
@@ -141,10 +142,11 @@ def test_what_is_kept_whole_is_refused_above_the_limit(tmp_path):
          "keeps every token"),
         ([{"text": run}], ["method=sft"], "field 'text'", "no word boundary"),
         ([{"messages": [{"role": "user", "content": "hi"},
-                        {"role": "assistant", "content": big}]}], ["method=sft"],
-         "field 'messages'", "conversations are not cut"),
-        ([{"prompt": big, "chosen": "a", "rejected": "b"}], ["method=dpo"], "field 'prompt'",
-         "tokenized whole"),
+                        {"role": "assistant", "content": big}]}],
+         ["method=sft", "packing=bfd_split"], "field 'messages'", "keeps every token"),
+        ([{"prompt": big, "chosen": "a", "rejected": "b"}],
+         ["method=dpo", "method.max_length=null", "method.max_prompt_length=null"],
+         "field 'prompt'", "keeps every token"),
     ]
     for rows, overrides, where, why in cases:
         with pytest.raises(DataError) as e:

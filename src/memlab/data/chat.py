@@ -40,6 +40,9 @@ system prompt in the *last* user turn), reasoning dropped from earlier assistant
 generation prompt that differs from the header of a rendered assistant turn, a content the
 template does not render verbatim.
 
+**Very long conversations** (far longer than a method keeps) are cut before tokenizing by
+:mod:`memlab.data.chat_cut`, which applies these rules to the row whole, as text, and cut.
+
 **Rendering settings** of a run (:func:`rendering`): ``data.chat_template_kwargs`` go to every
 rendering; a row's ``tools`` (the ``tools=`` argument of the public functions) too. Messages are
 normalized first (:func:`memlab.data.base.normalize_messages`). A message's
@@ -48,7 +51,6 @@ normalized first (:func:`memlab.data.base.normalize_messages`). A message's
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import re
 import weakref
@@ -57,6 +59,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from memlab.data.base import DataError, check_messages, normalize_tools
+from memlab.data.cut import token_cuts as _token_cuts
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
@@ -224,8 +227,10 @@ def assistant_mask(tok, messages: list[dict], row: int, field: str = "messages",
     else:
         try:
             ids, spans = _Turns(tok, info, messages, row, field, fix, tools).spans()
-        except Unsplittable as e:
-            ids, mask = _with_training_template(tok, messages, tools, row, field, e)
+        except Unsplittable as e:  # memlab's training template for the family, if one applies
+            found = training_template(tok, messages, row, field, e)
+            ids, mask = _marked(tok, messages, tools, found.text, row, field)
+            count_template(tok, row, found.name)
         else:
             mask = [0] * len(ids)
             for start, end in spans:
@@ -293,16 +298,18 @@ def _render(tok, messages: list[dict], generation_prompt: bool, row: int, field:
                                        tokenize=False, add_generation_prompt=generation_prompt,
                                        **_settings(tok).kwargs)
     except Exception as e:  # noqa: BLE001 - templates raise their own exceptions (raise_exception)
-        raise ChatTemplateError(f"row {row}: the chat template cannot render field '{field}' "
-                                f"({len(messages)} messages): {type(e).__name__}: {e}"
-                                f"{_lacking(tok, template, messages, tools)}") from e
+        raise _cannot_render(tok, e, messages, row, field, tools, template) from e
 
 
-def _lacking(tok, template: str | None, messages: list[dict], tools: list | None) -> str:
-    """What the template lacks for this row, and which named templates have it."""
+def _cannot_render(tok, e: Exception, messages: list[dict], row: int, field: str,
+                   tools: list | None, template: str | None) -> ChatTemplateError:
+    """The template raised ``e``: what the row lacks, and which named templates have it."""
     from memlab.data import templates
 
-    return templates.lacking(template or template_info(tok).text, messages, tools)
+    return ChatTemplateError(
+        f"row {row}: the chat template cannot render field '{field}' ({len(messages)} "
+        f"messages): {type(e).__name__}: {e}"
+        f"{templates.lacking(template or template_info(tok).text, messages, tools)}")
 
 
 def _marked(tok, messages: list[dict], tools: list | None, template: str | None, row: int,
@@ -313,16 +320,13 @@ def _marked(tok, messages: list[dict], tools: list | None, template: str | None,
                                       tokenize=True, return_dict=True,
                                       return_assistant_tokens_mask=True, **_settings(tok).kwargs)
     except Exception as e:  # noqa: BLE001 - templates raise their own exceptions
-        raise ChatTemplateError(f"row {row}: the chat template cannot render field '{field}' "
-                                f"({len(messages)} messages): {type(e).__name__}: {e}"
-                                f"{_lacking(tok, template, messages, tools)}") from e
+        raise _cannot_render(tok, e, messages, row, field, tools, template) from e
     return list(enc["input_ids"]), list(enc["assistant_masks"])
 
 
-def _with_training_template(tok, messages: list[dict], tools: list | None, row: int,
-                            field: str, error: Unsplittable) -> tuple[list[int], list[int]]:
-    """``messages`` rendered with memlab's training template for ``tok``'s template family, or
-    the error (or a skipped row) when none applies."""
+def training_template(tok, messages: list[dict], row: int, field: str, error: Unsplittable):
+    """The training template that renders ``messages`` in place of ``tok``'s unsplittable one
+    (a :class:`memlab.data.templates.TrainingTemplate`), or the error (or a skipped row)."""
     from memlab.data import templates
 
     settings = _settings(tok)
@@ -333,10 +337,14 @@ def _with_training_template(tok, messages: list[dict], tools: list | None, row: 
             error = Unsplittable(f"{error} (no training template applies: {why})", row=row)
         raise _unsplittable(tok, error, row)
     _check_reasoning(found.text, messages, row, field)
-    out = _marked(tok, messages, tools, found.text, row, field)
-    settings.tally.template_rows.append(row)
-    settings.tally.template = found.name
-    return out
+    return found
+
+
+def count_template(tok, row: int, name: str) -> None:
+    """Count ``row`` as rendered with the training template ``name`` (the run's Tally)."""
+    tally = _settings(tok).tally
+    tally.template_rows.append(row)
+    tally.template = name
 
 
 def _check_reasoning(template: str, messages: list[dict], row: int, field: str) -> None:
@@ -389,27 +397,33 @@ class _Turns:
     def render(self, messages: list[dict], generation_prompt: bool) -> str:
         return _render(self.tok, messages, generation_prompt, self.row, self.field, self.tools)
 
-    def spans(self) -> tuple[list[int], list[tuple[int, int]]]:
-        """Full ids and ``[start, end)`` token spans of the assistant turns."""
+    def bounds(self) -> tuple[str, list[int], list[int]]:
+        """The text checks: the full rendering, the assistant turns and, for each, the length
+        of its renderings ``before_k`` (prompt + generation prompt) and ``after_k`` (with turn
+        ``k``), each a prefix of the full rendering."""
         msgs = self.messages
         turns = [k for k, m in enumerate(msgs) if m["role"] == "assistant"]
         full_text = self.render(msgs, False)
-        if not turns:
-            return _ids(self.tok, full_text), []
-        if turns[0] == 0:
+        if turns and turns[0] == 0:
             raise self.fail("the conversation starts with an assistant turn, so no generation "
                             "prompt can be rendered before it (drop that message or add the "
                             "user turn it answers)")
-        # text renderings: before_k (prompt + generation prompt), after_k (with turn k)
-        bounds: list[tuple[str, str]] = []
+        cuts = []
         for k in turns:
             before = self.render(msgs[:k], True)
             after = full_text if k == len(msgs) - 1 else self.render(msgs[: k + 1], False)
             self._check_text(k, before, after, full_text)
-            bounds.append((before, after))
-        cuts = [len(t) for pair in bounds for t in pair]
+            cuts += [len(before), len(after)]
+        return full_text, turns, cuts
+
+    def spans(self) -> tuple[list[int], list[tuple[int, int]]]:
+        """Full ids and ``[start, end)`` token spans of the assistant turns."""
+        full_text, turns, cuts = self.bounds()
+        if not turns:
+            return _ids(self.tok, full_text), []
         found = _token_cuts(self.tok, full_text, cuts)
         if found is None:  # offsets cannot prove it: compare the prefixes' own token ids
+            bounds = [(full_text[:b], full_text[:a]) for b, a in zip(cuts[::2], cuts[1::2])]
             full, positions = self._cuts_by_prefix_ids(full_text, bounds, turns)
         else:
             full, positions = found
@@ -463,31 +477,3 @@ class _Turns:
             if full[i] in special:
                 return i + 1
         return end
-
-
-def _token_cuts(tok, text: str, cuts: list[int]) -> tuple[list[int], list[int]] | None:
-    """Ids of ``text`` and, for each character position in ``cuts``, the number of tokens before
-    it, from one tokenization with character offsets. None unless the offsets prove every cut a
-    token boundary: the token before it ends exactly there and the one after starts there (no
-    token straddles it, even with trimmed offsets). Slow tokenizers have no offsets: None."""
-    try:
-        enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
-    except (NotImplementedError, ValueError, TypeError):
-        return None
-    ids, offsets = list(enc["input_ids"]), enc.get("offset_mapping")
-    if offsets is None or len(offsets) != len(ids):
-        return None
-    starts = [s for s, _ in offsets]
-    if any(a > b for a, b in zip(starts, starts[1:])):
-        return None
-    positions = []
-    for cut in cuts:
-        j = bisect.bisect_left(starts, cut)
-        if cut == len(text):
-            j = len(ids)
-        elif j == len(ids) or starts[j] != cut or offsets[j][1] == cut:
-            return None  # no token starts here, or a zero-width one that could go either way
-        if j > 0 and offsets[j - 1][1] != cut:
-            return None
-        positions.append(j)
-    return ids, positions

@@ -1,6 +1,18 @@
 """Rows far longer than a method keeps, cut before tokenizing, to the same kept tokens; rows that
 cannot be cut, refused above :data:`WHOLE_LIMIT` characters (issue 43, item 6).
 
+**What is cut.** Every field a method truncates in a known direction: ``method=sft``'s ``text``,
+string ``prompt`` / ``completion`` (:func:`encode`) and conversations (``messages``,
+conversational prompt-completion rows: :mod:`memlab.data.chat_cut`, which renders the row whole
+and cut and proves the kept tokens and loss mask the same with :func:`common_start`,
+:func:`common_end` and :func:`inside`); the preference methods' prompts (kept at their end:
+``max_prompt_length``, or ``max_length``, which drops an example whose prompt fills it) and
+completions (kept at their start: ``max_completion_length`` / ``max_length``), reward sequences
+(kept at their end), ``gkd``'s and the online methods' prompts (:mod:`memlab.method._rows`).
+The kept ids being the same, so are the decisions taken on them (an example dropped, a pair
+hollow); ``data.tokens_in`` counts what was tokenized, ``data.cut_before_tokenizing`` the rows
+and characters cut off.
+
 Tokenizing one 200 MB JSONL line whole passed 6 GB (the tokenizer's encoding keeps strings,
 offsets and alignments for every token and byte: ~230 bytes of memory a character, measured in
 ``method=sft``'s prepare), and the method truncated to ``max_length`` only afterwards.
@@ -39,15 +51,23 @@ tokenizer's longest vocabulary entry in characters (:func:`longest_entry`) is ev
 since no token covers more characters than its entry has. A tokenizer outside that list (a slow
 one, Llama 2's without pre-tokenizer, a Precompiled normalizer) is never cut.
 
+**Two texts** (:func:`common_start`, :func:`common_end`, :func:`inside`): the same argument
+holds between any two texts that agree on a region bounded by word boundaries of both (the
+added-token window checked in each): the tokens inside it are the same. A chat template's
+rendering of a conversation whole and cut is such a pair; the cut text's character offsets
+count the tokens inside the region.
+
 **Refused** (``DataError`` naming the row, hence file and line, the field and its size): a field
 over :data:`WHOLE_LIMIT` characters that is tokenized whole: no boundary within
 :data:`SEARCH` characters of the margin (one run of a single character class), a tokenizer the
 argument does not cover, a method or packing that keeps every token (``packing=bfd_split`` /
-``wrapped``, ``max_length=null``, the preference methods: their tokens are all kept or counted).
+``wrapped``, ``max_length=null``, a preference method with all its length limits null, an eval
+sample's prompt), a conversation whose cut cannot be proven (:mod:`memlab.data.chat_cut`).
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import unicodedata
 import weakref
@@ -101,6 +121,11 @@ def _info(tok) -> _Info:
         info = _Info(_why_not(tok), max((len(e) for e in entries), default=1), added)
         _INFO[tok] = info
     return info
+
+
+def added_texts(tok) -> tuple[str, ...]:
+    """The texts of the tokenizer's added tokens (which it splits out before anything else)."""
+    return _info(tok).added
 
 
 def longest_entry(tok) -> int:
@@ -234,3 +259,126 @@ def encode(tok, text: str, n: int | None, keep: Keep, ids_of: Callable[[str], li
                        f"or sign) within {SEARCH:,} characters of where it would be cut before "
                        "tokenizing")
     return ids_of(text), 0
+
+
+# ------------------------------------------------------------------ two renderings of one row
+
+
+def is_boundary(text: str, q: int, added: tuple[str, ...]) -> bool:
+    """Whether ``q`` is a word boundary of ``text`` (module docstring)."""
+    reach = max((len(a) for a in added), default=0) + 1
+    return 0 < q < len(text) and text[q] == " " and _word_end(text, q, added, reach)
+
+
+def common_start(whole: str, cut: str, added: tuple[str, ...], at: int = 0, shift: int = 0
+                 ) -> int | None:
+    """The last word boundary ``q`` of ``cut`` (``q + shift`` of ``whole``) up to which the two
+    texts agree from ``at`` (``at + shift``) on, the character at ``q`` included; None when
+    there is none within :data:`SEARCH` characters of where they part."""
+    lo, hi = 0, min(len(cut) - at, len(whole) - at - shift)
+    while lo < hi:  # the longest run cut[at:at + m] found at whole[at + shift:]
+        mid = (lo + hi + 1) // 2
+        if whole.startswith(cut[at:at + mid], at + shift):
+            lo = mid
+        else:
+            hi = mid - 1
+    q = at + lo - 1
+    stop = max(at + 1, q - SEARCH)
+    while q >= stop:
+        q = cut.rfind(" ", stop, q + 1)
+        if q < 0:
+            return None
+        if is_boundary(cut, q, added) and is_boundary(whole, q + shift, added):
+            return q
+        q -= 1
+    return None
+
+
+def common_end(whole: str, cut: str, added: tuple[str, ...]) -> int | None:
+    """The first word boundary ``q`` of ``cut`` (``q + len(whole) - len(cut)`` of ``whole``)
+    from which the two texts agree to their ends, the character before ``q`` included; None
+    when there is none within :data:`SEARCH` characters of where they part."""
+    shift = len(whole) - len(cut)
+    lo, hi = 0, min(len(cut), len(whole))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if whole.endswith(cut[len(cut) - mid:]):
+            lo = mid
+        else:
+            hi = mid - 1
+    q = len(cut) - lo + 1
+    stop = min(len(cut) - 1, q + SEARCH)
+    while q <= stop:
+        q = cut.find(" ", q, stop + 1)
+        if q < 0:
+            return None
+        if is_boundary(cut, q, added) and is_boundary(whole, q + shift, added):
+            return q
+        q += 1
+    return None
+
+
+def inside(offsets: list[tuple[int, int]], lo: int | None, hi: int | None
+           ) -> tuple[int, int] | None:
+    """``[i, j)``: the tokens (by their character offsets) that lie between the word boundaries
+    ``lo`` and ``hi`` of their text (None: its start / end); None when a token straddles one, or
+    an empty one sits on it (which side it belongs to is then unknown)."""
+    i, j = 0, len(offsets)
+    if lo is not None:
+        i = next((t for t, (s, _) in enumerate(offsets) if s >= lo), len(offsets))
+        if i < len(offsets) and offsets[i][0] == offsets[i][1] == lo:
+            return None
+        if i > 0 and offsets[i - 1][1] > lo:
+            return None
+    if hi is not None:
+        j = next((t for t, (_, e) in enumerate(offsets) if e > hi), len(offsets))
+        if j > 0 and offsets[j - 1][0] == offsets[j - 1][1] == hi:
+            return None
+        if j < len(offsets) and offsets[j][0] < hi:
+            return None
+    return i, max(i, j)
+
+
+def with_offsets(tok, text: str) -> tuple[list[int], list[tuple[int, int]]] | None:
+    """Ids of ``text`` (no special tokens added) and their character offsets; None where the
+    tokenizer gives none (a slow one)."""
+    try:
+        enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    except (NotImplementedError, ValueError, TypeError):
+        return None
+    ids, offsets = list(enc["input_ids"]), enc.get("offset_mapping")
+    if offsets is None or len(offsets) != len(ids):
+        return None
+    return ids, [(s, e) for s, e in offsets]
+
+
+def token_cuts(tok, text: str, cuts: list[int]) -> tuple[list[int], list[int]] | None:
+    """Ids of ``text`` and, for each character position in ``cuts``, the number of tokens before
+    it, from one tokenization with character offsets. None unless the offsets prove every cut a
+    token boundary (:func:`cut_positions`). Slow tokenizers have no offsets: None."""
+    enc = with_offsets(tok, text)
+    if enc is None:
+        return None
+    found = cut_positions(enc[1], len(text), cuts)
+    return None if found is None else (enc[0], found)
+
+
+def cut_positions(offsets: list[tuple[int, int]], n_chars: int, cuts: list[int]
+                  ) -> list[int] | None:
+    """For each character position in ``cuts``, the number of tokens before it; None unless
+    every cut is a token boundary: the token before it ends exactly there and the one after
+    starts there (no token straddles it, even with trimmed offsets)."""
+    starts = [s for s, _ in offsets]
+    if any(a > b for a, b in zip(starts, starts[1:])):
+        return None
+    positions = []
+    for cut in cuts:
+        j = bisect.bisect_left(starts, cut)
+        if cut == n_chars:
+            j = len(offsets)
+        elif j == len(offsets) or starts[j] != cut or offsets[j][1] == cut:
+            return None  # no token starts here, or a zero-width one that could go either way
+        if j > 0 and offsets[j - 1][1] != cut:
+            return None
+        positions.append(j)
+    return positions

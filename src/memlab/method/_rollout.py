@@ -85,21 +85,23 @@ def prompt_rows(ds, tokenizer, limit: int | None) -> tuple[Any, DataStats]:
 
     def fn(row: dict, idx: int) -> list[dict]:
         prompt, reference = prompt_and_reference(row, idx)
-        ids = _rows.encode_prompt(tokenizer, prompt, idx, row.get("tools"))
+        # a prompt far longer than the limit is cut before tokenizing (the same last ids)
+        ids, n_cut = _rows.prompt_ids(tokenizer, prompt, idx, row.get("tools"), limit)
         n_in = len(ids)
         if limit is not None and len(ids) > limit:
             ids = ids[len(ids) - limit:]
-        return [{"prompt_ids": ids, "reference": reference, "n_in": n_in,
+        return [{"prompt_ids": ids, "reference": reference, "n_in": n_in, "n_cut": n_cut,
                  "prompt_text": tokenizer.decode(ids, skip_special_tokens=False)}]
 
     key = ("grpo", limit, tokenizer.name_or_path, len(tokenizer))
-    out = _rows.map_rows(ds, fn, ["prompt_ids", "reference", "n_in", "prompt_text"], key,
-                         "tokenize prompts")
+    out = _rows.map_rows(ds, fn, ["prompt_ids", "reference", "n_in", "n_cut", "prompt_text"],
+                         key, "tokenize prompts")
     n_in = sum(out["n_in"])
     kept = sum(len(x) for x in out["prompt_ids"])
-    out = out.remove_columns(["n_in"])
+    extra = _rows.cut_extra(out["n_cut"])
+    out = out.remove_columns(["n_in", "n_cut"])
     stats = DataStats(examples=len(ds), rows=len(out), tokens_in=n_in,
-                      tokens_dropped=n_in - kept)
+                      tokens_dropped=n_in - kept, extra=extra)
     return out, stats
 
 

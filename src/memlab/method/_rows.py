@@ -12,7 +12,9 @@ Not an option of its own (the registry skips modules whose name starts with ``_`
   completion ends with its EOS (as SFT does). Rows without a ``prompt`` column (implicit prompt)
   get the longest common start of chosen and rejected as prompt: their common message prefix
   (conversational), or their common text up to the last whitespace before they differ (strings;
-  the whitespace goes to the completions, as a tokenizer attaches it to the next word).
+  the whitespace goes to the completions, as a tokenizer attaches it to the next word). A field
+  far longer than the limits below keep is cut before tokenizing, to the same kept ids
+  (:func:`encode_example`, :func:`encode_full`, :data:`WHOLE`).
 * **Truncation** (all limits optional): the prompt is cut from the LEFT to
   ``max_prompt_length`` (its end, next to the answer, is kept), each completion from the RIGHT to
   ``max_completion_length``, then prompt + completion to ``max_length`` by cutting the
@@ -36,7 +38,7 @@ import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from memlab.data import chat, cut, text
+from memlab.data import chat, chat_cut, cut, text
 from memlab.data.base import DataError, check_messages, check_text
 from memlab.method.base import DataStats
 
@@ -90,10 +92,59 @@ def _split_text(chosen: Any, rejected: Any, idx: int) -> tuple[str, str, str]:
     return chosen[:n], chosen[n:], rejected[n:]
 
 
-WHOLE = "preference and prompt rows are tokenized whole"
-"""Why a preference / prompt field over :data:`memlab.data.cut.WHOLE_LIMIT` characters is
-refused: their token limits (prompt from the left, completions from the right, the example
-dropped when the prompt fills max_length) and tallies are computed on whole tokenizations."""
+WHOLE = "the prompt of an eval sample is tokenized whole"
+"""Why :func:`encode_prompt`, :func:`encode_completion` and :func:`encode_full` without a limit
+refuse a field over :data:`memlab.data.cut.WHOLE_LIMIT` characters (eval samples' prompts).
+Where a method truncates, :func:`encode_example` and :func:`encode_full` cut a field far longer
+than it keeps before tokenizing (:mod:`memlab.data.cut`, :mod:`memlab.data.chat_cut`): the
+prompt kept at its end, completions at their start (reward sequences at their end), to the
+same kept ids; so the limits (prompt from the left, completions from the right, the example
+dropped when the prompt fills max_length) decide the same as on whole tokenizations. The tokens
+counted in (``data.tokens_in``) are those tokenized; the characters cut off before, in the
+``data`` section's ``cut_before_tokenizing`` (:func:`kept`)."""
+KEPT = ("the method keeps every token of it (its length limits are null: max_prompt_length, "
+        "max_completion_length, max_length)")
+"""Why a field is tokenized whole where no limit of the method cuts it."""
+
+
+def keeps(*limits: int | None) -> int | None:
+    """The fewest tokens any of ``limits`` keeps (None: no limit)."""
+    set_ = [n for n in limits if n is not None]
+    return min(set_) if set_ else None
+
+
+def encode_example(tok, prompt: Any, completions: Sequence[tuple[Any, str]], idx: int,
+                   tools: Any, prompt_keeps: int | None, completion_keeps: int | None
+                   ) -> tuple[list[int], list[list[int]], int]:
+    """Prompt ids and each completion's (``(value, field)``) ids that follow them, as
+    :func:`encode_prompt` / :func:`encode_completion` make them; a field far longer than the
+    method keeps (the prompt's last ``prompt_keeps`` tokens, a completion's first
+    ``completion_keeps``) is cut before tokenizing to the same kept ids (:data:`WHOLE`). Also
+    returns the characters cut off."""
+    if not isinstance(prompt, list):
+        check_text(prompt, idx, "prompt")
+        p, n_cut = cut.encode(tok, prompt, prompt_keeps, "keep_end",
+                              lambda t: text.start_ids(tok, t), idx, "prompt", kept_whole=KEPT)
+        out = []
+        for value, field in completions:
+            _check_string_completion(value, idx, field)
+            c, n = cut.encode(tok, value, completion_keeps, "keep_start",
+                              lambda t: text.end_ids(tok, t), idx, field, kept_whole=KEPT)
+            out.append(c)
+            n_cut += n
+        return p, out, n_cut
+    try:
+        pr = chat_cut.prompt(tok, prompt, prompt_keeps, "keep_end", idx, tools, kept_whole=KEPT)
+        pairs = [chat_cut.completion_ids(tok, pr, value, completion_keeps, "keep_start", idx,
+                                         field, tools, kept_whole=KEPT)
+                 for value, field in completions]
+        return pr.ids, [c for c, _ in pairs], pr.n_cut + sum(n for _, n in pairs)
+    except chat_cut.NotCut as e:  # tokenized whole, refused above the limit
+        for value, field in [(prompt, "prompt"), *completions]:
+            cut.check_size(value, idx, field, str(e))
+        p = encode_prompt(tok, prompt, idx, tools)
+        return p, [encode_completion(tok, prompt, p, value, idx, field, tools)
+                   for value, field in completions], 0
 
 
 def encode_prompt(tok, prompt: Any, idx: int, tools: Any = None) -> list[int]:
@@ -104,6 +155,18 @@ def encode_prompt(tok, prompt: Any, idx: int, tools: Any = None) -> list[int]:
         return chat.prompt_ids(tok, prompt, idx, "prompt", tools=tools)
     check_text(prompt, idx, "prompt")
     return text.start_ids(tok, prompt)
+
+
+def prompt_ids(tok, prompt: Any, idx: int, tools: Any, keeps: int | None
+               ) -> tuple[list[int], int]:
+    """:func:`encode_prompt`, a prompt far longer than its last ``keeps`` tokens cut before
+    tokenizing to the same last ``keeps`` ids; and the characters cut off."""
+    if isinstance(prompt, list):
+        pr = chat_cut.prompt(tok, prompt, keeps, "keep_end", idx, tools, kept_whole=KEPT)
+        return pr.ids, pr.n_cut
+    check_text(prompt, idx, "prompt")
+    return cut.encode(tok, prompt, keeps, "keep_end", lambda t: text.start_ids(tok, t), idx,
+                      "prompt", kept_whole=KEPT)
 
 
 SAMPLE_TEXT_TOKENS = 32
@@ -139,25 +202,45 @@ def encode_completion(tok, prompt: Any, prompt_ids: list[int], completion: Any, 
     cut.check_size(completion, idx, field, WHOLE)
     if isinstance(prompt, list):
         return chat.completion_ids(tok, prompt, prompt_ids, completion, idx, field, tools=tools)
+    _check_string_completion(completion, idx, field)
+    return text.end_ids(tok, completion)
+
+
+def _check_string_completion(completion: Any, idx: int, field: str) -> None:
     if isinstance(completion, list):
         raise DataError(f"row {idx}: 'prompt' is a string but '{field}' is a list of messages; "
                         "use the same format (both strings or both messages)")
     check_text(completion, idx, field)
-    return text.end_ids(tok, completion)
 
 
 def encode_full(tok, prompt: Any | None, completion: Any, idx: int, field: str,
-                tools: Any = None) -> list[int]:
+                tools: Any = None, keeps: int | None = None) -> tuple[list[int], int]:
     """One whole sequence (reward models): prompt + completion, or the completion alone when it
-    is a full conversation / text."""
+    is a full conversation / text; a field far longer than the sequence's last ``keeps`` tokens
+    is cut before tokenizing to the same last ``keeps`` ids. Also returns the characters cut."""
     if prompt is None:
-        cut.check_size(completion, idx, field, WHOLE)
         if isinstance(completion, list):
-            return chat.conversation_ids(tok, completion, idx, field, tools=tools)
+            return chat_cut.rendered_ids(tok, completion, keeps, "keep_end", idx, field, tools,
+                                         kept_whole=KEPT)
         check_text(completion, idx, field)
-        return text.document_ids(tok, completion)
-    p = encode_prompt(tok, prompt, idx, tools)
-    return p + encode_completion(tok, prompt, p, completion, idx, field, tools)
+        return cut.encode(tok, completion, keeps, "keep_end",
+                          lambda t: text.document_ids(tok, t), idx, field, kept_whole=KEPT)
+    if not isinstance(prompt, list):
+        p, n_p = prompt_ids(tok, prompt, idx, tools, keeps)
+        _check_string_completion(completion, idx, field)
+        c, n_c = cut.encode(tok, completion, keeps, "keep_end",
+                            lambda t: text.end_ids(tok, t), idx, field, kept_whole=KEPT)
+        return p + c, n_p + n_c
+    try:
+        pr = chat_cut.prompt(tok, prompt, keeps, "keep_end", idx, tools, kept_whole=KEPT)
+        c, n_c = chat_cut.completion_ids(tok, pr, completion, keeps, "keep_end", idx, field,
+                                         tools, kept_whole=KEPT)
+        return pr.ids + c, pr.n_cut + n_c
+    except chat_cut.NotCut as e:  # tokenized whole, refused above the limit
+        for value, name in [(prompt, "prompt"), (completion, field)]:
+            cut.check_size(value, idx, name, str(e))
+        p = encode_prompt(tok, prompt, idx, tools)
+        return p + encode_completion(tok, prompt, p, completion, idx, field, tools), 0
 
 
 # ----------------------------------------------------------------------------------- truncation
@@ -253,7 +336,8 @@ def map_rows(ds, fn: Callable[[dict, int], list[dict]], columns: Sequence[str], 
                     out[c].append(row[c])
         return out
 
-    fp = hashlib.sha1(repr((ds._fingerprint, key)).encode()).hexdigest()
+    fp = hashlib.sha1(repr((ds._fingerprint, key, cut.WHOLE_LIMIT, cut.SEARCH)).encode()
+                      ).hexdigest()
     return ds.map(batch_fn, batched=True, batch_size=256, with_indices=True,
                   remove_columns=ds.column_names, keep_in_memory=True, new_fingerprint=fp,
                   desc=desc)
@@ -267,10 +351,10 @@ def keep_rows(ds, keep_column: str = "keep", drop: Sequence[str] = ()):
     return ds.remove_columns([keep_column, *drop])
 
 
-TALLY = ("n_in", "n_dropped", "n_train", "n_empty")
+TALLY = ("n_in", "n_dropped", "n_train", "n_empty", "n_cut")
 """The columns a preference method's row function tallies per row (``dpo``, ``kto``,
 ``reward``): tokens in (a shared prompt once), tokens dropped by truncation (all of them for a
-dropped row), tokens trained on, empty completions."""
+dropped row), tokens trained on, empty completions, characters cut off before tokenizing."""
 
 
 def kept(ds, drop: Sequence[str] = ()) -> tuple[Any, DataStats]:
@@ -279,10 +363,19 @@ def kept(ds, drop: Sequence[str] = ()) -> tuple[Any, DataStats]:
     tokens, ``empty_completions``. One example per row; the method adds what else it counts
     (hollow rows, ...)."""
     n_in, n_dropped, keep = ds["n_in"], ds["n_dropped"], ds["keep"]
-    n_train, n_empty = ds["n_train"], ds["n_empty"]
+    n_train, n_empty, n_cut = ds["n_train"], ds["n_empty"], ds["n_cut"]
     out = keep_rows(ds, drop=(*TALLY, *drop))
     return out, DataStats(examples=len(out), rows=len(out), tokens_in=int(sum(n_in)),
                           tokens_dropped=int(sum(n_dropped)),
                           examples_dropped=int(len(keep) - sum(keep)),
                           trainable_tokens=int(sum(n_train)),
-                          extra={"empty_completions": int(sum(n_empty))})
+                          extra={"empty_completions": int(sum(n_empty)), **cut_extra(n_cut)})
+
+
+def cut_extra(n_cut: Sequence[int]) -> dict[str, Any]:
+    """The ``data`` section's ``cut_before_tokenizing`` entry (none when nothing was cut): the
+    rows cut and the characters cut off; ``tokens_in`` counts what was tokenized."""
+    if not any(n_cut):
+        return {}
+    return {"cut_before_tokenizing": {"rows": sum(1 for n in n_cut if n),
+                                      "characters": int(sum(n_cut))}}

@@ -138,6 +138,8 @@ class DPO(Offline, PreferenceBatches):
                             f"(preference pairs); this dataset has columns {sorted(cols)}")
         explicit = "prompt" in cols
         limits = (self.max_prompt_length, self.max_completion_length, self.max_length)
+        keeps = (_rows.keeps(self.max_prompt_length, self.max_length),  # cut before tokenizing
+                 _rows.keeps(self.max_completion_length, self.max_length))
         row_cap = _layout.unit_row(ctx, self.max_length)  # packing=bfd: a pair fills one row
         fit = row_cap is not None
         shared = self.share_prompt
@@ -148,10 +150,9 @@ class DPO(Offline, PreferenceBatches):
             else:
                 prompt, chosen, rejected = _rows.split_implicit_prompt(row["chosen"],
                                                                        row["rejected"], idx)
-            tools = row.get("tools")
-            p = _rows.encode_prompt(tokenizer, prompt, idx, tools)
-            c = _rows.encode_completion(tokenizer, prompt, p, chosen, idx, "chosen", tools)
-            r = _rows.encode_completion(tokenizer, prompt, p, rejected, idx, "rejected", tools)
+            p, (c, r), n_cut = _rows.encode_example(
+                tokenizer, prompt, [(chosen, "chosen"), (rejected, "rejected")], idx,
+                row.get("tools"), *keeps)
             n_in = (1 if shared else 2) * len(p) + len(c) + len(r)
             cut = _rows.truncate(p, [c, r], *limits)
             if cut is not None and row_cap is not None:
@@ -159,13 +160,14 @@ class DPO(Offline, PreferenceBatches):
                 cut = None if fitted is None else (cut[0], fitted[0], 0)
             if cut is None:
                 return [{"prompt_ids": [], "chosen_ids": [], "rejected_ids": [], "keep": False,
-                         "n_in": n_in, "n_dropped": n_in, "n_train": 0, "n_empty": 0}]
+                         "n_in": n_in, "n_dropped": n_in, "n_train": 0, "n_empty": 0,
+                         "n_cut": n_cut}]
             p, (c, r), _ = cut
             kept = (1 if shared else 2) * len(p) + len(c) + len(r)
             (tc, ec), (tr, er) = _rows.content_tokens(chosen, c), _rows.content_tokens(rejected, r)
             return [{"prompt_ids": p, "chosen_ids": c, "rejected_ids": r, "keep": True,
                      "n_in": n_in, "n_dropped": n_in - kept, "n_train": tc + tr,
-                     "n_empty": ec + er}]
+                     "n_empty": ec + er, "n_cut": n_cut}]
 
         key = ("dpo", explicit, limits, fit, shared, tokenizer.name_or_path, len(tokenizer))
         out, stats = _rows.kept(_rows.map_rows(

@@ -141,30 +141,30 @@ class GKD(PromptLength, NoCapabilities):
 
         def fn(row: dict, idx: int) -> list[dict]:
             prompt, answer = prompt_and_reference(row, idx)
-            tools = row.get("tools")
-            p = _rows.encode_prompt(tokenizer, prompt, idx, tools)
-            c = _rows.encode_completion(tokenizer, prompt, p, [{"role": "assistant",
-                                                             "content": answer}], idx, "messages",
-                                        tools)
+            # a field far longer than the limits keep is cut before tokenizing (same kept ids)
+            p, (c,), n_cut = _rows.encode_example(
+                tokenizer, prompt, [([{"role": "assistant", "content": answer}], "messages")],
+                idx, row.get("tools"), _rows.keeps(self.max_prompt_length, self.max_length),
+                self.max_length)
             cut = _rows.truncate(p, [c], self.max_prompt_length, None, self.max_length)
             if cut is None:
                 return [{"prompt_ids": [], "completion_ids": [], "keep": False,
-                         "n_in": len(p) + len(c), "dropped": len(p) + len(c)}]
+                         "n_in": len(p) + len(c), "dropped": len(p) + len(c), "n_cut": n_cut}]
             p2, (c2,), dropped = cut
             return [{"prompt_ids": p2, "completion_ids": c2, "keep": bool(c2),
-                     "n_in": len(p) + len(c), "dropped": dropped}]
+                     "n_in": len(p) + len(c), "dropped": dropped, "n_cut": n_cut}]
 
         key = ("gkd", self.max_prompt_length, self.max_length, tokenizer.name_or_path,
                len(tokenizer))
-        out = _rows.map_rows(ds, fn, ["prompt_ids", "completion_ids", "keep", "n_in", "dropped"],
-                         key, "tokenize conversations")
+        out = _rows.map_rows(ds, fn, ["prompt_ids", "completion_ids", "keep", "n_in", "dropped",
+                                      "n_cut"], key, "tokenize conversations")
         stats["n_in"] = sum(out["n_in"])
         stats["dropped"] = sum(out["dropped"])
-        n_before = len(out)
-        out = _rows.keep_rows(out, "keep", drop=["n_in", "dropped"])
+        n_before, extra = len(out), _rows.cut_extra(out["n_cut"])
+        out = _rows.keep_rows(out, "keep", drop=["n_in", "dropped", "n_cut"])
         return out, DataStats(examples=len(ds), rows=len(out), tokens_in=stats["n_in"],
                               tokens_dropped=stats["dropped"],
-                              examples_dropped=n_before - len(out))
+                              examples_dropped=n_before - len(out), extra=extra)
 
     def collate(self, rows: list[dict], tokenizer, ctx: BuildContext) -> Batch:
         """The dataset's prompt + completion (left-padded prompts, right-padded completions, as

@@ -148,12 +148,14 @@ class KTO(Offline, PreferenceBatches):
             )
         explicit = "prompt" in cols
         limits = (self.max_prompt_length, self.max_completion_length, self.max_length)
+        keeps = (_rows.keeps(self.max_prompt_length, self.max_length),  # cut before tokenizing
+                 _rows.keeps(self.max_completion_length, self.max_length))
         if self.share_prompt:
             if not paired:
                 raise DataError("method.share_prompt=true stores a pair's prompt once for its two "
                                 "examples; this dataset is unpaired ('prompt', 'completion', "
                                 "'label'): set method.share_prompt=false")
-            return self._prepare_pairs(ds, tokenizer, ctx, explicit, limits)
+            return self._prepare_pairs(ds, tokenizer, ctx, explicit, limits, keeps)
 
         def fn(row: dict, idx: int) -> list[dict]:
             if paired:
@@ -169,23 +171,23 @@ class KTO(Offline, PreferenceBatches):
                     raise DataError(f"row {idx}: field 'label' must be true/false (desirable or "
                                     f"not), got {label!r}")
                 items = [(row["completion"], bool(label), "completion")]
-            tools = row.get("tools")
-            p = _rows.encode_prompt(tokenizer, prompt, idx, tools)
+            p, cs, n_cut = _rows.encode_example(tokenizer, prompt, [(c, f) for c, _, f in items],
+                                                idx, row.get("tools"), *keeps)
             out = []
-            for completion, label, field in items:
-                c = _rows.encode_completion(tokenizer, prompt, p, completion, idx, field, tools)
+            for (completion, label, _), c in zip(items, cs, strict=True):
                 n_in = len(p) + len(c)
                 cut = _rows.truncate(p, [c], *limits)
                 if cut is None:
                     out.append({"prompt_ids": [], "completion_ids": [], "label": label,
                                 "keep": False, "n_in": n_in, "n_dropped": n_in, "n_train": 0,
-                                "n_empty": 0})
+                                "n_empty": 0, "n_cut": n_cut})
                 else:
                     pp, (cc,), dropped = cut
                     n_train, n_empty = _rows.content_tokens(completion, cc)
                     out.append({"prompt_ids": pp, "completion_ids": cc, "label": label,
                                 "keep": True, "n_in": n_in, "n_dropped": dropped,
-                                "n_train": n_train, "n_empty": n_empty})
+                                "n_train": n_train, "n_empty": n_empty, "n_cut": n_cut})
+                n_cut = 0  # (a pair's characters cut counted once)
             return out
 
         key = ("kto", paired, explicit, limits, tokenizer.name_or_path, len(tokenizer))
@@ -212,12 +214,13 @@ class KTO(Offline, PreferenceBatches):
         stats.examples *= per_row
         stats.examples_dropped *= per_row
         stats.hollow_rows, stats.hollow_what = empty, _rows.EMPTY_COMPLETIONS
+        cut = {k: v for k, v in stats.extra.items() if k == "cut_before_tokenizing"}
         stats.extra = {"desirable": desirable, "undesirable": undesirable,
-                       "empty_completions": empty}
+                       "empty_completions": empty, **cut}
         return stats
 
-    def _prepare_pairs(self, ds, tokenizer, ctx: BuildContext, explicit: bool, limits: tuple
-                       ) -> tuple[Any, DataStats]:
+    def _prepare_pairs(self, ds, tokenizer, ctx: BuildContext, explicit: bool, limits: tuple,
+                       keeps: tuple) -> tuple[Any, DataStats]:
         """``share_prompt``: one row per pair, its two examples in lists: prompt_ids,
         completion_ids [chosen, rejected], label [true, false], kl_completion_ids."""
         row_cap = _layout.unit_row(ctx, self.max_length)  # packing=bfd: a pair fills one row
@@ -229,10 +232,9 @@ class KTO(Offline, PreferenceBatches):
             else:
                 prompt, chosen, rejected = _rows.split_implicit_prompt(row["chosen"],
                                                                        row["rejected"], idx)
-            tools = row.get("tools")
-            p = _rows.encode_prompt(tokenizer, prompt, idx, tools)
-            c = _rows.encode_completion(tokenizer, prompt, p, chosen, idx, "chosen", tools)
-            r = _rows.encode_completion(tokenizer, prompt, p, rejected, idx, "rejected", tools)
+            p, (c, r), n_cut = _rows.encode_example(
+                tokenizer, prompt, [(chosen, "chosen"), (rejected, "rejected")], idx,
+                row.get("tools"), *keeps)
             n_in = len(p) + len(c) + len(r)
             cut = _rows.truncate(p, [c, r], *limits)
             if cut is not None and row_cap is not None:
@@ -241,13 +243,13 @@ class KTO(Offline, PreferenceBatches):
             if cut is None:
                 return [{"prompt_ids": [], "completion_ids": [[], []], "label": [True, False],
                          "keep": False, "n_in": n_in, "n_dropped": n_in, "n_train": 0,
-                         "n_empty": 0}]
+                         "n_empty": 0, "n_cut": n_cut}]
             p, cr, _ = cut
             (tc, ec), (tr, er) = (_rows.content_tokens(x, ids)
                                   for x, ids in zip((chosen, rejected), cr, strict=True))
             return [{"prompt_ids": p, "completion_ids": cr, "label": [True, False],
                      "keep": True, "n_in": n_in, "n_dropped": n_in - len(p) - sum(map(len, cr)),
-                     "n_train": tc + tr, "n_empty": ec + er}]
+                     "n_train": tc + tr, "n_empty": ec + er, "n_cut": n_cut}]
 
         key = ("kto-pairs", explicit, limits, fit, tokenizer.name_or_path, len(tokenizer))
         out, stats = _rows.kept(_rows.map_rows(

@@ -111,13 +111,16 @@ class Reward(Offline, SharePrompt, PadMultiple, PaddingFree):
         def fn(row: dict, idx: int) -> list[dict]:
             prompt = row["prompt"] if has_prompt else None
             tools = row.get("tools")
-            c = _rows.encode_full(tokenizer, prompt, row["chosen"], idx, "chosen", tools)
-            r = _rows.encode_full(tokenizer, prompt, row["rejected"], idx, "rejected", tools)
+            # a field far longer than the last max_length tokens is cut before tokenizing
+            c, n_c = _rows.encode_full(tokenizer, prompt, row["chosen"], idx, "chosen", tools,
+                                       limit)
+            r, n_r = _rows.encode_full(tokenizer, prompt, row["rejected"], idx, "rejected",
+                                       tools, limit)
             n_in = len(c) + len(r)
             empty = int(_rows.is_empty(row["chosen"])) + int(_rows.is_empty(row["rejected"]))
             out: dict[str, Any] = {"chosen_ids": c, "rejected_ids": r, "keep": True,
                                    "n_in": n_in, "n_dropped": 0, "margin": 0.0,
-                                   "n_empty": empty}
+                                   "n_empty": empty, "n_cut": n_c + n_r}
             if margin:
                 m = row["margin"]
                 if isinstance(m, bool) or not isinstance(m, (int, float)):

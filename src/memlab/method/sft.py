@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 import torch
 import torch.nn.functional as F
 
-from memlab.data import chat, cut, text
+from memlab.data import chat, chat_cut, chat_cut_masks, cut, text
 from memlab.data.base import DataError, check_text
+from memlab.data.cut import Keep
 from memlab.losses import chunked_linear_cross_entropy
 from memlab.method import _rows
 from memlab.method._knobs import HeadOn, PaddingFree, PadMultiple
@@ -188,8 +189,9 @@ class SFT(Offline, HeadOn, PadMultiple, PaddingFree, LigerKnobs):
                 out["hollow"].append(self._hollow(fmt, item))
             return out
 
-        key = hashlib.sha1(repr((ds._fingerprint, fmt, limit, cut.WHOLE_LIMIT, self.truncation_mode,
-                                  self.loss_on, tokenizer.name_or_path, len(tokenizer))).encode())
+        key = hashlib.sha1(repr((ds._fingerprint, fmt, limit, cut.WHOLE_LIMIT, cut.SEARCH,
+                                  self.truncation_mode, self.loss_on, tokenizer.name_or_path,
+                                  len(tokenizer))).encode())
         out = ds.map(
             fn, batched=True, batch_size=256, with_indices=True, remove_columns=ds.column_names,
             keep_in_memory=True, new_fingerprint=key.hexdigest(), desc="tokenize",
@@ -226,21 +228,20 @@ class SFT(Offline, HeadOn, PadMultiple, PaddingFree, LigerKnobs):
 
     def _encode(self, fmt: str, row: dict, idx: int, tok, limit: int | None, why: str
                 ) -> tuple[list[int], list[int], int]:
-        """Ids, loss mask and characters cut off before tokenizing of one row. A string far
-        longer than ``limit`` tokens is cut first, to the same kept ids (:mod:`memlab.data.cut`);
-        a field tokenized whole over ``cut.WHOLE_LIMIT`` characters is refused (``why``: why
-        it is kept whole)."""
+        """Ids, loss mask and characters cut off before tokenizing of one row. A string or
+        conversation far longer than ``limit`` tokens is cut first, to the same kept ids and
+        mask (:mod:`memlab.data.cut`, :mod:`memlab.data.chat_cut`); a field tokenized whole over
+        ``cut.WHOLE_LIMIT`` characters is refused (``why``: why it is kept whole)."""
         train_completion = self.loss_on == "completion"
         tools = row.get("tools")
         keep = self.truncation_mode
         if fmt == "messages":
-            cut.check_size(row["messages"], idx, "messages",
-                           why if limit is None else "conversations are not cut before "
-                           "tokenizing")
             if not train_completion:
-                ids = chat.conversation_ids(tok, row["messages"], idx, "messages", tools=tools)
-                return ids, [1] * len(ids), 0
-            return (*chat.assistant_mask(tok, row["messages"], idx, "messages", tools=tools), 0)
+                ids, n_cut = chat_cut.rendered_ids(tok, row["messages"], limit, keep, idx,
+                                                   "messages", tools, kept_whole=why)
+                return ids, [1] * len(ids), n_cut
+            return chat_cut_masks.assistant_mask(tok, row["messages"], limit, keep, idx,
+                                                 tools=tools, kept_whole=why)
         if fmt == "text":
             check_text(row["text"], idx, "text")
             ids, n_cut = cut.encode(tok, row["text"], limit, keep,
@@ -250,12 +251,8 @@ class SFT(Offline, HeadOn, PadMultiple, PaddingFree, LigerKnobs):
         prompt, completion = row["prompt"], row["completion"]
         n_cut = 0
         if isinstance(prompt, list):
-            for name, value in (("prompt", prompt), ("completion", completion)):
-                cut.check_size(value, idx, name, why if limit is None else
-                               "conversations are not cut before tokenizing")
-            p = chat.prompt_ids(tok, prompt, idx, "prompt", tools=tools)
-            full = p + chat.completion_ids(tok, prompt, p, completion, idx, "completion",
-                                           fix=chat.SFT_FIX, tools=tools)
+            p, c, n_cut = _chat_pair(tok, prompt, completion, idx, tools, limit, keep, why)
+            full = p + c
         else:
             check_text(prompt, idx, "prompt")
             if isinstance(completion, list):
@@ -349,6 +346,24 @@ class SFT(Offline, HeadOn, PadMultiple, PaddingFree, LigerKnobs):
             return chunked_linear_cross_entropy(hidden, head.weight, labels, bias=bias,
                                                 chunk_size=self.chunk_size, reduction="sum",
                                                 logit_softcap=softcap, weight_grad_to=tied)
+
+
+def _chat_pair(tok, prompt: list[dict], completion: Any, idx: int, tools: Any,
+               limit: int | None, keep: Keep, why: str) -> tuple[list[int], list[int], int]:
+    """Prompt and completion ids of a conversational prompt-completion row, a field far longer
+    than the ``limit`` tokens kept (at the start or end of prompt + completion) cut before
+    tokenizing to the same kept ids (:mod:`memlab.data.chat_cut`); and the characters cut."""
+    try:
+        pr = chat_cut.prompt(tok, prompt, limit, keep, idx, tools, kept_whole=why)
+        c, n_c = chat_cut.completion_ids(tok, pr, completion, limit, keep, idx, "completion",
+                                         tools, fix=chat.SFT_FIX, kept_whole=why)
+        return pr.ids, c, pr.n_cut + n_c
+    except chat_cut.NotCut as e:  # tokenized whole, refused above the limit
+        for name, value in (("prompt", prompt), ("completion", completion)):
+            cut.check_size(value, idx, name, str(e))
+        p = chat.prompt_ids(tok, prompt, idx, "prompt", tools=tools)
+        return p, chat.completion_ids(tok, prompt, p, completion, idx, "completion",
+                                      fix=chat.SFT_FIX, tools=tools), 0
 
 
 def head_post(model) -> tuple[float, float | None]:
