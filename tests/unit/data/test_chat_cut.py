@@ -75,7 +75,7 @@ def test_kept_ids_and_mask_are_those_of_the_whole_conversation(toks, name):
     tok = toks[name]
     for keep in ("keep_start", "keep_end"):
         kept = slice(0, N) if keep == "keep_start" else slice(-N, None)
-        for i, msgs in enumerate(_conversations(seed=len(name))):
+        for i, msgs in enumerate(_conversations(len(name)) + _conversations(len(name) + 99)):
             whole = chat.conversation_ids(tok, _copy(msgs), i, "messages")
             ids, n_cut = chat_cut.rendered_ids(tok, _copy(msgs), N, keep, i, "messages")
             assert n_cut > 0 and len(ids) < len(whole) and ids[kept] == whole[kept], (keep, i)
