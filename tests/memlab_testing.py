@@ -155,14 +155,25 @@ session (test_distributed.py, test_checkpoints.py, test_deepspeed.py read the sa
 
 
 def app(argv: list[str]) -> int:
-    """``memlab ARGV`` through memlab's Hydra app in this process; its exit status."""
+    """``memlab ARGV`` through memlab's Hydra app in this process; its exit status. The root
+    logger is put back as it was afterwards: Hydra configures it for the app (its console
+    prints every line on stdout), and a later test's run would log through that."""
+    import logging
+
     from memlab.cli.app import run_app
     from memlab.hydra_task import hydra_task
 
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
     try:
         run_app(hydra_task, argv)
     except SystemExit as e:
         return int(e.code or 0)
+    finally:
+        for h in root.handlers:
+            if h not in saved[0]:
+                h.close()
+        root.handlers[:], root.level = saved
     return 0
 
 
