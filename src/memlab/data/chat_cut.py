@@ -31,18 +31,22 @@ kept side differently once the far side is cut (Qwen3 moving reasoning before a 
   turn across the cut must have its end-of-turn token on the kept side (``keep_end``) or no
   special token before the cut (``keep_start``). The whole text's boundaries on the far side
   must be token boundaries by offsets, proven on a piece of text between two word boundaries
-  around each, so that the whole conversation would have been split the same way (by offsets,
-  never by the prefix renderings, which could fail far from the kept tokens).
+  around each (the tokens between two word boundaries are those of the whole text), so that
+  the whole conversation would have been split the same way, by offsets (the tokenizers
+  :func:`memlab.data.cut.why_not` admits give offsets in order), never by the prefix
+  renderings, which could fail far from the kept tokens.
 
 A prompt + completion (``completion_ids``) is rendered whole and cut too: the whole rendering
-must start with the whole prompt's (the check the whole row makes), and the cut one with the cut
-prompt's, whose tokens must begin its ids.
+must start with the whole prompt's (the check the whole row makes), the cut one with the cut
+prompt's; the whole row's check that the pair's ids begin with the prompt's is decided on the
+cut text where the prompt's end is kept, and on two pieces of the whole texts around it where it
+is cut off (:meth:`_Pair.whole_prefix`), so a row the whole check refuses is refused cut too.
 
 **Not cut** (tokenized whole, so refused above :data:`memlab.data.cut.WHOLE_LIMIT` characters):
 a method that keeps every token, a tokenizer :func:`memlab.data.cut.why_not` rejects, a check
 above that fails (:class:`NotCut` where a row's several fields must be redone whole together).
-What the cut text decides on the far side alone is taken for the whole: a token merged across a
-prompt / completion boundary that lies wholly in the part cut off.
+A check made on the cut text alone decides for the whole only where its tokens are proven the
+same; elsewhere the cut row is not cut.
 """
 
 from __future__ import annotations
