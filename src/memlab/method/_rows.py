@@ -93,12 +93,13 @@ def _split_text(chosen: Any, rejected: Any, idx: int) -> tuple[str, str, str]:
 
 
 WHOLE = "the prompt of an eval sample is tokenized whole"
-"""Why :func:`encode_prompt`, :func:`encode_completion` and :func:`encode_full` without a limit
-refuse a field over :data:`memlab.data.cut.WHOLE_LIMIT` characters (eval samples' prompts).
-Where a method truncates, :func:`encode_example` and :func:`encode_full` cut a field far longer
-than it keeps before tokenizing (:mod:`memlab.data.cut`, :mod:`memlab.data.chat_cut`): the
-prompt kept at its end, completions at their start (reward sequences at their end), to the
-same kept ids; so the limits (prompt from the left, completions from the right, the example
+"""Why :func:`encode_prompt` and :func:`encode_completion`, which tokenize whole, refuse a field
+over :data:`memlab.data.cut.WHOLE_LIMIT` characters (an eval sample's prompt; the fields a cut
+falls back to whole are checked first, with the reason they are not cut, :data:`KEPT` or
+:mod:`memlab.data.chat_cut`'s). Where a method truncates, :func:`encode_example` and
+:func:`encode_full` cut a field far longer than it keeps before tokenizing
+(:mod:`memlab.data.cut`, :mod:`memlab.data.chat_cut`): the prompt kept at its end, completions
+at their start (reward sequences at their end), to the same kept ids; so the limits (prompt from the left, completions from the right, the example
 dropped when the prompt fills max_length) decide the same as on whole tokenizations. The tokens
 counted in (``data.tokens_in``) are those tokenized; the characters cut off before, in the
 ``data`` section's ``cut_before_tokenizing`` (:func:`kept`)."""
