@@ -101,8 +101,9 @@ falls back to whole are checked first, with the reason they are not cut, :data:`
 (:mod:`memlab.data.cut`, :mod:`memlab.data.chat_cut`): the prompt kept at its end, completions
 at their start (reward sequences at their end), to the same kept ids; so the limits (prompt
 from the left, completions from the right, the example dropped when the prompt fills
-max_length) decide the same as on whole tokenizations. The tokens counted in (``data.tokens_in``) are those tokenized; the characters cut off before, in the
-``data`` section's ``cut_before_tokenizing`` (:func:`kept`)."""
+max_length) decide the same as on whole tokenizations. The tokens counted in
+(``data.tokens_in``) are those tokenized; the characters cut off before, in the ``data``
+section's ``cut_before_tokenizing`` (:func:`kept`)."""
 KEPT = ("the method keeps every token of it (its length limits are null: max_prompt_length, "
         "max_completion_length, max_length)")
 """Why a field is tokenized whole where no limit of the method cuts it."""

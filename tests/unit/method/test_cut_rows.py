@@ -55,7 +55,8 @@ def _rows(kind: str, seed: int = 0) -> dict[str, list[dict]]:
     def prompt(n: int):
         if kind == "text":
             return _text(rng, n)
-        return [{"role": "system", "content": "Answer."}, {"role": "user", "content": _text(rng, n)}]
+        return [{"role": "system", "content": "Answer."},
+                {"role": "user", "content": _text(rng, n)}]
 
     sizes = [(600, 600, 3), (3, 600, 700), (700, 3, 3), (3, 3, 3), (500, 500, 500)]
     return {"pairs": [{"prompt": prompt(p), "chosen": field(c), "rejected": field(r)}
