@@ -43,8 +43,10 @@ from multiprocessing import popen_forkserver
 from multiprocessing.context import ForkServerProcess
 from typing import Any
 
-PRELOAD = ("memlab.rank", "memlab.pipeline", "transformers", "datasets")
-"""What the fork server imports before it forks (CPU machines only)."""
+PRELOAD = ("memlab.rank", "memlab.run", "memlab.pipeline", "transformers", "datasets",
+           "hydra_plugins.memlab_launcher.worker")
+"""What the fork server imports before it forks (CPU machines only): a rank's modules, and a
+sweep job's (the launcher forks its jobs from the same server)."""
 
 _configured: list[bool] = []
 
@@ -81,9 +83,9 @@ ORPHAN_GRACE_S = 10.0
 stuck in a collective does not run Python's signal handlers)."""
 
 
-def _stop_with(pid: int) -> None:
+def _stop_with(pid: int, kill_after_s: float | None = ORPHAN_GRACE_S) -> None:
     """SIGTERM to this process when process ``pid`` (the run's) ends, or at once if it has;
-    SIGKILL ``ORPHAN_GRACE_S`` later if it is still there."""
+    SIGKILL ``kill_after_s`` later if it is still there (None: never)."""
     import select
     import threading
 
@@ -103,8 +105,9 @@ def _stop_with(pid: int) -> None:
             while _alive(pid):
                 time.sleep(1.0)
         os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(ORPHAN_GRACE_S)
-        os.kill(os.getpid(), signal.SIGKILL)
+        if kill_after_s is not None:
+            time.sleep(kill_after_s)
+            os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=wait, name="memlab-run-watch", daemon=True).start()
 
@@ -119,29 +122,38 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _rank(worker: str, run_dir: str, env: dict[str, str], out: _Received | str,
-          err: _Received | str, run_pid: int, keep: list[_Received]) -> None:
-    """The rank's process: becomes ``python -m <worker> <run_dir>`` (the module docstring);
+def _child(module: str, argv: list[str], env: dict[str, str], out: _Received | str,
+           err: _Received | str, parent_pid: int, keep: list[_Received],
+           orphan_kill_s: float | None) -> None:
+    """The child's process: becomes ``python -m <module> <argv...>`` (the module docstring);
     ``keep``: descriptors it holds until it ends."""
     import atexit
     import runpy
 
     os.setsid()
-    _stop_with(run_pid)
+    _stop_with(parent_pid, orphan_kill_s)
     sys.stdout.flush()
     sys.stderr.flush()
     _redirect(out, 1)
     _redirect(err, 2)
     os.environ.clear()
     os.environ.update(env)
+    if env.get("PYTHONUNBUFFERED"):  # as ``python -u``: each write reaches the pipe at once
+        import io
+
+        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True,
+                                      encoding=sys.stdout.encoding, errors=sys.stdout.errors)
+        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True,
+                                      encoding=sys.stderr.encoding, errors="backslashreplace")
     if env.get("OMP_NUM_THREADS", "").isdigit():  # the server read its own when torch loaded
         import torch
 
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
-    sys.argv = [worker, run_dir]
+    sys.argv = [module, *argv]
+    sys.modules.pop(module, None)  # run afresh as __main__ (what it imports stays loaded)
     code: Any = 0
     try:
-        runpy.run_module(worker, run_name="__main__", alter_sys=True)
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
     except SystemExit as e:
         code = e.code
     except BaseException:
@@ -196,6 +208,17 @@ class _RankProcess(ForkServerProcess):
         return _RankPopen(process_obj)
 
 
+_server_env: dict[str, str] = {}
+"""The environment the fork server started with (what its imports read)."""
+
+IMPORT_ENV = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "DATASETS_", "TOKENIZERS_", "TORCH",
+              "PYTORCH_", "ATEN_", "ONEDNN_", "DNNL_", "MKL", "KMP_", "XDG_", "HOME",
+              "PYTHONHASHSEED", "PYTHONPATH", "PYTHONWARNINGS")
+"""Environment variables (by prefix) that what the server imports may read as it loads (cache
+locations, offline modes, torch's CPU kernels, the hash seed): a process whose environment
+differs from the server's in one of them is not forked from it (:func:`serves`)."""
+
+
 def _context(preload: bool):
     import multiprocessing
 
@@ -203,7 +226,68 @@ def _context(preload: bool):
     if not _configured:  # (the server takes its preload list once, when it starts)
         ctx.set_forkserver_preload(list(PRELOAD) if preload else [])
         _configured.append(preload)
+        _server_env.update(os.environ)
     return ctx
+
+
+def _import_env(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k.startswith(IMPORT_ENV)}
+
+
+def serves(env: dict[str, str]) -> bool:
+    """Whether a process with environment ``env`` may be a fork of the preloading server: it
+    imports ahead (CPU machines), and ``env`` agrees with the server's on :data:`IMPORT_ENV`
+    (the server's is this process's own until it has started)."""
+    if _configured and not _configured[0]:
+        return False
+    return _import_env(env) == _import_env(_server_env if _configured else dict(os.environ))
+
+
+def fork(module: str, argv: Sequence[str], env: dict[str, str], out: int | str,
+         err: int | str, *, preload: bool, keep: Sequence[int] = (),
+         orphan_kill_s: float | None = ORPHAN_GRACE_S, name: str | None = None) -> Any:
+    """A started process that is what ``python -m <module> <argv...>`` would be, with
+    environment ``env`` (the whole of it), forked from the server (the module docstring).
+    ``out`` / ``err``: a descriptor of this process (passed to the child) or a file path;
+    ``keep``: descriptors it holds while it lives; ``orphan_kill_s``: seconds from the SIGTERM
+    it gets when this process ends to a SIGKILL (None: none). Returns the
+    ``multiprocessing`` process (``pid``, ``exitcode``, ``join``)."""
+    _context(preload)  # the fork server and what it imports ahead, set once
+    p = _RankProcess(target=_child, name=name,
+                     args=(module, list(argv), env, _Fd(out) if isinstance(out, int) else out,
+                           _Fd(err) if isinstance(err, int) else err, os.getpid(),
+                           [_Fd(fd) for fd in keep], orphan_kill_s))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    p.start()
+    return p
+
+
+class Forked:
+    """A process of :func:`fork` seen as a ``subprocess.Popen`` (``pid``, ``poll``,
+    ``returncode``, ``wait``, ``send_signal``): the sweep launcher's jobs."""
+
+    def __init__(self, process: Any):
+        self._process = process
+        self.pid: int = process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        import subprocess
+
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(f"forked {self.pid}", timeout or 0.0)
+        return self._process.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        os.kill(self.pid, sig)
 
 
 @dataclass
@@ -252,19 +336,13 @@ def start(worker: str, run_dir: str, envs: dict[int, dict[str, str]],
     running ``python -m <worker> <run_dir>``; ``logs[r]``: (stdout, stderr) files of rank r,
     None for the run's own; ``keep``: this process's descriptors every rank holds while it
     lives. ``preload``: import :data:`PRELOAD` in the server first (CPU only)."""
-    _context(preload)  # the fork server and what it imports ahead, set once
     procs = []
     try:
         for r, env in envs.items():
             files = logs.get(r)
-            out, err = files if files else (_Fd(1), _Fd(2))
-            p = _RankProcess(target=_rank, name=f"rank{r}",
-                            args=(worker, run_dir, {**os.environ, **env}, out, err,
-                                  os.getpid(), [_Fd(fd) for fd in keep]))
-            sys.stdout.flush()
-            sys.stderr.flush()
-            p.start()
-            procs.append(p)
+            out, err = files if files else (1, 2)
+            procs.append(fork(worker, [run_dir], {**os.environ, **env}, out, err,
+                              preload=preload, keep=keep, name=f"rank{r}"))
     except BaseException:
         Started(procs).stop(signal.SIGKILL, 0)
         raise

@@ -1,0 +1,54 @@
+"""When the sweep launcher forks a job from memlab's fork server (torch, transformers and memlab
+imported once) and when it starts ``python -m`` as before: the decision alone, with no server
+started (the forked jobs themselves run in every sweep of the main tier: tests/integration/
+test_cli.py checks a forked job measures like a lone run, tests/reliability/test_endings.py
+stops forked jobs; test_sweep.py's jobs run under ``hydra.launcher.python``, the exec path)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from hydra_plugins.memlab_launcher import memlab_launcher
+from hydra_plugins.memlab_launcher.memlab_launcher import MemlabLauncher
+from memlab.distributed import starter
+
+
+@pytest.fixture
+def server_started_with(monkeypatch):
+    """The fork server as if it had started with ``env`` (nothing is started)."""
+
+    def started(env: dict[str, str], preload: bool = True) -> None:
+        monkeypatch.setattr(starter, "_configured", [preload])
+        monkeypatch.setattr(starter, "_server_env", dict(env))
+
+    return started
+
+
+def test_a_job_is_forked_only_where_its_imports_would_read_the_same_environment(
+        server_started_with, monkeypatch):
+    monkeypatch.setattr(starter, "_configured", [])
+    here = dict(os.environ)
+    assert starter.serves(here)  # not started yet: it would start with this environment
+    assert starter.serves({**here, "REL_DIR": "/x", "MEMLAB_RECORD_ID": "ab", "RANK": "1"})
+    for name in ("HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_CACHE", "HF_DATASETS_CACHE",
+                 "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "PYTHONHASHSEED", "XDG_CACHE_HOME"):
+        assert not starter.serves({**here, name: "/elsewhere"}), name
+    server_started_with({**here, "HF_HOME": "/server"})
+    assert not starter.serves(here)  # the server's transformers read another cache
+    assert starter.serves({**here, "HF_HOME": "/server"})
+    server_started_with(here, preload=False)  # a CUDA machine's server imports nothing ahead
+    assert not starter.serves(here)
+
+
+def test_the_launcher_forks_with_its_own_python_on_a_machine_without_cuda(monkeypatch):
+    monkeypatch.setattr(starter, "_configured", [])
+    monkeypatch.setattr(memlab_launcher, "_cuda_present", lambda: False)
+    env = dict(os.environ)
+    assert MemlabLauncher()._forks(env)
+    assert not MemlabLauncher(fork_server=False)._forks(env)
+    assert not MemlabLauncher(python="/opt/wrapper.sh")._forks(env)  # rlimits, another python
+    assert not MemlabLauncher()._forks({**env, "HF_HOME": "/job/own/cache"})
+    monkeypatch.setattr(memlab_launcher, "_cuda_present", lambda: True)
+    assert not MemlabLauncher()._forks(env)
