@@ -62,8 +62,7 @@ WORKER = "hydra_plugins.memlab_launcher.worker"
 
 
 def _cuda_present() -> bool:
-    """A CUDA device on this machine (read without importing torch: /dev/nvidia*)."""
-    return any(Path("/dev").glob("nvidia[0-9]*"))
+    return starter.cuda_present()
 
 
 @dataclass

@@ -150,7 +150,10 @@ def _child(module: str, argv: list[str], env: dict[str, str], out: _Received | s
 
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     sys.argv = [module, *argv]
-    sys.modules.pop(module, None)  # run afresh as __main__ (what it imports stays loaded)
+    # run afresh as __main__ (what it imports stays loaded); a package runs its __main__
+    loaded = sys.modules.get(module)
+    sys.modules.pop(module if getattr(loaded, "__path__", None) is None
+                    else f"{module}.__main__", None)
     code: Any = 0
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
@@ -288,6 +291,17 @@ class Forked:
 
     def send_signal(self, sig: int) -> None:
         os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def cuda_present() -> bool:
+    """A CUDA device on this machine, read without importing torch (``/dev/nvidia<N>``): where
+    one is, nothing is forked from a server that imported ahead."""
+    from pathlib import Path
+
+    return any(Path("/dev").glob("nvidia[0-9]*"))
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""``memlab fit``'s measured runs: a candidate trained for a few steps in a fresh process, stopped
+"""``memlab fit``'s measured runs: a candidate trained for a few steps in its own process, stopped
 in order when fit is, and read back from its summary (:func:`run_once`, :func:`read_run`)."""
 
 from __future__ import annotations
@@ -45,9 +45,9 @@ def run_command(overrides: list[str], steps: int, run_dir: Path) -> list[str]:
 
 
 def run_once(overrides: list[str], steps: int, run_dir: Path) -> dict[str, Any]:
-    """Train ``overrides`` for ``steps`` steps in a fresh process; what its summary says
-    (:func:`read_run`). The run has its own session (a Ctrl-C reaches fit, not the run) and its
-    console in ``<run_dir>.log`` (no pipe to break when fit ends). Whatever stops fit while the
+    """Train ``overrides`` for ``steps`` steps in its own process (:func:`_start`); what its
+    summary says (:func:`read_run`). The run has its own session (a Ctrl-C reaches fit, not the
+    run) and its console in ``<run_dir>.log`` (no pipe to break when fit ends). Whatever stops fit while the
     run trains stops the run in order too (:func:`stop_run`), and is raised again."""
     cmd = run_command(overrides, steps, run_dir)
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
@@ -59,8 +59,7 @@ def run_once(overrides: list[str], steps: int, run_dir: Path) -> dict[str, Any]:
     unlink_link(log)  # a link planted there is replaced, never followed out of the directory
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
     with open(fd, "wb") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = _start(cmd, env, out.fileno())
     try:
         proc.wait()
     except BaseException:
@@ -69,12 +68,26 @@ def run_once(overrides: list[str], steps: int, run_dir: Path) -> dict[str, Any]:
     return read_run(run_dir, proc.returncode, time.perf_counter() - t0)
 
 
+def _start(cmd: list[str], env: dict[str, str], out: int) -> Any:
+    """The measured run's process, in its own session: forked from memlab's fork server where
+    one serves it (:mod:`memlab.distributed.starter`: a CPU machine, the same import-time
+    environment; the ~3.5 s of imports a fresh interpreter spends saved), else ``cmd`` run."""
+    from memlab.distributed import starter
+
+    if cmd[:3] == [sys.executable, "-m", "memlab"] and not starter.cuda_present() and (
+            starter.serves(env)):
+        return starter.Forked(starter.fork("memlab", cmd[3:], env, out, out, preload=True,
+                                           orphan_kill_s=None, name="fit-run"))
+    return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
 def run_log(run_dir: Path) -> Path:
     """Where a measured run's console goes (beside its run dir)."""
     return run_dir.with_name(run_dir.name + ".log")
 
 
-def stop_run(proc: subprocess.Popen) -> None:
+def stop_run(proc: Any) -> None:
     """SIGTERM to a measured run (it records ``interrupted`` with what it measured and stops
     its ranks), SIGKILL to its session after :data:`STOP_GRACE_S` or at a second stop."""
     if proc.poll() is not None:
