@@ -171,13 +171,16 @@ def _holders(path) -> list[str]:
 
 
 @pytest.mark.slow
-def test_a_sweeps_stop_reaches_the_ranks_of_its_job(tmp_path):
+@pytest.mark.parametrize("grace", [["hydra.launcher.stop_grace_s=2"], []],
+                         ids=["short grace", "default grace"])
+def test_a_sweeps_stop_reaches_the_ranks_of_its_job(tmp_path, grace):
     """SIGTERM to a sweep whose job runs two DDP ranks, with a short grace
-    (``hydra.launcher.stop_grace_s=2``): the job records ``interrupted`` and no rank is left
-    running (they end with their job, stopped by it or, past the grace, by their watch on it)."""
+    (``hydra.launcher.stop_grace_s=2``) and the default one (30 s): the job records
+    ``interrupted`` and no rank is left running (they end with their job, stopped by it or,
+    past the grace, by their watch on it)."""
     pause, log, sweep = tmp_path / "pause", tmp_path / "sweep.log", tmp_path / "sweep"
     proc = memlab_popen(["-m", *SMOKE, "distributed=ddp", "distributed.nproc=2",
-                         "hydra.launcher.stop_grace_s=2", f"hydra.sweep.dir={sweep}",
+                         *grace, f"hydra.sweep.dir={sweep}",
                          "+hydra.launcher.env.MEMLAB_PAUSE_AT=step:1",
                          f"+hydra.launcher.env.MEMLAB_PAUSE_DIR={pause}"], log)
     pids: list[int] = []
