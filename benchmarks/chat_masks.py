@@ -12,7 +12,8 @@ median ~300 tokens), the shipped tokenizer. Side by side in one invocation, best
 * ``turns, prefix ids``: the fallback that tokenizes every prefix rendering and compares ids.
 
 Ratios are to ``render+tokenize``. Usage: ``PYTHONPATH=src OMP_NUM_THREADS=1 python
-benchmarks/chat_masks.py [--n 2000] [--repeats 3] [--out PATH]``.
+benchmarks/chat_masks.py [--n 2000] [--repeats 3] [--out PATH] [--dry-run]`` (``--dry-run``:
+every case once on 4 conversations, nothing written).
 """
 
 from __future__ import annotations
@@ -20,16 +21,21 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import time
 from pathlib import Path
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=2000)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "chat_masks.json"))
-    args = ap.parse_args()
+    ap.add_argument("--dry-run", action="store_true",
+                    help="every case once on 4 conversations; nothing timed or written")
+    args = ap.parse_args(argv)
+    if args.dry_run:
+        args.n, args.repeats = min(args.n, 4), 1
 
     from memlab.data import chat
     from memlab.data.assets import load_tokenizer
@@ -66,6 +72,12 @@ def main() -> None:
              ("turns, prefix ids", prefix_ids)]
     tokens = sum(len(marked.apply_chat_template(m, tokenize=True, return_dict=True)["input_ids"])
                  for m in rows)
+    if args.dry_run:
+        for name, fn in cases:
+            fn()
+            print(f"  [chat_masks] {name:20s} ran on {len(rows)} conversations ({tokens} tokens)")
+        print("[chat_masks] dry run: 0 invalid")
+        return 0
     times: dict[str, list[float]] = {name: [] for name, _ in cases}
     for _name, fn in cases:
         fn()  # warm-up (template compile caches)
@@ -88,7 +100,8 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2))
     print(f"wrote {args.out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

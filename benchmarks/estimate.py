@@ -6,7 +6,9 @@ counts, as a user sees it) with ``OMP_NUM_THREADS=1``; the table shows the proce
 the estimator's own time, its max RSS and the predicted peak. Wall time varies ~2x on shared
 machines: read it against the 60 s target, not as a precise number.
 
-Usage: ``python benchmarks/estimate.py [--out benchmarks/results/estimate.json] [--quick]``.
+Usage: ``python benchmarks/estimate.py [--out benchmarks/results/estimate.json] [--quick]
+[--dry-run]`` (``--dry-run``: every case composed and validated, its command printed, nothing
+estimated).
 """
 
 from __future__ import annotations
@@ -40,12 +42,25 @@ CASES = {
 }
 
 
+def command(overrides: list[str], out: str) -> list[str]:
+    return [sys.executable, "-m", "memlab", "mode=estimate", *overrides, "--out", out]
+
+
+def dry_run(cases: list[tuple[str, list[str]]]) -> int:
+    from _dry_run import check, done, for_estimate, show
+
+    bad = 0
+    for name, overrides in cases:
+        show("estimate", name, command(overrides, "<tmp>"))
+        bad += check("estimate", [(name, overrides)], validator=for_estimate("cpu"))
+    return done("estimate", bad)
+
+
 def run_case(name: str, overrides: list[str]) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     with tempfile.TemporaryDirectory() as out:
         t0 = time.perf_counter()
-        r = subprocess.run([sys.executable, "-m", "memlab", "mode=estimate", *overrides,
-                            "--out", out], cwd=REPO, env=env, capture_output=True, text=True,
+        r = subprocess.run(command(overrides, out), cwd=REPO, env=env, capture_output=True, text=True,
                            timeout=900)
         wall = time.perf_counter() - t0
         path = Path(out) / "estimate.json"
@@ -62,12 +77,16 @@ def run_case(name: str, overrides: list[str]) -> dict:
     return row
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "estimate.json")
     ap.add_argument("--quick", action="store_true", help="the first case only")
-    args = ap.parse_args()
+    ap.add_argument("--dry-run", action="store_true",
+                    help="compose and validate every case, print its command; estimate nothing")
+    args = ap.parse_args(argv)
     cases = list(CASES.items())[:1] if args.quick else list(CASES.items())
+    if args.dry_run:
+        return dry_run(cases)
     rows = []
     for name, overrides in cases:
         print(f"[estimate bench] {name} ...", file=sys.stderr, flush=True)

@@ -23,7 +23,8 @@ wall time to a loaded machine) and max RSS. Targets (issue 33, 2 cores): Llama-3
 4,096 tokens <= 15 s, Qwen2.5-0.5B <= 5 s, the shipped GRPO experiment < 60 s, RSS < 1 GiB.
 
 Usage: ``python benchmarks/estimate_speed.py [--cases a,b] [--repeats N]
-[--out benchmarks/results/estimate_speed.json] [--write-before]``.
+[--out benchmarks/results/estimate_speed.json] [--write-before] [--dry-run]`` (``--dry-run``:
+every case composed and validated, its flags parsed, nothing estimated).
 """
 
 from __future__ import annotations
@@ -100,11 +101,26 @@ def run_case(overrides: list[str], flags: list[str], repeats: int, parallel: boo
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+def dry_run(names: list[str]) -> int:
+    """Every case composed and validated as ``memlab estimate`` validates it (cuda with a
+    ``--card``, as ``memlab.estimate.options.device_of``); nothing estimated. (The flags
+    themselves are not parsed: memlab estimate's parser imports the estimator, ~5 s.)"""
+    from _dry_run import check, done, for_estimate, show
+
+    bad = 0
+    for name in names:
+        overrides, flags = CASES[name]
+        show("estimate_speed", name, ["memlab", "estimate", *overrides, *flags])
+        bad += check("estimate_speed", [(name, overrides)],
+                     validator=for_estimate("cuda" if "--card" in flags else "cpu"))
+    return done("estimate_speed", bad)
+
+
 def slug(name: str) -> str:
     return "".join(c if c.isalnum() or c in ".-" else "_" for c in name)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default=None, help="comma-separated case names (default: all)")
     ap.add_argument("--repeats", type=int, default=2)
@@ -116,8 +132,15 @@ def main() -> int:
     ap.add_argument("--write-before", action="store_true",
                     help="write each case's estimate.json as the reference (run with the "
                          "code before the change)")
-    args = ap.parse_args()
+    ap.add_argument("--dry-run", action="store_true",
+                    help="compose and validate every case, parse its flags; estimate nothing")
+    args = ap.parse_args(argv)
     names = args.cases.split(",") if args.cases else list(CASES)
+    unknown = sorted(set(names) - set(CASES))
+    if unknown:
+        ap.error(f"unknown case(s) {unknown}; choose from {list(CASES)}")
+    if args.dry_run:
+        return dry_run(names)
     subprocess.run([sys.executable, "-m", "compileall", "-q", str(REPO / "src" / "memlab")],
                    check=True)  # (the bytecode a user's process finds: module docstring)
     rows = []

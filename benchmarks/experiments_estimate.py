@@ -9,7 +9,8 @@ the peak, the verdict against the card, the time the estimate took, and the comm
 the experiment on a machine with the weights (also from the YAML header). It writes
 ``benchmarks/results/experiments_estimate.json``.
 
-Usage: ``python benchmarks/experiments_estimate.py [--only NAME ...] [--out PATH]``.
+Usage: ``python benchmarks/experiments_estimate.py [--only NAME ...] [--out PATH] [--dry-run]``
+(``--dry-run``: every experiment composed and validated, its card parsed, nothing estimated).
 """
 
 from __future__ import annotations
@@ -51,12 +52,32 @@ def run(name: str, card: str) -> dict:
     return est
 
 
-def main() -> int:
+def dry_run(found: list[tuple[str, str]]) -> int:
+    """Every experiment with a card composed and validated as ``memlab estimate --card``
+    validates it (for a CUDA machine); nothing estimated."""
+    from _dry_run import check, done, for_estimate, show
+
+    bad = 0
+    for name, card in found:
+        show("experiments_estimate", name,
+             ["memlab", "estimate", f"experiment={name}", "--card", card])
+        bad += check("experiments_estimate", [(name, [f"experiment={name}"])],
+                     validator=for_estimate("cuda"))
+    return done("experiments_estimate", bad, [] if found else ["no experiment names a card"])
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="*", default=None, help="experiment names to run")
     ap.add_argument("--out", type=Path,
                     default=REPO / "benchmarks" / "results" / "experiments_estimate.json")
-    args = ap.parse_args()
+    ap.add_argument("--dry-run", action="store_true",
+                    help="compose and validate every experiment; estimate nothing")
+    args = ap.parse_args(argv)
+    if args.dry_run:
+        found = [(path.stem, commands(path)["card"]) for path in sorted(EXPERIMENTS.glob("*.yaml"))]
+        return dry_run([(n, c) for n, c in found
+                        if c is not None and (not args.only or n in args.only)])
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     rows = []

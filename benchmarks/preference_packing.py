@@ -13,7 +13,8 @@ Targets (issue 17; not tests): ``packing=bfd_split method.share_prompt=true`` at
 padded run's tokens/s and <= 0.7x its peak.
 
 Usage: ``python benchmarks/preference_packing.py [--rounds 3] [--steps 12] [--max-length 1024]
-[--only NAME ...] [--out PATH]``; writes ``benchmarks/results/preference_packing.json``.
+[--only NAME ...] [--out PATH] [--dry-run]`` (``--dry-run``: every layout's run composed and
+validated, nothing run); writes ``benchmarks/results/preference_packing.json``.
 """
 
 from __future__ import annotations
@@ -47,12 +48,25 @@ LAYOUTS: dict[str, list[str]] = {
 }
 
 
+def overrides(name: str, args: argparse.Namespace) -> list[str]:
+    return ["method=dpo", *LAYOUTS[name], f"method.max_length={args.max_length}",
+            f"train.steps={args.steps}", f"train.batch_size={args.batch_size}",
+            "train.progress=false", "train.device=cpu"]
+
+
+def dry_run(names: list[str], args: argparse.Namespace) -> int:
+    """Every layout's run composed and validated, its command printed; nothing run."""
+    from _dry_run import check, done, show
+
+    for name in names:
+        show("preference_packing", name, ["memlab", *overrides(name, args)])
+    return done("preference_packing",
+                check("preference_packing", [(n, overrides(n, args)) for n in names]))
+
+
 def one_run(name: str, args: argparse.Namespace, where: Path) -> dict:
     run_dir = where / name
-    cmd = [sys.executable, "-m", "memlab", "method=dpo", *LAYOUTS[name],
-           f"method.max_length={args.max_length}", f"train.steps={args.steps}",
-           f"train.batch_size={args.batch_size}", "train.progress=false", "train.device=cpu",
-           f"hydra.run.dir={run_dir}"]
+    cmd = [sys.executable, "-m", "memlab", *overrides(name, args), f"hydra.run.dir={run_dir}"]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
            "TOKENIZERS_PARALLELISM": "false"}
     t0 = time.perf_counter()
@@ -145,7 +159,7 @@ def verdict(summary: dict[str, dict]) -> dict:
             "peak_ratio": t["peak_ratio"], "peak_target": TARGET_PEAK, "peak_met": peak_ok}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=12)
@@ -154,11 +168,15 @@ def main() -> int:
     ap.add_argument("--only", nargs="*", default=None, help=f"layouts ({', '.join(LAYOUTS)})")
     ap.add_argument("--out", type=Path,
                     default=REPO / "benchmarks" / "results" / "preference_packing.json")
-    args = ap.parse_args()
+    ap.add_argument("--dry-run", action="store_true",
+                    help="compose and validate every layout's run; run nothing")
+    args = ap.parse_args(argv)
     names = [BASELINE] + [n for n in (args.only or LAYOUTS) if n != BASELINE]
     unknown = sorted(set(names) - set(LAYOUTS))
     if unknown:
         ap.error(f"unknown layout(s) {unknown}; choose from {list(LAYOUTS)}")
+    if args.dry_run:
+        return dry_run(names, args)
     rounds: list[dict[str, dict]] = []
     with tempfile.TemporaryDirectory(prefix="memlab-prefpack-") as tmp:
         for i in range(args.rounds):

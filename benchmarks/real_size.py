@@ -35,6 +35,7 @@ Usage (TRL 1.16 importable, bitsandbytes for the 8-bit rows: ``bash scripts/setu
 whose dir goes on the 8-bit runs' PYTHONPATH)::
 
     python benchmarks/real_size.py [--only default,lora] [--rounds 2] [--curves]
+    python benchmarks/real_size.py --dry-run   # no TRL needed: every memlab run validated
 
 One real-size process runs at a time; before each the script waits until the machine has the
 memory the run needs (``--need-gib``). ~3 h for everything on 2 shared cores. Writes
@@ -486,7 +487,44 @@ def curves(s: Settings, data: str, work: Path, log) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 
 
-def main() -> None:
+def dry_run(s: Settings, cases: list[Case], sides: tuple[str, ...]) -> int:
+    """Every case's memlab run composed and validated (memory mode; the speed runs differ only
+    in ``measure.*``: the first case's), with bitsandbytes assumed where a case puts
+    ``.cpu-kernels`` on the path, on a one-row file in place of the generated data; TRL's
+    side listed (TRL itself is imported only by its job); nothing run."""
+    import dataclasses
+
+    from _dry_run import TRL_MISSING, check, done, show, trl_importable
+
+    from memlab.config import Platform
+
+    here = Platform.detect()
+    kernels = dataclasses.replace(here, assume_installed=here.assume_installed
+                                  | {"bitsandbytes"})
+    bad = 0
+    with tempfile.TemporaryDirectory(prefix="memlab-real-size-dry-") as tmp:
+        data = Path(tmp) / "text.jsonl"
+        data.write_text(json.dumps({"text": "hello"}) + "\n")
+        for c in cases:
+            knobs = tiny_knobs(c.model)
+            runs = [("memory", s.memory_steps)] + ([("speed", s.speed_steps)] if c is cases[0]
+                                                    and c.speed else [])
+            for mode, steps in runs:
+                overrides = memlab_overrides(s, c, str(data), mode, steps, knobs)
+                if "memlab" in sides:
+                    bad += check("real_size", [(f"{c.name} {mode}", overrides)],
+                                 platform=kernels if c.kernels else here)
+            if c.trl is not None and "trl" in sides:
+                print(f"  [real_size] {c.name + ' trl':44} SFTConfig from {c.trl or 'defaults'}")
+        show("real_size", f"{cases[0].name} memory",
+             ["memlab", *memlab_overrides(s, cases[0], "<data>", "memory", s.memory_steps,
+                                          tiny_knobs(cases[0].model))])
+    if "trl" in sides and not trl_importable():
+        print(f"  [real_size] {TRL_MISSING}")
+    return done("real_size", bad)
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", default=None, help="comma-separated case names")
@@ -506,7 +544,9 @@ def main() -> None:
                          "on TRL's side now (the same TRL configuration) are taken from it, "
                          "and the row says so")
     ap.add_argument("--job", help=argparse.SUPPRESS)
-    a = ap.parse_args()
+    ap.add_argument("--dry-run", action="store_true",
+                    help="compose and validate every case's memlab run; run nothing")
+    a = ap.parse_args(argv)
     if a.job:
         req = json.loads(Path(a.job).read_text())
         from real_size_trl import trl_job
@@ -519,12 +559,17 @@ def main() -> None:
             r = {"status": "failed", "error": f"{type(e).__name__}: {e}",
                  "traceback": traceback.format_exc()}
         (Path(req["dir"]) / "result.json").write_text(json.dumps(r))
-        return
+        return 0
     sys.path.insert(0, str(REPO / "src"))
     s = Settings()
     if a.rounds is not None:
         s.rounds = a.rounds
     cases = [c for c in CASES if not a.only or c.name in a.only.split(",")]
+    unknown = sorted(set(a.only.split(",") if a.only else ()) - {c.name for c in CASES})
+    if unknown:
+        ap.error(f"unknown case(s) {unknown}; choose from {[c.name for c in CASES]}")
+    if a.dry_run:
+        return dry_run(s, cases, tuple(a.sides.split(",")))
     work = Path(a.workdir or tempfile.mkdtemp(prefix="memlab-real-size-"))
     work.mkdir(parents=True, exist_ok=True)
     logf = (work / "log.txt").open("a")
@@ -570,7 +615,8 @@ def main() -> None:
     out.write_text(json.dumps(rep, indent=1) + "\n")
     log(markdown(rep))
     log(f"wrote {out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -53,7 +53,8 @@ side runs. To get it without touching the main environment:
 (the TRL worker is started with ``--trl-python``, default: this python if it imports trl, else
 ``/tmp/trlvenv/bin/python``).
 
-Usage: ``python benchmarks/techniques.py [--quick] [--out PATH] [--rounds N] [--only a,b]``.
+Usage: ``python benchmarks/techniques.py [--quick] [--out PATH] [--rounds N] [--only a,b]``;
+``--dry-run``: every configuration's memlab runs composed and validated, nothing run.
 Full run ~15 min on 2 shared CPU cores; ``--quick`` (~3 min) uses a smaller model, shorter
 sequences, fewer steps, one round and fewer configurations.
 """
@@ -562,7 +563,49 @@ class Results:
     round_ratio: dict[str, list[float]] = field(default_factory=dict)
 
 
-def main() -> None:
+def memlab_overrides(s: Settings, data: str, c: Config, mode: str, prof_step: int
+                     ) -> list[str]:
+    """memlab's run of ``c`` in ``mode`` (memory | speed | profile)."""
+    # TRL's side trains in fp32 unless a configuration says bf16: memlab's default
+    # (precision=auto) would be bf16 mixed on a CPU or GPU with bf16 kernels
+    pin = [] if any(o.startswith("precision=") for o in c.memlab) else ["precision=fp32"]
+    speed = ["measure.memory=false"]
+    return s.memlab_common(data) + pin + c.memlab + {
+        "memory": ["measure.memory=true", f"measure.memory_steps={s.memory_steps}"],
+        "speed": speed, "profile": [*speed, f"measure.profile_step={prof_step}"]}[mode]
+
+
+def dry_run(s: Settings, configs: list[Config], prof_step: int, trl: bool) -> int:
+    """Every configuration's memlab run composed and validated (memory; the baseline's speed
+    and profile runs too: the others differ from theirs only in ``measure.*``) for
+    ``s.device`` (cuda: a CUDA machine with the GPU extras), on a one-row file in place of
+    the generated data; each TRL configuration named; nothing run."""
+    from _dry_run import TRL_MISSING, check, done, trl_importable
+
+    from memlab.config import Platform
+
+    platform = Platform.cuda_machine(gpus=1) if s.device == "cuda" else None
+    problems = [f"{c.name}: no TRL configuration {c.trl!r}" for c in configs
+                if c.trl and c.trl not in TRL_CONFIGS]
+    with tempfile.TemporaryDirectory(prefix="memlab-techniques-dry-") as tmp:
+        data = Path(tmp) / "data.jsonl"
+        data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                                 {"role": "assistant", "content": "hello"}]})
+                        + "\n")
+        runs = [(c, "memory") for c in configs] + [(configs[0], "speed"),
+                                                   (configs[0], "profile")]
+        bad = check("techniques", [(f"{c.name} {mode}",
+                                    memlab_overrides(s, str(data), c, mode, prof_step))
+                                   for c, mode in runs], platform=platform)
+    if trl and trl_importable():
+        for name in sorted({c.trl for c in configs if c.trl}):
+            print(f"  [techniques] {'trl:' + name:44} SFTConfig + {TRL_CONFIGS[name]}")
+    elif trl:
+        print(f"  [techniques] {TRL_MISSING}")
+    return done("techniques", bad, problems)
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="~3 min: smaller model, 1 round")
@@ -589,10 +632,12 @@ def main() -> None:
     ap.add_argument("--profile-step", type=int, default=None,
                     help="the step to profile (default: the second-last)")
     ap.add_argument("--worker", choices=("memlab", "trl"), help=argparse.SUPPRESS)
-    a = ap.parse_args()
+    ap.add_argument("--dry-run", action="store_true",
+                    help="compose and validate every configuration's memlab run; run nothing")
+    a = ap.parse_args(argv)
     if a.worker:
         worker_main(a.worker)
-        return
+        return 0
 
     sys.path.insert(0, str(REPO / "src"))
     s = Settings(**(QUICK if a.quick else {}))
@@ -612,6 +657,9 @@ def main() -> None:
         configs = [c for c in CONFIGS if c.name in names]
         if "baseline" not in names:
             configs.insert(0, CONFIGS[0])
+    prof_step = a.profile_step if a.profile_step is not None else max(2, s.steps - 2)
+    if a.dry_run:
+        return dry_run(s, configs, prof_step, not a.no_trl)
     out_path = Path(a.out) if a.out else REPO / "benchmarks" / "results" / (
         "techniques_quick.json" if a.quick else "techniques.json")
 
@@ -630,23 +678,13 @@ def main() -> None:
     tw = Worker("trl", trl_py, work / "trl.log", a.fresh) if trl_py else None
     trl_names = sorted({c.trl for c in configs if c.trl}) if tw else []
     res = Results()
-    common = s.memlab_common(data["path"])
-    mem_over = ["measure.memory=true", f"measure.memory_steps={s.memory_steps}"]
-    speed_over = ["measure.memory=false"]
 
     def run_memlab(c: Config, mode: str, tag: str) -> dict:
-        # TRL's side trains in fp32 unless a configuration says bf16: memlab's default
-        # (precision=auto) would be bf16 mixed on a CPU or GPU with bf16 kernels
-        pin = [] if any(o.startswith("precision=") for o in c.memlab) else ["precision=fp32"]
-        over = common + pin + c.memlab + {"memory": mem_over, "speed": speed_over,
-                                    "profile": [*speed_over,
-                                                f"measure.profile_step={prof_step}"]}[mode]
+        over = memlab_overrides(s, data["path"], c, mode, prof_step)
         r = mw.run({"mode": mode, "overrides": over, "dir": str(work / "runs"),
                     "name": f"{c.name}-{tag}"})
         _log_run("memlab", c.name, mode, r)
         return r
-
-    prof_step = a.profile_step if a.profile_step is not None else max(2, s.steps - 2)
 
     def run_trl(name: str, mode: str, tag: str) -> dict:
         assert tw is not None
@@ -691,6 +729,7 @@ def main() -> None:
     out_path.write_text(json.dumps(report, indent=2) + "\n")
     print_table(report)
     print(f"\nwrote {out_path} ({report['runtime_s']:.0f} s)")
+    return 0
 
 
 def _log_run(side: str, name: str, mode: str, r: dict) -> None:
@@ -897,4 +936,4 @@ def print_table(rep: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
