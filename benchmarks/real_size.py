@@ -445,6 +445,18 @@ def markdown(rep: dict[str, Any]) -> str:
 # --------------------------------------------------------------------------------------------
 
 
+FP32 = ["precision=fp32"]  # both sides in fp32: the curves differ by the optimizer only
+CURVES = [Case(name, "tiny", memlab or [], trl, "", need_gib=2, kernels=True)
+          for name, memlab, trl in (
+              ("memlab_adamw", FP32, None),
+              ("memlab_adamw_8bit", [*FP32, "optimizer=adamw_8bit"], None),
+              ("memlab_adamw_8bit_emb32", [*FP32, "optimizer=adamw_8bit",
+                                           "optimizer.embedding_states_32bit=true"], None),
+              ("trl_adamw", None, {"bf16": False}),
+              ("trl_adamw_8bit", None, {"optim": "adamw_bnb_8bit", "bf16": False}))]
+"""``--curves``: memlab's default model, 50 steps of 4 rows, each optimizer on each side."""
+
+
 def curves(s: Settings, data: str, work: Path, log) -> dict[str, Any]:
     """50 steps of memlab's default model (tiny) with fp32 and 8-bit AdamW, and TRL's
     adamw_torch and adamw_bnb_8bit, on the same rows (4 a step), every run in fp32; the largest
@@ -454,18 +466,10 @@ def curves(s: Settings, data: str, work: Path, log) -> dict[str, Any]:
     (work / "curves").mkdir(exist_ok=True)
     data = prepare_data(tiny, work / "curves")["path"]
     got: dict[str, list[float]] = {}
-    fp32 = ["precision=fp32"]  # both sides in fp32: the curves differ by the optimizer only
-    for name, memlab, trl in (
-            ("memlab_adamw", fp32, None),
-            ("memlab_adamw_8bit", [*fp32, "optimizer=adamw_8bit"], None),
-            ("memlab_adamw_8bit_emb32", [*fp32, "optimizer=adamw_8bit",
-                                         "optimizer.embedding_states_32bit=true"], None),
-            ("trl_adamw", None, {"bf16": False}),
-            ("trl_adamw_8bit", None, {"optim": "adamw_bnb_8bit", "bf16": False})):
-        case = Case(name, "tiny", memlab or [], trl, "", need_gib=2, kernels=True)
-        r = run("memlab" if trl is None else "trl", tiny, case, data, "speed", work, "c50",
+    for case in CURVES:
+        r = run("memlab" if case.trl is None else "trl", tiny, case, data, "speed", work, "c50",
                 log, steps=50, knobs=DEFAULT_MODEL)
-        got[name] = r.get("losses") or []
+        got[case.name] = r.get("losses") or []
 
     def gap(a: str, b: str) -> float | None:
         if not got.get(a) or not got.get(b):
@@ -487,7 +491,7 @@ def curves(s: Settings, data: str, work: Path, log) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 
 
-def dry_run(s: Settings, cases: list[Case], sides: tuple[str, ...]) -> int:
+def dry_run(s: Settings, cases: list[Case], sides: tuple[str, ...], with_curves: bool) -> int:
     """Every case's memlab run composed and validated (memory mode; the speed runs differ only
     in ``measure.*``: the first case's), with bitsandbytes assumed where a case puts
     ``.cpu-kernels`` on the path, on a one-row file in place of the generated data; TRL's
@@ -516,6 +520,11 @@ def dry_run(s: Settings, cases: list[Case], sides: tuple[str, ...]) -> int:
                                  platform=kernels if c.kernels else here)
             if c.trl is not None and "trl" in sides:
                 print(f"  [real_size] {c.name + ' trl':44} SFTConfig from {c.trl or 'defaults'}")
+        tiny = Settings(**{**asdict(s), "rows": 4})
+        for c in CURVES if with_curves and "memlab" in sides else ():
+            if c.trl is None:
+                bad += check("real_size", [(f"curves {c.name}", memlab_overrides(
+                    tiny, c, str(data), "speed", 50, DEFAULT_MODEL))], platform=kernels)
         show("real_size", f"{cases[0].name} memory",
              ["memlab", *memlab_overrides(s, cases[0], "<data>", "memory", s.memory_steps,
                                           tiny_knobs(cases[0].model))])
@@ -569,7 +578,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown case(s) {unknown}; choose from {[c.name for c in CASES]}")
     if a.dry_run:
-        return dry_run(s, cases, tuple(a.sides.split(",")))
+        return dry_run(s, cases, tuple(a.sides.split(",")), a.curves)
     work = Path(a.workdir or tempfile.mkdtemp(prefix="memlab-real-size-"))
     work.mkdir(parents=True, exist_ok=True)
     logf = (work / "log.txt").open("a")
