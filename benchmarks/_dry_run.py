@@ -41,28 +41,11 @@ def check(who: str, cases: Iterable[tuple[str, Sequence[str]]], platform: Any = 
 
 
 def for_estimate(device: str) -> Callable[[Any, dict[str, str]], Any]:
-    """The validation ``memlab estimate`` makes for ``device``: the steps of
-    :func:`memlab.estimate.validate_for` (importing :mod:`memlab.estimate` preloads the
-    estimator's modules, ~5 s: more than every dry run together)."""
-    import dataclasses
+    """The validation ``memlab estimate`` makes for ``device``
+    (:func:`memlab.context.validate_for`)."""
+    from memlab.context import validate_for
 
-    from omegaconf import open_dict
-
-    from memlab.config import Platform
-    from memlab.context import validate
-
-    def run(cfg: Any, choices: dict[str, str]) -> Any:
-        with open_dict(cfg):
-            cfg.train.device = device
-            cfg.measure.memory = True
-        platform = Platform.detect()
-        if device == "cuda" and not platform.cuda:
-            platform = Platform.cuda_machine()
-        platform = dataclasses.replace(platform, assume_installed=platform.assume_installed
-                                       | {"vllm"})
-        return validate(cfg, ".", choices, platform=platform)
-
-    return run
+    return lambda cfg, choices: validate_for(cfg, device, choices)
 
 
 def show(who: str, name: str, argv: Sequence[str]) -> None:

@@ -178,3 +178,26 @@ def eval_errors(train: TrainConfig, ctx: BuildContext) -> list[str]:
                       f"evaluation reports {', '.join(metrics)}"
                       + (f"; did you mean {close[0]!r}?" if close else ""))
     return errors
+
+
+def validate_for(cfg, device: str, choices: dict[str, str] | None = None):
+    """:func:`validate` of ``cfg`` as an estimate of a run on ``device`` (cpu | cuda): a CUDA
+    machine with the GPU extras where this one has no CUDA, vLLM taken as installed (an
+    estimate models its engine, never starts it). Here, not in :mod:`memlab.estimate`, so that
+    a caller that only validates (a benchmark's dry run) does not import the estimator."""
+    import dataclasses
+
+    from omegaconf import OmegaConf, open_dict
+
+    cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)) if OmegaConf.is_config(
+        cfg) else OmegaConf.create(dict(cfg))
+    with open_dict(cfg):
+        cfg.train.device = device
+        cfg.measure.memory = True
+    platform = Platform.detect()
+    if device == "cuda" and not platform.cuda:  # a CUDA machine with the GPU extras
+        platform = Platform.cuda_machine()
+    # an estimate never starts a vLLM engine (it models one): vLLM need not be installed here
+    platform = dataclasses.replace(platform, assume_installed=platform.assume_installed
+                                   | {"vllm"})
+    return validate(cfg, ".", choices, platform=platform)

@@ -40,8 +40,7 @@ from typing import Any
 
 import torch
 
-from memlab.config import Platform
-from memlab.context import BuildContext
+from memlab.context import BuildContext, validate_for
 from memlab.data.base import DataError
 from memlab.distributed.base import Sharding
 from memlab.distributed.single import Single
@@ -70,26 +69,6 @@ from memlab.registry import ConfigErrors
 
 __all__ = ["ALL_PHASES", "CARDS", "PHASES", "EstimateError", "EstimateOptions", "estimate",
            "fmt_bytes", "parse_bytes", "validate_for", "verdict"]
-
-
-def validate_for(cfg, device: str, choices: dict[str, str] | None = None):
-    """:func:`memlab.context.validate` of ``cfg`` as a run on ``device`` (cpu | cuda)."""
-    from omegaconf import OmegaConf, open_dict
-
-    from memlab.context import validate
-
-    cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)) if OmegaConf.is_config(
-        cfg) else OmegaConf.create(dict(cfg))
-    with open_dict(cfg):
-        cfg.train.device = device
-        cfg.measure.memory = True
-    platform = Platform.detect()
-    if device == "cuda" and not platform.cuda:  # a CUDA machine with the GPU extras
-        platform = Platform.cuda_machine()
-    # an estimate never starts a vLLM engine (it models one): vLLM need not be installed here
-    platform = dataclasses.replace(platform, assume_installed=platform.assume_installed
-                                   | {"vllm"})
-    return validate(cfg, ".", choices, platform=platform)
 
 
 def _add_engine(mem: dict[str, Any], eng) -> dict[str, Any]:
