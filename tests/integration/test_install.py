@@ -129,12 +129,13 @@ def test_installed_memlab_runs_without_the_source_tree(installed):
 
     # smoke runs: a 2-job sweep through memlab's isolating launcher (fresh processes; a lone
     # run goes through the same app and task as estimate and lengths below)
-    _run([str(exe), "-m", "debug=smoke", *TINY, "train.steps=3", "measure.memory_steps=1",
+    # 4 steps: a tracked one, then 3 timed (a throughput plot needs >= 3 timed steps a job)
+    _run([str(exe), "-m", "debug=smoke", *TINY, "train.steps=4", "measure.memory_steps=1",
           "train.seed=0,1"], work, env)
     (sweep,) = (work / "multirun").glob("*/*")
     jobs = [json.loads((sweep / str(i) / "summary.json").read_text()) for i in (0, 1)]
     assert [j["status"] for j in jobs] == ["ok", "ok"]
-    assert [j["train"]["steps"] for j in jobs] == [3, 3]
+    assert [j["train"]["steps"] for j in jobs] == [4, 4]
     assert oct((sweep / "0" / "summary.json").stat().st_mode & 0o777) == "0o644"
     assert jobs[0]["train"]["loss_curve"] != jobs[1]["train"]["loss_curve"]  # seeds 0 and 1
     report = _run([str(exe), "report", str(sweep), "--html"], work, env).stdout
