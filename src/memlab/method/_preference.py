@@ -13,7 +13,6 @@ from memlab.method._knobs import PreferenceRows
 from memlab.method._liger import LIGER_LOSS, LigerKnobs
 from memlab.method.base import (
     Batch,
-    LigerUser,
     RowLayout,
     drops_padding_mask,
 )
@@ -23,9 +22,10 @@ if TYPE_CHECKING:
 
 
 class PreferenceBatches(LigerKnobs, PreferenceRows):
-    """Mixed into the configs of ``dpo`` and ``kto`` (each answers ``as_extra_models`` and
-    ``as_group_packed`` itself, so that mypy checks its own reference model and units, and
-    implements ``_collate``)."""
+    """Mixed into the configs of ``dpo`` and ``kto`` (each answers ``as_extra_models``,
+    ``as_group_packed`` and ``as_liger`` itself, so that mypy checks its own reference model
+    and units, and implements ``_collate``: a capability answered here would be shadowed by
+    :class:`memlab.method.base.NoCapabilities`, which comes first in their MRO)."""
 
     max_length: int | None
 
@@ -34,9 +34,6 @@ class PreferenceBatches(LigerKnobs, PreferenceRows):
                          packs_rows=self.padding_free or self.share_prompt or ctx.packing.packs,
                          row_length=self.max_length, pad_to_multiple_of=self.pad_to_multiple_of,
                          keeps_row_end=False)
-
-    def as_liger(self) -> LigerUser | None:
-        return self
 
     def reads_head_weight(self, ctx: BuildContext) -> str | None:
         return LIGER_LOSS if self.liger_loss() else None

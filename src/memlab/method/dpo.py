@@ -53,6 +53,7 @@ from memlab.method.base import (
     Batch,
     DataStats,
     ExtraModels,
+    LigerUser,
     Offline,
     batch_key,
     drops_padding_mask,
@@ -97,6 +98,9 @@ class DPO(Offline, PreferenceBatches):
         return self
 
     def as_group_packed(self) -> GroupPacked | None:
+        return self
+
+    def as_liger(self) -> LigerUser | None:
         return self
 
     def unit_pieces(self) -> int:

@@ -45,6 +45,7 @@ from memlab.method.base import (
     Batch,
     DataStats,
     ExtraModels,
+    LigerUser,
     Offline,
     batch_key,
     drops_padding_mask,
@@ -103,6 +104,9 @@ class KTO(Offline, PreferenceBatches):
         return self
 
     def as_group_packed(self) -> GroupPacked | None:
+        return self
+
+    def as_liger(self) -> LigerUser | None:
         return self
 
     def unit_pieces(self) -> int:

@@ -48,10 +48,10 @@ class Dtypes(Option):
         return self.autocast_dtype or self.param_dtype
 
     def autocast(self, device: str) -> contextlib.AbstractContextManager:
-        """Context manager for the forward pass and loss."""
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=device.split(":")[0], dtype=_DTYPES[self.autocast_dtype])
+        """Context manager for the forward pass and loss: none here (a precision with a compute
+        dtype under autocast is a :class:`Mixed`, which runs the forward under it)."""
+        assert self.autocast_dtype is None, f"{type(self).__name__} has an autocast dtype: a Mixed"
+        return contextlib.nullcontext()
 
     def grad_scaler(self, device: str) -> torch.amp.GradScaler | None:
         """A GradScaler for fp16 mixed precision, else None."""

@@ -42,3 +42,16 @@ def test_each_capability_is_had_by_some_methods_and_not_by_others():
         lacks = sorted(name for name, a in answers.items() if a is None)
         assert has and lacks, (query, has, lacks)
         assert all(answers[name] is methods[name] for name in has), query
+
+
+def test_a_method_with_liger_knobs_answers_as_a_liger_user():
+    """``method.use_liger_kernel`` (the Liger knobs) and the Liger capability go together: the
+    pipeline applies Liger's kernels, and the estimate, FSDP2 and LoRA on the head refuse what
+    Liger cannot do, only for a method whose ``as_liger()`` answers. (dpo and kto answered None:
+    the capability their shared mixin declared was shadowed by ``NoCapabilities`` in their MRO.)"""
+    from memlab.method._liger import LigerKnobs
+
+    methods = {name: lookup("method", name)() for name in options("method")}
+    knobs = sorted(n for n, m in methods.items() if isinstance(m, LigerKnobs))
+    users = sorted(n for n, m in methods.items() if m.as_liger() is not None)
+    assert {"sft", "dpo", "kto"} <= set(knobs) and users == knobs

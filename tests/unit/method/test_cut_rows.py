@@ -17,7 +17,7 @@ import random
 import datasets
 import pytest
 
-from memlab.data import cut
+from memlab.data import chat_cut, cut
 from memlab.data.assets import load_tokenizer
 from memlab.method import _rollout
 from memlab.method.dpo import DPO
@@ -163,3 +163,21 @@ def test_sft_conversations(tok, monkeypatch, keep):
                     monkeypatch, sft._encode, fmt, row, i, tok, limit, "kept")
                 assert n_cut > 0 and (ids[window], mask[window]) == (w_ids[window],
                                                                      w_mask[window]), (fmt, i)
+
+
+def test_a_conversation_the_chat_cut_refuses_is_tokenized_whole(tok, monkeypatch):
+    """Where the chat cut cannot prove a conversation's cut (``NotCut``: a template that renders
+    the cut text differently on the kept side), dpo's pairs and reward's sequences are tokenized
+    whole: what they prepare equals the preparation with cutting off, and nothing is cut."""
+
+    def refuse(*args, **kwargs):
+        raise chat_cut.NotCut("the template renders the cut differently (test)")
+
+    monkeypatch.setattr(chat_cut, "prompt", refuse)
+    pairs = datasets.Dataset.from_list(_rows("chat")["pairs"])
+    dpo = DPO(max_prompt_length=16, max_completion_length=12, max_length=64)
+    assert _same(*_prepared(monkeypatch, dpo.prepare, pairs, tok, None),
+                 ["prompt_ids", "chosen_ids", "rejected_ids"]) == 0
+    reward = Reward(max_length=32, truncation_mode="keep_end")
+    assert _same(*_prepared(monkeypatch, reward.prepare, pairs, tok, None),
+                 ["chosen_ids", "rejected_ids"]) == 0

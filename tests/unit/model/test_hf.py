@@ -80,8 +80,10 @@ def test_missing_directory_is_a_config_error_naming_the_path(tmp_path, monkeypat
     (tmp_path / "models").mkdir()
     errors = HubModel(name_or_path="models/qwen-sft").validate(None)
     assert errors and "no such directory" in errors[0]
-    # a hub id is not checked here (no network in validate)
+    # a hub id is not checked here (no network in validate); an empty name is refused
     assert HubModel(name_or_path="Qwen/Qwen2.5-0.5B").validate(None) == []
+    assert "must name a hub model or a local directory" in HubModel(
+        name_or_path="").validate(None)[0]
     # all problems at once, before anything loads
     with pytest.raises(ConfigErrors) as e:
         _ctx([f"model.name_or_path={missing}", f"model.tokenizer={tmp_path / 'tok'}",
