@@ -97,6 +97,29 @@ def attempts(n: int, *groups: list[dict]) -> Iterator[int]:
         chars *= 2
 
 
+def search(tok, messages: list[dict], n: int, keep: Keep,
+           attempt: Callable[[list[dict], int], tuple[int, Callable[[], T]] | None]) -> T | None:
+    """The margin search every cut path makes: for each margin of :func:`attempts`, the
+    conversation cut there (:func:`cut_messages`) is tried (``attempt(messages cut, characters
+    cut)``: the tokens proven the same on the kept side, and what the path returns once they are
+    ``n``; None: this cut is not provable). The first cut with ``n`` tokens proven wins; None
+    when a cut is not provable, or the count stops growing as the margin doubles (the template
+    renders the cut differently)."""
+    best = -1
+    for chars in attempts(n, messages):
+        found = cut_messages(tok, messages, chars, keep)
+        tried = None if found is None else attempt(*found)
+        if tried is None:
+            return None
+        kept, result = tried
+        if kept >= n:
+            return result()
+        if kept <= best:
+            return None
+        best = kept
+    return None
+
+
 def cut_messages(tok, messages: list[dict], chars: int, keep: Keep
                  ) -> tuple[list[dict], int] | None:
     """``messages`` with every content over ``2 x chars + SEARCH`` cut at a word boundary
@@ -196,25 +219,23 @@ class _Rendered:
         chat._check_reasoning(chat.template_info(tok).text, messages, row, field)
         added = cut.added_texts(tok)
         whole = chat._render(tok, messages, generation_prompt, row, field, tools)
-        best = -1
-        for chars in attempts(n, messages):
-            found = cut_messages(tok, messages, chars, keep)
-            if found is None:
-                return None
+
+        def attempt(shown: list[dict], n_cut: int
+                    ) -> tuple[int, Callable[[], _Rendered]] | None:
             try:
-                text = chat._render(tok, found[0], generation_prompt, row, field, tools)
+                text = chat._render(tok, shown, generation_prompt, row, field, tools)
             except chat.ChatTemplateError:
                 return None
             region, enc = region_of(whole, text, keep, added), encoded(tok, text)
             if region is None or enc is None:
                 return None
             span = cut.inside(enc[1], region.lo, region.hi)
-            if span is None or span[1] - span[0] <= best:
+            if span is None:
                 return None
-            if span[1] - span[0] >= n:
-                return _Rendered(whole, text, found[0], enc[0], found[1], region)
-            best = span[1] - span[0]
-        return None
+            return span[1] - span[0], lambda: _Rendered(whole, text, shown, enc[0], n_cut,
+                                                        region)
+
+        return search(tok, messages, n, keep, attempt)
 
 
 # ----------------------------------------------------------------------------------- prompts
@@ -279,17 +300,15 @@ def completion_ids(tok, prompt: Prompt, completion: list[dict], n: int | None, k
             raise NotCut(why or SHORT)
         return pair.try_cut(completion, 0, None, None) or pair.refuse()
     assert n is not None
-    best = -1
-    for chars in attempts(n, completion):
-        found = cut_messages(tok, completion, chars, keep)
-        if found is None:
-            break
-        out = pair.try_cut(found[0], found[1], keep, n)
-        if out is not None:
-            return out
-        if pair.kept <= best:
-            break
-        best = pair.kept
+
+    def attempt(shown: list[dict], n_cut: int
+                ) -> tuple[int, Callable[[], tuple[list[int], int] | None]]:
+        out = pair.try_cut(shown, n_cut, keep, n)  # (None: pair.kept says how far it got)
+        return (n if out is not None else pair.kept), lambda: out
+
+    out = search(tok, completion, n, keep, attempt)
+    if out is not None:
+        return out
     if prompt.keep is None:
         return whole_or_refuse(cut.size(completion), row, field, NOT_RENDERED, lambda: (
             chat.completion_ids(tok, prompt.messages, prompt.ids, completion, row, field, fix,

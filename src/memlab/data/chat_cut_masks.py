@@ -5,6 +5,7 @@ docstring (*Loss masks*)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from memlab.data import chat, cut
@@ -13,15 +14,17 @@ from memlab.data.chat_cut import (
     NOT_RENDERED,
     SHORT,
     Region,
-    attempts,
-    cut_messages,
     encoded,
     is_long,
     region_of,
+    search,
     whole_or_refuse,
     why_whole,
 )
 from memlab.data.cut import Keep
+
+_Cut = tuple[list[int], list[int], int]
+"""Ids, loss mask and characters cut off."""
 
 
 def assistant_mask(tok, messages: list[dict], n: int | None, keep: Keep, row: int,
@@ -109,19 +112,15 @@ def _clipped(spans: list[tuple[int, int]], region: Region, shift: int
 
 
 def _marked_cut(tok, messages: list[dict], n: int, keep: Keep, row: int, field: str,
-                tools: list | None, template: str | None
-                ) -> tuple[list[int], list[int], int] | None:
+                tools: list | None, template: str | None) -> _Cut | None:
     """Ids, mask and characters cut with a template with markers, or None (not cut)."""
     added = cut.added_texts(tok)
     w_text, w_spans = _generation(tok, messages, tools, template, row, field)
-    best = -1
-    for chars in attempts(n, messages):
-        found = cut_messages(tok, messages, chars, keep)
-        if found is None:
-            return None
+
+    def attempt(shown: list[dict], n_cut: int) -> tuple[int, Callable[[], _Cut]] | None:
         try:
-            text, spans = _generation(tok, found[0], tools, template, row, field)
-            ids, mask = chat._marked(tok, found[0], tools, template, row, field)
+            text, spans = _generation(tok, shown, tools, template, row, field)
+            ids, mask = chat._marked(tok, shown, tools, template, row, field)
         except chat.ChatTemplateError:
             return None
         enc, region = encoded(tok, text), region_of(w_text, text, keep, added)
@@ -133,12 +132,9 @@ def _marked_cut(tok, messages: list[dict], n: int, keep: Keep, row: int, field: 
         if span is None or clipped is None or clipped != _clipped(w_spans, region,
                                                                   region.shift):
             return None
-        if span[1] - span[0] >= n:
-            return ids, mask, found[1]
-        if span[1] - span[0] <= best:
-            return None
-        best = span[1] - span[0]
-    return None
+        return span[1] - span[0], lambda: (ids, mask, n_cut)
+
+    return search(tok, messages, n, keep, attempt)
 
 
 class _Turned:
@@ -152,39 +148,38 @@ class _Turned:
         self.whole, self.turns, self.cuts = bounds
         self.added = cut.added_texts(tok)
 
-    def cut(self, n: int, keep: Keep) -> tuple[list[int], list[int], int] | None:
-        best = -1
-        for chars in attempts(n, self.messages):
-            found = cut_messages(self.tok, self.messages, chars, keep)
-            if found is None:
-                return None
-            turns = chat._Turns(self.tok, self.info, found[0], self.row, self.field, self.fix,
-                                self.tools)
-            try:
-                text, which, cuts = turns.bounds()
-            except chat.ChatTemplateError:
-                return None
-            enc, region = encoded(self.tok, text), region_of(self.whole, text, keep, self.added)
-            if enc is None or region is None or which != self.turns:
-                return None
-            ids, offsets = enc
-            span = cut.inside(offsets, region.lo, region.hi)
-            at = cut.cut_positions(offsets, len(text), cuts)  # as chat's _token_cuts
-            if span is None or at is None:
-                return None
-            far = self._far(keep, region, span, cuts, at, ids)
-            if far is None or not all(self._provable(c) for c in far):
-                return None
-            if span[1] - span[0] >= n:
-                mask = [0] * len(ids)
-                for j in range(len(which)):
-                    end = turns._end_of_turn(ids, at[2 * j], at[2 * j + 1])
-                    mask[at[2 * j]:end] = [1] * (end - at[2 * j])
-                return ids, mask, found[1]
-            if span[1] - span[0] <= best:
-                return None
-            best = span[1] - span[0]
-        return None
+    def cut(self, n: int, keep: Keep) -> _Cut | None:
+        return search(self.tok, self.messages, n, keep,
+                      lambda shown, n_cut: self._attempt(shown, n_cut, keep))
+
+    def _attempt(self, shown: list[dict], n_cut: int, keep: Keep
+                 ) -> tuple[int, Callable[[], _Cut]] | None:
+        turns = chat._Turns(self.tok, self.info, shown, self.row, self.field, self.fix,
+                            self.tools)
+        try:
+            text, which, cuts = turns.bounds()
+        except chat.ChatTemplateError:
+            return None
+        enc, region = encoded(self.tok, text), region_of(self.whole, text, keep, self.added)
+        if enc is None or region is None or which != self.turns:
+            return None
+        ids, offsets = enc
+        span = cut.inside(offsets, region.lo, region.hi)
+        at = cut.cut_positions(offsets, len(text), cuts)  # as chat's _token_cuts
+        if span is None or at is None:
+            return None
+        far = self._far(keep, region, span, cuts, at, ids)
+        if far is None or not all(self._provable(c) for c in far):
+            return None
+
+        def masked() -> _Cut:
+            mask = [0] * len(ids)
+            for j in range(len(which)):
+                end = turns._end_of_turn(ids, at[2 * j], at[2 * j + 1])
+                mask[at[2 * j]:end] = [1] * (end - at[2 * j])
+            return ids, mask, n_cut
+
+        return span[1] - span[0], masked
 
     def _far(self, keep: Keep, region: Region, span: tuple[int, int], cuts: list[int],
              at: list[int], ids: list[int]) -> list[int] | None:
