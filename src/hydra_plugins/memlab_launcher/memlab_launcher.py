@@ -61,10 +61,6 @@ WORKER = "hydra_plugins.memlab_launcher.worker"
 """The module a job's process runs (``python -m WORKER JOB.pkl``)."""
 
 
-def _cuda_present() -> bool:
-    return starter.cuda_present()
-
-
 @dataclass
 class MemlabLauncherConf:
     _target_: str = "hydra_plugins.memlab_launcher.memlab_launcher.MemlabLauncher"
@@ -339,8 +335,7 @@ class MemlabLauncher(Launcher):
         job saved) rather than started as ``python -m`` (``python`` set; a CUDA machine, where a
         fork of a process that imported ahead cannot use the device; ``fork_server=false``; an
         environment whose import-time variables differ from the server's)."""
-        return (self.fork_server and self.python == sys.executable and not _cuda_present()
-                and starter.serves(env))
+        return self.fork_server and self.python == sys.executable and starter.serves(env)
 
     def _supervise(self, job: _Job, stop: _SweepStop) -> None:
         """Stop the job when the sweep is interrupted or its time is up (the stop signal first,

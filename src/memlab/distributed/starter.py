@@ -239,9 +239,9 @@ def _import_env(env: dict[str, str]) -> dict[str, str]:
 
 def serves(env: dict[str, str]) -> bool:
     """Whether a process with environment ``env`` may be a fork of the preloading server: it
-    imports ahead (CPU machines), and ``env`` agrees with the server's on :data:`IMPORT_ENV`
-    (the server's is this process's own until it has started)."""
-    if _configured and not _configured[0]:
+    imports ahead (a machine without CUDA: :func:`cuda_present`), and ``env`` agrees with the
+    server's on :data:`IMPORT_ENV` (the server's is this process's own until it has started)."""
+    if (_configured and not _configured[0]) or cuda_present():
         return False
     return _import_env(env) == _import_env(_server_env if _configured else dict(os.environ))
 

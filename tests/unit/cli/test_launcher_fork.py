@@ -10,7 +10,6 @@ import os
 
 import pytest
 
-from hydra_plugins.memlab_launcher import memlab_launcher
 from hydra_plugins.memlab_launcher.memlab_launcher import MemlabLauncher
 from memlab.distributed import starter
 
@@ -29,6 +28,7 @@ def server_started_with(monkeypatch):
 def test_a_job_is_forked_only_where_its_imports_would_read_the_same_environment(
         server_started_with, monkeypatch):
     monkeypatch.setattr(starter, "_configured", [])
+    monkeypatch.setattr(starter, "cuda_present", lambda: False)
     here = dict(os.environ)
     assert starter.serves(here)  # not started yet: it would start with this environment
     assert starter.serves({**here, "REL_DIR": "/x", "MEMLAB_RECORD_ID": "ab", "RANK": "1"})
@@ -40,15 +40,18 @@ def test_a_job_is_forked_only_where_its_imports_would_read_the_same_environment(
     assert starter.serves({**here, "HF_HOME": "/server"})
     server_started_with(here, preload=False)  # a CUDA machine's server imports nothing ahead
     assert not starter.serves(here)
+    server_started_with(here)
+    monkeypatch.setattr(starter, "cuda_present", lambda: True)  # nor is one forked from there
+    assert not starter.serves(here)
 
 
 def test_the_launcher_forks_with_its_own_python_on_a_machine_without_cuda(monkeypatch):
     monkeypatch.setattr(starter, "_configured", [])
-    monkeypatch.setattr(memlab_launcher, "_cuda_present", lambda: False)
+    monkeypatch.setattr(starter, "cuda_present", lambda: False)
     env = dict(os.environ)
     assert MemlabLauncher()._forks(env)
     assert not MemlabLauncher(fork_server=False)._forks(env)
     assert not MemlabLauncher(python="/opt/wrapper.sh")._forks(env)  # rlimits, another python
     assert not MemlabLauncher()._forks({**env, "HF_HOME": "/job/own/cache"})
-    monkeypatch.setattr(memlab_launcher, "_cuda_present", lambda: True)
+    monkeypatch.setattr(starter, "cuda_present", lambda: True)
     assert not MemlabLauncher()._forks(env)

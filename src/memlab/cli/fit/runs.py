@@ -74,8 +74,7 @@ def _start(cmd: list[str], env: dict[str, str], out: int) -> Any:
     environment; the ~3.5 s of imports a fresh interpreter spends saved), else ``cmd`` run."""
     from memlab.distributed import starter
 
-    if cmd[:3] == [sys.executable, "-m", "memlab"] and not starter.cuda_present() and (
-            starter.serves(env)):
+    if cmd[:3] == [sys.executable, "-m", "memlab"] and starter.serves(env):
         return starter.Forked(starter.fork("memlab", cmd[3:], env, out, out, preload=True,
                                            orphan_kill_s=None, name="fit-run"))
     return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
