@@ -12,6 +12,8 @@ os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
+import contextlib  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -158,23 +160,32 @@ def app(argv: list[str]) -> int:
     """``memlab ARGV`` through memlab's Hydra app in this process; its exit status. The root
     logger is put back as it was afterwards: Hydra configures it for the app (its console
     prints every line on stdout), and a later test's run would log through that."""
-    import logging
-
     from memlab.cli.app import run_app
     from memlab.hydra_task import hydra_task
 
+    with root_logger_kept():
+        try:
+            run_app(hydra_task, argv)
+        except SystemExit as e:
+            return int(e.code or 0)
+    return 0
+
+
+@contextlib.contextmanager
+def root_logger_kept() -> Iterator[None]:
+    """The root logger's handlers and level as they were before the ``with`` block, afterwards
+    (a handler added meanwhile, by Hydra or ``logging.config``, is closed)."""
+    import logging
+
     root = logging.getLogger()
-    saved = root.handlers[:], root.level
+    handlers, level = root.handlers[:], root.level
     try:
-        run_app(hydra_task, argv)
-    except SystemExit as e:
-        return int(e.code or 0)
+        yield
     finally:
         for h in root.handlers:
-            if h not in saved[0]:
+            if h not in handlers:
                 h.close()
-        root.handlers[:], root.level = saved
-    return 0
+        root.handlers[:], root.level = handlers, level
 
 
 def _session_dir() -> Path:

@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 from hydra_plugins.memlab_launcher.joblog import Lines, console_only
 from memlab.cli.compose import conf_dir
 from memlab.measure import runlog
+from memlab_testing import root_logger_kept
 
 
 @pytest.fixture
@@ -26,15 +27,9 @@ def job_logging(tmp_path):
     in ``tmp_path``); put back as it was afterwards."""
     spec = OmegaConf.load(conf_dir() / "hydra" / "job_logging" / "memlab.yaml")
     spec.handlers.file.filename = str(tmp_path / "memlab.log")
-    root = logging.getLogger()
-    saved = root.handlers[:], root.level
-    logging.config.dictConfig(OmegaConf.to_container(spec))
-    try:
+    with root_logger_kept():
+        logging.config.dictConfig(OmegaConf.to_container(spec))
         yield tmp_path / "memlab.log"
-    finally:
-        for h in root.handlers:
-            h.close()
-        root.handlers[:], root.level = saved
 
 
 def _library_warning(message: str) -> None:
