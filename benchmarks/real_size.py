@@ -7,7 +7,8 @@ vocab 151,936; TRL gets the very model memlab's loader builds, same seed, same w
 parameter count is checked against ``AutoModelForCausalLM.from_config`` of the shipped
 config.json), fp32 weights trained in bf16 mixed precision (both defaults: memlab's
 ``precision=auto``, TRL's ``bf16=True``; the ``fp32_both`` row trains both in fp32), sdpa,
-gradient checkpointing, ``--rows`` rows of ``--length`` tokens with a
+gradient checkpointing, 2 rows of 512 tokens (the ``long_*`` cases: 1 row of 4,096, where
+the activations grow and the model states do not) with a
 label on every token (plain text, memlab's shipped tokenizer; both sides tokenize each row to
 the same first ``--length`` ids, checked), batch = all rows, lr 2e-5 cosine, AdamW's defaults.
 TRL 1.16's ``SFTTrainer`` reads memlab's batch order through its sampler.
@@ -31,10 +32,15 @@ Each case is one memlab configuration and the TRL configuration it is compared w
 32-bit, transformers' default) and TRL's ``optim="adamw_bnb_8bit"``; the largest step-by-step
 difference of each curve to its reference.
 
-Usage (TRL 1.16 importable, bitsandbytes for the 8-bit rows: ``bash scripts/setup_cpu_kernels.sh``,
-whose dir goes on the 8-bit runs' PYTHONPATH)::
+Usage (TRL 1.16 importable: ``.venv-trl``, benchmarks/README.md says how to make it;
+bitsandbytes for the 8-bit rows: ``bash scripts/setup_cpu_kernels.sh``, whose dir goes on the
+8-bit runs' PYTHONPATH)::
 
-    python benchmarks/real_size.py [--only default,lora] [--rounds 2] [--curves]
+    .venv-trl/bin/python benchmarks/real_size.py [--only default,lora] [--rounds 2] [--curves]
+    .venv-trl/bin/python benchmarks/real_size.py --only long_default,long_in_backward \
+        --skip-speed --out benchmarks/results/real_size_long.json      # the 4,096-token rows
+    .venv-trl/bin/python benchmarks/real_size.py --only default,fp32_both --skip-memory \
+        --rounds 3 --out benchmarks/results/real_size_speed_bf16.json  # speed only
     python benchmarks/real_size.py --dry-run   # no TRL needed: every memlab run validated
 
 One real-size process runs at a time; before each the script waits until the machine has the
@@ -52,7 +58,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +85,12 @@ class Case:
     kernels: bool = False
     """bitsandbytes on the path (8-bit rows)."""
     speed: bool = True
+    rows: int | None = None
+    """Rows of the batch (None: ``Settings.rows``)."""
+    length: int | None = None
+    """Tokens a row (None: ``Settings.length``)."""
+    baseline: str = "default"
+    """The case whose TRL run is "TRL's default" for this one (same rows and length)."""
 
 
 NOCLIP = ["train.max_grad_norm=null"]
@@ -121,7 +133,21 @@ CASES = [
     Case("1.5b_8bit_in_backward", "Qwen2.5-1.5B", [BF16, "optimizer=adamw_8bit", *EXACT], None,
          "Qwen2.5-1.5B, 8-bit AdamW in backward (memlab only: TRL's 8-bit run holds every "
          "gradient, ~17 GiB with the model)", need_gib=13, kernels=True, speed=False),
+    # one long row: activations (checkpointed layers' inputs, the recomputed layer, the loss's
+    # chunk, attention) grow with the tokens, the model states do not (memory only)
+    Case("long_default", "Qwen2.5-0.5B", [BF16], {},
+         "1 row of 4,096 tokens: both defaults (AdamW, clipping at 1.0)", rows=1, length=4096,
+         need_gib=16, speed=False, baseline="long_default"),
+    Case("long_in_backward", "Qwen2.5-0.5B", [BF16, *EXACT], None,
+         "1 row of 4,096 tokens: memlab's lowest-memory exact options (in-backward step, "
+         "no clipping; chunked loss and labelled head are defaults) against TRL's default",
+         rows=1, length=4096, need_gib=12, speed=False, baseline="long_default"),
 ]
+
+
+def settings_of(s: Settings, case: Case) -> Settings:
+    """The settings a case runs with: ``s`` with the case's own rows and length."""
+    return replace(s, rows=case.rows or s.rows, length=case.length or s.length)
 
 
 @dataclass
@@ -187,7 +213,9 @@ def prepare_data(s: Settings, work: Path) -> dict[str, Any]:
             if len(document_ids(tok, r["text"])) >= s.length + 8][:need]
     if len(rows) < need:
         raise RuntimeError("not enough long rows; raise the pool")
-    path = work / "text.jsonl"
+    default = Settings()
+    path = work / ("text.jsonl" if (s.rows, s.length) == (default.rows, default.length)
+                   else f"text-{s.rows}x{s.length}.jsonl")
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return {"path": str(path), "rows": len(rows)}
 
@@ -263,6 +291,7 @@ def run(side: str, s: Settings, case: Case, data: str, mode: str, work: Path, ta
     """One run of ``case`` on ``side`` in a fresh process (``knobs``: the model's, default
     the case's architecture); ``reuse``: the result of a finished run in ``work`` instead;
     a side not in ``sides`` (and not reused) is skipped."""
+    s = settings_of(s, case)
     steps = steps or (s.memory_steps if mode == "memory" else s.speed_steps)
     knobs = knobs or tiny_knobs(case.model)
     env = dict(os.environ, OMP_NUM_THREADS=str(s.threads), MKL_NUM_THREADS=str(s.threads),
@@ -330,8 +359,9 @@ def _mib(x: float | None) -> float | None:
 def report(s: Settings, cases: list[Case], res: Results, params: dict[str, int]
            ) -> dict[str, Any]:
     rows = []
-    trl_default = (res.memory.get("trl:default") or {}).get("peak_bytes")
     for c in cases:
+        trl_default = (res.memory.get(f"trl:{c.baseline}") or {}).get("peak_bytes")
+        cs = settings_of(s, c)
         m, t = res.memory.get(f"memlab:{c.name}") or {}, res.memory.get(f"trl:{c.name}") or {}
         cat = m.get("by_category") or {}
         # the floor: parameters and optimizer states as a forward holds them (step 1 on: no
@@ -339,7 +369,8 @@ def report(s: Settings, cases: list[Case], res: Results, params: dict[str, int]
         held = (m.get("by_phase_category") or {}).get("forward") or {}
         floor = (held.get("parameters", 0) + held.get("optimizer", 0)) if held else None
         row: dict[str, Any] = {
-            "case": c.name, "model": c.model, "what": c.what, "memlab": c.memlab,
+            "case": c.name, "model": c.model, "rows": cs.rows, "length": cs.length,
+            "baseline": c.baseline, "what": c.what, "memlab": c.memlab,
             "trl": c.trl, "memlab_peak_mib": _mib(m.get("peak_bytes")),
             "memlab_by_category_mib": {k: _mib(v) for k, v in cat.items()},
             "memlab_peak_at": m.get("peak_at"),
@@ -384,17 +415,21 @@ def report(s: Settings, cases: list[Case], res: Results, params: dict[str, int]
 
 
 def trl_from(rep: dict[str, Any], path: Path) -> None:
-    """Fill each row without a TRL memory run from ``path``'s row with the same model and the
-    same TRL configuration (TRL's side does not change with memlab's code), marked
+    """Fill each row without a TRL memory run from ``path``'s row with the same model, rows,
+    length and TRL configuration (TRL's side does not change with memlab's code), marked
     ``trl_memory_from``; the ratios are recomputed."""
     old = json.loads(path.read_text())
+    shape = old.get("settings") or asdict(Settings())  # rows written before rows / length
 
-    def key(r: dict[str, Any]) -> str:
-        return json.dumps([r["model"], r["trl"]], sort_keys=True)
+    def key(r: dict[str, Any], trl: Any = None) -> str:
+        return json.dumps([r["model"], r.get("rows", shape["rows"]),
+                           r.get("length", shape["length"]), r["trl"] if trl is None else trl],
+                          sort_keys=True)
 
     before = {key(r): r for r in old.get("rows", []) if r.get("trl_peak_mib") is not None}
-    default = (before.get(json.dumps(["Qwen2.5-0.5B", {}])) or {}).get("trl_peak_mib")
     for row in rep["rows"]:
+        default = (before.get(key({**row, "model": "Qwen2.5-0.5B"}, {})) or {}).get(
+            "trl_peak_mib")
         prev = before.get(key(row)) if row.get("trl") is not None else None
         if row.get("trl_peak_mib") is None and prev:
             for k in ("trl_peak_mib", "trl_by_category_mib", "trl_losses"):
@@ -432,9 +467,11 @@ def markdown(rep: dict[str, Any]) -> str:
             lo, hi = r["speed_ratio_range"]
             spd = f"{r['speed_ratio_median']:.2f} [{lo:.2f}-{hi:.2f}]"
         ratio = f(r.get("peak_ratio"), "{:.2f}")
-        if r.get("peak_ratio_vs_trl_default") is not None and r["case"] != "default":
+        if r.get("peak_ratio_vs_trl_default") is not None and r["case"] != r.get(
+                "baseline", "default"):
             ratio += f" ({r['peak_ratio_vs_trl_default']:.2f} of TRL's default)"
-        out.append(f"| {r['case']} ({r['model']}) | {f(r['memlab_peak_mib'])} | "
+        shape = f", {r['rows']} x {r['length']}" if r.get("length") else ""
+        out.append(f"| {r['case']} ({r['model']}{shape}) | {f(r['memlab_peak_mib'])} | "
                    f"{f(r['trl_peak_mib'])} | {ratio} | {spd} | {f(r['floor_mib'])} | "
                    f"{f(r['memlab_over_floor_mib'])} |")
     return "\n".join(out)
@@ -457,7 +494,7 @@ CURVES = [Case(name, "tiny", memlab or [], trl, "", need_gib=2, kernels=True)
 """``--curves``: memlab's default model, 50 steps of 4 rows, each optimizer on each side."""
 
 
-def curves(s: Settings, data: str, work: Path, log) -> dict[str, Any]:
+def curves(s: Settings, work: Path, log) -> dict[str, Any]:
     """50 steps of memlab's default model (tiny) with fp32 and 8-bit AdamW, and TRL's
     adamw_torch and adamw_bnb_8bit, on the same rows (4 a step), every run in fp32; the largest
     step-by-step loss differences."""
@@ -514,7 +551,8 @@ def dry_run(s: Settings, cases: list[Case], sides: tuple[str, ...], with_curves:
             runs = [("memory", s.memory_steps)] + ([("speed", s.speed_steps)] if c is cases[0]
                                                     and c.speed else [])
             for mode, steps in runs:
-                overrides = memlab_overrides(s, c, str(data), mode, steps, knobs)
+                overrides = memlab_overrides(settings_of(s, c), c, str(data), mode, steps,
+                                             knobs)
                 if "memlab" in sides:
                     bad += check("real_size", [(f"{c.name} {mode}", overrides)],
                                  platform=kernels if c.kernels else here)
@@ -539,6 +577,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default=None, help="comma-separated case names")
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--skip-speed", action="store_true")
+    ap.add_argument("--skip-memory", action="store_true",
+                    help="only the speed rounds (no tracked run; the rows get no peaks)")
+    ap.add_argument("--speed-steps", type=int, default=None,
+                    help="steps of each speed run, the first left out (default 3)")
     ap.add_argument("--speed", default=None,
                     help="comma-separated cases to time (default: every case run)")
     ap.add_argument("--curves", action="store_true", help="8-bit AdamW's 50-step loss curves")
@@ -573,6 +615,10 @@ def main(argv: list[str] | None = None) -> int:
     s = Settings()
     if a.rounds is not None:
         s.rounds = a.rounds
+    if a.speed_steps is not None:
+        if a.speed_steps < 2:
+            ap.error("--speed-steps: at least 2 (the first step is left out of tokens/s)")
+        s.speed_steps = a.speed_steps
     cases = [c for c in CASES if not a.only or c.name in a.only.split(",")]
     unknown = sorted(set(a.only.split(",") if a.only else ()) - {c.name for c in CASES})
     if unknown:
@@ -590,16 +636,25 @@ def main(argv: list[str] | None = None) -> int:
 
     sides = tuple(a.sides.split(","))
     params = {m: check_architecture(m) for m in {c.model for c in cases}}
-    data = prepare_data(s, work)
+    shapes = {}  # (rows, length) -> the data file of the cases with that shape
+    for c in cases:
+        cs = settings_of(s, c)
+        if (cs.rows, cs.length) not in shapes:
+            shapes[cs.rows, cs.length] = prepare_data(cs, work)["path"]
+
+    def data_of(c: Case) -> str:
+        cs = settings_of(s, c)
+        return shapes[cs.rows, cs.length]
+
     log(f"[real_size] {asdict(s)}; parameters {params}; work {work}")
     res = Results()
     out = Path(a.out)
     previous = json.loads(out.read_text()) if out.exists() and a.only else None
-    for c in cases:
+    for c in cases if not a.skip_memory else ():
         for side in ("memlab", "trl"):
             if side == "trl" and c.trl is None:
                 continue
-            res.memory[f"{side}:{c.name}"] = run(side, s, c, data["path"], "memory", work,
+            res.memory[f"{side}:{c.name}"] = run(side, s, c, data_of(c), "memory", work,
                                                  "mem", log, reuse=a.reuse, sides=sides)
     if not a.skip_speed:
         fast = [c for c in cases if c.speed and c.trl is not None
@@ -609,9 +664,9 @@ def main(argv: list[str] | None = None) -> int:
                 sides = ["memlab", "trl"] if (rnd + i) % 2 == 0 else ["trl", "memlab"]
                 for side in sides:
                     res.speed.setdefault(f"{side}:{c.name}", []).append(
-                        run(side, s, c, data["path"], "speed", work, f"r{rnd}", log))
+                        run(side, s, c, data_of(c), "speed", work, f"r{rnd}", log))
     if a.curves:
-        res.curves = curves(s, data["path"], work, log)
+        res.curves = curves(s, work, log)
     rep = report(s, cases, res, params)
     if a.trl_from:
         trl_from(rep, Path(a.trl_from))
