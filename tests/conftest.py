@@ -10,9 +10,10 @@ guard that fails a test which leaves process-global state changed or depends on 
   fails. A ``check`` test whose call takes over ``tiers.CHECK_LIMIT_S`` fails. After every test
   the process-global state a test can leak (:func:`global_state`) must be as it was before; a
   test that changed it fails, naming what changed, and the state is put back for the next one.
-- ``--durations-file PATH``: every test's duration, outcome and tier, slowest first (TSV),
-  written by the process that reports (the xdist controller); scripts/test.sh keeps one per
-  tier in ``.test-durations/``.
+- ``--durations-file PATH``: every test's duration, outcome, tier and when it ended (seconds
+  into the session), slowest first (TSV), written by the process that reports (the xdist
+  controller); scripts/test.sh keeps them in ``.test-durations/`` (``python tests/schedule.py``
+  turns them into tests/weights.tsv, the order xdist hands files out: longest first).
 """
 
 from __future__ import annotations
@@ -22,10 +23,12 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
 
+import schedule
 from memlab_testing import REPO, job  # noqa: F401  (fixture)
 from tiers import CHECK_LIMIT_S, MARKERS, TIERS, UNIT, folder_problem, tier_of
 
@@ -52,6 +55,7 @@ def pytest_configure(config):
     if (not config.option.markexpr
             and config.args_source == pytest.Config.ArgsSource.TESTPATHS):
         config.option.markexpr = TIERS["check"]
+    config.pluginmanager.register(_LongestFirst(), "memlab-longest-first")
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
@@ -67,10 +71,24 @@ def pytest_collection_modifyitems(config, items):
             problems.append(f"{item.nodeid}: in tiers {tiers} (tests/tiers.py)")
             continue
         item.stash[TIER] = tiers[0]
+        item.user_properties.append(("tier", tiers[0]))  # its reports carry it to xdist's controller
         if (why := folder_problem(rel, tiers[0])) is not None:
             problems.append(why)
     if problems:
         raise pytest.UsageError("test tiers:\n" + "\n".join(sorted(set(problems))))
+
+
+class _LongestFirst:
+    """The longest files first (tests/schedule.py; xdist keeps this order with
+    ``--no-loadscope-reorder``, set in pyproject's addopts), the check tier's before the others
+    (``make test`` runs the check and main tiers in one session). A plugin of its own: a
+    conftest holds one function per hook name."""
+
+    @pytest.hookimpl(trylast=True)  # after -m deselected: what runs
+    def pytest_collection_modifyitems(self, config, items):
+        files = {i: schedule.file_of(item.nodeid) for i, item in enumerate(items)}
+        first = frozenset(files[i] for i, item in enumerate(items) if _tier(item) == "check")
+        items[:] = schedule.longest_first(items, files, schedule.read_weights(), first)
 
 
 TIER = pytest.StashKey[str]()
@@ -279,11 +297,14 @@ def pytest_addoption(parser):
 
 
 _DURATIONS: dict[str, list] = {}
+_STARTED = time.monotonic()
 
 
 def pytest_runtest_logreport(report):
-    row = _DURATIONS.setdefault(report.nodeid, [0.0, "passed"])
+    tier = dict(report.user_properties).get("tier", "?")
+    row = _DURATIONS.setdefault(report.nodeid, [0.0, "passed", tier, 0.0])
     row[0] += report.duration
+    row[3] = time.monotonic() - _STARTED  # when its last report came
     if report.failed:
         row[1] = "failed" if report.when == "call" else f"error ({report.when})"
     elif report.skipped and row[1] == "passed":
@@ -295,8 +316,9 @@ def pytest_sessionfinish(session):
     if path and not hasattr(session.config, "workerinput"):
         rows = sorted(_DURATIONS.items(), key=lambda kv: -kv[1][0])
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text("seconds\toutcome\ttest\n" + "".join(
-            f"{s:.2f}\t{outcome}\t{nodeid}\n" for nodeid, (s, outcome) in rows))
+        Path(path).write_text("seconds\toutcome\ttier\tended\ttest\n" + "".join(
+            f"{s:.2f}\t{outcome}\t{tier}\t{ended:.1f}\t{nodeid}\n"
+            for nodeid, (s, outcome, tier, ended) in rows))
     shutil.rmtree(EVENTS, ignore_errors=True)
     if SHARED is not None:
         shutil.rmtree(SHARED, ignore_errors=True)
