@@ -138,10 +138,15 @@ CASES = [
     Case("long_default", "Qwen2.5-0.5B", [BF16], {},
          "1 row of 4,096 tokens: both defaults (AdamW, clipping at 1.0)", rows=1, length=4096,
          need_gib=16, speed=False, baseline="long_default"),
+    Case("long_no_clip", "Qwen2.5-0.5B", [BF16, *NOCLIP], None,
+         "1 row of 4,096 tokens: memlab's default without clipping (the reference of "
+         "long_in_backward's losses)", rows=1, length=4096, need_gib=12, speed=False,
+         baseline="long_default"),
     Case("long_in_backward", "Qwen2.5-0.5B", [BF16, *EXACT], None,
          "1 row of 4,096 tokens: memlab's lowest-memory exact options (in-backward step, "
          "no clipping; chunked loss and labelled head are defaults) against TRL's default",
-         rows=1, length=4096, need_gib=12, speed=False, baseline="long_default"),
+         reference="long_no_clip", rows=1, length=4096, need_gib=12, speed=False,
+         baseline="long_default"),
 ]
 
 
@@ -564,7 +569,8 @@ def dry_run(s: Settings, cases: list[Case], sides: tuple[str, ...], with_curves:
                 bad += check("real_size", [(f"curves {c.name}", memlab_overrides(
                     tiny, c, str(data), "speed", 50, DEFAULT_MODEL))], platform=kernels)
         show("real_size", f"{cases[0].name} memory",
-             ["memlab", *memlab_overrides(s, cases[0], "<data>", "memory", s.memory_steps,
+             ["memlab", *memlab_overrides(settings_of(s, cases[0]), cases[0], "<data>",
+                                          "memory", s.memory_steps,
                                           tiny_knobs(cases[0].model))])
     if "trl" in sides and not trl_importable():
         print(f"  [real_size] {TRL_MISSING}")
