@@ -2,7 +2,8 @@
 default as a CUDA run (so that attention backends are searched): the same fitting candidates,
 in the same predicted order, with the same estimates; every candidate it did not estimate
 shares a twin's estimate, or does not fit, or is dominated by a fitting candidate ranked above
-it. The exhaustive search's estimate of a candidate the pruned one made is that estimate (an
+it; every estimate it stopped over the budget does not fit, and needs at least what it had
+reached. The exhaustive search's estimate of a candidate the pruned one made is that estimate (an
 estimate is a function of the candidate: tests/integration/test_fit.py compares workers'
 with serial ones); every other candidate is estimated here."""
 
@@ -19,7 +20,8 @@ pytestmark = pytest.mark.integration
 # needs (MiB): no checkpointing 69.3 / 61.3 / 53.8 (4 x 1, 2 x 2, 1 x 4), every 2nd layer
 # 59.3 / 56.3 / 51.3, every layer 51.3 each. At 56 MiB (53.3 with the 5% margin): 1 x 4
 # without checkpointing does not fit (2 x 2 pruned), every 2nd layer's 1 x 4 fits (every
-# layer's 1 x 4 dominated), flex shares sdpa's estimates.
+# layer's 1 x 4 dominated), flex shares sdpa's estimates; 4 x 1 without checkpointing is
+# stopped once its tracked memory passes 53.3 MiB.
 BASE = ["method.max_length=128", "packing=none", "method.loss_impl=chunked", "precision=fp32",
         "method.padding_free=false", "offload=none"]
 OPTS = FitOptions(budget_bytes=56 * 2**20, device="cuda", estimate_only=True, jobs=2)
@@ -40,12 +42,13 @@ def test_the_pruned_search_finds_what_the_exhaustive_one_finds(tmp_path):
     cands = record["candidates"]
     counts = record["search"]["counts"]
     assert counts["shared"] and counts["no_fit"] and counts["dominated"], counts
-    assert counts["estimated"] + counts["shared"] + counts["no_fit"] + counts[
+    assert counts["stopped"], counts
+    assert counts["estimated"] + counts["stopped"] + counts["shared"] + counts["no_fit"] + counts[
         "dominated"] == len(cands) == 18
     full = [Candidate(c["overrides"], c["label"], c["exact"]) for c in cands]
     for f, c in zip(full, cands, strict=True):
         f.coords = _coords(c["label"])
-        if c["estimate"] and c["shared_with"] is None:
+        if c["estimate"].get("status") == "ok" and c["shared_with"] is None:
             f.estimate = c["estimate"]  # made by the pruned search
     todo = [i for i, f in enumerate(full) if not f.estimate]
     with multiprocessing.get_context("fork").Pool(2, initializer=_worker_init) as pool:
@@ -54,7 +57,10 @@ def test_the_pruned_search_finds_what_the_exhaustive_one_finds(tmp_path):
     exhaustive = rank(full)
     pos = {f.label: k for k, f in enumerate(exhaustive)}
     for c, f in zip(cands, full, strict=True):
-        if c["shared_with"] is not None:  # a twin's estimate is its own
+        if c["estimate"].get("status") == "over_budget":  # stopped (or a stopped one's twin)
+            assert not f.estimate["fits"], c["label"]
+            assert c["estimate"]["needed_at_least_bytes"] <= f.estimate["needed_bytes"]
+        elif c["shared_with"] is not None:  # a twin's estimate is its own
             assert _same(c["estimate"], f.estimate), c["label"]
         elif c["pruned"] and c["pruned"]["reason"] == "no_fit":
             assert not f.estimate["fits"], c["label"]

@@ -216,11 +216,12 @@ def _with_note(est: dict[str, Any], note: str | None) -> dict[str, Any]:
     return est
 
 
-def estimate_one(overrides: list[str], opts) -> dict[str, Any]:
+def estimate_one(overrides: list[str], opts, stop_above: int | None = None) -> dict[str, Any]:
     """Compose + estimate one point outside a Hydra app (for library use); a bad configuration
     is an ``invalid`` estimate, but a model whose config cannot be read from anywhere raises
     :class:`NoModelConfig` (no point can be estimated: a search stops there). A hub model
-    estimated from memlab's shipped config says so on stderr, once a process."""
+    estimated from memlab's shipped config says so on stderr, once a process. ``stop_above``:
+    :func:`memlab.estimate.estimate`'s (stop once the need is known to be larger)."""
     from memlab.estimate import estimate
 
     try:
@@ -234,7 +235,7 @@ def estimate_one(overrides: list[str], opts) -> dict[str, Any]:
     cfg, note = model_source(cfg)
     if note is not None:
         _say_once(note)
-    return _with_note(estimate(cfg, opts, choices, list(overrides)), note)
+    return _with_note(estimate(cfg, opts, choices, list(overrides), stop_above=stop_above), note)
 
 
 SWEEPER = "progress"

@@ -44,7 +44,7 @@ from memlab.context import BuildContext, validate_for
 from memlab.data.base import DataError
 from memlab.distributed.base import Sharding
 from memlab.distributed.single import Single
-from memlab.estimate import bounds
+from memlab.estimate import bounds, modes
 from memlab.estimate.fake import run_fake_step
 from memlab.estimate.forked import frozen_heap
 from memlab.estimate.options import (
@@ -162,13 +162,19 @@ def _distributed_plan(ctx: BuildContext, opts: EstimateOptions, notes: list[str]
 
 def estimate(cfg, opts: EstimateOptions | None = None, choices: dict[str, str] | None = None,
              overrides: list[str] | None = None, *,
-             every_decode_step: bool = False, parallel_builds: bool = False) -> dict[str, Any]:
+             every_decode_step: bool = False, parallel_builds: bool = False,
+             stop_above: int | None = None) -> dict[str, Any]:
     """Estimate one composed configuration; returns the ``estimate.json`` dict (``status`` ok /
     invalid / failed, ``error`` says why). ``every_decode_step``: online methods generate with
     one fake forward per new token (:mod:`memlab.estimate.decode`'s reference) instead of the
     shortened decode. ``parallel_builds``: a deep model's two shallow builds
     (:mod:`memlab.estimate.layers`) run at once, the shallower in a forked process (the same
-    estimate; ``memlab estimate`` does, ``memlab fit``'s estimates are parallel already)."""
+    estimate; ``memlab estimate`` does, ``memlab fit``'s estimates are parallel already).
+    ``stop_above``: the most memory (``needed_bytes``: the peak, the cuBLAS workspace on CUDA,
+    the CUDA context with a card) worth estimating; once a tracked moment shows the need must
+    be larger, the estimate stops with ``status`` ``over_budget`` and the need it had reached,
+    ``needed_at_least_bytes`` (:class:`memlab.estimate.modes.Stop`: a lower bound; not where the
+    run's sharding is modelled after the step, which lowers the peak)."""
     opts = opts or EstimateOptions()
     t0 = time.perf_counter()
     notes: list[str] = []
@@ -197,6 +203,11 @@ def estimate(cfg, opts: EstimateOptions | None = None, choices: dict[str, str] |
     ctx, opts, modelled, fake_world = _distributed_plan(ctx, opts, notes)
     out["options"]["world_size"] = opts.world_size
     out["options"]["zero_stage"] = opts.zero_stage
+    sm = CARDS[opts.card]["sm"] if opts.card else local_sm_major()
+    ws = cublas_workspace_bytes(sm) if opts.device == "cuda" else 0
+    context = CUDA_CONTEXT_BYTES if opts.card else 0
+    stop = (modes.Stop(stop_above - ws - context)
+            if stop_above is not None and modelled is None else None)
     try:
         with (frozen_heap(),
               _fake_rank(ctx, fake_world, notes) if fake_world else contextlib.nullcontext()):
@@ -206,14 +217,25 @@ def estimate(cfg, opts: EstimateOptions | None = None, choices: dict[str, str] |
                 out["status"] = "invalid"
                 out["error"] = why
                 return out
-            res = run_fake_step(ctx, opts, notes, every_decode_step=every_decode_step,
-                                parallel_builds=parallel_builds)
+            with modes.stopping(stop):
+                res = run_fake_step(ctx, opts, notes, every_decode_step=every_decode_step,
+                                    parallel_builds=parallel_builds)
     except EstimateError as e:
         out["error"] = str(e)
         return out
     except (DataError, ModelFilesError) as e:  # --from-data: the run's data cannot make its
         out["status"] = "invalid"  # batches (a run's too); a teacher's or reward model's files
         out["error"] = str(e)  # cannot be found (the policy's are resolved by the CLI first)
+        return out
+    except BaseException as e:  # (raised inside the tracker: autograd may re-raise it as its own)
+        if stop is None or stop.hit is None:
+            raise
+        need = stop.hit + ws + context
+        out["status"] = "over_budget"
+        out["needed_at_least_bytes"] = need
+        out["error"] = (f"stopped: a tracked moment needs {fmt_bytes(need)}, more than "
+                        f"{fmt_bytes(stop_above)} ({type(e).__name__})")
+        out["estimator"] = {"wall_s": time.perf_counter() - t0}
         return out
     raw = res["raw"]
     mem = {k: raw[k] for k in ("peak_bytes", "by_category", "by_phase", "by_phase_category",
@@ -225,9 +247,7 @@ def estimate(cfg, opts: EstimateOptions | None = None, choices: dict[str, str] |
                     + ("; optimizer state created by the optimizer's own step 0 update"
                        if ran == [1] else ""))
     unsharded = mem
-    sm = CARDS[opts.card]["sm"] if opts.card else local_sm_major()
     if opts.device == "cuda":
-        ws = cublas_workspace_bytes(sm)
         mem = _add_other(mem, ws)
         notes.append(f"device=cuda is a model: each allocation rounded up to {CUDA_BLOCK} B, "
                      f"cuBLAS workspaces {fmt_bytes(ws)} in other (forward's and backward's threads), AdamW foreach; allocator "

@@ -109,9 +109,45 @@ def exact_value_hooks(real: dict[str, torch.Tensor], fake_mode,
         yield
 
 
+class Stop:
+    """A limit on an estimate's tracked memory (:func:`stopping`): the first moment of a phase
+    whose tracked memory passes ``limit`` bytes stops the estimate (:class:`OverBudget`), and
+    ``hit`` keeps that memory. Every tracked moment of a phase is at most the estimate's peak
+    (its phases' peaks are the largest of their moments; what is added afterwards - the cuBLAS
+    workspace, a generation engine - only adds), and a model measured at two shallow depths
+    (:mod:`memlab.estimate.layers`) needs at every moment at least what its shallower builds
+    need at theirs (its layers are alike: each moment of the deep model has every tensor of
+    the shallow one's, and those of the layers between), so the estimate's peak passes the
+    limit too: what :func:`memlab.cli.fit.search.estimate_candidate` uses to stop estimating a
+    candidate that cannot fit."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = int(limit)
+        self.hit: int | None = None
+
+
+class OverBudget(Exception):
+    """An estimate stopped by its :class:`Stop` (the memory is in ``Stop.hit``)."""
+
+
+_STOP: list[Stop | None] = [None]
+
+
+@contextlib.contextmanager
+def stopping(stop: Stop | None) -> Iterator[Stop | None]:
+    """Trackers made inside (:func:`estimate_tracker`) stop at ``stop`` (None: never)."""
+    before = _STOP[0]
+    _STOP[0] = stop
+    try:
+        yield stop
+    finally:
+        _STOP[0] = before
+
+
 def estimate_tracker(round_to: int = 0):
     """The run's tracker class, optionally rounding each storage up to ``round_to`` bytes
-    (the CUDA caching allocator's 512-byte blocks) while the fake tensors live on the CPU."""
+    (the CUDA caching allocator's 512-byte blocks) while the fake tensors live on the CPU;
+    made inside :func:`stopping`, it stops at the first moment of a phase past the limit."""
     from torch._guards import active_fake_mode
     from torch.distributed._tools.mem_tracker import (
         _TOTAL_KEY,
@@ -124,6 +160,7 @@ def estimate_tracker(round_to: int = 0):
     from torch.utils._pytree import tree_leaves
 
     base = tracker_class()
+    stop = _STOP[0]
     wait_tensor = torch.ops._c10d_functional.wait_tensor.default
     device_query = torch.ops.prim.device.default
     add, delete, ref, size = (_UpdateType.ADD, _UpdateType.DEL, _UpdateType.REF,
@@ -154,7 +191,10 @@ def estimate_tracker(round_to: int = 0):
             if cur is not None:
                 cur["visits"].append([labels, [], 0])
 
+        _in_phase = False
+
         def phase_begins(self, step, name, training, device):
+            self._in_phase = True
             if self.phase_log is None:
                 return
             if not self.moment_keys:
@@ -164,6 +204,7 @@ def estimate_tracker(round_to: int = 0):
             self._moment(None)  # the phase's peak starts from the memory it starts with
 
         def phase_ends(self):
+            self._in_phase = False
             cur, self._current = self._current, None
             if cur is not None and self.phase_log is not None:
                 cur["peak"] = int(self._peak_mem.get(cur["device"], 0))
@@ -203,6 +244,11 @@ def estimate_tracker(round_to: int = 0):
                 self._update_peak_stats(None)
                 if self._current is not None:
                     self._moment(func)
+                if stop is not None and self._in_phase:
+                    top = max(self._peak_mem.values(), default=0)
+                    if top > stop.limit:
+                        stop.hit = int(top)
+                        raise OverBudget(f"tracked memory {top} B > {stop.limit} B")
             return res
 
         def _track(self, reftype, t: torch.Tensor) -> None:

@@ -130,3 +130,38 @@ def test_the_progress_line_has_counts_an_eta_and_the_best_so_far():
     assert lines[0].startswith(f"[fit] estimate 1/{len(plan.reps)} #{plan.reps[0]} ")
     assert "(also #" in lines[0] and sum(x.startswith("[fit] [") for x in lines) == 2
     assert duration(75) == "1m15s" and duration(3725) == "1h02m"
+
+
+def test_parameters_too_large_for_the_budget_rule_out_every_candidate_of_the_same_weights():
+    dims, _, cands = _space(allow=["peft"], precision="fp32")
+    assert "peft" in [d.name for d in dims]
+    plan = Plan(cands, dims, "cuda", fits_below=BUDGET, params_bound=True)
+    full = {i for i, c in enumerate(cands) if "full fine-tuning" in c.label}
+    made = []
+    pending = list(plan.reps)
+    while pending:
+        i = next(i for i in pending if plan.ready(i))
+        pending.remove(i)
+        why = plan.pruned(i)
+        if why:
+            plan.settle(i, pruned=why)
+            continue
+        c = plan.cands[i]
+        params = 180 if i in full else 20  # full fine-tuning's weights alone: over the budget
+        need = _need(c) + params
+        plan.settle(i, estimate={"status": "ok", "needed_bytes": need, "peak_bytes": need,
+                                 "by_category": {"parameters": params}, "fits": need <= BUDGET,
+                                 "predicted_s": 1.0})
+        made.append(i)
+    assert len([i for i in made if i in full]) == 1  # the first says what the weights need
+    ruled = [c for c in cands if c.pruned and c.pruned["reason"] == "parameters"]
+    assert ruled and all("full fine-tuning" in c.label for c in ruled)
+    assert all(c.pruned["at_least_bytes"] == 180 for c in ruled)
+    assert plan.counts()["parameters"] == len(ruled)
+    # sharded weights (or --exhaustive) are never ruled out by another candidate's parameters
+    plan = Plan(cands, dims, "cuda", fits_below=BUDGET, params_bound=False)
+    first = next(i for i in plan.reps if i in full)
+    plan.settle(first, estimate={"status": "ok", "needed_bytes": 200, "peak_bytes": 200,
+                                 "by_category": {"parameters": 180}, "fits": False})
+    assert not any((plan.pruned(i) or {}).get("reason") == "parameters"
+                   for i in plan.reps if i in full and i != first)

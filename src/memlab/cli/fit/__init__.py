@@ -14,8 +14,9 @@ clipping, one micro-batch stepped inside backward), padding-free, chunked loss, 
 CUDA activation offloading and the attention backends; LoRA / QLoRA, mixed precision, sharding
 and 8-bit / factored optimizer states only with ``--allow``. It estimates on fake tensors the
 candidates that can change its answer (:mod:`.prune`: twins share an estimate, a micro-batch
-that does not fit rules out larger ones, a dominated candidate is skipped; ``--exhaustive``
-estimates all), showing its progress (:mod:`.progress`), ranks those that fit (with
+that does not fit rules out larger ones, a dominated candidate is skipped, an estimate stops
+once its need is past the budget, parameters too large for it rule out their candidates;
+``--exhaustive`` estimates all), showing its progress (:mod:`.progress`), ranks those that fit (with
 ``--margin``) by a speed model, trains the best few for a few steps each in fresh processes and
 picks the fastest whose *measured* peak fits (:mod:`.search`).
 
@@ -181,7 +182,10 @@ def fit(base: list[str], opts: FitOptions, out_dir: Path, argv: list[str],
     cands = space.candidates(dims, plain, choices)
     plan = Plan(cands, dims, opts.device, prune=not opts.exhaustive,
                 offload_configured=choices.get("offload", "none") != "none"
-                and "offload" not in {d.name for d in dims})
+                and "offload" not in {d.name for d in dims},
+                fits_below=search.fits_below(opts),
+                params_bound=choices.get("distributed", "single") == "single"
+                and "sharding" not in {d.name for d in dims})
     log(f"[fit] {len(cands)} candidates over {', '.join(d.name for d in dims) or 'nothing'}"
         + (f"; {len(plan.reps)} distinct estimates at most (twins share one)"
            if len(plan.reps) < len(cands) else "")
@@ -201,6 +205,8 @@ def fit(base: list[str], opts: FitOptions, out_dir: Path, argv: list[str],
             finally:
                 progress.finish()
             ranked = search.rank(cands)
+            if not ranked and plan.prune:  # the closest as estimating every one finds them
+                search.complete_closest(base, plan, opts)
             if ranked and not opts.estimate_only:
                 baseline = configured if configured is not None and configured.estimate.get(
                     "fits") else None

@@ -22,7 +22,7 @@ def search_record(plan: Plan, opts: FitOptions, dims: list[Dimension],
     """``fit.json``'s ``search``: candidates estimated, sharing an estimate, pruned (by
     reason), and the estimates each lever avoided."""
     counts = plan.counts()
-    pruned_reps = {"no_fit": 0, "dominated": 0}
+    pruned_reps = {"no_fit": 0, "parameters": 0, "dominated": 0}
     for r in plan.reps:
         why = plan.cands[r].pruned
         if why:
@@ -30,22 +30,29 @@ def search_record(plan: Plan, opts: FitOptions, dims: list[Dimension],
     precision_twins = any(n.startswith("precision: not searched") for n in notes)
     made = [c.estimate for c in plan.cands if c.estimate and c.shared is None]
     seconds = [float(e.get("seconds") or 0.0) for e in made]
+    stopped = [e for e in made if e.get("status") == "over_budget"]
     return {
         "exhaustive": opts.exhaustive, "counts": counts,
         "distinct_estimates": len(plan.reps), "estimates_made": len(seconds),
         "made": plan.made,
         "estimate_s": round(sum(seconds), 1),
         "estimate_cpu_s": round(sum(float(e.get("cpu_s") or 0.0) for e in made), 1),
+        "stopped_cpu_s": round(sum(float(e.get("cpu_s") or 0.0) for e in stopped), 1),
         "avoided": {
             "precision_twins": len(plan.cands) if precision_twins else 0,
             "attention_twins": len(plan.cands) - len(plan.reps),
-            "no_fit": pruned_reps["no_fit"], "dominated": pruned_reps["dominated"]},
+            "no_fit": pruned_reps["no_fit"], "parameters": pruned_reps["parameters"],
+            "dominated": pruned_reps["dominated"], "stopped": len(stopped)},
         "why": {
             "precision_twins": "candidates never formed: --allow precision's option is the "
                                "configuration itself",
             "attention_twins": "estimates shared: attention backends the estimate runs alike "
                                "on the target (shared_with)",
             "no_fit": "not estimated: a smaller micro-batch of the same settings does not fit",
+            "parameters": "not estimated: its parameters alone (as a candidate with the same "
+                          "weights estimated them) need more than fits",
+            "stopped": "estimated in part: stopped once a tracked moment showed its need is "
+                       "more than fits (needed_at_least_bytes; stopped_cpu_s in all)",
             "dominated": "not estimated: the same candidate with less checkpointing and no "
                          "offloading fits and is predicted faster"},
     }
@@ -123,8 +130,12 @@ def format_table(record: dict[str, Any]) -> str:
         parts = [f"{n['estimated']} estimated"]
         if n["shared"]:
             parts.append(f"{n['shared']} shared a twin's estimate")
+        if n.get("stopped"):
+            parts.append(f"{n['stopped']} stopped over the budget (estimated in part)")
         if n["no_fit"]:
             parts.append(f"{n['no_fit']} pruned: a smaller micro-batch does not fit")
+        if n.get("parameters"):
+            parts.append(f"{n['parameters']} pruned: the parameters alone do not fit")
         if n["dominated"]:
             parts.append(f"{n['dominated']} pruned: dominated (less checkpointing / no "
                          "offloading fits, predicted faster)")

@@ -107,8 +107,11 @@ class Progress:
         filled = int(bar_w * settled / total) if total else bar_w
         eta = self.eta_s(plan)
         parts = [f"[fit] [{'#' * filled}{'.' * (bar_w - filled)}] {settled}/{total} settled: "
-                 f"{counts['estimated']} estimated, {counts['no_fit'] + counts['dominated']} "
-                 f"pruned" + (f", {counts['shared']} shared" if counts["shared"] else ""),
+                 f"{counts['estimated']} estimated"
+                 + (f" (+{counts['stopped']} stopped over the budget)" if counts["stopped"]
+                    else "")
+                 + f", {counts['no_fit'] + counts['parameters'] + counts['dominated']} pruned"
+                 + (f", {counts['shared']} shared" if counts["shared"] else ""),
                  f"{duration(self.clock() - self.t0)} so far"
                  + (f", ETA ~{duration(eta[0])} (<= {duration(eta[1])})" if eta else "")]
         best = self.best(plan.cands)

@@ -24,6 +24,17 @@ compares the two; ``--exhaustive`` turns the levers off):
    never choose it, so it is not estimated. Less checkpointing is compared only without
    offloading, where it cannot add host copies.
 
+4. **Stopped over the budget** (:func:`.search.estimate_candidate`): an estimate stops at the
+   first tracked moment that shows its need is larger than fits (:class:`memlab.estimate.modes.
+   Stop`: every tracked moment is at most the peak, and a model measured at two shallow depths
+   needs at least as much at its own); the candidate is ``over_budget`` with the need it had
+   reached, ``needed_at_least_bytes``.
+5. **Too large to hold** (:meth:`Plan.pruned`, where ``params_bound``): a candidate whose
+   parameters alone (with the CUDA context) need more than fits; its parameters are those of
+   any estimated candidate that differs from it only in the dimensions that build the same
+   weights (:data:`SAME_WEIGHTS`: checkpointing, the micro-batch split, offloading, the loss,
+   packing, padding-free, the attention backend), one process holding them whole.
+
 A candidate waits (:meth:`Plan.ready`) until every candidate that could prune it is settled;
 the order (:meth:`Plan.order`) estimates those first: smaller micro-batches, less
 checkpointing, no offloading first.
@@ -38,6 +49,9 @@ from typing import Any
 from memlab.cli.fit.space import Candidate, Dimension
 
 CKPT, MICRO, OFFLOAD, ATTENTION = "checkpointing", "micro_batch", "offload", "attention"
+SAME_WEIGHTS = frozenset({CKPT, MICRO, OFFLOAD, ATTENTION, "loss", "packing", "padding_free"})
+"""Dimensions whose options build the same parameters (the rest - PEFT, precision, sharding,
+the optimizer - may not)."""
 
 
 def _attention_name(overrides: Sequence[str]) -> str | None:
@@ -115,6 +129,11 @@ class Plan:
     """Representatives settled: estimated or pruned."""
     made: list[int] = field(default_factory=list)
     """The candidates estimated, in the order their estimates came."""
+    fits_below: int | None = None
+    """The largest need that fits (the budget with the margin); with ``params_bound``, a
+    candidate whose parameters alone need more is not estimated (lever 5)."""
+    params_bound: bool = False
+    """One process holds the parameters whole (no sharding): lever 5 applies."""
 
     def __post_init__(self) -> None:
         names = [d.name for d in self.dims]
@@ -134,6 +153,9 @@ class Plan:
         self._lines: dict[tuple[Any, ...], list[int]] = {}
         for r in self.reps:
             self._lines.setdefault(self._line(r), []).append(r)
+        self._held: dict[tuple[Any, ...], tuple[int, int]] = {}
+        """The parameters' need (with the CUDA context) of each set of weights, and the
+        candidate whose estimate says so."""
 
     # ------------------------------------------------------------------ order and waiting
     def _coord(self, i: int, name: str) -> int:
@@ -145,6 +167,10 @@ class Plan:
     def _order(self, i: int) -> tuple[Any, ...]:
         size = self._size(i)
         return (size is None, size or 0, self._coord(i, CKPT), self._coord(i, OFFLOAD), i)
+
+    def _weights(self, i: int) -> tuple[Any, ...]:
+        """The coordinates that may change the parameters (outside :data:`SAME_WEIGHTS`)."""
+        return tuple(v for k, v in self.cands[i].coords.items() if k not in SAME_WEIGHTS)
 
     def _line(self, i: int) -> tuple[Any, ...]:
         """The coordinates other than checkpointing, micro-batch and offloading."""
@@ -189,10 +215,20 @@ class Plan:
     # ------------------------------------------------------------------ pruning
     def pruned(self, i: int) -> dict[str, Any] | None:
         """Why ``i`` need not be estimated, from the settled candidates (None: estimate it)."""
+        if self.prune and self.params_bound and self.fits_below is not None:
+            held = self._held.get(self._weights(i))
+            if held is not None and held[0] > self.fits_below:
+                return {"reason": "parameters", "by": held[1], "at_least_bytes": held[0],
+                        "why": f"its parameters alone need {held[0] / 2**30:.2f} GiB (as #"
+                               f"{held[1]}'s estimate, of the same weights, says), more than "
+                               "fits"}
         for j in self._pruners(i):
             e = self.cands[j].estimate
-            if self._smaller(j, i) and e.get("status") == "ok" and not e.get("fits"):
+            if self._smaller(j, i) and e.get("status") in ("ok", "over_budget") \
+                    and not e.get("fits"):
                 return {"reason": "no_fit", "by": j,
+                        "at_least_bytes": e.get("needed_bytes") or e.get(
+                            "needed_at_least_bytes"),
                         "why": f"a smaller micro-batch of the same settings does not fit (#{j})"}
         for j in self._pruners(i):
             if self._dominates(j, i) and self.cands[j].estimate.get("fits"):
@@ -208,6 +244,11 @@ class Plan:
         self.done.add(i)
         if estimate is not None:
             self.made.append(i)
+            cats = estimate.get("by_category") or {}
+            if estimate.get("status") == "ok" and "parameters" in cats \
+                    and estimate.get("needed_bytes") is not None:
+                context = estimate["needed_bytes"] - (estimate.get("peak_bytes") or 0)
+                self._held.setdefault(self._weights(i), (cats["parameters"] + context, i))
         out = [i, *self.twins.get(i, [])]
         for k in out:
             c = self.cands[k]
@@ -219,13 +260,15 @@ class Plan:
 
     def counts(self) -> dict[str, int]:
         """Candidates estimated, sharing an estimate, pruned (by reason), left."""
-        out = {"candidates": len(self.cands), "estimated": 0, "shared": 0, "no_fit": 0,
-               "dominated": 0, "left": 0}
+        out = {"candidates": len(self.cands), "estimated": 0, "stopped": 0, "shared": 0,
+               "no_fit": 0, "parameters": 0, "dominated": 0, "left": 0}
         for c in self.cands:
             if c.pruned:
                 out[c.pruned["reason"]] += 1
             elif c.shared is not None:
                 out["shared"] += 1
+            elif c.estimate.get("status") == "over_budget":
+                out["stopped"] += 1
             elif c.estimate:
                 out["estimated"] += 1
             else:

@@ -4,7 +4,8 @@
    estimated on fake tensors (``memlab estimate``, no device memory; ``jobs`` at a time in
    worker processes) with their FLOPs counted, except those :mod:`.prune` shows need no
    estimate of their own (a twin's estimate, a smaller micro-batch that does not fit, a
-   dominating candidate that fits); a candidate *fits* when its estimated need times
+   dominating candidate that fits, parameters that alone do not fit), each stopped once its
+   need is known not to fit (``over_budget``); a candidate *fits* when its estimated need times
    ``1 + margin`` is within the budget. :mod:`.progress` shows it going.
 2. **Rank** (:func:`rank`): the cheap speed model (:func:`score`) orders the fitting
    candidates by the predicted seconds of one optimizer step (:func:`predicted_seconds`: the
@@ -93,15 +94,35 @@ class FitOptions:
     tied or untimed top candidates are measured again, longer, while it lasts."""
 
 
-def estimate_candidate(base: list[str], c: Candidate, opts: FitOptions) -> dict[str, Any]:
-    """One candidate's estimate as fit keeps it (status, peak, need, fits, flops, error)."""
+def fits_below(opts: FitOptions) -> int:
+    """The largest need (bytes) that fits: ``need * (1 + margin) <= budget``, computed as
+    :func:`estimate_candidate` judges it (so that any larger need does not fit)."""
+    n = int(opts.budget_bytes / (1 + opts.margin))
+    while (n + 1) * (1 + opts.margin) <= opts.budget_bytes:
+        n += 1
+    while n >= 0 and n * (1 + opts.margin) > opts.budget_bytes:
+        n -= 1
+    return n
+
+
+def estimate_candidate(base: list[str], c: Candidate, opts: FitOptions,
+                       stop: bool = False) -> dict[str, Any]:
+    """One candidate's estimate as fit keeps it (status, peak, need, fits, flops, error).
+    ``stop``: the estimate stops once its need is known not to fit (status ``over_budget``,
+    ``needed_at_least_bytes``: :mod:`.prune`'s lever 4)."""
     from memlab.cli.estimate import estimate_one
     from memlab.estimate import EstimateOptions
 
     eopts = EstimateOptions(device=opts.device, card=opts.card, budget_bytes=opts.budget_bytes,
                             count_flops=True)
     t0, cpu0 = time.perf_counter(), time.process_time()
-    est = estimate_one([*base, *c.overrides], eopts)
+    est = estimate_one([*base, *c.overrides], eopts,
+                       stop_above=fits_below(opts) if stop else None)
+    if est["status"] == "over_budget":
+        return {"status": "over_budget", "error": _short(est.get("error")),
+                "needed_at_least_bytes": est["needed_at_least_bytes"], "fits": False,
+                "seconds": round(time.perf_counter() - t0, 2),
+                "cpu_s": round(time.process_time() - cpu0, 2)}
     need = (est.get("verdict") or {}).get("needed_bytes") or est.get("peak_bytes")
     counted = est.get("flops") or {}
     flops = counted.get("per_step")
@@ -133,10 +154,10 @@ def _worker_init() -> None:
     signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
-def _estimate_in_worker(job: tuple[int, list[str], Candidate, FitOptions]
+def _estimate_in_worker(job: tuple[int, list[str], Candidate, FitOptions, bool]
                         ) -> tuple[int, dict[str, Any]]:
-    i, base, c, opts = job
-    return i, estimate_candidate(base, c, opts)
+    i, base, c, opts, stop = job
+    return i, estimate_candidate(base, c, opts, stop)
 
 
 def estimate_all(base: list[str], plan: Plan, opts: FitOptions,
@@ -178,17 +199,18 @@ def estimate_all(base: list[str], plan: Plan, opts: FitOptions,
         progress.estimated(plan, i)
 
     jobs = max(1, min(opts.jobs, len(pending)))
+    stop = plan.prune  # (--exhaustive: every estimate to its end)
     first = next_ready()
     if first is None:
         return
     progress.started(plan, first)
     # the first here: the workers, forked after it, start warm (the modules an estimate imports
     # on first use, torch's fake-tensor dispatch caches): ~15 s each on 2 cores otherwise
-    done(first, estimate_candidate(base, plan.cands[first], opts))
+    done(first, estimate_candidate(base, plan.cands[first], opts, stop))
     if jobs == 1:
         while (i := next_ready()) is not None:
             progress.started(plan, i)
-            done(i, estimate_candidate(base, plan.cands[i], opts))
+            done(i, estimate_candidate(base, plan.cands[i], opts, stop))
         return
     import multiprocessing
 
@@ -201,7 +223,7 @@ def estimate_all(base: list[str], plan: Plan, opts: FitOptions,
             while len(flying) < jobs and (i := next_ready()) is not None:
                 flying.add(i)
                 progress.started(plan, i)
-                pool.apply_async(_estimate_in_worker, ((i, base, plan.cands[i], opts),),
+                pool.apply_async(_estimate_in_worker, ((i, base, plan.cands[i], opts, stop),),
                                  callback=results.put, error_callback=results.put)
             if not flying:
                 break
@@ -338,6 +360,37 @@ def measure(base: list[str], ranked: list[Candidate], baseline: Candidate | None
             steps[id(c)] = 2 * steps.get(id(c), opts.steps)
             run(c)
     return done
+
+
+def complete_closest(base: list[str], plan: Plan, opts: FitOptions, k: int = 3) -> None:
+    """Where nothing fits, estimate to their end the candidates a lever left with only a lower
+    bound on their need (an estimate stopped over the budget, parameters too large, a smaller
+    micro-batch not fitting) that could still be among the ``k`` :func:`closest`, so that
+    those are what estimating every candidate finds."""
+    cands = plan.cands
+    while True:
+        needs = sorted(_nearest_need(c) for c in cands if c.estimate.get("status") == "ok")
+        kth = needs[k - 1] if len(needs) >= k else None
+        todo = [r for r in plan.reps if (lb := _lower_bound(cands[r])) is not None
+                and (kth is None or lb <= kth)]
+        if not todo:
+            return
+        for r in todo:
+            est = estimate_candidate(base, cands[r], opts)
+            cands[r].pruned = None
+            for t in plan.twins.get(r, []):
+                cands[t].pruned = None
+            plan.settle(r, estimate=est)
+
+
+def _lower_bound(c: Candidate) -> int | None:
+    """The need a lever showed ``c`` has at least (None: estimated, or not pruned so)."""
+    if c.estimate.get("status") == "over_budget":
+        return int(c.estimate["needed_at_least_bytes"])
+    p = c.pruned or {}
+    if p.get("reason") in ("no_fit", "parameters") and p.get("at_least_bytes") is not None:
+        return int(p["at_least_bytes"])
+    return None
 
 
 def closest(cands: list[Candidate], budget: int, margin: float,
