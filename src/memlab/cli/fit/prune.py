@@ -33,7 +33,8 @@ compares the two; ``--exhaustive`` turns the levers off):
    parameters alone (with the CUDA context) need more than fits; its parameters are those of
    any estimated candidate that differs from it only in the dimensions that build the same
    weights (:data:`SAME_WEIGHTS`: checkpointing, the micro-batch split, offloading, the loss,
-   packing, padding-free, the attention backend), one process holding them whole.
+   packing, padding-free, the attention backend), one process holding them whole. The first
+   candidate of each set of weights is estimated to its end (:meth:`Plan.stoppable`).
 
 A candidate waits (:meth:`Plan.ready`) until every candidate that could prune it is settled;
 the order (:meth:`Plan.order`) estimates those first: smaller micro-batches, less
@@ -156,6 +157,8 @@ class Plan:
         self._held: dict[tuple[Any, ...], tuple[int, int]] = {}
         """The parameters' need (with the CUDA context) of each set of weights, and the
         candidate whose estimate says so."""
+        self._weighed: set[tuple[Any, ...]] = set()
+        """The sets of weights a candidate was sent to be estimated whole for (lever 5)."""
 
     # ------------------------------------------------------------------ order and waiting
     def _coord(self, i: int, name: str) -> int:
@@ -211,6 +214,18 @@ class Plan:
     def ready(self, i: int) -> bool:
         """Every candidate that could prune ``i`` is settled."""
         return all(j in self.done for j in self._pruners(i))
+
+    def stoppable(self, i: int) -> bool:
+        """Whether ``i``'s estimate may stop once its need is past the budget (lever 4): not
+        with ``prune`` off, nor the first of its weights where ``params_bound`` (estimated
+        whole, it says what the weights need: lever 5 then spares the others of the same
+        weights that cannot hold them)."""
+        if not self.prune:
+            return False
+        if not self.params_bound or self._weights(i) in self._weighed:
+            return True
+        self._weighed.add(self._weights(i))
+        return False
 
     # ------------------------------------------------------------------ pruning
     def pruned(self, i: int) -> dict[str, Any] | None:

@@ -199,18 +199,17 @@ def estimate_all(base: list[str], plan: Plan, opts: FitOptions,
         progress.estimated(plan, i)
 
     jobs = max(1, min(opts.jobs, len(pending)))
-    stop = plan.prune  # (--exhaustive: every estimate to its end)
     first = next_ready()
     if first is None:
         return
     progress.started(plan, first)
     # the first here: the workers, forked after it, start warm (the modules an estimate imports
     # on first use, torch's fake-tensor dispatch caches): ~15 s each on 2 cores otherwise
-    done(first, estimate_candidate(base, plan.cands[first], opts, stop))
+    done(first, estimate_candidate(base, plan.cands[first], opts, plan.stoppable(first)))
     if jobs == 1:
         while (i := next_ready()) is not None:
             progress.started(plan, i)
-            done(i, estimate_candidate(base, plan.cands[i], opts, stop))
+            done(i, estimate_candidate(base, plan.cands[i], opts, plan.stoppable(i)))
         return
     import multiprocessing
 
@@ -223,7 +222,8 @@ def estimate_all(base: list[str], plan: Plan, opts: FitOptions,
             while len(flying) < jobs and (i := next_ready()) is not None:
                 flying.add(i)
                 progress.started(plan, i)
-                pool.apply_async(_estimate_in_worker, ((i, base, plan.cands[i], opts, stop),),
+                pool.apply_async(_estimate_in_worker,
+                                 ((i, base, plan.cands[i], opts, plan.stoppable(i)),),
                                  callback=results.put, error_callback=results.put)
             if not flying:
                 break
