@@ -147,6 +147,11 @@ CASES = [
          "no clipping; chunked loss and labelled head are defaults) against TRL's default",
          reference="long_no_clip", rows=1, length=4096, need_gib=12, speed=False,
          baseline="long_default"),
+    Case("long_in_backward_chunk128", "Qwen2.5-0.5B", [BF16, *EXACT, "method.chunk_size=128"],
+         None, "1 row of 4,096 tokens: the same with the loss's chunk at 128 tokens (a 74 MiB "
+         "fp32 block instead of 256; the same sums in other groupings)",
+         reference="long_no_clip", rows=1, length=4096, need_gib=12, speed=False,
+         baseline="long_default"),
 ]
 
 
