@@ -37,8 +37,9 @@ bitsandbytes for the 8-bit rows: ``bash scripts/setup_cpu_kernels.sh``, whose di
 8-bit runs' PYTHONPATH)::
 
     .venv-trl/bin/python benchmarks/real_size.py [--only default,lora] [--rounds 2] [--curves]
-    .venv-trl/bin/python benchmarks/real_size.py --only long_default,long_in_backward \
-        --skip-speed --out benchmarks/results/real_size_long.json      # the 4,096-token rows
+    .venv-trl/bin/python benchmarks/real_size.py --skip-speed \
+        --only long_default,long_no_clip,long_in_backward,long_in_backward_chunk128 \
+        --out benchmarks/results/real_size_long.json                   # the 4,096-token rows
     .venv-trl/bin/python benchmarks/real_size.py --only default,fp32_both --skip-memory \
         --rounds 3 --out benchmarks/results/real_size_speed_bf16.json  # speed only
     python benchmarks/real_size.py --dry-run   # no TRL needed: every memlab run validated
