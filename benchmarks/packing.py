@@ -35,10 +35,9 @@ freeing it, which makes the timings those of an ordinary machine; ``--prewarm-gb
 it. Speed is compared only as ratios of runs made side by side in one invocation.
 
 TRL is optional and never imported by memlab. To run the TRL side without touching the main
-environment: ``python3 -m venv --system-site-packages /work/venvs/trl &&
-/work/venvs/trl/bin/pip install --no-deps trl`` (plus a ``.pth`` line pointing at the main
-environment's site-packages if its packages are not the system ones), then
-``OMP_NUM_THREADS=1 /work/venvs/trl/bin/python benchmarks/packing.py``. ``--dry-run``: every
+environment: ``.venv-trl``, a venv over ``.venv`` with TRL added (benchmarks/README.md gives
+the commands: a ``.pth`` line for ``.venv``'s packages, ``--system-site-packages`` does not reach
+them), then ``OMP_NUM_THREADS=1 .venv-trl/bin/python benchmarks/packing.py``. ``--dry-run``: every
 section on 2,000 rows, once, without TRL (seconds; the JSON to a temp file).
 """
 

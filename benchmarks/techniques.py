@@ -49,9 +49,9 @@ Starting a fresh process per run (``--fresh``) is cleaner but costs ~10-25 s per
 
 TRL is optional and never imported by memlab. Without it (or with ``--no-trl``) only the memlab
 side runs. To get it without touching the main environment:
-``python -m venv --system-site-packages /tmp/trlvenv && /tmp/trlvenv/bin/pip install --no-deps trl``
+``.venv-trl``, a venv over ``.venv`` with TRL added (benchmarks/README.md gives the commands)
 (the TRL worker is started with ``--trl-python``, default: this python if it imports trl, else
-``/tmp/trlvenv/bin/python``).
+``.venv-trl/bin/python``).
 
 Usage: ``python benchmarks/techniques.py [--quick] [--out PATH] [--rounds N] [--only a,b]``;
 ``--dry-run``: every configuration's memlab runs composed and validated, nothing run.
@@ -537,7 +537,7 @@ class Worker:
 
 
 def find_trl_python(explicit: str | None) -> str | None:
-    cands = [explicit] if explicit else [sys.executable, "/tmp/trlvenv/bin/python"]
+    cands = [explicit] if explicit else [sys.executable, str(REPO / ".venv-trl/bin/python")]
     for py in cands:
         if py and Path(py).exists():
             ok = subprocess.run([py, "-c", "import trl, memlab"], capture_output=True)
