@@ -281,7 +281,11 @@ def _signals_interrupt() -> Iterator[None]:
         yield
         return
 
+    owner = os.getpid()
+
     def stop(signum: int, frame: Any) -> None:
+        if os.getpid() != owner:  # a process forked inside the block (an estimating worker)
+            os._exit(128 + signum)  # before it set its own handlers: end as the signal would
         name = signal.Signals(signum).name
         raise SearchInterrupted(f"stopped by {name}", name)
 
