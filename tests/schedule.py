@@ -90,7 +90,8 @@ def tier_walls(path: Path) -> list[tuple[str, float]]:
     last: dict[str, float] = {}
     with path.open() as f:
         for row in csv.DictReader(f, delimiter="\t"):
-            last[row["tier"]] = max(last.get(row["tier"], 0.0), float(row["ended"]))
+            if row["outcome"] != "skipped":  # (the gpu tier's, on a CPU: skipped as they come)
+                last[row["tier"]] = max(last.get(row["tier"], 0.0), float(row["ended"]))
     out, before = [], 0.0
     for tier, end in sorted(last.items(), key=lambda kv: kv[1]):
         out.append((tier, end - before))
