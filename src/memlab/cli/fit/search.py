@@ -237,25 +237,11 @@ def estimate_all(base: list[str], plan: Plan, opts: FitOptions,
             i, est = got
             flying.discard(i)
             done(i, est)
-        pool.close()  # done: each worker reads its end from the queue and exits, no signal sent
-        pool.join()
-    finally:
-        _stop_workers(pool)
-
-
-def _stop_workers(pool: Any) -> None:
-    """Workers still alive (fit stopped, an estimate failed) are killed, then the pool is torn
-    down. SIGKILL first, not only the pool's SIGTERM, which a worker can miss: seen once
-    (``test_fit``'s nothing-fits search in a test worker, hung until pytest's timeout), a worker
-    alive after ``terminate`` with SIGTERM at its default and none pending, waiting on the task
-    queue's lock that ``terminate`` holds, and ``terminate`` waiting for it to exit. How it
-    missed the signal was not traced; the likeliest: it came while the worker, just forked,
-    still had fit's own handler (``_signals_interrupt``, which now ends a forked child itself).
-    The normal end sends no signal at all (``close`` and ``join``)."""
-    for p in list(getattr(pool, "_pool", ())):
-        if p.exitcode is None:
-            p.kill()
-    pool.terminate()
+    except BaseException:  # stopped (a signal) or an estimate failed: the workers end now
+        pool.terminate()  # SIGTERM: each worker set it to its default (_worker_init), and one
+        pool.join()  # forked a moment before ends in fit's handler (_signals_interrupt)
+        raise
+    pool.close()  # done: each worker reads its end from the queue and exits; no signal sent
     pool.join()
 
 
