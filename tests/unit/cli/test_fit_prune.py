@@ -25,7 +25,15 @@ def _need(c) -> int:
     return 100 * rows + 80 - 30 * c.coords["checkpointing"] - 10 * c.coords["offload"]
 
 
-def _search(plan, budget):
+def _made_up(i, c, budget):
+    need = _need(c)
+    return {"status": "ok", "needed_bytes": need, "fits": need <= budget,
+            "predicted_s": 1.0 + 0.2 * c.coords["checkpointing"] + 0.1 * c.coords["offload"]}
+
+
+def _search(plan, budget, estimate_of=_made_up):
+    """Fit's search order over ``plan``: each ready candidate pruned or given
+    ``estimate_of(i, candidate, budget)``; the indices estimated."""
     made = []
     pending = list(plan.reps)
     while pending:
@@ -35,11 +43,7 @@ def _search(plan, budget):
         if why:
             plan.settle(i, pruned=why)
             continue
-        c = plan.cands[i]
-        need = _need(c)
-        plan.settle(i, estimate={"status": "ok", "needed_bytes": need, "fits": need <= budget,
-                                 "predicted_s": 1.0 + 0.2 * c.coords["checkpointing"]
-                                 + 0.1 * c.coords["offload"]})
+        plan.settle(i, estimate=estimate_of(i, plan.cands[i], budget))
         made.append(i)
     return made
 
@@ -137,22 +141,14 @@ def test_parameters_too_large_for_the_budget_rule_out_every_candidate_of_the_sam
     assert "peft" in [d.name for d in dims]
     plan = Plan(cands, dims, "cuda", fits_below=BUDGET, params_bound=True)
     full = {i for i, c in enumerate(cands) if "full fine-tuning" in c.label}
-    made = []
-    pending = list(plan.reps)
-    while pending:
-        i = next(i for i in pending if plan.ready(i))
-        pending.remove(i)
-        why = plan.pruned(i)
-        if why:
-            plan.settle(i, pruned=why)
-            continue
-        c = plan.cands[i]
+
+    def estimate_of(i, c, budget):
         params = 180 if i in full else 20  # full fine-tuning's weights alone: over the budget
         need = _need(c) + params
-        plan.settle(i, estimate={"status": "ok", "needed_bytes": need, "peak_bytes": need,
-                                 "by_category": {"parameters": params}, "fits": need <= BUDGET,
-                                 "predicted_s": 1.0})
-        made.append(i)
+        return {"status": "ok", "needed_bytes": need, "peak_bytes": need,
+                "by_category": {"parameters": params}, "fits": need <= budget, "predicted_s": 1.0}
+
+    made = _search(plan, BUDGET, estimate_of)
     assert len([i for i in made if i in full]) == 1  # the first says what the weights need
     ruled = [c for c in cands if c.pruned and c.pruned["reason"] == "parameters"]
     assert ruled and all("full fine-tuning" in c.label for c in ruled)
