@@ -80,7 +80,6 @@ tests=$?
 t_main=$(date +%s)
 walls=$("$PY" tests/schedule.py tiers "$DURATIONS/pytest.tsv" 2>/dev/null || echo "?")
 
-
 kernels=0
 if [ "$KERNELS" = 1 ]; then
   if wait "$ksetup"; then
