@@ -7,11 +7,13 @@ guard that fails a test which leaves process-global state changed or depends on 
   (``MEMLAB_TEST_EVENTS``, :func:`memlab.faults.note`), spawned processes included: a test that
   resolves ``precision=auto`` fails unless marked ``auto_precision(reason)`` (its numbers would
   depend on whether this CPU has bf16 kernels), and a ``check`` test that builds a pipeline
-  fails. A ``check`` test whose call takes over ``tiers.CHECK_LIMIT_S`` fails. After every test
+  fails. A ``check`` test whose call takes over ``tiers.CHECK_LIMIT_S`` of CPU (or
+  ``tiers.CHECK_WALL_S`` of wall time) fails. After every test
   the process-global state a test can leak (:func:`global_state`) must be as it was before; a
   test that changed it fails, naming what changed, and the state is put back for the next one.
-- ``--durations-file PATH``: every test's duration, outcome, tier and when it ended (seconds
-  into the session), slowest first (TSV), written by the process that reports (the xdist
+- ``--durations-file PATH``: every test's duration, outcome, tier, when it ended (seconds
+  into the session) and its call's CPU time (its process's and its waited-for children's),
+  slowest first (TSV), written by the process that reports (the xdist
   controller); scripts/test.sh keeps them in ``.test-durations/`` (``python tests/schedule.py``
   turns them into tests/weights.tsv, the order xdist hands files out: longest first).
 """
@@ -30,7 +32,7 @@ import pytest
 
 import schedule
 from memlab_testing import REPO, job  # noqa: F401  (fixture)
-from tiers import CHECK_LIMIT_S, MARKERS, TIERS, UNIT, folder_problem, tier_of
+from tiers import MARKERS, TIERS, UNIT, check_limit_problem, cpu_s, folder_problem, tier_of
 
 EVENTS = Path(tempfile.mkdtemp(prefix="memlab-test-events-"))
 os.environ["MEMLAB_TEST_EVENTS"] = str(EVENTS)  # this process and every one it spawns
@@ -278,14 +280,29 @@ def _guard(request):
 
 
 @pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    start = cpu_s()
+    try:
+        return (yield)
+    finally:
+        item.stash[_CALL_CPU] = cpu_s() - start
+
+
+_CALL_CPU = pytest.StashKey[float]()
+
+
+@pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
+    """The call's CPU time goes into the report (the durations file's ``cpu`` column); a check
+    test over the tier's limits fails (:func:`tiers.check_limit_problem`)."""
     report = yield
-    if (call.when == "call" and report.passed and _tier(item) == "check"
-            and call.duration > CHECK_LIMIT_S):
-        report.outcome = "failed"
-        report.longrepr = (f"{item.nodeid} took {call.duration:.1f} s, over the check tier's "
-                           f"{CHECK_LIMIT_S:.0f} s (tests/tiers.py): make it faster or mark it "
-                           "pytest.mark.pipeline (the main tier)")
+    if call.when != "call":
+        return report
+    cpu = item.stash.get(_CALL_CPU, 0.0)
+    report.user_properties.append(("cpu", cpu))
+    over = check_limit_problem(item.nodeid, cpu, call.duration)
+    if report.passed and _tier(item) == "check" and over:
+        report.outcome, report.longrepr = "failed", over
     return report
 
 
@@ -301,10 +318,12 @@ _STARTED = time.monotonic()
 
 
 def pytest_runtest_logreport(report):
-    tier = dict(report.user_properties).get("tier", "?")
-    row = _DURATIONS.setdefault(report.nodeid, [0.0, "passed", tier, 0.0])
+    props = dict(report.user_properties)
+    row = _DURATIONS.setdefault(report.nodeid, [0.0, "passed", props.get("tier", "?"), 0.0, 0.0])
     row[0] += report.duration
     row[3] = time.monotonic() - _STARTED  # when its last report came
+    if report.when == "call":
+        row[4] = props.get("cpu", 0.0)
     if report.failed:
         row[1] = "failed" if report.when == "call" else f"error ({report.when})"
     elif report.skipped and row[1] == "passed":
@@ -316,9 +335,9 @@ def pytest_sessionfinish(session):
     if path and not hasattr(session.config, "workerinput"):
         rows = sorted(_DURATIONS.items(), key=lambda kv: -kv[1][0])
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text("seconds\toutcome\ttier\tended\ttest\n" + "".join(
-            f"{s:.2f}\t{outcome}\t{tier}\t{ended:.1f}\t{nodeid}\n"
-            for nodeid, (s, outcome, tier, ended) in rows))
+        Path(path).write_text("seconds\toutcome\ttier\tended\tcpu\ttest\n" + "".join(
+            f"{s:.2f}\t{outcome}\t{tier}\t{ended:.1f}\t{cpu:.2f}\t{nodeid}\n"
+            for nodeid, (s, outcome, tier, ended, cpu) in rows))
     shutil.rmtree(EVENTS, ignore_errors=True)
     if SHARED is not None:
         shutil.rmtree(SHARED, ignore_errors=True)

@@ -9,7 +9,8 @@ one in ``addopts`` (the last ``-m`` wins).
 
 - ``check``: builds no pipeline and answers in seconds; ``make check`` (with ruff and mypy) is
   the inner loop. Enforced at run time (tests/conftest.py): a test of this tier fails when it
-  builds a pipeline (its own process or one it spawns) or takes over :data:`CHECK_LIMIT_S`.
+  builds a pipeline (its own process or one it spawns) or takes over :data:`CHECK_LIMIT_S` of
+  CPU (:data:`CHECK_WALL_S` of wall time).
 - ``main``: runs, estimates, sweeps, launches (``pipeline``: every test outside tests/unit, and
   the tests in tests/unit marked so), and ``slow`` ones.
 - ``cpu_kernels``: Liger in Triton's interpreter, bitsandbytes on CPU (their own packages,
@@ -42,7 +43,32 @@ UNIT = "tests/unit"
 """Tests outside this folder build pipelines: they are marked ``pipeline`` at collection."""
 
 CHECK_LIMIT_S = 5.0
-"""The longest a ``check`` test may take (its call, on 2 loaded cores)."""
+"""The most CPU a ``check`` test's call may take (its process's threads and the children it
+waited for): what it takes on an idle core, whatever else loads the machine. At load 5-8 on 2
+cores the wall clock of tests that take 0.2-4 s alone went to 8-17 s."""
+
+CHECK_WALL_S = 15.0
+"""The longest a ``check`` test's call may take in wall time: a test that waits (a sleep, a
+process it does not wait for) fails here though its CPU time is small."""
+
+
+def cpu_s() -> float:
+    """CPU seconds of this process (every thread) and of its children that ended and were
+    waited for (user + system)."""
+    import resource
+    import time
+
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + kids.ru_utime + kids.ru_stime
+
+
+def check_limit_problem(nodeid: str, cpu_s: float, wall_s: float) -> str | None:
+    """Why a ``check`` test whose call took ``cpu_s`` of CPU in ``wall_s`` fails, or None."""
+    if cpu_s <= CHECK_LIMIT_S and wall_s <= CHECK_WALL_S:
+        return None
+    return (f"{nodeid} took {cpu_s:.1f} s of CPU in {wall_s:.1f} s, over the check tier's "
+            f"{CHECK_LIMIT_S:.0f} s of CPU or {CHECK_WALL_S:.0f} s of wall time (tests/tiers.py): "
+            "make it faster or mark it pytest.mark.pipeline (the main tier)")
 
 
 def tier_of(markers: set[str]) -> list[str]:

@@ -6,7 +6,7 @@ import itertools
 import re
 
 from memlab_testing import REPO
-from tiers import MARKERS, TIERS, tier_of
+from tiers import CHECK_LIMIT_S, CHECK_WALL_S, MARKERS, TIERS, check_limit_problem, cpu_s, tier_of
 
 
 def test_every_combination_of_markers_is_in_exactly_one_tier():
@@ -25,3 +25,21 @@ def test_make_test_runs_every_tier_and_make_check_the_first():
     make = (REPO / "Makefile").read_text()
     assert "bash scripts/test.sh" in make
     assert re.search(r"^check:.*\n(\t.*\n)*\t.*tests/tiers\.py check", make, re.M)
+
+
+def test_the_check_tier_limits_cpu_time_and_waiting_not_the_machines_load():
+    """A check test fails over 5 s of CPU or 15 s of wall time; 8.8 s of wall time for 0.2 s
+    of CPU (a test that took 0.17 s alone, at load 8) is the machine's load, not the test's.
+    The CPU counted includes children the test waited for."""
+    import subprocess
+    import sys
+
+    assert check_limit_problem("t", 0.2, 8.8) is None
+    assert check_limit_problem("t", CHECK_LIMIT_S, CHECK_WALL_S) is None
+    assert "5.5 s of CPU in 6.0 s" in check_limit_problem("t", 5.5, 6.0)
+    assert "0.1 s of CPU in 16.0 s" in check_limit_problem("t", 0.1, 16.0)
+    before = cpu_s()
+    subprocess.run([sys.executable, "-S", "-c",
+                    "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass"],
+                   check=True)
+    assert cpu_s() - before >= 0.25
