@@ -35,6 +35,7 @@ VLLM=${MEMLAB_TEST_VLLM:-1}
 KERNELS_DIR=${MEMLAB_CPU_KERNELS:-.cpu-kernels}
 KERNELS=${MEMLAB_TEST_CPU_KERNELS:-1}
 DURATIONS=.test-durations
+WORKERS=${MEMLAB_TEST_WORKERS:-2}  # xdist workers of the check + main session
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TOKENIZERS_PARALLELISM=${TOKENIZERS_PARALLELISM:-false}
 
 echo "== memlab test suite: $(getconf _NPROCESSORS_ONLN) cores, load average $(cut -d' ' -f1-3 /proc/loadavg)," \
@@ -73,7 +74,7 @@ t_side=$(date +%s)
 # workers and one collection of the suite instead of two, and no worker left waiting while the
 # other ends a tier.
 echo "== check and main tiers, one session (and the gpu tier: skipped without CUDA)"
-"$PY" -m pytest -q -n 2 --dist loadfile -m "($(tier check)) or ($(tier main)) or ($(tier gpu))" \
+"$PY" -m pytest -q -n "$WORKERS" --dist loadfile -m "($(tier check)) or ($(tier main)) or ($(tier gpu))" \
   --durations=15 --durations-file "$DURATIONS/pytest.tsv" "$@"
 tests=$?
 [ "$tests" = 5 ] && [ $# -gt 0 ] && tests=0  # the paths given hold no test of these tiers
