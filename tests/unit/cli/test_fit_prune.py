@@ -83,11 +83,79 @@ def test_twins_share_an_estimate_and_the_pruned_are_not_fitting_or_dominated():
 def test_a_candidate_waits_for_what_could_prune_it_and_exhaustive_estimates_all():
     dims, _, cands = _space()
     plan = Plan(cands, dims, "cuda")
-    first = plan.reps[0]
-    assert plan.ready(first) and "no checkpointing, 1 x 4" in cands[first].label
+    first = plan.reps[0]  # one micro-batch a step first: it may dominate those that accumulate
+    assert plan.ready(first) and "no checkpointing, 4 x 1" in cands[first].label
     assert not all(plan.ready(i) for i in plan.reps)
     every = Plan(cands, dims, "cuda", prune=False)
     assert len(every.reps) == len(cands) and all(every.ready(i) for i in every.reps)
+
+
+PF_CFG = {"method": {"name": "sft", "padding_free": False},
+          "train": {"batch_size": 4, "grad_accum": 1, "max_grad_norm": 1.0}}
+
+
+def _pf_need(c) -> int:
+    """Made up: rows cost, checkpointing and offloading save, padding-free saves a little."""
+    rows = next(int(o.split("=")[1]) for o in c.overrides if o.startswith("train.batch_size"))
+    return (40 * rows + 80 - 30 * c.coords["checkpointing"] - 10 * c.coords["offload"]
+            - 5 * c.coords["padding_free"])
+
+
+def _pf_estimate(i, c, budget):
+    need = _pf_need(c)  # the FLOPs of a step: the same whatever the split or the padding
+    return {"status": "ok", "needed_bytes": need, "fits": need <= budget,
+            "predicted_s": 1.0 + 0.2 * c.coords["checkpointing"] + 0.1 * c.coords["offload"]}
+
+
+def test_one_micro_batch_a_step_and_padding_free_rows_dominate():
+    """Lever 3's other two keys: a fitting candidate with one micro-batch a step dominates the
+    same settings accumulating, a padding-free one the same settings padded (the speed model
+    ranks them first at equal FLOPs); at every budget the pruned search ranks what estimating
+    every candidate ranks, each pruned one not fitting or ranked after the one that pruned it."""
+    fixed = {"method.loss_impl", "packing"}
+    dims, _ = dimensions(PF_CFG, "cuda", fixed=fixed)
+    assert [d.name for d in dims] == ["checkpointing", "micro_batch", "padding_free",
+                                      "offload", "attention"]
+    levers: dict[str, int] = {}
+    for budget in (120, 150, 175, 200, 230, 260):
+        cands = candidates(dims, PF_CFG, CHOICES)
+        plan = Plan(cands, dims, "cuda")
+        _search(plan, budget, _pf_estimate)
+        every = candidates(dims, PF_CFG, CHOICES)
+        for k, c in enumerate(every):
+            c.estimate = _pf_estimate(k, c, budget)
+        full = rank(every)
+        kept = {c.label for c in cands if not c.pruned}
+        assert [c.label for c in rank(cands)] == [c.label for c in full if c.label in kept]
+        pos = {c.label: k for k, c in enumerate(full)}
+        for c, e in zip(cands, every, strict=True):
+            if c.pruned and c.pruned["reason"] == "no_fit":
+                assert not e.estimate["fits"], c.label
+            elif c.pruned:
+                by = cands[c.pruned["by"]]
+                assert by.estimate["fits"] and (not e.estimate["fits"]
+                                                or pos[by.label] < pos[c.label]), c.label
+                levers[c.pruned["lever"]] = levers.get(c.pruned["lever"], 0) + 1
+    assert levers.get("micro_batch") and levers.get("padding_free") and levers.get(
+        "checkpointing"), levers
+    # two accumulating splits are not compared this way (lever 2 runs the other way), nor
+    # does an offloading candidate dominate
+    plan = Plan(candidates(dims, PF_CFG, CHOICES), dims, "cuda")
+    by_label = {c.label: i for i, c in enumerate(plan.cands)}
+    two = by_label["no checkpointing, 2 x 2 accumulated, padding-free, no offload, sdpa"]
+    one = by_label["no checkpointing, 1 x 4 accumulated, padding-free, no offload, sdpa"]
+    off = by_label["no checkpointing, 4 x 1 accumulated, padding-free, activations offloaded, "
+                   "sdpa"]
+    pad = by_label["no checkpointing, 4 x 1 accumulated, padded, no offload, sdpa"]
+    free = by_label["no checkpointing, 4 x 1 accumulated, padding-free, no offload, sdpa"]
+    assert not plan._dominates(two, one) and not plan._dominates(one, two)
+    assert not plan._dominates(off, one) and not plan._dominates(pad, one)
+    assert plan._dominates(free, one) and plan._dominates(free, pad)
+    assert plan.dominance(free, one) == "micro_batch" and plan.dominance(free, pad) == \
+        "padding_free"
+    # a configuration that offloads and does not search it: nothing dominates
+    plan = Plan(candidates(dims, PF_CFG, CHOICES), dims, "cuda", offload_configured=True)
+    assert not plan._dominates(free, one) and not plan._dominates(free, pad)
 
 
 def test_backends_the_estimate_runs_alike():

@@ -23,10 +23,13 @@ def search_record(plan: Plan, opts: FitOptions, dims: list[Dimension],
     reason), and the estimates each lever avoided."""
     counts = plan.counts()
     pruned_reps = {"no_fit": 0, "parameters": 0, "dominated": 0}
+    dominated_by = {"checkpointing": 0, "micro_batch": 0, "padding_free": 0}
     for r in plan.reps:
         why = plan.cands[r].pruned
         if why:
             pruned_reps[why["reason"]] += 1
+            if why["reason"] == "dominated":
+                dominated_by[why.get("lever", "checkpointing")] += 1
     precision_twins = any(n.startswith("precision: not searched") for n in notes)
     made = [c.estimate for c in plan.cands if c.estimate and c.shared is None]
     seconds = [float(e.get("seconds") or 0.0) for e in made]
@@ -42,7 +45,8 @@ def search_record(plan: Plan, opts: FitOptions, dims: list[Dimension],
             "precision_twins": len(plan.cands) if precision_twins else 0,
             "attention_twins": len(plan.cands) - len(plan.reps),
             "no_fit": pruned_reps["no_fit"], "parameters": pruned_reps["parameters"],
-            "dominated": pruned_reps["dominated"], "stopped": len(stopped)},
+            "dominated": pruned_reps["dominated"], "dominated_by": dominated_by,
+            "stopped": len(stopped)},
         "why": {
             "precision_twins": "candidates never formed: --allow precision's option is the "
                                "configuration itself",
@@ -54,7 +58,9 @@ def search_record(plan: Plan, opts: FitOptions, dims: list[Dimension],
             "stopped": "estimated in part: stopped once a tracked moment showed its need is "
                        "more than fits (needed_at_least_bytes; stopped_cpu_s in all)",
             "dominated": "not estimated: the same candidate with less checkpointing and no "
-                         "offloading fits and is predicted faster"},
+                         "offloading, one micro-batch a step, or padding-free rows "
+                         "(dominated_by, estimates avoided by each) fits and is predicted no "
+                         "slower, ranked first"},
     }
 
 
@@ -137,8 +143,11 @@ def format_table(record: dict[str, Any]) -> str:
         if n.get("parameters"):
             parts.append(f"{n['parameters']} pruned: the parameters alone do not fit")
         if n["dominated"]:
-            parts.append(f"{n['dominated']} pruned: dominated (less checkpointing / no "
-                         "offloading fits, predicted faster)")
+            by = (s.get("avoided") or {}).get("dominated_by") or {}
+            how = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in by.items() if v)
+            parts.append(f"{n['dominated']} pruned: dominated (a candidate with less "
+                         "checkpointing / no offloading, one micro-batch a step or padding-free "
+                         "fits, predicted no slower" + (f"; by {how}" if how else "") + ")")
         if n["left"]:
             parts.append(f"{n['left']} not reached")
         lines.append(f"search: {n['candidates']} candidates; " + "; ".join(parts)

@@ -17,18 +17,35 @@ compares the two; ``--exhaustive`` turns the levers off):
    rows). One micro-batch a step is not compared: without accumulation no gradient is alive
    in its forward, and where gradients outweigh the activations saved (a tiny model) the
    whole batch at once needs less than half of it twice; nor is the step inside backward.
-3. **Dominated** (:func:`Plan.pruned`): a candidate that differs from a fitting one only by more
-   checkpointing and / or activation offloading (the same batches, the same micro-batches) is
-   predicted no faster by the speed model - recomputation only adds FLOPs, host copies only add
-   seconds - and ranks after it (:func:`.search.rank` breaks a tie by that overhead): fit would
-   never choose it, so it is not estimated. Less checkpointing is compared only without
-   offloading, where it cannot add host copies.
+3. **Dominated** (:func:`Plan.pruned`, :meth:`Plan._dominates`): a candidate is not estimated
+   when a fitting one of the same other settings is predicted no slower by the speed model and
+   ranks before it (:func:`.search.rank`), so fit would never choose it. That fitting one
+   differs only in the dimensions whose options keep the FLOPs of a step or add to them, never
+   offloads, and is at least as good in each of the speed model's keys
+   (:func:`.search.rank_key`: seconds, then micro-batches a step, then padding, then
+   checkpointing and offloading), better in one of them:
+
+   - less or equal checkpointing: recomputation only adds FLOPs (and host copies only add
+     seconds: the one that offloads is never the one that dominates);
+   - one micro-batch a step (``32 x 1``) against one that accumulates (``16 x 2``, ``1 x 32``):
+     the same rows of the step, each running the same ops whichever micro-batch holds it, so
+     the same FLOPs a step (equal in every pair estimated at real size), and fewer
+     micro-batches rank first. One micro-batch a step is estimated first; two accumulating
+     options are not compared this way (lever 2 compares them the other way round: a smaller
+     one that does not fit rules out the larger);
+   - padding-free against padded rows (unpacked): the same tokens without the padding, never
+     more FLOPs (equal in every pair estimated at real size), and no padding ranks first.
+
+   Not where the configuration offloads activations and fit does not search it (each
+   candidate would copy to the host, by amounts this rule cannot compare).
 
 4. **Stopped over the budget** (:func:`.search.estimate_candidate`): an estimate stops at the
    first tracked moment that shows its need is larger than fits (:class:`memlab.estimate.modes.
    Stop`: every tracked moment is at most the peak, and a model measured at two shallow depths
-   needs at least as much at its own); the candidate is ``over_budget`` with the need it had
-   reached, ``needed_at_least_bytes``.
+   needs at least as much at its own; in the deeper build, a stretch of moments extended to
+   the model's depth, :class:`memlab.estimate.layers.LineStop`, is part of what the peak is
+   taken from); the candidate is ``over_budget`` with the need it had reached,
+   ``needed_at_least_bytes``.
 5. **Too large to hold** (:meth:`Plan.pruned`, where ``params_bound``): a candidate whose
    parameters alone (with the CUDA context) need more than fits; its parameters are those of
    any estimated candidate that differs from it only in the dimensions that build the same
@@ -37,8 +54,8 @@ compares the two; ``--exhaustive`` turns the levers off):
    candidate of each set of weights is estimated to its end (:meth:`Plan.stoppable`).
 
 A candidate waits (:meth:`Plan.ready`) until every candidate that could prune it is settled;
-the order (:meth:`Plan.order`) estimates those first: smaller micro-batches, less
-checkpointing, no offloading first.
+the order (:meth:`Plan._order`) estimates those first: one micro-batch a step, then smaller
+micro-batches, less checkpointing, no offloading, padding-free first.
 """
 
 from __future__ import annotations
@@ -50,6 +67,7 @@ from typing import Any
 from memlab.cli.fit.space import Candidate, Dimension
 
 CKPT, MICRO, OFFLOAD, ATTENTION = "checkpointing", "micro_batch", "offload", "attention"
+PADDING_FREE = "padding_free"
 SAME_WEIGHTS = frozenset({CKPT, MICRO, OFFLOAD, ATTENTION, "loss", "packing", "padding_free"})
 """Dimensions whose options build the same parameters (the rest - PEFT, precision, sharding,
 the optimizer - may not)."""
@@ -100,6 +118,12 @@ def estimate_key(c: Candidate, dims: Sequence[Dimension], device: str) -> tuple[
     return tuple(key)
 
 
+def _accum_of(opts: Sequence[str]) -> int:
+    """The micro-batches a step of a micro-batch option (``train.grad_accum``)."""
+    values = dict(o.split("=", 1) for o in opts)
+    return int(values.get("train.grad_accum", 1))
+
+
 def _micro_size(opts: Sequence[str]) -> int | None:
     """The rows of a micro-batch option that accumulates (None: one micro-batch a step, or the
     step inside backward: not compared)."""
@@ -141,6 +165,7 @@ class Plan:
         self._i = {n: names.index(n) for n in (CKPT, MICRO, OFFLOAD) if n in names}
         micro = next((d for d in self.dims if d.name == MICRO), None)
         self._sizes = [] if micro is None else [_micro_size(o) for _, o in micro.options]
+        self._accums = [] if micro is None else [_accum_of(o) for _, o in micro.options]
         by_key: dict[tuple[int, ...], int] = {}
         for i, c in enumerate(self.cands):
             key = (estimate_key(c, self.dims, self.device) if self.prune
@@ -167,21 +192,32 @@ class Plan:
     def _size(self, i: int) -> int | None:
         return self._sizes[self._coord(i, MICRO)] if self._sizes else None
 
+    def _accum(self, i: int) -> int:
+        return self._accums[self._coord(i, MICRO)] if self._accums else 0
+
+    def _padded(self, i: int) -> int:
+        """1 where the speed model counts ``i`` as padded rows (:func:`.speed.score`)."""
+        from memlab.cli.fit.speed import _padded
+
+        return _padded(self.cands[i])
+
     def _order(self, i: int) -> tuple[Any, ...]:
         size = self._size(i)
-        return (size is None, size or 0, self._coord(i, CKPT), self._coord(i, OFFLOAD), i)
+        return (size is not None, size or 0, self._coord(i, CKPT), self._coord(i, OFFLOAD),
+                self._padded(i), i)
 
     def _weights(self, i: int) -> tuple[Any, ...]:
         """The coordinates that may change the parameters (outside :data:`SAME_WEIGHTS`)."""
         return tuple(v for k, v in self.cands[i].coords.items() if k not in SAME_WEIGHTS)
 
     def _line(self, i: int) -> tuple[Any, ...]:
-        """The coordinates other than checkpointing, micro-batch and offloading."""
-        return tuple(v for k, v in self.cands[i].coords.items() if k not in (CKPT, MICRO,
-                                                                               OFFLOAD))
+        """The coordinates other than checkpointing, micro-batch, offloading and padding-free
+        (the dimensions levers 2 and 3 compare)."""
+        return tuple(v for k, v in self.cands[i].coords.items()
+                     if k not in (CKPT, MICRO, OFFLOAD, PADDING_FREE))
 
     def _pruners(self, i: int) -> list[int]:
-        """The candidates whose estimates could prune ``i`` (:meth:`prune`)."""
+        """The candidates whose estimates could prune ``i`` (:meth:`pruned`)."""
         if not self.prune:
             return []
         me = self.cands[i].coords
@@ -190,22 +226,42 @@ class Plan:
             if j == i:
                 continue
             other = self.cands[j].coords
-            same_micro = other.get(MICRO) == me.get(MICRO)
-            if same_micro and self._dominates(j, i):
+            if self._dominates(j, i):
                 out.append(j)
             elif (other.get(CKPT) == me.get(CKPT) and other.get(OFFLOAD) == me.get(OFFLOAD)
+                  and other.get(PADDING_FREE) == me.get(PADDING_FREE)
                   and self._smaller(j, i)):
                 out.append(j)
         return out
 
     def _dominates(self, j: int, i: int) -> bool:
-        """Whether ``j`` would dominate ``i`` if it fits (same micro-batch, checked by the
-        caller): less or equal checkpointing, no offloading, not the same candidate."""
-        if self.offload_configured and self._coord(j, CKPT) != self._coord(i, CKPT):
+        """Whether ``j`` would dominate ``i`` if it fits (the same other settings, checked by
+        the caller; lever 3): ``j`` offloads nothing, checkpoints no more, takes no more
+        micro-batches a step and is no more padded (the speed model's keys, each predicting
+        ``i`` no faster), better in one of them; a different micro-batch only where ``j``
+        takes one a step and ``i`` accumulates."""
+        if self.offload_configured:
             return False
-        return (self._coord(j, CKPT) <= self._coord(i, CKPT) and self._coord(j, OFFLOAD) == 0
-                and (self._coord(j, CKPT), self._coord(j, OFFLOAD))
-                != (self._coord(i, CKPT), self._coord(i, OFFLOAD)))
+        cj, ci = self._coord(j, CKPT), self._coord(i, CKPT)
+        oj, oi = self._coord(j, OFFLOAD), self._coord(i, OFFLOAD)
+        aj, ai = self._accum(j), self._accum(i)
+        pj, pi = self._padded(j), self._padded(i)
+        if oj != 0 or cj > ci or aj > ai or pj > pi:
+            return False
+        if self._coord(j, MICRO) != self._coord(i, MICRO) and not (
+                self._size(j) is None and aj < ai):
+            return False
+        if self._coord(j, PADDING_FREE) != self._coord(i, PADDING_FREE) and pj == pi:
+            return False  # (packed rows: padding-free is no key of the speed model there)
+        return aj < ai or pj < pi or cj + oj < ci + oi
+
+    def dominance(self, j: int, i: int) -> str:
+        """What ``j`` does better than the ``i`` it dominates, in words (its lever)."""
+        if self._coord(j, MICRO) != self._coord(i, MICRO):
+            return "micro_batch"
+        if self._coord(j, PADDING_FREE) != self._coord(i, PADDING_FREE):
+            return "padding_free"
+        return "checkpointing"
 
     def _smaller(self, j: int, i: int) -> bool:
         a, b = self._size(j), self._size(i)
@@ -247,9 +303,13 @@ class Plan:
                         "why": f"a smaller micro-batch of the same settings does not fit (#{j})"}
         for j in self._pruners(i):
             if self._dominates(j, i) and self.cands[j].estimate.get("fits"):
-                return {"reason": "dominated", "by": j,
-                        "why": f"#{j} fits with less checkpointing or no offloading and is "
-                               "predicted faster"}
+                lever = self.dominance(j, i)
+                what = {"micro_batch": "one micro-batch a step (the same FLOPs)",
+                        "padding_free": "padding-free rows (no more FLOPs)",
+                        "checkpointing": "less checkpointing or no offloading"}[lever]
+                return {"reason": "dominated", "by": j, "lever": lever,
+                        "why": f"#{j} fits with {what} and is predicted no slower, ranked "
+                               "first"}
         return None
 
     def settle(self, i: int, estimate: dict[str, Any] | None = None,

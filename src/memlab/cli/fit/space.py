@@ -62,7 +62,8 @@ class Candidate:
     pruned: dict[str, Any] | None = None
     """Why the search did not estimate it (:mod:`.prune`): ``reason`` (``no_fit``: a smaller
     micro-batch of the same settings does not fit; ``dominated``: a fitting candidate that
-    differs only by less checkpointing / no offloading is predicted faster) and ``by`` (that
+    differs only by less checkpointing / no offloading, one micro-batch a step or padding-free
+    rows is predicted no slower and ranks first, ``lever`` says which) and ``by`` (that
     candidate's index)."""
     shared: int | None = None
     """The index of the candidate whose estimate this one shares (the same configuration on
