@@ -362,6 +362,51 @@ class Shallow:
                    timing=dict(m.timing))
 
 
+class LineStop:
+    """The deeper build's visits extended to the model's depth as they end, along the line
+    from the shallower build's (:func:`_phase`'s moment-by-moment line, for a visit that ran
+    the same ops at both depths): :func:`memlab.estimate.modes.estimate_tracker` stops the
+    deeper build once one passes its :class:`~memlab.estimate.modes.Stop`'s limit. Such a
+    visit's extended moments are among those the estimate takes its peak from, so the
+    estimate's need is larger: a candidate of ``memlab fit`` that cannot fit stops here, in
+    its deeper build, where its shallow builds alone stay within the budget (a deep model's
+    activations). Exact where the estimate is the two depths' line, as every estimate of a
+    model of alike layers is (checked before the builds; a visit that differs in its ops
+    across the depths is not extended here)."""
+
+    def __init__(self, shallow_log: list[dict[str, Any]], plan: Plan) -> None:
+        self.log = shallow_log
+        self.plan = plan
+        self._phase = -1
+        self._seen: dict[Any, int] = {}
+        self._visits: dict[tuple, list] = {}
+
+    def visit_top(self, p: int, phase: dict[str, Any], visit: list) -> int | None:
+        """The largest total of the ended ``visit`` (the last of phase number ``p`` so far)
+        at the model's depth, where the shallower build has its twin (None: none to compare)."""
+        if p != self._phase:
+            self._phase, self._seen = p, {}
+            self._visits = _visits(self.log[p]) if p < len(self.log) else {}
+        labels, moments, ops = visit
+        keys = []
+        for label in labels:
+            keys.append((label, self._seen.get(label, 0)))
+            self._seen[label] = self._seen.get(label, 0) + 1
+        if not moments or p >= len(self.log):
+            return None
+        other = self.log[p]
+        if (other["step"], other["phase"], other["training"]) != (
+                phase["step"], phase["phase"], phase["training"]):
+            return None
+        twin = self._visits.get(keys[0])
+        if twin is None or len(twin[1]) != len(moments) or twin[2] != ops:
+            return None
+        lo, hi = self.plan.measured
+        depth = self.plan.depth
+        return max(x[-1] + (y[-1] - x[-1]) * (depth - lo) // (hi - lo)
+                   for x, y in zip(twin[1], moments, strict=True))
+
+
 def measure_shallow(plan: Plan, build: Callable[[int], Measured], *, parallel: bool = False
                     ) -> tuple[Measured | None, str]:
     """The model measured at ``plan.measured`` depths (``build(n)``: the run built and measured
@@ -377,9 +422,13 @@ def measure_shallow(plan: Plan, build: Callable[[int], Measured], *, parallel: b
             child = Forked(lambda: Shallow.of(build(lo)))
         except OSError:  # no process to spare (ulimit, memory): one after the other
             child = None
+    from memlab.estimate.modes import extending
+
     try:
         shallow = None if child is not None else Shallow.of(build(lo))
-        deeper = build(hi)
+        # (under a Stop: the deeper build stops once a visit extended to the depth passes it)
+        with extending(LineStop(shallow.log, plan) if shallow is not None else None):
+            deeper = build(hi)
         if child is not None:
             try:
                 shallow = child.result()

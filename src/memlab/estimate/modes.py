@@ -119,7 +119,10 @@ class Stop:
     need at theirs (its layers are alike: each moment of the deep model has every tensor of
     the shallow one's, and those of the layers between), so the estimate's peak passes the
     limit too: what :func:`memlab.cli.fit.search.estimate_candidate` uses to stop estimating a
-    candidate that cannot fit."""
+    candidate that cannot fit. In the deeper of the two builds, a visit's moments extended to
+    the model's depth (:func:`extending`, :class:`memlab.estimate.layers.LineStop`) are
+    compared with the limit too: they are among the moments the estimate's peak is taken
+    from."""
 
     def __init__(self, limit: int) -> None:
         self.limit = int(limit)
@@ -131,6 +134,9 @@ class OverBudget(Exception):
 
 
 _STOP: list[Stop | None] = [None]
+_LINE: list[Any] = [None]
+"""The shallower build's phase log the deeper one's visits are extended along
+(:func:`extending`; :class:`memlab.estimate.layers.LineStop`), or None."""
 
 
 @contextlib.contextmanager
@@ -142,6 +148,19 @@ def stopping(stop: Stop | None) -> Iterator[Stop | None]:
         yield stop
     finally:
         _STOP[0] = before
+
+
+@contextlib.contextmanager
+def extending(line: Any) -> Iterator[None]:
+    """Trackers made inside (:func:`estimate_tracker`), under a :class:`Stop`, also stop at
+    the end of a visit whose moments, extended along ``line`` to the model's depth
+    (:class:`memlab.estimate.layers.LineStop`), pass the limit (None: no such check)."""
+    before = _LINE[0]
+    _LINE[0] = line
+    try:
+        yield
+    finally:
+        _LINE[0] = before
 
 
 def estimate_tracker(round_to: int = 0):
@@ -161,6 +180,7 @@ def estimate_tracker(round_to: int = 0):
 
     base = tracker_class()
     stop = _STOP[0]
+    line = _LINE[0] if stop is not None else None
     wait_tensor = torch.ops._c10d_functional.wait_tensor.default
     device_query = torch.ops.prim.device.default
     add, delete, ref, size = (_UpdateType.ADD, _UpdateType.DEL, _UpdateType.REF,
@@ -189,7 +209,18 @@ def estimate_tracker(round_to: int = 0):
             self.region = labels
             cur = self._current
             if cur is not None:
+                if line is not None:
+                    self._visit_ends(cur)
                 cur["visits"].append([labels, [], 0])
+
+        def _visit_ends(self, cur: dict[str, Any]) -> None:
+            """The last visit of the phase ``cur`` ended: stop where its moments, extended
+            along ``line`` to the model's depth, pass the limit."""
+            assert self.phase_log is not None and stop is not None
+            top = line.visit_top(len(self.phase_log), cur, cur["visits"][-1])
+            if top is not None and top > stop.limit:
+                stop.hit = int(top)
+                raise OverBudget(f"tracked memory at depth {top} B > {stop.limit} B")
 
         _in_phase = False
 
@@ -206,6 +237,8 @@ def estimate_tracker(round_to: int = 0):
         def phase_ends(self):
             self._in_phase = False
             cur, self._current = self._current, None
+            if cur is not None and line is not None and self.phase_log is not None:
+                self._visit_ends(cur)
             if cur is not None and self.phase_log is not None:
                 cur["peak"] = int(self._peak_mem.get(cur["device"], 0))
                 self.phase_log.append(cur)
