@@ -32,7 +32,16 @@ import pytest
 
 import schedule
 from memlab_testing import REPO, job  # noqa: F401  (fixture)
-from tiers import MARKERS, TIERS, UNIT, check_limit_problem, cpu_s, folder_problem, tier_of
+from tiers import (
+    MARKERS,
+    TIERS,
+    UNIT,
+    check_limit_problem,
+    cpu_s,
+    folder_problem,
+    load_per_core,
+    tier_of,
+)
 
 EVENTS = Path(tempfile.mkdtemp(prefix="memlab-test-events-"))
 os.environ["MEMLAB_TEST_EVENTS"] = str(EVENTS)  # this process and every one it spawns
@@ -300,7 +309,7 @@ def pytest_runtest_makereport(item, call):
         return report
     cpu = item.stash.get(_CALL_CPU, 0.0)
     report.user_properties.append(("cpu", cpu))
-    over = check_limit_problem(item.nodeid, cpu, call.duration)
+    over = check_limit_problem(item.nodeid, cpu, call.duration, load_per_core())
     if report.passed and _tier(item) == "check" and over:
         report.outcome, report.longrepr = "failed", over
     return report

@@ -28,9 +28,10 @@ def test_make_test_runs_every_tier_and_make_check_the_first():
 
 
 def test_the_check_tier_limits_cpu_time_and_waiting_not_the_machines_load():
-    """A check test fails over 5 s of CPU or 15 s of wall time; 8.8 s of wall time for 0.2 s
-    of CPU (a test that took 0.17 s alone, at load 8) is the machine's load, not the test's.
-    The CPU counted includes children the test waited for."""
+    """A check test fails over 5 s of CPU, or over 15 s of wall time times the load per core
+    (a test that waits): 8.8 s of wall time for 0.2 s of CPU (a test of 0.17 s alone, at load
+    8) is the machine's load, not the test's. The CPU counted includes children the test
+    waited for."""
     import subprocess
     import sys
 
@@ -38,6 +39,8 @@ def test_the_check_tier_limits_cpu_time_and_waiting_not_the_machines_load():
     assert check_limit_problem("t", CHECK_LIMIT_S, CHECK_WALL_S) is None
     assert "5.5 s of CPU in 6.0 s" in check_limit_problem("t", 5.5, 6.0)
     assert "0.1 s of CPU in 16.0 s" in check_limit_problem("t", 0.1, 16.0)
+    assert check_limit_problem("t", 1.3, 24.9, load=6.0) is None  # load 12 on 2 cores
+    assert "90 s of wall time" in check_limit_problem("t", 1.3, 91.0, load=6.0)
     before = cpu_s()
     subprocess.run([sys.executable, "-S", "-c",
                     "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass"],
