@@ -1,9 +1,11 @@
 """The chunked linear cross-entropy under autocast (bf16 mixed precision, the default where the
 CPU or GPU has bf16): the hidden states' gradient is a bf16 matmul, as a standard head +
-cross-entropy's is under autocast, and equals the standard path's bit for bit (it was an fp32
-matmul, which autocast leaves alone in an ``out=`` call: half the speed on a CPU with bf16
-kernels); the loss and the weight's gradient (an fp32 matmul accumulated in place, as before)
-are unchanged; without autocast every matmul keeps the input dtype. Tiny sizes, CPU."""
+cross-entropy's is under autocast (it was an fp32 matmul, which autocast leaves alone in an
+``out=`` call: half the speed on a CPU with bf16 kernels), within 1e-3 of the standard path's
+(the softmax rounds differently in its last fp32 bit: a bf16 rounding flips in 0.1% of the
+entries); the loss is the forward's alone bit for bit, and the weight's gradient an fp32
+matmul accumulated in place, nearer the exact one than the standard path's; without autocast
+every matmul keeps the input dtype. Tiny sizes, CPU."""
 
 from __future__ import annotations
 
@@ -73,12 +75,13 @@ def test_under_autocast_the_hidden_gradient_is_the_standard_paths_bf16_matmul():
     # the loss is the one the forward alone computes, bit for bit
     with torch.no_grad(), torch.autocast("cpu", dtype=bf, cache_enabled=False):
         assert _chunked(labels)(hidden, weight) == loss
-    # the standard head + cross-entropy under the same autocast: the same d hidden, bit for bit
+    # the standard head + cross-entropy under the same autocast: the same bf16 matmul for
+    # d hidden (0.1% of the entries round the other way: 4e-4 here)
     std = _grads(lambda h, w: F.cross_entropy(F.linear(h, w).float(), labels,
                                               ignore_index=IGNORE, reduction="sum"),
                  hidden, weight)
     assert abs(loss - std[0]) <= 1e-5 * abs(std[0])
-    assert torch.equal(gh, std[1])
+    assert _rel(gh, std[1]) <= 1e-3
     # d weight: fp32 matmuls, nearer the exact (fp64, unrounded) gradient than the standard
     # path's bf16 one
     h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
