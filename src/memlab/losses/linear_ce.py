@@ -44,7 +44,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     ``bias`` (accumulated ``[V, H]`` / ``[V]``). Backward only scales the stored gradients by
     ``grad_output``; it can run once (the stored gradients are handed over, not copied).
 
-    Under autocast (bf16 / fp16 mixed precision) the hidden states' gradient is computed as
+    Under bf16 autocast (bf16 mixed precision) the hidden states' gradient is computed as
     a standard ``linear`` + cross-entropy computes it there: ``d logits`` cast to autocast's
     dtype times the weight cast to it (in-place and ``out=`` matmuls are not
     autocast, so it was an fp32 matmul: 1.8 s against 1.0 s in bf16 for a 441-token chunk at
@@ -167,15 +167,18 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
 
 def _autocast_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype | None:
-    """The dtype autocast runs ``hidden @ weight.T`` in where it casts that matmul's fp32
-    inputs (a mixed precision's forward); None where autocast is off or the inputs are not
-    fp32 (autocast leaves fp64 alone; low-precision inputs are the matmul's dtype already)."""
+    """bf16 where autocast runs ``hidden @ weight.T`` in bf16, casting that matmul's fp32
+    inputs (bf16 mixed precision's forward); None where autocast is off, is fp16, or the inputs
+    are not fp32 (autocast leaves fp64 alone; low-precision inputs are the matmul's dtype
+    already)."""
     device = hidden.device.type
     if not torch.is_autocast_enabled(device) or not (
             hidden.dtype == weight.dtype == torch.float32):
         return None
     dtype = torch.get_autocast_dtype(device)
-    return None if dtype == torch.float32 else dtype
+    # bf16 only: fp16's range would flush the unscaled softmax's small entries (a loss scaler
+    # scales this function's gradients after they are made)
+    return dtype if dtype == torch.bfloat16 else None
 
 
 def chunked_linear_cross_entropy(

@@ -98,3 +98,17 @@ def test_without_autocast_the_matmuls_stay_in_the_input_dtype(dtype):
         _grads(_chunked(labels), hidden.to(dtype), weight.to(dtype), autocast=False)
     assert len(seen.dtypes) == 9
     assert all(d == dtype for mats in seen.dtypes for d in mats), seen.dtypes
+
+
+def test_under_fp16_autocast_the_gradients_stay_fp32():
+    """fp16's range would flush the unscaled softmax's small entries: only bf16 autocast moves
+    the hidden states' gradient to the low-precision matmul (the logits' is autocast's)."""
+    hidden, weight, labels = _problem()
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    seen = _Matmuls(weight.shape[0])
+    with seen:
+        with torch.autocast("cpu", dtype=torch.float16, cache_enabled=False):
+            loss = _chunked(labels)(h, w)
+        loss.backward()
+    f16, f32 = torch.float16, torch.float32
+    assert seen.dtypes == [(f16, f16), (f32, f32), (f32, f32)] * 3, seen.dtypes
