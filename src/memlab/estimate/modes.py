@@ -216,7 +216,7 @@ def estimate_tracker(round_to: int = 0):
         def _visit_ends(self, cur: dict[str, Any]) -> None:
             """The last visit of the phase ``cur`` ended: stop where its moments, extended
             along ``line`` to the model's depth, pass the limit."""
-            assert self.phase_log is not None and stop is not None
+            assert self.phase_log is not None and stop is not None and line is not None
             top = line.visit_top(len(self.phase_log), cur, cur["visits"][-1])
             if top is not None and top > stop.limit:
                 stop.hit = int(top)
