@@ -40,8 +40,9 @@ KERNELS_DIR=${MEMLAB_CPU_KERNELS:-.cpu-kernels}
 KERNELS=${MEMLAB_TEST_CPU_KERNELS:-1}
 DURATIONS=.test-durations
 # xdist workers of the check + main session: 2 on 2 cores. 3 was slower, measured back to back
-# on 2 idle cores from fresh clones of one commit: session 726 s with 3, 661 s with 2 (the
-# cores ~73% busy either way: the third worker's tests slowed the other two's).
+# on 2 idle cores from fresh clones (of two commits that differ only in docs): session 726 s
+# with 3, 661 s with 2 (the cores ~75% busy either way: the third worker's tests slowed the
+# other two's).
 WORKERS=${MEMLAB_TEST_WORKERS:-2}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TOKENIZERS_PARALLELISM=${TOKENIZERS_PARALLELISM:-false}
 
