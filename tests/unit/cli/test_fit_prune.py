@@ -25,10 +25,19 @@ def _need(c) -> int:
     return 100 * rows + 80 - 30 * c.coords["checkpointing"] - 10 * c.coords["offload"]
 
 
-def _made_up(i, c, budget):
-    need = _need(c)
-    return {"status": "ok", "needed_bytes": need, "fits": need <= budget,
-            "predicted_s": 1.0 + 0.2 * c.coords["checkpointing"] + 0.1 * c.coords["offload"]}
+def _made_up_with(need_of):
+    """A made-up estimate from ``need_of(candidate)``; its predicted seconds grow with
+    checkpointing and offloading only (the FLOPs of a step: the same whatever the split or the
+    padding)."""
+    def estimate_of(i, c, budget):
+        need = need_of(c)
+        return {"status": "ok", "needed_bytes": need, "fits": need <= budget,
+                "predicted_s": 1.0 + 0.2 * c.coords["checkpointing"]
+                + 0.1 * c.coords["offload"]}
+    return estimate_of
+
+
+_made_up = _made_up_with(_need)
 
 
 def _search(plan, budget, estimate_of=_made_up):
@@ -48,6 +57,30 @@ def _search(plan, budget, estimate_of=_made_up):
     return made
 
 
+def _assert_ranks_as_exhaustive(cands, dims, cfg, budget, estimate_of) -> list[str]:
+    """``cands`` (searched with pruning) rank as estimating every candidate does, each pruned
+    one not fitting in that exhaustive search or ranked there after the fitting one that pruned
+    it; returns the lever of each dominated one."""
+    every = candidates(dims, cfg, CHOICES)
+    for k, c in enumerate(every):
+        c.estimate = estimate_of(k, c, budget)
+    full = rank(every)
+    kept = {c.label for c in cands if not c.pruned}
+    assert [c.label for c in rank(cands)] == [c.label for c in full if c.label in kept]
+    pos = {c.label: k for k, c in enumerate(full)}
+    levers = []
+    for c, e in zip(cands, every, strict=True):
+        if c.pruned and c.pruned["reason"] == "no_fit":
+            assert not e.estimate["fits"], c.label
+        elif c.pruned:
+            by = cands[c.pruned["by"]]
+            assert by.estimate["fits"] and every[c.pruned["by"]].estimate["fits"] and (
+                not e.estimate["fits"] or pos[by.label] < pos[c.label]), c.label
+            if c.pruned["reason"] == "dominated":
+                levers.append(c.pruned["lever"])
+    return levers
+
+
 def test_twins_share_an_estimate_and_the_pruned_are_not_fitting_or_dominated():
     dims, _, cands = _space()
     assert [d.name for d in dims] == ["checkpointing", "micro_batch", "offload", "attention"]
@@ -58,23 +91,7 @@ def test_twins_share_an_estimate_and_the_pruned_are_not_fitting_or_dominated():
     assert counts["shared"] == len(made) and counts["left"] == 0
     assert counts["no_fit"] and counts["dominated"]
     # the same candidates as estimating every one, each pruned one not fitting or dominated
-    every = [c for c in candidates(dims, CFG, CHOICES)]
-    for c in every:
-        need = _need(c)
-        c.estimate = {"status": "ok", "needed_bytes": need, "fits": need <= BUDGET,
-                      "predicted_s": 1.0 + 0.2 * c.coords["checkpointing"]
-                      + 0.1 * c.coords["offload"]}
-    full = rank(every)
-    kept = {c.label for c in cands if not c.pruned}
-    assert [c.label for c in rank(cands)] == [c.label for c in full if c.label in kept]
-    pos = {c.label: k for k, c in enumerate(full)}
-    for c, e in zip(cands, every, strict=True):
-        if c.pruned and c.pruned["reason"] == "no_fit":
-            assert not e.estimate["fits"], c.label
-        elif c.pruned:
-            by = cands[c.pruned["by"]]
-            assert every[c.pruned["by"]].estimate["fits"] and (
-                not e.estimate["fits"] or pos[by.label] < pos[c.label]), c.label
+    _assert_ranks_as_exhaustive(cands, dims, CFG, BUDGET, _made_up)
     # one micro-batch a step (4 x 1) is never pruned by a smaller one not fitting
     assert not any(c.pruned and c.pruned["reason"] == "no_fit" and "4 x 1" in c.label
                    for c in cands)
@@ -101,10 +118,7 @@ def _pf_need(c) -> int:
             - 5 * c.coords["padding_free"])
 
 
-def _pf_estimate(i, c, budget):
-    need = _pf_need(c)  # the FLOPs of a step: the same whatever the split or the padding
-    return {"status": "ok", "needed_bytes": need, "fits": need <= budget,
-            "predicted_s": 1.0 + 0.2 * c.coords["checkpointing"] + 0.1 * c.coords["offload"]}
+_pf_estimate = _made_up_with(_pf_need)
 
 
 def test_one_micro_batch_a_step_and_padding_free_rows_dominate():
@@ -121,21 +135,8 @@ def test_one_micro_batch_a_step_and_padding_free_rows_dominate():
         cands = candidates(dims, PF_CFG, CHOICES)
         plan = Plan(cands, dims, "cuda")
         _search(plan, budget, _pf_estimate)
-        every = candidates(dims, PF_CFG, CHOICES)
-        for k, c in enumerate(every):
-            c.estimate = _pf_estimate(k, c, budget)
-        full = rank(every)
-        kept = {c.label for c in cands if not c.pruned}
-        assert [c.label for c in rank(cands)] == [c.label for c in full if c.label in kept]
-        pos = {c.label: k for k, c in enumerate(full)}
-        for c, e in zip(cands, every, strict=True):
-            if c.pruned and c.pruned["reason"] == "no_fit":
-                assert not e.estimate["fits"], c.label
-            elif c.pruned:
-                by = cands[c.pruned["by"]]
-                assert by.estimate["fits"] and (not e.estimate["fits"]
-                                                or pos[by.label] < pos[c.label]), c.label
-                levers[c.pruned["lever"]] = levers.get(c.pruned["lever"], 0) + 1
+        for lever in _assert_ranks_as_exhaustive(cands, dims, PF_CFG, budget, _pf_estimate):
+            levers[lever] = levers.get(lever, 0) + 1
     assert levers.get("micro_batch") and levers.get("padding_free") and levers.get(
         "checkpointing"), levers
     # two accumulating splits are not compared this way (lever 2 runs the other way), nor
