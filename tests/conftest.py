@@ -288,6 +288,9 @@ def _guard(request):
         pytest.fail(f"{request.node.nodeid}: " + "\n".join(problems), pytrace=False)
 
 
+_CALL_CPU = pytest.StashKey[float]()
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
     start = cpu_s()
@@ -295,9 +298,6 @@ def pytest_runtest_call(item):
         return (yield)
     finally:
         item.stash[_CALL_CPU] = cpu_s() - start
-
-
-_CALL_CPU = pytest.StashKey[float]()
 
 
 @pytest.hookimpl(wrapper=True)
@@ -309,9 +309,10 @@ def pytest_runtest_makereport(item, call):
         return report
     cpu = item.stash.get(_CALL_CPU, 0.0)
     report.user_properties.append(("cpu", cpu))
-    over = check_limit_problem(item.nodeid, cpu, call.duration, load_per_core())
-    if report.passed and _tier(item) == "check" and over:
-        report.outcome, report.longrepr = "failed", over
+    if report.passed and _tier(item) == "check":
+        over = check_limit_problem(item.nodeid, cpu, call.duration, load_per_core())
+        if over:
+            report.outcome, report.longrepr = "failed", over
     return report
 
 
