@@ -65,6 +65,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from memlab.cli.fit.space import Candidate, Dimension
+from memlab.cli.fit.speed import micro_batches, padded
 
 CKPT, MICRO, OFFLOAD, ATTENTION = "checkpointing", "micro_batch", "offload", "attention"
 PADDING_FREE = "padding_free"
@@ -118,12 +119,6 @@ def estimate_key(c: Candidate, dims: Sequence[Dimension], device: str) -> tuple[
     return tuple(key)
 
 
-def _accum_of(opts: Sequence[str]) -> int:
-    """The micro-batches a step of a micro-batch option (``train.grad_accum``)."""
-    values = dict(o.split("=", 1) for o in opts)
-    return int(values.get("train.grad_accum", 1))
-
-
 def _micro_size(opts: Sequence[str]) -> int | None:
     """The rows of a micro-batch option that accumulates (None: one micro-batch a step, or the
     step inside backward: not compared)."""
@@ -165,7 +160,9 @@ class Plan:
         self._i = {n: names.index(n) for n in (CKPT, MICRO, OFFLOAD) if n in names}
         micro = next((d for d in self.dims if d.name == MICRO), None)
         self._sizes = [] if micro is None else [_micro_size(o) for _, o in micro.options]
-        self._accums = [] if micro is None else [_accum_of(o) for _, o in micro.options]
+        # the speed model's keys (.speed.score) lever 3 compares, once per candidate
+        self._accums = [micro_batches(c) for c in self.cands]
+        self._pads = [padded(c) for c in self.cands]
         by_key: dict[tuple[int, ...], int] = {}
         for i, c in enumerate(self.cands):
             key = (estimate_key(c, self.dims, self.device) if self.prune
@@ -192,19 +189,10 @@ class Plan:
     def _size(self, i: int) -> int | None:
         return self._sizes[self._coord(i, MICRO)] if self._sizes else None
 
-    def _accum(self, i: int) -> int:
-        return self._accums[self._coord(i, MICRO)] if self._accums else 0
-
-    def _padded(self, i: int) -> int:
-        """1 where the speed model counts ``i`` as padded rows (:func:`.speed.score`)."""
-        from memlab.cli.fit.speed import _padded
-
-        return _padded(self.cands[i])
-
     def _order(self, i: int) -> tuple[Any, ...]:
         size = self._size(i)
         return (size is not None, size or 0, self._coord(i, CKPT), self._coord(i, OFFLOAD),
-                self._padded(i), i)
+                self._pads[i], i)
 
     def _weights(self, i: int) -> tuple[Any, ...]:
         """The coordinates that may change the parameters (outside :data:`SAME_WEIGHTS`)."""
@@ -244,8 +232,8 @@ class Plan:
             return False
         cj, ci = self._coord(j, CKPT), self._coord(i, CKPT)
         oj, oi = self._coord(j, OFFLOAD), self._coord(i, OFFLOAD)
-        aj, ai = self._accum(j), self._accum(i)
-        pj, pi = self._padded(j), self._padded(i)
+        aj, ai = self._accums[j], self._accums[i]
+        pj, pi = self._pads[j], self._pads[i]
         if oj != 0 or cj > ci or aj > ai or pj > pi:
             return False
         if self._coord(j, MICRO) != self._coord(i, MICRO) and not (

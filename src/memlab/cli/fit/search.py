@@ -56,11 +56,11 @@ from memlab.cli.fit.space import Candidate
 from memlab.cli.fit.speed import (  # noqa: F401  (re-exported: how fit judges speed)
     MIN_MODEL_POINTS,
     MIN_TIMED,
-    _accum,
     _tied,
     contenders,
     fastest,
     judge,
+    micro_batches,
     prediction_quality,
     score,
     spearman,
@@ -127,7 +127,7 @@ def estimate_candidate(base: list[str], c: Candidate, opts: FitOptions,
     counted = est.get("flops") or {}
     flops = counted.get("per_step")
     # the offloader's counters add up every micro-batch the estimate ran, as the FLOPs do
-    moved = ((est.get("offload") or {}).get("offloaded_bytes") or 0) * max(1, _accum(c)) \
+    moved = ((est.get("offload") or {}).get("offloaded_bytes") or 0) * max(1, micro_batches(c)) \
         // max(1, counted.get("micro_batches") or 1)
     return {
         "status": est["status"], "error": _short(est.get("error")),

@@ -18,12 +18,14 @@ tie or is called worse than chance (with 3, a rank correlation of -0.5 happens o
 three by chance)."""
 
 
-def _padded(c: Candidate) -> int:
+def padded(c: Candidate) -> int:
+    """1 where the speed model counts ``c``'s rows as padded (unpacked, not padding-free)."""
     return int("method.padding_free=false" in c.overrides and "packing=bfd_split"
                not in c.overrides)
 
 
-def _accum(c: Candidate) -> int:
+def micro_batches(c: Candidate) -> int:
+    """The micro-batches a step of ``c`` (``train.grad_accum``), a key of the speed model."""
     for o in c.overrides:
         if o.startswith("train.grad_accum="):
             return int(o.split("=", 1)[1])
@@ -34,7 +36,7 @@ def score(c: Candidate) -> tuple[float, int, int]:
     """The speed model: smaller is faster (:func:`predicted_seconds` to 3 significant digits,
     micro-batches per step, padded)."""
     t = c.estimate.get("predicted_s") or 0.0
-    return (float(f"{t:.3g}"), _accum(c), _padded(c))
+    return (float(f"{t:.3g}"), micro_batches(c), padded(c))
 
 
 def timed(m: dict[str, Any]) -> bool:
