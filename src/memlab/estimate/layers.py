@@ -401,9 +401,7 @@ class LineStop:
         twin = self._visits.get(keys[0])
         if twin is None or len(twin[1]) != len(moments) or twin[2] != ops:
             return None
-        lo, hi = self.plan.measured
-        depth = self.plan.depth
-        return max(x[-1] + (y[-1] - x[-1]) * (depth - lo) // (hi - lo)
+        return max(_line(x[-1], y[-1], self.plan.depth, self.plan.measured)
                    for x, y in zip(twin[1], moments, strict=True))
 
 
