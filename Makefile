@@ -31,7 +31,7 @@ check: setup-tests  ## ruff, mypy and the check tier of the tests (minutes)
 	$(PY) -m ruff check -q src tests benchmarks scripts
 	$(PY) -m mypy
 	$(PY) -m pytest -q -n 2 --dist loadfile -m "$$($(PY) tests/tiers.py check)" \
-	  --durations-file .test-durations/check.tsv
+	  --durations-file=.test-durations/check.tsv
 
 test-fast: check  ## an alias of check
 

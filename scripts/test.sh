@@ -83,7 +83,7 @@ t_side=$(date +%s)
 # other ends a tier.
 echo "== check and main tiers, one session (and the gpu tier: skipped without CUDA)"
 "$PY" -m pytest -q -n "$WORKERS" --dist loadfile -m "($(tier check)) or ($(tier main)) or ($(tier gpu))" \
-  --durations=15 --durations-file "$DURATIONS/pytest.tsv" "$@"
+  --durations=15 --durations-file="$DURATIONS/pytest.tsv" "$@"
 tests=$?
 [ "$tests" = 5 ] && [ $# -gt 0 ] && tests=0  # the paths given hold no test of these tiers
 t_main=$(date +%s)
@@ -97,7 +97,7 @@ kernels_tier() {  # (in a subshell: the setup's status is waited for by the scri
     grep '^\[setup_cpu_kernels\]' "$klog" || true
     echo "== cpu_kernels tier ($KERNELS_DIR, TRITON_INTERPRET=1)"
     TRITON_INTERPRET=1 PYTHONPATH=$KERNELS_DIR "$PY" -m pytest -q -n 2 --dist loadfile \
-      -m "$(tier cpu_kernels)" --durations-file "$DURATIONS/cpu_kernels.tsv" tests/cpu_kernels
+      -m "$(tier cpu_kernels)" --durations-file="$DURATIONS/cpu_kernels.tsv" tests/cpu_kernels
     local code=$?
     echo "$(( $(date +%s) - t_main ))" >"$kernels_out.s"
     return $code
@@ -112,7 +112,7 @@ vllm_tier() {
     grep '^\[setup_vllm\]' "$log" || true
     echo "== vllm tier ($VLLM_VENV)"
     "$VLLM_VENV/bin/python" -m pytest -q -n 2 --dist loadfile -m "$(tier vllm)" \
-      --durations-file "$DURATIONS/vllm.tsv" tests/generation
+      --durations-file="$DURATIONS/vllm.tsv" tests/generation
     return $?
   fi
   grep -v "^WARNING: Location" "$log" | tail -n 60

@@ -25,6 +25,10 @@ def test_make_test_runs_every_tier_and_make_check_the_first():
     make = (REPO / "Makefile").read_text()
     assert "bash scripts/test.sh" in make
     assert re.search(r"^check:.*\n(\t.*\n)*\t.*tests/tiers\.py check", make, re.M)
+    # given apart, an existing durations file is taken for a test path before tests/conftest.py
+    # (which defines the option) loads: the second `make check` in a checkout was refused
+    for text in (script, make):
+        assert "--durations-file " not in text and "--durations-file=" in text
 
 
 def test_the_check_tier_limits_cpu_time_and_waiting_not_the_machines_load():
