@@ -48,9 +48,9 @@ def test_full_sweep_every_job_has_its_true_status(tmp_path, capsys):
     proc = memlab_popen(
         ["-m", "--config-dir", str(CONF),
          "experiment=" + ",".join(f"rel_{j}" for j in JOBS), *SWEEP_SMOKE,
-         f"hydra.launcher.python={limited_python(tmp_path)}", "hydra.launcher.stop_grace_s=120",
-         f"hydra.sweep.dir={sweep}"],
-        log, env={"REL_DIR": str(rel), "TMPDIR": str(tmp)})
+         "hydra.launcher.stop_grace_s=120", f"hydra.sweep.dir={sweep}"],
+        log, env={"REL_DIR": str(rel), "TMPDIR": str(tmp),
+                  "REL_PYTHON": str(limited_python(tmp_path))})  # the oom job's own python
     try:
         killed = wait_for_marker(rel / "killed", "step:1", proc, log)
         os.kill(killed["pid"], signal.SIGKILL)
@@ -106,8 +106,8 @@ def test_sweep_with_a_crash_exits_nonzero_and_one_without_exits_zero(tmp_path):
     assert crash.wait(timeout=600) == 1, crash_log.read_text()[-3000:]
     assert "[memlab] sweep finished: 1 job: 1 failed" in crash_log.read_text()
     fine = memlab_popen([*common, "experiment=rel_invalid,rel_oom",
-                         f"hydra.launcher.python={limited_python(tmp_path)}",
-                         f"hydra.sweep.dir={tmp_path / 'fine'}"], fine_log)
+                         f"hydra.sweep.dir={tmp_path / 'fine'}"], fine_log,
+                        env={"REL_PYTHON": str(limited_python(tmp_path))})
     assert fine.wait(timeout=600) == 0, fine_log.read_text()[-3000:]
     assert "[memlab] sweep finished: 2 jobs: 1 oom, 1 invalid" in fine_log.read_text()
     assert json.loads((tmp_path / "crash" / "0" / "summary.json").read_text())["error"] == (

@@ -69,7 +69,9 @@ class MemlabLauncherConf:
     devices: list[Any] = field(default_factory=list)
     """GPU ids handed out one per running job (CUDA_VISIBLE_DEVICES); empty = inherit."""
     python: str | None = None
-    """Interpreter for the jobs (or a wrapper that execs one); None = the one running the sweep."""
+    """Interpreter for the jobs (or a wrapper that execs one); None = the one running the sweep.
+    A job's own config may set its own (an experiment file's ``hydra.launcher.python``: only
+    the job that needs a wrapper's limits is started through it)."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables for every job (e.g. OMP_NUM_THREADS). A job's own config may
     set its own (an experiment file's ``hydra.launcher.env``)."""
@@ -107,6 +109,9 @@ class _Job:
     dir: Path
     timeout_s: float | None
     env: dict[str, str]
+    python: str = sys.executable
+    """The interpreter (or wrapper) the job's process is started with, where it is not forked
+    (:meth:`MemlabLauncher._forks`)."""
     proc: subprocess.Popen | None = None
     result: Path | None = None
     started: float = 0.0
@@ -188,16 +193,18 @@ class MemlabLauncher(Launcher):
             module = spec.name if spec is not None else "__main__"
         return module, fn.__qualname__
 
-    def _job_settings(self, sweep_config: DictConfig) -> tuple[float | None, dict[str, str]]:
-        """This job's time limit and environment: its own config's ``hydra.launcher`` values
-        (an experiment file or a sweep override may set them per job)."""
+    def _job_settings(self, sweep_config: DictConfig
+                      ) -> tuple[float | None, dict[str, str], str]:
+        """This job's time limit, environment and interpreter: its own config's
+        ``hydra.launcher`` values (an experiment file or a sweep override may set them per
+        job)."""
         own = OmegaConf.select(sweep_config, "hydra.launcher") or {}
         timeout_s = self.timeout_s
         if "timeout_min" in own:
             minutes = own["timeout_min"]
             timeout_s = None if minutes is None else float(minutes) * 60
         env = {**self.env, **{str(k): str(v) for k, v in (own.get("env") or {}).items()}}
-        return timeout_s, env
+        return timeout_s, env, str(own.get("python") or self.python)
 
     def launch(self, job_overrides: Sequence[Sequence[str]],
                initial_job_idx: int) -> Sequence[JobReturn]:
@@ -224,9 +231,9 @@ class MemlabLauncher(Launcher):
                 # pin what the job process would otherwise resolve again (``${now:}``)
                 sweep_config.hydra.sweep.dir = str(sweep_dir)
                 sweep_config.hydra.sweep.subdir = subdir
-            timeout_s, env = self._job_settings(sweep_config)
+            timeout_s, env, python = self._job_settings(sweep_config)
             jobs.append(_Job(idx, list(overrides), sweep_config, sweep_dir / subdir, timeout_s,
-                             env))
+                             env, python))
         self._check_choices(jobs)
         results: dict[int, JobReturn] = {}
         pending = list(jobs)
@@ -309,7 +316,7 @@ class MemlabLauncher(Launcher):
         remove_links(job.dir, [".hydra/config.yaml", ".hydra/hydra.yaml",
                                ".hydra/overrides.yaml"])  # Hydra would write through them
         # its own session: a Ctrl-C reaches the launcher only, which stops the job in order
-        if self._forks(env):
+        if self._forks(env, job.python):
             read, write = os.pipe()
             try:
                 proc: Any = starter.Forked(starter.fork(
@@ -319,7 +326,7 @@ class MemlabLauncher(Launcher):
                 os.close(write)
             output = os.fdopen(read, "rb")
         else:
-            proc = subprocess.Popen([self.python, "-m", WORKER, str(payload)], env=env,
+            proc = subprocess.Popen([job.python, "-m", WORKER, str(payload)], env=env,
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                     cwd=os.getcwd(), start_new_session=True)
             assert proc.stdout is not None
@@ -329,13 +336,15 @@ class MemlabLauncher(Launcher):
         job.started = time.time()
         job.watch = OomWatch(proc.pid)
 
-    def _forks(self, env: dict[str, str]) -> bool:
+    def _forks(self, env: dict[str, str], python: str | None = None) -> bool:
         """Whether the job is forked from memlab's fork server (:mod:`memlab.distributed.
         starter`: torch, transformers and memlab imported once for every job, ~3.5 s of CPU a
         job saved) rather than started as ``python -m`` (``python`` set; a CUDA machine, where a
         fork of a process that imported ahead cannot use the device; ``fork_server=false``; an
-        environment whose import-time variables differ from the server's)."""
-        return self.fork_server and self.python == sys.executable and starter.serves(env)
+        environment whose import-time variables differ from the server's). ``python``: the
+        job's own interpreter (None: the launcher's)."""
+        return (self.fork_server and (python or self.python) == sys.executable
+                and starter.serves(env))
 
     def _supervise(self, job: _Job, stop: _SweepStop) -> None:
         """Stop the job when the sweep is interrupted or its time is up (the stop signal first,

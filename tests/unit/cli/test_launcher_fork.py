@@ -55,3 +55,25 @@ def test_the_launcher_forks_with_its_own_python_on_a_machine_without_cuda(monkey
     assert not MemlabLauncher()._forks({**env, "HF_HOME": "/job/own/cache"})
     monkeypatch.setattr(starter, "cuda_present", lambda: True)
     assert not MemlabLauncher()._forks(env)
+
+
+def test_a_job_started_through_its_own_python_is_not_forked(monkeypatch):
+    """A job's own ``hydra.launcher.python`` (an experiment file's: a wrapper with limits for
+    that job alone) starts that job through it; the sweep's other jobs are still forked."""
+    import sys
+
+    from omegaconf import OmegaConf
+
+    monkeypatch.setattr(starter, "_configured", [])
+    monkeypatch.setattr(starter, "cuda_present", lambda: False)
+    env = dict(os.environ)
+    own = OmegaConf.create({"hydra": {"launcher": {"python": "/opt/wrapper.sh"}}})
+    plain = OmegaConf.create({"hydra": {"launcher": {"python": None}}})
+    launcher = MemlabLauncher()
+    python = launcher._job_settings(own)[2]
+    assert python == "/opt/wrapper.sh" and not launcher._forks(env, python)
+    python = launcher._job_settings(plain)[2]
+    assert python == sys.executable and launcher._forks(env, python)
+    wrapped = MemlabLauncher(python="/opt/wrapper.sh")  # the sweep's: every job through it
+    assert wrapped._job_settings(plain)[2] == "/opt/wrapper.sh"
+    assert not wrapped._forks(env, wrapped._job_settings(plain)[2])
