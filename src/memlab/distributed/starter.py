@@ -222,11 +222,37 @@ locations, offline modes, torch's CPU kernels, the hash seed): a process whose e
 differs from the server's in one of them is not forked from it (:func:`serves`)."""
 
 
+SOCKET_DIR_MAX = 60
+"""The longest temp dir multiprocessing's fork server may make its own dir under: it listens on
+a Unix socket at ``<temp dir>/pymp-XXXXXXXX/listener-XXXXXXXX`` (32 more bytes), and a socket's
+path is at most 107 bytes (``sun_path``)."""
+
+
+def socket_dir() -> str:
+    """multiprocessing's temp dir for this process (where the fork server's socket goes), made
+    under /tmp where TMPDIR is too long for a socket's path (:data:`SOCKET_DIR_MAX`: a test's
+    ``tmp_path``, a deep scratch dir), which would stop the server from starting ("AF_UNIX path
+    too long": no rank, no forked sweep job). multiprocessing removes it at exit, as its own.
+    (Made once a process: where multiprocessing made it earlier, that one is kept.)"""
+    import tempfile
+    from multiprocessing import util
+
+    if len(tempfile.gettempdir()) <= SOCKET_DIR_MAX:
+        return util.get_temp_dir()
+    saved = tempfile.tempdir
+    tempfile.tempdir = "/tmp"
+    try:
+        return util.get_temp_dir()
+    finally:
+        tempfile.tempdir = saved
+
+
 def _context(preload: bool):
     import multiprocessing
 
     ctx = multiprocessing.get_context("forkserver")
     if not _configured:  # (the server takes its preload list once, when it starts)
+        socket_dir()  # (before the server starts: its socket goes there)
         ctx.set_forkserver_preload(list(PRELOAD) if preload else [])
         _configured.append(preload)
         _server_env.update(os.environ)

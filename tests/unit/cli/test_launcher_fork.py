@@ -7,6 +7,7 @@ stops forked jobs; test_sweep.py's jobs run under ``hydra.launcher.python``, the
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -77,3 +78,31 @@ def test_a_job_started_through_its_own_python_is_not_forked(monkeypatch):
     wrapped = MemlabLauncher(python="/opt/wrapper.sh")  # the sweep's: every job through it
     assert wrapped._job_settings(plain)[2] == "/opt/wrapper.sh"
     assert not wrapped._forks(env, wrapped._job_settings(plain)[2])
+
+
+def test_a_long_tmpdir_leaves_the_fork_servers_socket_a_short_path(tmp_path):
+    """A TMPDIR too long for a Unix socket's path (a test's tmp_path under xdist: "AF_UNIX path
+    too long" before, no forked job or rank could start): multiprocessing's dir for the
+    server's socket is made under /tmp; a short TMPDIR is used as it is."""
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    from memlab_testing import REPO
+
+    code = ("from memlab.distributed import starter; from multiprocessing import util; "
+            "print(starter.socket_dir()); print(util.get_temp_dir())")
+    long_dir, short_dir = tmp_path / ("d" * 80), Path(tempfile.mkdtemp(prefix="s", dir="/tmp"))
+    long_dir.mkdir()
+    try:
+        for tmpdir, parent in ((long_dir, "/tmp"), (short_dir, str(short_dir))):
+            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                 check=True, env={**os.environ, "TMPDIR": str(tmpdir),
+                                                  "PYTHONPATH": str(REPO / "src")}).stdout.split()
+            assert out[0] == out[1], out  # multiprocessing's own, for the process
+            assert os.path.dirname(out[0]) == parent and "/pymp-" in out[0], (tmpdir, out)
+            assert len(out[0]) + len("/listener-XXXXXXXX") < 108
+            assert not os.path.exists(out[0])  # removed at exit, as multiprocessing's own
+    finally:
+        shutil.rmtree(short_dir, ignore_errors=True)
