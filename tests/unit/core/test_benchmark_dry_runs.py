@@ -19,8 +19,8 @@ from memlab_testing import REPO
 
 BENCHMARKS = REPO / "benchmarks"
 TESTED_ELSEWHERE = {"checkpoint_hashing", "data_hashing", "gpu_acceptance"}
-DRY_RUNS = ["chat_masks", "estimate", "estimate_speed", "experiments_estimate", "generation",
-            "online", "packing", "preference_packing", "real_size", "techniques"]
+DRY_RUNS = ["chat_masks", "estimate", "estimate_speed", "experiments_estimate", "fit_search",
+            "generation", "online", "packing", "preference_packing", "real_size", "techniques"]
 MORE = {"real_size": ["--curves"]}
 """Options whose runs the plain dry run leaves out."""
 SLOW = {"real_size"}
