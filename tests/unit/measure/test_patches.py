@@ -171,10 +171,11 @@ def test_liger_instance_patcher_target_exists():
 
 
 DOCUMENTED_STATE = {("os", "environ"), ("sys", "argv"), ("sys", "stdout"), ("sys", "stderr"),
-                    ("warnings", "showwarning")}
+                    ("warnings", "showwarning"), ("tempfile", "tempdir")}
 """Process state Python documents as the program's to set: the environment, the arguments,
 the console streams (a forked child's own, unbuffered as ``python -u``), the hook that shows
-warnings (written above a progress bar)."""
+warnings (written above a progress bar), the default dir of temp files (the fork server's
+socket dir made under /tmp for a moment: memlab.distributed.starter.socket_dir)."""
 
 
 @pytest.mark.slow
