@@ -62,7 +62,7 @@ def compare(exhaustive: dict[str, Any], pruned: dict[str, Any]) -> dict[str, Any
     ex = {c["label"]: c for c in exhaustive["candidates"]}
     problems: list[str] = []
     seen = {"estimated whole": 0, "shared a twin's": 0, "stopped": 0, "pruned: no_fit": 0,
-            "pruned: dominated": 0}
+            "pruned: parameters": 0, "pruned: dominated": 0}
     if set(ex) != {c["label"] for c in pruned["candidates"]}:
         return {"problems": ["the two searches have different candidates"], "checked": seen}
     rank = {label: k for k, label in enumerate(_order(exhaustive))}
@@ -72,10 +72,11 @@ def compare(exhaustive: dict[str, Any], pruned: dict[str, Any]) -> dict[str, Any
             problems.append(f"{label}: the exhaustive search has no whole estimate")
             continue
         if c["pruned"]:
-            seen[f"pruned: {c['pruned']['reason']}"] += 1
-            if c["pruned"]["reason"] == "no_fit":
+            why = c["pruned"]["reason"]
+            seen[f"pruned: {why}"] = seen.get(f"pruned: {why}", 0) + 1
+            if why in ("no_fit", "parameters"):  # a lower bound of its need is over the budget
                 if e["fits"]:
-                    problems.append(f"{label}: pruned as not fitting, but it fits")
+                    problems.append(f"{label}: pruned as not fitting ({why}), but it fits")
                 continue
             by = pruned["candidates"][c["pruned"]["by"]]["label"]
             if not _estimate_of(exhaustive, ex[by])["fits"]:

@@ -75,3 +75,35 @@ def test_a_case_that_does_not_validate_fails_the_dry_run_naming_it(monkeypatch, 
     assert module.main(["--dry-run"]) == 1
     out = capsys.readouterr().out
     assert "renamed knob" in out and "INVALID" in out and "no_such_knob" in out, out
+
+
+def test_fit_searchs_comparison_finds_what_the_pruning_got_wrong(monkeypatch):
+    """benchmarks/fit_search.py's check of a pruned search against the exhaustive one, on
+    made-up records: none found where the pruned search agrees; a changed estimate, a stop whose
+    need is above the exhaustive one's and a dominated candidate ranked before its pruner, each
+    found."""
+    compare = load("fit_search", monkeypatch).compare
+
+    def est(fits: bool, peak: int) -> dict:
+        return {"status": "ok", "peak_bytes": peak, "needed_bytes": peak, "fits": fits,
+                "flops_per_step": 1, "predicted_s": 1.0, "offloaded_bytes_per_step": 0,
+                "by_category": {}}
+
+    def cand(label, estimate, rank=None, pruned=None):
+        return {"label": label, "shared_with": None, "estimate": estimate,
+                "predicted_rank": rank, "pruned": pruned}
+
+    ex = {"candidates": [cand("a", est(True, 1), 1), cand("b", est(True, 2), 2),
+                         cand("c", est(False, 9))], "search": {}}
+    pr = {"candidates": [cand("a", est(True, 1), 1),
+                         cand("b", None, pruned={"reason": "dominated", "by": 0}),
+                         cand("c", {"status": "over_budget", "needed_at_least_bytes": 5,
+                                    "fits": False})], "search": {}}
+    assert compare(ex, pr)["problems"] == []
+    pr["candidates"][0]["estimate"] = est(True, 3)
+    pr["candidates"][2]["estimate"]["needed_at_least_bytes"] = 10
+    ex["candidates"][0]["predicted_rank"], ex["candidates"][1]["predicted_rank"] = 2, 1
+    found = compare(ex, pr)["problems"]
+    assert any("a: peak_bytes 3 != 1" in p for p in found), found
+    assert any(p.startswith("c: stopped over the budget") for p in found), found
+    assert any("b: pruned by a, which ranks after it" in p for p in found), found
