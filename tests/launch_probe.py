@@ -12,9 +12,14 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-from torch.distributed.elastic.multiprocessing.errors import record
+LOADED_AT_START = sorted(m for m in sys.modules if m.split(".")[0] in
+                         {"transformers", "peft", "datasets", "memlab", "hydra_plugins"})
+"""What this rank had imported before its own first line: a rank forked from the preloading
+server (:data:`memlab.distributed.starter.PRELOAD`) starts with it."""
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
 
 
 @record
@@ -43,7 +48,8 @@ def main(run_dir: Path) -> int:
     out.write_text(json.dumps({"status": "ok", "error": None, "env": seen, "cwd": os.getcwd(),
                                "extra": os.environ.get("PROBE_EXTRA"),
                                "tokenizers": os.environ.get("TOKENIZERS_PARALLELISM"),
-                               "sum": total.item(), "data": {"tokens_trained": 1}}))
+                               "sum": total.item(), "data": {"tokens_trained": 1},
+                               "loaded_at_start": LOADED_AT_START}))
     return 0
 
 

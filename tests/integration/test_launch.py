@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from memlab.distributed import starter
 from memlab.distributed.ddp import DDP
 from memlab.distributed.launch import RankFailed, launch
 
@@ -39,6 +40,12 @@ def test_ranks_meet_through_the_launchers_store(tmp_path):
         assert f"probe rank {r} stderr" in (ranks / f"rank{r}.log").read_text()
         assert f"probe rank {r} stdout" in (ranks / f"rank{r}.out").read_text()
     assert not (ranks / "rank0.log").exists()
+    if not starter.cuda_present():  # forked from the server that imported ahead: nothing a
+        # rank builds its model with is imported again in each rank (transformers loads its
+        # modules lazily: the package alone would leave modeling_utils, 1.5 s, to every rank)
+        for rec in recs:
+            loaded = set(rec["loaded_at_start"])
+            assert set(starter.PRELOAD) | {"transformers.modeling_utils"} <= loaded
 
 
 def test_master_port_is_where_the_store_listens(tmp_path):

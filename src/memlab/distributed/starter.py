@@ -1,6 +1,6 @@
 """How the ranks' processes start: forked from a fork server that imported memlab, torch,
-transformers and datasets once, instead of each rank importing them again (~3.5 s of CPU a rank
-on a 2-core machine, about half of a short rank's life).
+transformers' models, peft and datasets once (:data:`PRELOAD`), instead of each rank importing
+them again (~5 s of CPU a rank on a 2-core machine, about half of a short rank's life).
 
 The server is multiprocessing's ``forkserver``: a fresh interpreter (never a fork of the run's
 own process, whose threads and state a fork would copy) that the run's process starts on its
@@ -44,9 +44,14 @@ from multiprocessing.context import ForkServerProcess
 from typing import Any
 
 PRELOAD = ("memlab.rank", "memlab.run", "memlab.pipeline", "transformers", "datasets",
-           "hydra_plugins.memlab_launcher.worker")
+           "hydra_plugins.memlab_launcher.worker",
+           "transformers.modeling_utils", "transformers.models.qwen2.modeling_qwen2",
+           "transformers.models.llama.modeling_llama", "peft")
 """What the fork server imports before it forks (CPU machines only): a rank's modules, and a
-sweep job's (the launcher forks its jobs from the same server)."""
+sweep job's (the launcher forks its jobs from the same server). transformers loads its modules
+lazily, so the package alone leaves ``modeling_utils`` (1.5 s, 1,060 modules) and the model
+classes to each rank: they are named here, with peft (measured 11-29: 4 DeepSpeed runs of 2
+ranks, 18.5 -> 12.5 s)."""
 
 _configured: list[bool] = []
 
