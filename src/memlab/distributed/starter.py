@@ -46,12 +46,13 @@ from typing import Any
 PRELOAD = ("memlab.rank", "memlab.run", "memlab.pipeline", "transformers", "datasets",
            "hydra_plugins.memlab_launcher.worker",
            "transformers.modeling_utils", "transformers.models.qwen2.modeling_qwen2",
-           "transformers.models.llama.modeling_llama", "peft")
+           "transformers.models.llama.modeling_llama", "peft", "memlab.estimate.preload")
 """What the fork server imports before it forks (CPU machines only): a rank's modules, and a
 sweep job's (the launcher forks its jobs from the same server). transformers loads its modules
 lazily, so the package alone leaves ``modeling_utils`` (1.5 s, 1,060 modules) and the model
 classes to each rank: they are named here, with peft (measured 11-29: 4 DeepSpeed runs of 2
-ranks, 18.5 -> 12.5 s)."""
+ranks, 18.5 -> 12.5 s); :mod:`memlab.estimate.preload` adds what every run loads too (the
+memory tracker, every option module: 0.3 s)."""
 
 _configured: list[bool] = []
 
