@@ -44,15 +44,16 @@ from multiprocessing.context import ForkServerProcess
 from typing import Any
 
 PRELOAD = ("memlab.rank", "memlab.run", "memlab.pipeline", "transformers", "datasets",
-           "hydra_plugins.memlab_launcher.worker",
-           "transformers.modeling_utils", "transformers.models.qwen2.modeling_qwen2",
+           "hydra_plugins.memlab_launcher.worker", "transformers.models.qwen2.modeling_qwen2",
            "transformers.models.llama.modeling_llama", "peft", "memlab.estimate.preload")
 """What the fork server imports before it forks (CPU machines only): a rank's modules, and a
 sweep job's (the launcher forks its jobs from the same server). transformers loads its modules
-lazily, so the package alone leaves ``modeling_utils`` (1.5 s, 1,060 modules) and the model
-classes to each rank: they are named here, with peft (measured 11-29: 4 DeepSpeed runs of 2
-ranks, 18.5 -> 12.5 s); :mod:`memlab.estimate.preload` adds what every run loads too (the
-memory tracker, every option module: 0.3 s)."""
+lazily, so the package alone leaves ``modeling_utils`` (1.5 s, 1,060 modules) to each rank:
+:mod:`memlab.estimate.preload` imports what every step loads (transformers' model base, auto
+classes, tokenizers and generation, the memory tracker, every option module), and the tiny
+model's two model classes and peft are named here (measured 11-29: 4 DeepSpeed runs of 2 ranks,
+18.5 -> 10.9 s). The order counts: with :mod:`memlab.estimate.preload` before the model classes,
+the same modules made those 4 runs ~1.3 s slower (measured three times each; not explained)."""
 
 _configured: list[bool] = []
 
