@@ -65,7 +65,8 @@ def compare(exhaustive: dict[str, Any], pruned: dict[str, Any]) -> dict[str, Any
             "pruned: parameters": 0, "pruned: dominated": 0}
     if set(ex) != {c["label"] for c in pruned["candidates"]}:
         return {"problems": ["the two searches have different candidates"], "checked": seen}
-    rank = {label: k for k, label in enumerate(_order(exhaustive))}
+    order_ex = _order(exhaustive)
+    rank = {label: k for k, label in enumerate(order_ex)}
     for c in pruned["candidates"]:
         label, e = c["label"], _estimate_of(exhaustive, ex[c["label"]])
         if e.get("status") != "ok":
@@ -95,7 +96,7 @@ def compare(exhaustive: dict[str, Any], pruned: dict[str, Any]) -> dict[str, Any
         problems += [f"{label}: {k} {mine.get(k)!r} != {e.get(k)!r}" for k in KEYS
                      if mine.get(k) != e.get(k)]
     kept = {c["label"] for c in pruned["candidates"] if not c["pruned"]}
-    order_ex, order_pr = _order(exhaustive), _order(pruned)
+    order_pr = _order(pruned)
     if order_pr != [label for label in order_ex if label in kept]:
         problems.append("the predicted order of the kept candidates differs")
     return {"candidates": len(ex), "fitting_exhaustive": len(order_ex),
